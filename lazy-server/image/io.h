@@ -1,0 +1,46 @@
+// File-descriptor ownership and positional I/O used by the image library, the server and the
+// client. Every fd gpulazy opens lives in a UniqueFd.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "proto/status.h"
+
+namespace gpulazy {
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd();
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+Result<UniqueFd> OpenForRead(const std::filesystem::path& path);
+Result<uint64_t> FileSize(int fd, const std::filesystem::path& what);
+// Reads exactly out.size() bytes at offset; a short file is kCorrupt naming `what`.
+Status ReadExactAt(int fd, uint64_t offset, std::span<uint8_t> out, const std::filesystem::path& what);
+Status WriteAllAt(int fd, uint64_t offset, std::span<const uint8_t> bytes,
+                  const std::filesystem::path& what);
+// Reads a whole file, refusing files larger than max_bytes.
+Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, uint64_t max_bytes);
+// Writes to a temporary file beside `path`, fsyncs and renames, so readers never see half a file.
+Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes);
+
+}  // namespace gpulazy

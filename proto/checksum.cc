@@ -1,0 +1,44 @@
+#include "proto/checksum.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <cstring>
+
+namespace gpulazy {
+
+uint64_t Checksum64(std::span<const uint8_t> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+Digest128 ContentDigest(std::span<const uint8_t> bytes) {
+  XXH128_hash_t hash = XXH3_128bits(bytes.data(), bytes.size());
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, hash);
+  Digest128 digest;
+  std::memcpy(digest.data(), canonical.digest, digest.size());
+  return digest;
+}
+
+std::string DigestToString(const Digest128& digest) {
+  std::string out;
+  out.reserve(32);
+  for (uint8_t b : digest) out += fmt::format("{:02x}", b);
+  return out;
+}
+
+bool IsAllZero(std::span<const uint8_t> bytes) {
+  // Word-at-a-time scan; the compiler vectorizes the inner loop.
+  size_t i = 0;
+  const size_t words = bytes.size() / sizeof(uint64_t);
+  for (size_t w = 0; w < words; ++w, i += sizeof(uint64_t)) {
+    uint64_t v;
+    std::memcpy(&v, bytes.data() + i, sizeof v);
+    if (v != 0) return false;
+  }
+  for (; i < bytes.size(); ++i)
+    if (bytes[i] != 0) return false;
+  return true;
+}
+
+}  // namespace gpulazy

@@ -1,0 +1,48 @@
+// Frames of the page-server protocol:
+//   u32 header_length (LE) | u32 payload_length (LE) | wire::Header | payload
+// The header is a small protobuf; the payload is raw chunk bytes. Both lengths are untrusted
+// and checked against FrameLimits before any allocation. Pure functions, no sockets.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "proto/status.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy {
+
+inline constexpr size_t kFramePrefixSize = 8;
+inline constexpr uint32_t kProtocolVersion = 1;
+
+struct FrameLimits {
+  uint32_t max_header = 64 * 1024;
+  uint32_t max_payload = 4 * 1024 * 1024 + 64 * 1024;  // a 4 MiB chunk plus LZ4's worst case
+};
+
+struct FramePrefix {
+  uint32_t header_length = 0;
+  uint32_t payload_length = 0;
+};
+
+// Validates the 8-byte prefix: a header is present and neither length passes its limit.
+Result<FramePrefix> DecodeFramePrefix(std::span<const uint8_t> prefix, const FrameLimits& limits);
+// Parses a header and checks it carries exactly one known body.
+Result<wire::Header> DecodeFrameHeader(std::span<const uint8_t> bytes);
+// Prefix and serialized header, ready to be followed on the wire by payload_length bytes.
+Result<std::string> EncodeFrameHead(const wire::Header& header, uint32_t payload_length,
+                                    const FrameLimits& limits);
+
+// A whole frame pulled out of a byte buffer (tests, fuzzing, and readers that buffer).
+struct DecodedFrame {
+  wire::Header header;
+  std::span<const uint8_t> payload;  // points into the buffer handed to TryDecodeFrame
+  size_t frame_size = 0;             // bytes consumed
+};
+// nullopt: the buffer holds only part of a frame so far. Error: the frame is malformed.
+Result<std::optional<DecodedFrame>> TryDecodeFrame(std::span<const uint8_t> buffer,
+                                                   const FrameLimits& limits);
+
+}  // namespace gpulazy

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs every test. Usage: scripts/test.sh [--sanitize address,undefined|thread]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+sanitize=""
+if [ "${1:-}" = "--sanitize" ]; then sanitize=${2:?--sanitize needs a value}; fi
+
+"$root/scripts/install-deps.sh"
+if [ -n "$sanitize" ]; then
+  build="$root/build-${sanitize//,/-}"
+  "$root/scripts/build.sh" "$build" -DCMAKE_BUILD_TYPE=Debug -DGPULAZY_SANITIZE="$sanitize"
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+else
+  build="$root/build"
+  "$root/scripts/build.sh" "$build"
+fi
+cd "$build"
+ctest --output-on-failure --parallel "$(nproc)" --timeout 300
