@@ -1,0 +1,172 @@
+#include "page-client/net/frame_stream.h"
+
+#include <array>
+#include <string>
+
+namespace gpulazy::net {
+namespace asio = boost::asio;
+using boost::system::error_code;
+
+namespace {
+
+Status SocketError(const error_code& ec, std::string_view what) {
+  if (ec == asio::error::eof || ec == asio::error::connection_reset ||
+      ec == asio::error::broken_pipe || ec == asio::error::connection_aborted)
+    return Unavailable("{}: connection closed by peer ({})", what, ec.message());
+  if (ec == asio::error::operation_aborted) return Aborted("{}: cancelled", what);
+  if (ec == asio::error::connection_refused || ec == asio::error::host_unreachable ||
+      ec == asio::error::network_unreachable || ec == asio::error::not_found)
+    return Unavailable("{}: {}", what, ec.message());
+  if (ec == asio::error::timed_out) return TimedOut("{}: {}", what, ec.message());
+  return IoError("{}: {}", what, ec.message());
+}
+
+// Where a read failed decides the message: before a frame starts a close is ordinary; inside
+// one it means the peer sent a truncated frame.
+Status ReadError(const error_code& ec, bool inside_frame) {
+  if (inside_frame && ec == asio::error::eof)
+    return Corrupt("truncated frame: connection closed in the middle of a frame");
+  return SocketError(ec, "reading a frame");
+}
+
+template <typename Header>
+Result<wire::Header> ParseHeader(const Header& bytes) {
+  return DecodeFrameHeader(std::span<const uint8_t>(bytes.data(), bytes.size()));
+}
+
+}  // namespace
+
+Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& limits,
+                                          std::vector<uint8_t>* payload) {
+  std::array<uint8_t, kFramePrefixSize> prefix_bytes;
+  error_code ec;
+  size_t got = co_await asio::async_read(socket, asio::buffer(prefix_bytes),
+                                         asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return ReadError(ec, got > 0);
+  Result<FramePrefix> prefix = DecodeFramePrefix(prefix_bytes, limits);
+  if (!prefix.ok()) co_return prefix.status();
+
+  std::vector<uint8_t> header_bytes(prefix->header_length);
+  co_await asio::async_read(socket, asio::buffer(header_bytes),
+                            asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return ReadError(ec, true);
+  Result<wire::Header> header = ParseHeader(header_bytes);
+  if (!header.ok()) co_return header.status();
+
+  payload->resize(prefix->payload_length);
+  if (prefix->payload_length > 0) {
+    co_await asio::async_read(socket, asio::buffer(*payload),
+                              asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) co_return ReadError(ec, true);
+  }
+  co_return header;
+}
+
+Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
+                             std::span<const uint8_t> payload, const FrameLimits& limits) {
+  Result<std::string> head = EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits);
+  if (!head.ok()) co_return head.status();
+  if (payload.size() > limits.max_payload)
+    co_return ResourceExhausted("payload of {} bytes exceeds {}", payload.size(), limits.max_payload);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(*head),
+                                            asio::buffer(payload.data(), payload.size())};
+  error_code ec;
+  co_await asio::async_write(socket, buffers, asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return SocketError(ec, "writing a frame");
+  co_return Status::Ok();
+}
+
+void TuneSocket(Socket& socket) {
+  if (!socket.is_open()) return;
+  int family = socket.local_endpoint().protocol().family();
+  if (family == AF_INET || family == AF_INET6) {
+    error_code ignored;
+    socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+  }
+}
+
+Awaitable<Result<Socket>> Connect(const Endpoint& endpoint) {
+  auto executor = co_await asio::this_coro::executor;
+  Socket socket(executor);
+  error_code ec;
+  if (endpoint.kind == Endpoint::Kind::kUnix) {
+    asio::local::stream_protocol::endpoint unix_endpoint(endpoint.path);
+    co_await socket.async_connect(asio::generic::stream_protocol::endpoint(unix_endpoint),
+                                  asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) co_return SocketError(ec, fmt::format("connecting to {}", endpoint.ToString()));
+    co_return std::move(socket);
+  }
+  asio::ip::tcp::resolver resolver(executor);
+  auto results = co_await resolver.async_resolve(endpoint.host, std::to_string(endpoint.port),
+                                                 asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return SocketError(ec, fmt::format("resolving {}", endpoint.ToString()));
+  for (const auto& entry : results) {
+    Socket attempt(executor);
+    co_await attempt.async_connect(asio::generic::stream_protocol::endpoint(entry.endpoint()),
+                                   asio::redirect_error(asio::use_awaitable, ec));
+    if (!ec) {
+      TuneSocket(attempt);
+      co_return std::move(attempt);
+    }
+  }
+  co_return SocketError(ec ? ec : asio::error::host_not_found,
+                        fmt::format("connecting to {}", endpoint.ToString()));
+}
+
+Result<wire::Header> ReadFrameBlocking(Socket& socket, const FrameLimits& limits,
+                                       std::vector<uint8_t>* payload) {
+  std::array<uint8_t, kFramePrefixSize> prefix_bytes;
+  error_code ec;
+  size_t got = asio::read(socket, asio::buffer(prefix_bytes), ec);
+  if (ec) return ReadError(ec, got > 0);
+  GPULAZY_ASSIGN_OR_RETURN(FramePrefix prefix, DecodeFramePrefix(prefix_bytes, limits));
+  std::vector<uint8_t> header_bytes(prefix.header_length);
+  asio::read(socket, asio::buffer(header_bytes), ec);
+  if (ec) return ReadError(ec, true);
+  GPULAZY_ASSIGN_OR_RETURN(wire::Header header, ParseHeader(header_bytes));
+  payload->resize(prefix.payload_length);
+  if (prefix.payload_length > 0) {
+    asio::read(socket, asio::buffer(*payload), ec);
+    if (ec) return ReadError(ec, true);
+  }
+  return header;
+}
+
+Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
+                          std::span<const uint8_t> payload, const FrameLimits& limits) {
+  GPULAZY_ASSIGN_OR_RETURN(
+      std::string head, EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits));
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(head),
+                                            asio::buffer(payload.data(), payload.size())};
+  error_code ec;
+  asio::write(socket, buffers, ec);
+  if (ec) return SocketError(ec, "writing a frame");
+  return Status::Ok();
+}
+
+Result<Socket> ConnectBlocking(asio::io_context& io, const Endpoint& endpoint) {
+  Socket socket(io);
+  error_code ec;
+  if (endpoint.kind == Endpoint::Kind::kUnix) {
+    socket.connect(asio::generic::stream_protocol::endpoint(
+                       asio::local::stream_protocol::endpoint(endpoint.path)),
+                   ec);
+    if (ec) return SocketError(ec, fmt::format("connecting to {}", endpoint.ToString()));
+    return socket;
+  }
+  asio::ip::tcp::resolver resolver(io);
+  auto results = resolver.resolve(endpoint.host, std::to_string(endpoint.port), ec);
+  if (ec) return SocketError(ec, fmt::format("resolving {}", endpoint.ToString()));
+  for (const auto& entry : results) {
+    Socket attempt(io);
+    attempt.connect(asio::generic::stream_protocol::endpoint(entry.endpoint()), ec);
+    if (!ec) {
+      TuneSocket(attempt);
+      return attempt;
+    }
+  }
+  return SocketError(ec ? ec : asio::error::host_not_found,
+                     fmt::format("connecting to {}", endpoint.ToString()));
+}
+
+}  // namespace gpulazy::net

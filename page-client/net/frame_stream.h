@@ -1,0 +1,43 @@
+// Reading and writing protocol frames (proto/frame.h) on a connected stream socket, as
+// coroutines for the server and client event loops and as blocking calls for tools and tests.
+// Every length read from the socket is checked against FrameLimits before anything is
+// allocated. A socket is used by one reader and one writer at a time (a strand or a single
+// io_context thread per connection serializes them).
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "page-client/net/asio.h"
+#include "page-client/net/endpoint.h"
+#include "proto/frame.h"
+#include "proto/status.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy::net {
+
+// One socket type for Unix and TCP connections alike.
+using Socket = boost::asio::generic::stream_protocol::socket;
+template <typename T>
+using Awaitable = boost::asio::awaitable<T>;
+
+// Reads one frame; the payload lands in *payload (resized, capacity reused between calls).
+// A clean close before a frame starts is kUnavailable("connection closed"); a close inside a
+// frame is kCorrupt("truncated frame").
+Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& limits,
+                                          std::vector<uint8_t>* payload);
+// Writes header + payload with one gathered write.
+Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
+                             std::span<const uint8_t> payload, const FrameLimits& limits);
+Awaitable<Result<Socket>> Connect(const Endpoint& endpoint);
+
+Result<wire::Header> ReadFrameBlocking(Socket& socket, const FrameLimits& limits,
+                                       std::vector<uint8_t>* payload);
+Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
+                          std::span<const uint8_t> payload, const FrameLimits& limits);
+Result<Socket> ConnectBlocking(boost::asio::io_context& io, const Endpoint& endpoint);
+
+// Sets TCP_NODELAY on TCP sockets (frames are small and latency matters); no-op on Unix.
+void TuneSocket(Socket& socket);
+
+}  // namespace gpulazy::net
