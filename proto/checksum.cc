@@ -23,7 +23,8 @@ Digest128 ContentDigest(std::span<const uint8_t> bytes) {
 std::string DigestToString(const Digest128& digest) {
   std::string out;
   out.reserve(32);
-  for (uint8_t b : digest) out += fmt::format("{:02x}", b);
+  for (uint8_t b : digest)
+    out += fmt::format("{:02x}", b);
   return out;
 }
 

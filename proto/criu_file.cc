@@ -1,8 +1,8 @@
 #include "proto/criu_file.h"
 
-#include "proto/endian.h"
-
 #include <fmt/format.h>
+
+#include "proto/endian.h"
 
 namespace gpulazy::criu_format {
 
@@ -10,7 +10,9 @@ void EncodeHeader(uint64_t payload_length, uint8_t out[kHeaderSize]) {
   StoreLe64(out, payload_length);
 }
 
-uint64_t DecodeHeader(const uint8_t in[kHeaderSize]) { return LoadLe64(in); }
+uint64_t DecodeHeader(const uint8_t in[kHeaderSize]) {
+  return LoadLe64(in);
+}
 
 Result<criu::KfdProcess> ParseKfdProcess(std::span<const uint8_t> payload, std::string_view what) {
   if (payload.size() > static_cast<size_t>(INT32_MAX))
@@ -18,8 +20,8 @@ Result<criu::KfdProcess> ParseKfdProcess(std::span<const uint8_t> payload, std::
   criu::KfdProcess process;
   if (!process.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
     std::string missing = process.InitializationErrorString();
-    return Corrupt("{}: not a valid criu_kfd message{}{}", what, missing.empty() ? "" : "; missing ",
-                   missing);
+    return Corrupt("{}: not a valid criu_kfd message{}{}", what,
+                   missing.empty() ? "" : "; missing ", missing);
   }
   if (process.bo_count() != static_cast<uint64_t>(process.bos_size()))
     return Corrupt("{}: num_of_bos says {} but the image holds {} BO entries", what,
@@ -42,7 +44,9 @@ Result<criu::RenderNode> ParseRenderNode(std::span<const uint8_t> payload, std::
   return node;
 }
 
-std::string KfdImageName(uint32_t file_id) { return fmt::format("amdgpu-kfd-{}.img", file_id); }
+std::string KfdImageName(uint32_t file_id) {
+  return fmt::format("amdgpu-kfd-{}.img", file_id);
+}
 std::string PagesImageName(uint32_t file_id, uint32_t gpu_id) {
   return fmt::format("amdgpu-pages-{}-{:04x}.img", file_id, gpu_id);
 }

@@ -40,8 +40,8 @@ Result<criu::KfdProcess> ParseKfdProcess(std::span<const uint8_t> payload, std::
 Result<criu::RenderNode> ParseRenderNode(std::span<const uint8_t> payload, std::string_view what);
 
 // File names, as CRIU's amdgpu plugin makes them.
-std::string KfdImageName(uint32_t file_id);                      // amdgpu-kfd-<id>.img
-std::string PagesImageName(uint32_t file_id, uint32_t gpu_id);   // amdgpu-pages-<id>-<gpu %04x>.img
-std::string RenderNodeImageName(uint32_t file_id);               // amdgpu-renderD-<id>.img
+std::string KfdImageName(uint32_t file_id);                     // amdgpu-kfd-<id>.img
+std::string PagesImageName(uint32_t file_id, uint32_t gpu_id);  // amdgpu-pages-<id>-<gpu %04x>.img
+std::string RenderNodeImageName(uint32_t file_id);              // amdgpu-renderD-<id>.img
 
 }  // namespace gpulazy::criu_format

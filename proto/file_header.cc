@@ -30,8 +30,8 @@ Result<FileHeader> DecodeFileHeader(std::span<const uint8_t> bytes, std::string_
   header.version = LoadLe32(bytes.data() + 8);
   uint32_t flags = LoadLe32(bytes.data() + 12);
   if (header.version != kFileFormatVersion)
-    return Unsupported("{}: format version {} (this build reads version {})", what,
-                       header.version, kFileFormatVersion);
+    return Unsupported("{}: format version {} (this build reads version {})", what, header.version,
+                       kFileFormatVersion);
   if (flags != 0) return Unsupported("{}: unknown header flags {:#x}", what, flags);
   header.payload_length = LoadLe64(bytes.data() + 16);
   header.payload_checksum = LoadLe64(bytes.data() + 24);

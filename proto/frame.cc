@@ -52,9 +52,8 @@ Result<std::optional<DecodedFrame>> TryDecodeFrame(std::span<const uint8_t> buff
   GPULAZY_ASSIGN_OR_RETURN(FramePrefix prefix, DecodeFramePrefix(buffer, limits));
   const size_t total = kFramePrefixSize + size_t{prefix.header_length} + prefix.payload_length;
   if (buffer.size() < total) return std::optional<DecodedFrame>();
-  GPULAZY_ASSIGN_OR_RETURN(
-      wire::Header header,
-      DecodeFrameHeader(buffer.subspan(kFramePrefixSize, prefix.header_length)));
+  GPULAZY_ASSIGN_OR_RETURN(wire::Header header, DecodeFrameHeader(buffer.subspan(
+                                                    kFramePrefixSize, prefix.header_length)));
   DecodedFrame frame;
   frame.header = std::move(header);
   frame.payload = buffer.subspan(kFramePrefixSize + prefix.header_length, prefix.payload_length);

@@ -17,14 +17,21 @@ Result<uint64_t> ParseSize(std::string_view text) {
   if (number.empty()) return InvalidArgument("size '{}' does not start with a number", text);
 
   std::string unit;
-  for (char c : suffix) unit += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (char c : suffix)
+    unit += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   uint64_t multiplier = 0;
-  if (unit.empty() || unit == "B") multiplier = 1;
-  else if (unit == "K" || unit == "KB" || unit == "KIB") multiplier = 1ull << 10;
-  else if (unit == "M" || unit == "MB" || unit == "MIB") multiplier = 1ull << 20;
-  else if (unit == "G" || unit == "GB" || unit == "GIB") multiplier = 1ull << 30;
-  else if (unit == "T" || unit == "TB" || unit == "TIB") multiplier = 1ull << 40;
-  else return InvalidArgument("size '{}' has an unknown unit '{}' (use K, M, G or T)", text, suffix);
+  if (unit.empty() || unit == "B")
+    multiplier = 1;
+  else if (unit == "K" || unit == "KB" || unit == "KIB")
+    multiplier = 1ull << 10;
+  else if (unit == "M" || unit == "MB" || unit == "MIB")
+    multiplier = 1ull << 20;
+  else if (unit == "G" || unit == "GB" || unit == "GIB")
+    multiplier = 1ull << 30;
+  else if (unit == "T" || unit == "TB" || unit == "TIB")
+    multiplier = 1ull << 40;
+  else
+    return InvalidArgument("size '{}' has an unknown unit '{}' (use K, M, G or T)", text, suffix);
 
   if (number.find('.') == std::string_view::npos) {
     uint64_t value = 0;

@@ -17,18 +17,18 @@ namespace gpulazy {
 
 enum class Code {
   kOk = 0,
-  kInvalidArgument,   // the caller asked for something malformed
-  kNotFound,          // a file, image, BO or chunk that is not there
-  kCorrupt,           // bytes on disk or on the wire that break the format
-  kIoError,           // the OS refused a read, write or open
-  kOutOfRange,        // an index, offset or length past its bounds
-  kUnsupported,       // a version or feature we do not speak
-  kPermissionDenied,  // access outside the image roots, bad credentials
-  kUnavailable,       // the peer went away; retrying may help
-  kResourceExhausted, // a limit was hit
+  kInvalidArgument,    // the caller asked for something malformed
+  kNotFound,           // a file, image, BO or chunk that is not there
+  kCorrupt,            // bytes on disk or on the wire that break the format
+  kIoError,            // the OS refused a read, write or open
+  kOutOfRange,         // an index, offset or length past its bounds
+  kUnsupported,        // a version or feature we do not speak
+  kPermissionDenied,   // access outside the image roots, bad credentials
+  kUnavailable,        // the peer went away; retrying may help
+  kResourceExhausted,  // a limit was hit
   kTimeout,
-  kAborted,           // cancelled or shut down
-  kInternal,          // a bug of ours
+  kAborted,   // cancelled or shut down
+  kInternal,  // a bug of ours
 };
 
 std::string_view CodeName(Code code);
@@ -54,9 +54,9 @@ class [[nodiscard]] Status {
 };
 
 // fmt-style constructors: Corrupt("{}: header says {} bytes", path, n).
-#define GPULAZY_STATUS_CTOR(Name, CodeValue)                                   \
-  template <typename... Args>                                                  \
-  Status Name(fmt::format_string<Args...> format, Args&&... args) {            \
+#define GPULAZY_STATUS_CTOR(Name, CodeValue)                                    \
+  template <typename... Args>                                                   \
+  Status Name(fmt::format_string<Args...> format, Args&&... args) {             \
     return Status(CodeValue, fmt::format(format, std::forward<Args>(args)...)); \
   }
 GPULAZY_STATUS_CTOR(InvalidArgument, Code::kInvalidArgument)
@@ -86,7 +86,7 @@ Status ErrnoError(int errno_value, fmt::format_string<Args...> format, Args&&...
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     assert(!status_.ok() && "Result built from an ok Status has no value");
     if (status_.ok()) status_ = Status(Code::kInternal, "Result built from an ok Status");
@@ -110,9 +110,9 @@ class [[nodiscard]] Result {
 }  // namespace gpulazy
 
 // Early-return helpers. GPULAZY_ASSIGN_OR_RETURN(auto x, Foo()) declares x from Foo()'s value.
-#define GPULAZY_RETURN_IF_ERROR(expr)           \
-  do {                                          \
-    ::gpulazy::Status gpulazy_status_ = (expr); \
+#define GPULAZY_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::gpulazy::Status gpulazy_status_ = (expr);        \
     if (!gpulazy_status_.ok()) return gpulazy_status_; \
   } while (0)
 
@@ -120,7 +120,10 @@ class [[nodiscard]] Result {
 #define GPULAZY_CONCAT(a, b) GPULAZY_CONCAT_INNER(a, b)
 #define GPULAZY_ASSIGN_OR_RETURN(decl, expr) \
   GPULAZY_ASSIGN_OR_RETURN_IMPL(GPULAZY_CONCAT(gpulazy_result_, __LINE__), decl, expr)
+// `decl` is a declaration and `tmp` an identifier: neither may be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define GPULAZY_ASSIGN_OR_RETURN_IMPL(tmp, decl, expr) \
   auto tmp = (expr);                                   \
   if (!tmp.ok()) return tmp.status();                  \
   decl = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)

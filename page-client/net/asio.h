@@ -2,6 +2,5 @@
 // without including <utility>; including it first keeps every translation unit building.
 #pragma once
 
-#include <utility>
-
 #include <boost/asio.hpp>
+#include <utility>

@@ -16,8 +16,8 @@ namespace gpulazy::net {
 struct Endpoint {
   enum class Kind { kUnix, kTcp };
   Kind kind = Kind::kUnix;
-  std::string path;  // kUnix
-  std::string host;  // kTcp
+  std::string path;   // kUnix
+  std::string host;   // kTcp
   uint16_t port = 0;  // kTcp
 
   static Result<Endpoint> Parse(std::string_view text);

@@ -67,7 +67,8 @@ Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
   Result<std::string> head = EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits);
   if (!head.ok()) co_return head.status();
   if (payload.size() > limits.max_payload)
-    co_return ResourceExhausted("payload of {} bytes exceeds {}", payload.size(), limits.max_payload);
+    co_return ResourceExhausted("payload of {} bytes exceeds {}", payload.size(),
+                                limits.max_payload);
   std::array<asio::const_buffer, 2> buffers{asio::buffer(*head),
                                             asio::buffer(payload.data(), payload.size())};
   error_code ec;
@@ -134,8 +135,8 @@ Result<wire::Header> ReadFrameBlocking(Socket& socket, const FrameLimits& limits
 
 Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
                           std::span<const uint8_t> payload, const FrameLimits& limits) {
-  GPULAZY_ASSIGN_OR_RETURN(
-      std::string head, EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits));
+  GPULAZY_ASSIGN_OR_RETURN(std::string head,
+                           EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits));
   std::array<asio::const_buffer, 2> buffers{asio::buffer(head),
                                             asio::buffer(payload.data(), payload.size())};
   error_code ec;
