@@ -2,5 +2,7 @@
 // without including <utility>; including it first keeps every translation unit building.
 #pragma once
 
-#include <boost/asio.hpp>
+// clang-format off
 #include <utility>
+#include <boost/asio.hpp>
+// clang-format on
