@@ -70,6 +70,13 @@ Status WriteKfdImage(const std::filesystem::path& dir, uint32_t file_id,
 // which writes the header and checks the total against `expected_length`.
 class PagesFileWriter {
  public:
+  // The file is written under a temporary name and renamed by Finish; a writer destroyed before
+  // Finish removes its temporary, so no half-written pages file ever carries the real name.
+  PagesFileWriter() = default;  // an empty writer; every call on it fails
+  PagesFileWriter(PagesFileWriter&& other) noexcept;
+  PagesFileWriter& operator=(PagesFileWriter&& other) noexcept;
+  ~PagesFileWriter();
+
   static Result<PagesFileWriter> Create(const std::filesystem::path& dir, uint32_t file_id,
                                         uint32_t gpu_id, uint64_t expected_length);
   Status Append(std::span<const uint8_t> bytes);
@@ -79,7 +86,11 @@ class PagesFileWriter {
   uint64_t written() const { return written_; }
 
  private:
+  Status CheckRoom(uint64_t length) const;
+  void Abandon();
+
   std::filesystem::path path_;
+  std::filesystem::path tmp_path_;  // empty once renamed (or never created)
   UniqueFd fd_;
   uint64_t expected_length_ = 0;
   uint64_t written_ = 0;

@@ -1,0 +1,138 @@
+#include "lazy-server/image/io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <limits>
+
+namespace gpulazy {
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) reset(other.release());
+  return *this;
+}
+
+UniqueFd::~UniqueFd() {
+  reset();
+}
+
+void UniqueFd::reset(int fd) {
+  // close() errors on a read-only or already-fsynced fd carry no information we could act on;
+  // writers fsync explicitly before they let go of a file.
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+Result<UniqueFd> OpenForRead(const std::filesystem::path& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "open {}", path.string());
+  return UniqueFd(fd);
+}
+
+Result<uint64_t> FileSize(int fd, const std::filesystem::path& what) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, "stat {}", what.string());
+  if (!S_ISREG(st.st_mode)) return InvalidArgument("{}: not a regular file", what.string());
+  return static_cast<uint64_t>(st.st_size);
+}
+
+namespace {
+
+// pread/pwrite take an off_t; refuse ranges that do not fit rather than wrap.
+bool RangeFitsOffT(uint64_t offset, uint64_t length) {
+  constexpr uint64_t kMax = static_cast<uint64_t>(std::numeric_limits<off_t>::max());
+  return offset <= kMax && length <= kMax - offset;
+}
+
+}  // namespace
+
+Status ReadExactAt(int fd, uint64_t offset, std::span<uint8_t> out,
+                   const std::filesystem::path& what) {
+  if (!RangeFitsOffT(offset, out.size()))
+    return OutOfRange("{}: read of {} bytes at offset {} is past any file", what.string(),
+                      out.size(), offset);
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t n =
+        ::pread(fd, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "read {} at offset {}", what.string(), offset + done);
+    }
+    if (n == 0)
+      return Corrupt("{}: file ends at offset {}, wanted {} bytes at offset {}", what.string(),
+                     offset + done, out.size(), offset);
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status WriteAllAt(int fd, uint64_t offset, std::span<const uint8_t> bytes,
+                  const std::filesystem::path& what) {
+  if (!RangeFitsOffT(offset, bytes.size()))
+    return OutOfRange("{}: write of {} bytes at offset {} is past any file", what.string(),
+                      bytes.size(), offset);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n =
+        ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "write {} at offset {}", what.string(), offset + done);
+    }
+    if (n == 0) return IoError("write {} at offset {}: no progress", what.string(), offset + done);
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, uint64_t max_bytes) {
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+  GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), path));
+  // Checked before allocating: the size comes from a file we do not trust.
+  if (size > max_bytes)
+    return ResourceExhausted("{}: {} bytes is larger than the {}-byte limit", path.string(), size,
+                             max_bytes);
+  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  GPULAZY_RETURN_IF_ERROR(ReadExactAt(fd.get(), 0, bytes, path));
+  return bytes;
+}
+
+Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes) {
+  // A unique temporary in the same directory, so the rename stays within one filesystem and
+  // concurrent writers of the same target never share a temporary.
+  std::string tmp_template = path.string() + ".tmp.XXXXXX";
+  std::vector<char> tmp_name(tmp_template.begin(), tmp_template.end());
+  tmp_name.push_back('\0');
+  int raw_fd = ::mkostemp(tmp_name.data(), O_CLOEXEC);
+  if (raw_fd < 0) return ErrnoError(errno, "create temporary for {}", path.string());
+  UniqueFd fd(raw_fd);
+  const std::filesystem::path tmp_path(tmp_name.data());
+  auto fail = [&](Status status) {
+    fd.reset();
+    ::unlink(tmp_path.c_str());
+    return status;
+  };
+  // mkostemp creates 0600; image files are meant to be readable like CRIU's own.
+  if (::fchmod(fd.get(), 0644) != 0) return fail(ErrnoError(errno, "chmod {}", tmp_path.string()));
+  Status written = WriteAllAt(fd.get(), 0, bytes, tmp_path);
+  if (!written.ok()) return fail(written);
+  if (::fsync(fd.get()) != 0) return fail(ErrnoError(errno, "fsync {}", tmp_path.string()));
+  if (::close(fd.release()) != 0) return fail(ErrnoError(errno, "close {}", tmp_path.string()));
+  if (::rename(tmp_path.c_str(), path.c_str()) != 0)
+    return fail(ErrnoError(errno, "rename {} to {}", tmp_path.string(), path.string()));
+  // Make the rename itself durable; a failure here leaves a complete file, so it is not fatal
+  // to correctness, but report it anyway.
+  std::filesystem::path dir = path.parent_path();
+  if (dir.empty()) dir = ".";
+  int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    UniqueFd dir_guard(dir_fd);
+    if (::fsync(dir_fd) != 0) return ErrnoError(errno, "fsync directory {}", dir.string());
+  }
+  return Status::Ok();
+}
+
+}  // namespace gpulazy

@@ -63,6 +63,8 @@ class LazyImage {
   Status ReadStoredChunk(uint32_t bo, uint32_t chunk, std::vector<uint8_t>* out) const;
   // The chunk's raw bytes, decoded and checksum-verified.
   Status ReadRawChunk(uint32_t bo, uint32_t chunk, std::span<uint8_t> out) const;
+  // The open chunk file (its stored bytes start at kFileHeaderSize), for read-ahead hints.
+  int chunk_fd() const { return chunk_fd_.get(); }
 
  private:
   std::filesystem::path dir_;

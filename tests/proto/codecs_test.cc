@@ -1,0 +1,228 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "proto/criu_file.h"
+#include "proto/endian.h"
+#include "proto/file_header.h"
+#include "proto/frame.h"
+#include "proto/size.h"
+
+namespace gpulazy {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<uint8_t> Bytes(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+wire::Header ChunkHeader() {
+  wire::Header header;
+  header.set_request_id(77);
+  auto* chunk = header.mutable_chunk();
+  chunk->set_bo(3);
+  chunk->set_chunk(9);
+  chunk->set_codec(manifest::CODEC_LZ4);
+  chunk->set_raw_length(4096);
+  chunk->set_checksum(0x0123456789abcdefull);
+  return header;
+}
+
+// --- Frames --------------------------------------------------------------------------------
+
+TEST(FrameTest, RoundTrip) {
+  FrameLimits limits;
+  std::string payload = "chunk bytes \x00\x01\x02";
+  auto head = EncodeFrameHead(ChunkHeader(), static_cast<uint32_t>(payload.size()), limits);
+  ASSERT_TRUE(head.ok()) << head.status().ToString();
+  std::vector<uint8_t> buffer = Bytes(*head + payload + "next frame starts");
+  auto frame = TryDecodeFrame(buffer, limits);
+  ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+  ASSERT_TRUE(frame->has_value());
+  const DecodedFrame& f = **frame;
+  EXPECT_EQ(f.frame_size, head->size() + payload.size());
+  EXPECT_EQ(std::string(f.payload.begin(), f.payload.end()), payload);
+  EXPECT_EQ(f.header.request_id(), 77u);
+  ASSERT_TRUE(f.header.has_chunk());
+  EXPECT_EQ(f.header.chunk().chunk(), 9u);
+  EXPECT_EQ(f.header.chunk().codec(), manifest::CODEC_LZ4);
+  EXPECT_EQ(f.header.chunk().checksum(), 0x0123456789abcdefull);
+}
+
+TEST(FrameTest, PrefixIsLittleEndianLengths) {
+  auto head = EncodeFrameHead(ChunkHeader(), 1234, FrameLimits{});
+  ASSERT_TRUE(head.ok());
+  auto* p = reinterpret_cast<const uint8_t*>(head->data());
+  EXPECT_EQ(LoadLe32(p), head->size() - kFramePrefixSize);
+  EXPECT_EQ(LoadLe32(p + 4), 1234u);
+}
+
+TEST(FrameTest, TruncatedBuffersAreIncomplete) {
+  FrameLimits limits;
+  std::string payload(100, 'x');
+  auto head = EncodeFrameHead(ChunkHeader(), 100, limits);
+  ASSERT_TRUE(head.ok());
+  std::vector<uint8_t> whole = Bytes(*head + payload);
+  for (size_t n = 0; n < whole.size(); ++n) {
+    auto frame = TryDecodeFrame(std::span<const uint8_t>(whole.data(), n), limits);
+    ASSERT_TRUE(frame.ok()) << n << ": " << frame.status().ToString();
+    EXPECT_FALSE(frame->has_value()) << n;
+  }
+  auto frame = TryDecodeFrame(whole, limits);
+  ASSERT_TRUE(frame.ok());
+  EXPECT_TRUE(frame->has_value());
+}
+
+TEST(FrameTest, OversizedLengthsRejectedFromPrefixAlone) {
+  FrameLimits limits;
+  limits.max_header = 1024;
+  limits.max_payload = 4096;
+  // Only the 8-byte prefix is present: the verdict must not wait for (or allocate) the body.
+  uint8_t prefix[8];
+  StoreLe32(prefix, 1025);
+  StoreLe32(prefix + 4, 10);
+  auto r = TryDecodeFrame(prefix, limits);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kResourceExhausted);
+  StoreLe32(prefix, 10);
+  StoreLe32(prefix + 4, 4097);
+  r = TryDecodeFrame(prefix, limits);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kResourceExhausted);
+  StoreLe32(prefix, 0xffffffffu);
+  StoreLe32(prefix + 4, 0xffffffffu);
+  EXPECT_FALSE(DecodeFramePrefix(prefix, limits).ok());
+  StoreLe32(prefix, 0);
+  StoreLe32(prefix + 4, 0);
+  EXPECT_EQ(DecodeFramePrefix(prefix, limits).status().code(), Code::kCorrupt);
+  EXPECT_FALSE(DecodeFramePrefix(std::span<const uint8_t>(prefix, 7), limits).ok());
+}
+
+TEST(FrameTest, EncoderRefusesOversizedPayload) {
+  FrameLimits limits;
+  limits.max_payload = 100;
+  EXPECT_FALSE(EncodeFrameHead(ChunkHeader(), 101, limits).ok());
+  EXPECT_TRUE(EncodeFrameHead(ChunkHeader(), 100, limits).ok());
+  limits.max_header = 4;
+  EXPECT_FALSE(EncodeFrameHead(ChunkHeader(), 1, limits).ok());
+  EXPECT_FALSE(EncodeFrameHead(wire::Header(), 0, FrameLimits{}).ok());  // empty header
+}
+
+TEST(FrameTest, GarbageHeaderRejected) {
+  std::string garbage = "\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff";
+  uint8_t prefix[8];
+  StoreLe32(prefix, static_cast<uint32_t>(garbage.size()));
+  StoreLe32(prefix + 4, 0);
+  std::vector<uint8_t> buffer(prefix, prefix + 8);
+  buffer.insert(buffer.end(), garbage.begin(), garbage.end());
+  auto r = TryDecodeFrame(buffer, FrameLimits{});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kCorrupt);
+}
+
+TEST(FrameTest, HeaderWithoutBodyRejected) {
+  wire::Header header;
+  header.set_request_id(5);  // valid protobuf, but no message in the oneof
+  std::string bytes = header.SerializeAsString();
+  auto r = DecodeFrameHeader(Bytes(bytes));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kCorrupt);
+}
+
+// --- gpulazy file header -------------------------------------------------------------------
+
+TEST(FileHeaderTest, RoundTripAndLayout) {
+  FileHeader header;
+  header.magic = kManifestMagic;
+  header.payload_length = 0x1122334455667788ull;
+  header.payload_checksum = 0x99aabbccddeeff00ull;
+  auto bytes = EncodeFileHeader(header);
+  EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 8), "GPLZMANI");
+  EXPECT_EQ(LoadLe32(bytes.data() + 8), 1u);
+  EXPECT_EQ(LoadLe32(bytes.data() + 12), 0u);
+  EXPECT_EQ(bytes[16], 0x88);  // little-endian
+  auto decoded = DecodeFileHeader(bytes, kManifestMagic, "m");
+  ASSERT_TRUE(decoded.ok());
+  EXPECT_EQ(decoded->payload_length, header.payload_length);
+  EXPECT_EQ(decoded->payload_checksum, header.payload_checksum);
+}
+
+TEST(FileHeaderTest, BadMagicVersionFlagsAndLength) {
+  FileHeader header;
+  header.magic = kChunkFileMagic;
+  auto bytes = EncodeFileHeader(header);
+  auto r = DecodeFileHeader(bytes, kManifestMagic, "gpulazy-manifest.img");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kCorrupt);
+  EXPECT_THAT(r.status().message(), HasSubstr("gpulazy-manifest.img"));
+
+  auto v2 = bytes;
+  StoreLe32(v2.data() + 8, 2);
+  EXPECT_EQ(DecodeFileHeader(v2, kChunkFileMagic, "c").status().code(), Code::kUnsupported);
+  auto flags = bytes;
+  StoreLe32(flags.data() + 12, 1);
+  EXPECT_EQ(DecodeFileHeader(flags, kChunkFileMagic, "c").status().code(), Code::kUnsupported);
+  EXPECT_EQ(DecodeFileHeader(std::span<const uint8_t>(bytes.data(), 31), kChunkFileMagic, "c")
+                .status()
+                .code(),
+            Code::kCorrupt);
+  EXPECT_TRUE(DecodeFileHeader(bytes, kChunkFileMagic, "c").ok());
+}
+
+// --- CRIU image header and names -----------------------------------------------------------
+
+TEST(CriuFileTest, HeaderIsLittleEndian) {
+  uint8_t out[criu_format::kHeaderSize];
+  criu_format::EncodeHeader(0x0102030405060708ull, out);
+  const uint8_t expected[] = {8, 7, 6, 5, 4, 3, 2, 1};
+  EXPECT_TRUE(std::equal(out, out + 8, expected));
+  EXPECT_EQ(criu_format::DecodeHeader(out), 0x0102030405060708ull);
+  criu_format::EncodeHeader(5ull << 32, out);  // past 4 GiB
+  EXPECT_EQ(criu_format::DecodeHeader(out), 5ull << 32);
+}
+
+TEST(CriuFileTest, Names) {
+  EXPECT_EQ(criu_format::KfdImageName(12), "amdgpu-kfd-12.img");
+  EXPECT_EQ(criu_format::PagesImageName(12, 0xab), "amdgpu-pages-12-00ab.img");
+  EXPECT_EQ(criu_format::PagesImageName(1, 0x1c0de), "amdgpu-pages-1-1c0de.img");
+  EXPECT_EQ(criu_format::RenderNodeImageName(3), "amdgpu-renderD-3.img");
+}
+
+TEST(CriuFileTest, ParseRejectsGarbage) {
+  std::vector<uint8_t> garbage = {0xff, 0xff, 0xff};
+  EXPECT_EQ(criu_format::ParseKfdProcess(garbage, "x").status().code(), Code::kCorrupt);
+  EXPECT_EQ(criu_format::ParseRenderNode(garbage, "x").status().code(), Code::kCorrupt);
+  // Empty: every required field is missing.
+  EXPECT_EQ(criu_format::ParseKfdProcess({}, "x").status().code(), Code::kCorrupt);
+}
+
+// --- Sizes ---------------------------------------------------------------------------------
+
+TEST(SizeTest, Accepts) {
+  EXPECT_EQ(*ParseSize("12"), 12u);
+  EXPECT_EQ(*ParseSize("4K"), 4096u);
+  EXPECT_EQ(*ParseSize("4KiB"), 4096u);
+  EXPECT_EQ(*ParseSize("4k"), 4096u);
+  EXPECT_EQ(*ParseSize("512M"), 512ull << 20);
+  EXPECT_EQ(*ParseSize("1.5G"), 3ull << 29);
+  EXPECT_EQ(*ParseSize("2T"), 2ull << 40);
+}
+
+TEST(SizeTest, Rejects) {
+  for (const char* text : {"", "M", "4X", "-1", "99999999999T", "1.2.3M", " 4K", "4 K"}) {
+    auto r = ParseSize(text);
+    EXPECT_FALSE(r.ok()) << "'" << text << "' parsed as " << (r.ok() ? *r : 0);
+  }
+  EXPECT_EQ(ParseSize("99999999999T").status().code(), Code::kOutOfRange);
+}
+
+TEST(SizeTest, Formats) {
+  EXPECT_EQ(FormatSize(100), "100 B");
+  EXPECT_EQ(FormatSize(512ull << 20), "512.0 MiB");
+}
+
+}  // namespace
+}  // namespace gpulazy
