@@ -30,8 +30,8 @@ struct StoredChunk {
 class ImageSource {
  public:
   // Opens dir as a lazy image when it has a manifest, else as a CRIU checkpoint.
-  static Result<std::shared_ptr<const ImageSource>> Open(const std::filesystem::path& dir,
-                                                         uint32_t raw_chunk_size = kDefaultChunkSize);
+  static Result<std::shared_ptr<const ImageSource>> Open(
+      const std::filesystem::path& dir, uint32_t raw_chunk_size = kDefaultChunkSize);
 
   bool is_lazy() const { return lazy_.has_value(); }
   const std::filesystem::path& dir() const { return dir_; }

@@ -35,7 +35,8 @@ class UniqueFd {
 Result<UniqueFd> OpenForRead(const std::filesystem::path& path);
 Result<uint64_t> FileSize(int fd, const std::filesystem::path& what);
 // Reads exactly out.size() bytes at offset; a short file is kCorrupt naming `what`.
-Status ReadExactAt(int fd, uint64_t offset, std::span<uint8_t> out, const std::filesystem::path& what);
+Status ReadExactAt(int fd, uint64_t offset, std::span<uint8_t> out,
+                   const std::filesystem::path& what);
 Status WriteAllAt(int fd, uint64_t offset, std::span<const uint8_t> bytes,
                   const std::filesystem::path& what);
 // Reads a whole file, refusing files larger than max_bytes.

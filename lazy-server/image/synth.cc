@@ -499,8 +499,9 @@ class ContentWriter {
         return pages.AppendZeros(size);
       case SynthContent::kPartialZero: {
         // A KV cache 20-70% filled: the head holds data, the tail was never written.
-        uint64_t head_pages = static_cast<uint64_t>(static_cast<double>(size / kSynthPageSize) *
-                                                    (0.2 + 0.5 * (seed % 1000) / 1000.0));
+        const uint64_t whole_pages = size / kSynthPageSize;
+        const double filled = 0.2 + 0.5 * static_cast<double>(seed % 1000) / 1000.0;
+        uint64_t head_pages = static_cast<uint64_t>(static_cast<double>(whole_pages) * filled);
         uint64_t head = head_pages * kSynthPageSize;
         CompressibleStream stream(seed);
         GPULAZY_RETURN_IF_ERROR(Stream(pages, stream, head));

@@ -22,7 +22,7 @@ int Report(const char* command, const gpulazy::Status& status, int code) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Run(int argc, char** argv) {
   using namespace gpulazy;
   CLI::App app{"gpulazy-image: make, inspect, convert and verify gpulazy checkpoint images"};
   app.require_subcommand(1);
@@ -113,4 +113,14 @@ int main(int argc, char** argv) {
     return Report("profile", tool::RunProfileSet(dir, order_file, hot, std::cout), kExitFailed);
   }
   return kExitUsage;
+}
+
+int main(int argc, char** argv) {
+  // Nothing may escape main: a bad_alloc or a filesystem_error becomes a message and exit 1.
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "gpulazy-image: " << e.what() << '\n';
+    return kExitFailed;
+  }
 }

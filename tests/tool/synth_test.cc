@@ -187,8 +187,9 @@ TEST(SynthTest, BoTableLooksReal) {
     for (const auto& bo : m.bos()) {
       EXPECT_EQ(bo.size() % 4096, 0u);
       EXPECT_EQ(bo.gpu_va() % 4096, 0u);
-      if (bo.size() >= (2u << 20) && !(bo.alloc_flags() & cf::kAllocUserptr))
+      if (bo.size() >= (2u << 20) && !(bo.alloc_flags() & cf::kAllocUserptr)) {
         EXPECT_EQ(bo.gpu_va() % (2u << 20), 0u);
+      }
       EXPECT_TRUE(gpu_ids.contains(bo.gpu_id()));
       EXPECT_TRUE(handles.emplace(bo.gpu_id(), bo.handle()).second);
       ranges.emplace_back(bo.gpu_va(), bo.size());
