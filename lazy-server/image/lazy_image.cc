@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "proto/checksum.h"
+#include "proto/chunk_codec.h"
 #include "proto/criu_file.h"
 #include "proto/file_header.h"
 
@@ -444,41 +445,7 @@ Status DecodeChunk(const manifest::Chunk& chunk, std::span<const uint8_t> stored
   if (raw.size() != chunk.raw_length())
     return InvalidArgument("{}: output buffer of {} bytes for a chunk of {} raw bytes", what,
                            raw.size(), chunk.raw_length());
-  switch (chunk.codec()) {
-    case manifest::CODEC_ZERO:
-      if (!stored.empty())
-        return Corrupt("{}: zero chunk arrived with {} stored bytes", what, stored.size());
-      std::memset(raw.data(), 0, raw.size());
-      break;
-    case manifest::CODEC_RAW:
-      if (stored.size() != raw.size())
-        return Corrupt("{}: raw chunk of {} stored bytes, raw length is {}", what, stored.size(),
-                       raw.size());
-      if (!raw.empty()) std::memcpy(raw.data(), stored.data(), raw.size());
-      break;
-    case manifest::CODEC_LZ4: {
-      if (stored.empty() || stored.size() > static_cast<size_t>(INT_MAX) ||
-          raw.size() > static_cast<size_t>(INT_MAX))
-        return Corrupt("{}: LZ4 chunk of {} stored bytes for {} raw bytes", what, stored.size(),
-                       raw.size());
-      // LZ4_decompress_safe never writes past the capacity it is given, whatever the input.
-      int n = LZ4_decompress_safe(reinterpret_cast<const char*>(stored.data()),
-                                  reinterpret_cast<char*>(raw.data()),
-                                  static_cast<int>(stored.size()), static_cast<int>(raw.size()));
-      if (n < 0)
-        return Corrupt("{}: LZ4 block is malformed or decodes past {} bytes", what, raw.size());
-      if (static_cast<size_t>(n) != raw.size())
-        return Corrupt("{}: LZ4 block decodes to {} bytes, raw length is {}", what, n, raw.size());
-      break;
-    }
-    default:
-      return Corrupt("{}: unknown codec {}", what, static_cast<int>(chunk.codec()));
-  }
-  uint64_t sum = Checksum64(raw);
-  if (sum != chunk.checksum())
-    return Corrupt("{}: checksum {:016x} of the decoded bytes, expected {:016x}", what, sum,
-                   chunk.checksum());
-  return Status::Ok();
+  return DecodeChunkBytes(chunk.codec(), chunk.checksum(), stored, raw, what);
 }
 
 // --- LazyImage -------------------------------------------------------------------------------
