@@ -14,7 +14,9 @@ Status SocketError(const error_code& ec, std::string_view what) {
       ec == asio::error::broken_pipe || ec == asio::error::connection_aborted)
     return Unavailable("{}: connection closed by peer ({})", what, ec.message());
   if (ec == asio::error::operation_aborted) return Aborted("{}: cancelled", what);
+  // A Unix socket file that is missing is a server not (yet, or no longer) listening.
   if (ec == asio::error::connection_refused || ec == asio::error::host_unreachable ||
+      ec == boost::system::errc::no_such_file_or_directory ||
       ec == asio::error::network_unreachable || ec == asio::error::not_found)
     return Unavailable("{}: {}", what, ec.message());
   if (ec == asio::error::timed_out) return TimedOut("{}: {}", what, ec.message());

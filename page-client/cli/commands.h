@@ -1,0 +1,28 @@
+// gpulazy-client's subcommands. Each returns the process exit status and prints its own errors.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace gpulazy::client::cli {
+
+struct FetchOptions {
+  std::string server;
+  std::string image;
+  std::string out_dir;
+  uint64_t window_bytes = 16u << 20;
+  bool demand_connection = true;
+  bool json = false;
+  std::string token;
+};
+// Restores the image's BO contents with the host engine and writes them as CRIU pages files.
+int RunFetch(const FetchOptions& options);
+
+struct StatsOptions {
+  std::string server;
+  std::string token;
+};
+// Prints the server's stats JSON.
+int RunStats(const StatsOptions& options);
+
+}  // namespace gpulazy::client::cli

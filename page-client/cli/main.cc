@@ -1,0 +1,57 @@
+// gpulazy-client: restore an image's GPU memory from gpulazy-server into host memory and write it
+// out as CRIU pages files (fetch), or print the server's statistics (stats).
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "page-client/cli/commands.h"
+#include "proto/size.h"
+
+int main(int argc, char** argv) {
+  using namespace gpulazy::client::cli;
+  CLI::App app{"gpulazy-client: lazy GPU-memory restore client"};
+  app.require_subcommand(1);
+  std::string log_level = "warn";
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off")
+      ->capture_default_str();
+
+  FetchOptions fetch;
+  std::string window = "16M";
+  bool no_demand = false;
+  CLI::App* fetch_cmd =
+      app.add_subcommand("fetch", "restore an image's BO contents and write CRIU pages files");
+  fetch_cmd->add_option("--server", fetch.server, "unix:PATH or tcp:HOST:PORT")->required();
+  fetch_cmd->add_option("--image", fetch.image, "image name on the server")->required();
+  fetch_cmd->add_option("--out", fetch.out_dir, "directory for amdgpu-pages-*.img")->required();
+  fetch_cmd->add_option("--window", window, "flow-control window (e.g. 16M)")
+      ->capture_default_str();
+  fetch_cmd->add_flag("--no-demand-connection", no_demand, "send everything on one connection");
+  fetch_cmd->add_option("--token", fetch.token, "bearer token for the server");
+  fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
+
+  StatsOptions stats;
+  CLI::App* stats_cmd = app.add_subcommand("stats", "print the server's statistics (JSON)");
+  stats_cmd->add_option("--server", stats.server, "unix:PATH or tcp:HOST:PORT")->required();
+  stats_cmd->add_option("--token", stats.token, "bearer token for the server");
+
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  // Logs go to stderr so --json output on stdout stays machine-readable.
+  spdlog::default_logger()->sinks().clear();
+  spdlog::default_logger()->sinks().push_back(
+      std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+
+  if (*fetch_cmd) {
+    gpulazy::Result<uint64_t> bytes = gpulazy::ParseSize(window);
+    if (!bytes.ok()) {
+      fmt::print(stderr, "gpulazy-client fetch: --window: {}\n", bytes.status().message());
+      return 2;
+    }
+    fetch.window_bytes = *bytes;
+    fetch.demand_connection = !no_demand;
+    return RunFetch(fetch);
+  }
+  return RunStats(stats);
+}

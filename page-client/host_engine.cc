@@ -1,0 +1,103 @@
+#include "page-client/host_engine.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+namespace gpulazy::client {
+
+Result<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_t size) {
+  if (size > static_cast<uint64_t>(SIZE_MAX / 2))
+    return OutOfRange("memfd {}: size {} does not fit the address space", name, size);
+  MemfdRegion region;
+  region.fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (region.fd_ < 0) return ErrnoError(errno, "memfd_create {}", name);
+  if (::ftruncate(region.fd_, static_cast<off_t>(size)) != 0)
+    return ErrnoError(errno, "ftruncate memfd {} to {} bytes", name, size);
+  region.size_ = size;
+  // mmap of zero bytes is EINVAL; an empty BO simply has no mapping.
+  if (size > 0) {
+    void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, region.fd_, 0);
+    if (data == MAP_FAILED) return ErrnoError(errno, "mmap memfd {} ({} bytes)", name, size);
+    region.data_ = static_cast<uint8_t*>(data);
+  }
+  return region;
+}
+
+MemfdRegion::MemfdRegion(MemfdRegion&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+MemfdRegion& MemfdRegion::operator=(MemfdRegion&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    fd_ = std::exchange(other.fd_, -1);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+MemfdRegion::~MemfdRegion() {
+  Reset();
+}
+
+void MemfdRegion::Reset() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+  if (fd_ >= 0) ::close(fd_);
+  data_ = nullptr;
+  fd_ = -1;
+  size_ = 0;
+}
+
+Status HostCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
+  std::lock_guard lock(mutex_);
+  if (regions_.contains(bo))
+    return InvalidArgument("host engine: BO {} already has a destination", bo);
+  GPULAZY_ASSIGN_OR_RETURN(MemfdRegion region,
+                           MemfdRegion::Create(fmt::format("gpulazy-bo-{}", bo), size));
+  regions_.emplace(bo, std::move(region));
+  return Status::Ok();
+}
+
+Result<const MemfdRegion*> HostCopyEngine::Find(uint32_t bo) const {
+  std::lock_guard lock(mutex_);
+  auto it = regions_.find(bo);
+  if (it == regions_.end()) return NotFound("host engine: BO {} has no destination", bo);
+  // std::map nodes never move, so the pointer outlives the lock.
+  return &it->second;
+}
+
+Status HostCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                             CopyDone done) {
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  // Written so that neither sum can overflow: offset is checked against the size first.
+  if (offset > region->size() || raw.size() > region->size() - offset)
+    return OutOfRange(
+        "host engine: write of {} bytes at offset {} past the end of BO {} ({} bytes)", raw.size(),
+        offset, bo, region->size());
+  if (!raw.empty()) std::memcpy(region->bytes().data() + offset, raw.data(), raw.size());
+  bytes_written_.fetch_add(raw.size(), std::memory_order_relaxed);
+  if (done) done(Status::Ok());
+  return Status::Ok();
+}
+
+Result<std::span<uint8_t>> HostCopyEngine::Mapping(uint32_t bo) const {
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  return region->bytes();
+}
+
+Result<int> HostCopyEngine::Fd(uint32_t bo) const {
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  return region->fd();
+}
+
+uint64_t HostCopyEngine::bytes_written() const {
+  return bytes_written_.load(std::memory_order_relaxed);
+}
+
+}  // namespace gpulazy::client

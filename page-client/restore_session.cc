@@ -1,0 +1,906 @@
+#include "page-client/restore_session.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "page-client/chunk_codec.h"
+#include "page-client/net/asio.h"
+#include "page-client/net/endpoint.h"
+#include "page-client/net/frame_stream.h"
+#include "page-client/residency.h"
+#include "page-client/server_connection.h"
+
+namespace gpulazy::client {
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Bounds on what an OpenImageReply / HelloReply may make us allocate.
+constexpr uint32_t kMaxAcceptedPayload = 64u << 20;
+constexpr size_t kMaxBos = 1u << 20;
+constexpr size_t kMaxSecretBytes = 1024;
+constexpr size_t kMaxSpareBuffers = 64;
+
+wire::ChunkRange ToRange(const ChunkRun& run) {
+  wire::ChunkRange range;
+  range.set_bo(run.bo);
+  range.set_first_chunk(run.first);
+  range.set_chunk_count(run.count);
+  return range;
+}
+
+BoEntry ToEntry(const wire::BoInfo& info) {
+  return BoEntry{info.process_id(), info.bo_index(),    info.gpu_id(),     info.gpu_va(),
+                 info.size(),       info.alloc_flags(), info.chunk_count()};
+}
+
+bool SameBo(const BoEntry& a, const BoEntry& b) {
+  return a.process_id == b.process_id && a.bo_index == b.bo_index && a.gpu_id == b.gpu_id &&
+         a.size == b.size && a.chunk_count == b.chunk_count;
+}
+
+}  // namespace
+
+// One connection generation: the stream socket, the optional demand socket and their writers.
+// Shared by the coroutines serving it; dies with the last of them. I/O thread only.
+struct Link : std::enable_shared_from_this<Link> {
+  Link(net::Socket stream_socket, std::optional<net::Socket> demand_socket,
+       FrameLimits frame_limits)
+      : stream(std::move(stream_socket)),
+        demand(std::move(demand_socket)),
+        limits(frame_limits),
+        stream_writer(stream, limits) {
+    if (demand) demand_writer.emplace(*demand, limits);
+  }
+
+  FrameWriter& demand_out() { return demand_writer ? *demand_writer : stream_writer; }
+
+  void Close() {
+    if (closed) return;
+    closed = true;
+    stream_writer.Close();
+    if (demand_writer) demand_writer->Close();
+    boost::system::error_code ignored;
+    stream.close(ignored);
+    if (demand) demand->close(ignored);
+  }
+  void Fail(Status status) {
+    if (error.ok()) error = std::move(status);
+    Close();
+  }
+  // The connection is going away but the chunks already in our receive buffer are good: stop
+  // sending (a live server sees EOF and closes) and let the stream reader drain them to EOF.
+  // `grace` bounds the drain should the server not close.
+  void Abort(Status status, std::chrono::milliseconds grace) {
+    if (error.ok()) error = std::move(status);
+    if (closed || aborting) return;
+    aborting = true;
+    stream_writer.Close();
+    if (demand_writer) demand_writer->Close();
+    boost::system::error_code ignored;
+    stream.shutdown(net::Socket::shutdown_send, ignored);
+    if (demand) demand->close(ignored);
+    auto timer = std::make_shared<boost::asio::steady_timer>(stream.get_executor(), grace);
+    timer->async_wait([this_link = weak_from_this(), timer](boost::system::error_code) {
+      if (auto link = this_link.lock()) link->Close();
+    });
+  }
+
+  net::Socket stream;
+  std::optional<net::Socket> demand;
+  FrameLimits limits;
+  FrameWriter stream_writer;
+  std::optional<FrameWriter> demand_writer;
+  uint64_t credit_outstanding = 0;  // granted to the server and not yet used by it
+  uint32_t demand_in_flight = 0;    // demand chunks asked for and not yet received
+  bool closed = false;
+  bool aborting = false;
+  bool complete = false;  // closed because every chunk is resident
+  Status error;           // the first transport error; retrying may help
+};
+
+class RestoreSession::Impl {
+ public:
+  Impl(SessionOptions options, CopyEngine& engine)
+      : options_(std::move(options)), engine_(engine), backoff_timer_(io_) {}
+  ~Impl();
+
+  Status Start();
+  Status Ensure(uint32_t bo, uint64_t offset, uint64_t length,
+                std::optional<std::chrono::milliseconds> timeout);
+  Status WaitHotSet(std::optional<std::chrono::milliseconds> timeout);
+  Status WaitComplete(std::optional<std::chrono::milliseconds> timeout);
+  bool IsResident(uint32_t bo, uint64_t offset, uint64_t length) const;
+  Progress progress() const;
+  Status status() const;
+  void Cancel();
+
+  // Immutable once Start has succeeded.
+  std::vector<BoEntry> bos_;
+  uint32_t chunk_size_ = 0;
+  manifest::AccessProfile profile_;
+  bool lazy_image_ = false;
+
+ private:
+  using ChunkId = std::pair<uint32_t, uint32_t>;  // BO, chunk
+
+  asio::awaitable<void> Main();
+  asio::awaitable<Status> RunAttempt(bool first);
+  asio::awaitable<Status> ReadStream(std::shared_ptr<Link> link);
+  asio::awaitable<void> ReadDemand(std::shared_ptr<Link> link);
+  asio::awaitable<void> RunWriter(std::shared_ptr<Link> link, FrameWriter* writer);
+
+  Status AdoptImage(const wire::OpenImageReply& reply, uint32_t max_payload);
+  Status CheckSameImage(const wire::OpenImageReply& reply) const;
+  Status HandleChunk(const std::shared_ptr<Link>& link, const wire::Header& header,
+                     std::vector<uint8_t>& payload, bool on_stream);
+  void OnWritten(Status status, const std::shared_ptr<Link>& link, ChunkId id,
+                 std::shared_ptr<std::vector<uint8_t>> staging, uint64_t credit);
+  Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
+  void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
+  void QueueDemand(const std::vector<ChunkId>& chunks);
+  void PumpDemand();
+  void Fail(Status status);
+  bool Failed() const;
+  std::string What(uint32_t bo, uint32_t chunk) const;
+  std::shared_ptr<std::vector<uint8_t>> TakeBuffer();
+  // Waits (lock held) until done() or the session failed or the timeout passed.
+  template <typename Done>
+  Status WaitFor(std::unique_lock<std::mutex>& lock, Done done,
+                 std::optional<std::chrono::milliseconds> timeout, std::string_view what);
+
+  SessionOptions options_;
+  CopyEngine& engine_;
+  net::Endpoint endpoint_;
+  std::vector<ChunkId> hot_chunks_;  // immutable once opened
+  uint64_t window_ = 0;
+
+  mutable std::mutex mutex_;  // guards everything below up to the I/O-thread section
+  std::condition_variable cv_;
+  ResidencyMap residency_;
+  Status failure_;
+  bool started_ = false;
+  bool opened_ = false;
+  bool finished_ = false;
+  Progress counters_;
+  std::atomic<bool> cancelled_{false};
+
+  // I/O thread only. io_ first: it outlives the objects bound to it.
+  asio::io_context io_;
+  asio::steady_timer backoff_timer_;
+  std::shared_ptr<Link> link_;
+  bool attempt_opened_ = false;
+  std::deque<ChunkId> demand_queue_;
+  std::vector<std::vector<uint8_t>> spare_buffers_;
+  uint64_t next_request_id_ = 1;
+  std::thread thread_;
+};
+
+// ---- public surface ----
+
+RestoreSession::Impl::~Impl() {
+  Cancel();
+  if (thread_.joinable()) {
+    // Give the coroutines a moment to unwind on their own; a peer that never answers a connect
+    // must not hold the destructor, so stop the loop after that.
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait_for(lock, std::chrono::seconds(2), [&] { return finished_; });
+    }
+    io_.stop();
+    thread_.join();
+  }
+  // Engine callbacks hold our staging buffers and call OnWritten; let them all run first.
+  if (started_) (void)engine_.Flush();
+}
+
+Status RestoreSession::Impl::Start() {
+  {
+    std::lock_guard lock(mutex_);
+    if (started_) return InvalidArgument("RestoreSession::Start called twice");
+  }
+  GPULAZY_ASSIGN_OR_RETURN(endpoint_, net::Endpoint::Parse(options_.endpoint));
+  if (options_.image.empty()) return InvalidArgument("no image name given");
+  {
+    std::lock_guard lock(mutex_);
+    started_ = true;
+  }
+  asio::co_spawn(io_, Main(), asio::detached);
+  thread_ = std::thread([this] { io_.run(); });
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return opened_ || !failure_.ok(); });
+  return failure_;
+}
+
+Status RestoreSession::Impl::status() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
+}
+
+bool RestoreSession::Impl::Failed() const {
+  std::lock_guard lock(mutex_);
+  return !failure_.ok();
+}
+
+void RestoreSession::Impl::Fail(Status status) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_.ok()) return;
+    failure_ = status;
+  }
+  spdlog::error("restore of image {}: {}", options_.image, status.ToString());
+  cv_.notify_all();
+  asio::post(io_, [this] {
+    if (link_) link_->Close();
+    backoff_timer_.cancel();
+  });
+}
+
+void RestoreSession::Impl::Cancel() {
+  cancelled_ = true;
+  bool started;
+  {
+    std::lock_guard lock(mutex_);
+    started = started_;
+    if (failure_.ok() && !(opened_ && residency_.complete()))
+      failure_ = Aborted("restore of image {} cancelled", options_.image);
+  }
+  cv_.notify_all();
+  if (started) {
+    asio::post(io_, [this] {
+      if (link_) link_->Close();
+      backoff_timer_.cancel();
+    });
+  }
+}
+
+template <typename Done>
+Status RestoreSession::Impl::WaitFor(std::unique_lock<std::mutex>& lock, Done done,
+                                     std::optional<std::chrono::milliseconds> timeout,
+                                     std::string_view what) {
+  auto stop = [&] { return done() || !failure_.ok(); };
+  if (timeout) {
+    if (!cv_.wait_for(lock, *timeout, stop))
+      return TimedOut("image {}: {} not resident after {} ms", options_.image, what,
+                      timeout->count());
+  } else {
+    cv_.wait(lock, stop);
+  }
+  if (done()) return Status::Ok();
+  return failure_;
+}
+
+Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t length,
+                                    std::optional<std::chrono::milliseconds> timeout) {
+  std::unique_lock lock(mutex_);
+  if (!opened_) return InvalidArgument("Ensure on a session that has not started");
+  if (bo >= residency_.bo_count())
+    return OutOfRange("image {}: BO {} out of range ({} BOs)", options_.image, bo,
+                      residency_.bo_count());
+  if (length == 0) return Status::Ok();
+  Result<ChunkRun> covering = residency_.Covering(bo, offset, length);
+  if (!covering.ok()) return covering.status().Context(fmt::format("image {}", options_.image));
+  const ChunkRun run = *covering;
+  std::vector<ChunkId> wanted;
+  for (uint32_t i = 0; i < run.count; ++i) {
+    uint32_t chunk = run.first + i;
+    if (residency_.held(bo, chunk) || residency_.demanded(bo, chunk)) continue;
+    residency_.set_demanded(bo, chunk);
+    wanted.emplace_back(bo, chunk);
+  }
+  if (!wanted.empty()) {
+    counters_.demand_chunks += wanted.size();
+    asio::post(io_, [this, wanted = std::move(wanted)] { QueueDemand(wanted); });
+  }
+  // Chunks become resident in any order; remember how far the prefix is known to be resident.
+  uint32_t next = run.first;
+  auto done = [&] {
+    while (next < run.first + run.count && residency_.resident(bo, next))
+      ++next;
+    return next == run.first + run.count;
+  };
+  return WaitFor(lock, done, timeout, fmt::format("BO {} range [{}, +{})", bo, offset, length));
+}
+
+Status RestoreSession::Impl::WaitHotSet(std::optional<std::chrono::milliseconds> timeout) {
+  std::unique_lock lock(mutex_);
+  if (!opened_) return InvalidArgument("WaitHotSet on a session that has not started");
+  size_t next = 0;
+  auto done = [&] {
+    while (next < hot_chunks_.size() &&
+           residency_.resident(hot_chunks_[next].first, hot_chunks_[next].second))
+      ++next;
+    return next == hot_chunks_.size();
+  };
+  return WaitFor(lock, done, timeout, "the hot set");
+}
+
+Status RestoreSession::Impl::WaitComplete(std::optional<std::chrono::milliseconds> timeout) {
+  std::unique_lock lock(mutex_);
+  if (!opened_) return InvalidArgument("WaitComplete on a session that has not started");
+  return WaitFor(
+      lock, [&] { return residency_.complete(); }, timeout, "the whole image");
+}
+
+bool RestoreSession::Impl::IsResident(uint32_t bo, uint64_t offset, uint64_t length) const {
+  std::lock_guard lock(mutex_);
+  if (!opened_ || bo >= residency_.bo_count()) return false;
+  if (length == 0) return true;
+  Result<ChunkRun> run = residency_.Covering(bo, offset, length);
+  return run.ok() && residency_.AllResident(*run);
+}
+
+Progress RestoreSession::Impl::progress() const {
+  std::lock_guard lock(mutex_);
+  Progress p = counters_;
+  p.total_bytes = residency_.total_bytes();
+  p.total_chunks = residency_.total_chunks();
+  p.resident_bytes = residency_.resident_bytes();
+  p.resident_chunks = residency_.resident_chunks();
+  p.hot_chunks = hot_chunks_.size();
+  p.hot_resident_chunks = 0;
+  for (const ChunkId& id : hot_chunks_)
+    if (residency_.resident(id.first, id.second)) ++p.hot_resident_chunks;
+  p.complete = opened_ && residency_.complete();
+  return p;
+}
+
+std::string RestoreSession::Impl::What(uint32_t bo, uint32_t chunk) const {
+  if (bo < bos_.size()) {
+    const BoEntry& e = bos_[bo];
+    return fmt::format("image {}, BO {} (process {}, bo_index {}, gpu {:04x}), chunk {}",
+                       options_.image, bo, e.process_id, e.bo_index, e.gpu_id, chunk);
+  }
+  return fmt::format("image {}, BO {}, chunk {}", options_.image, bo, chunk);
+}
+
+// ---- the I/O thread ----
+
+asio::awaitable<void> RestoreSession::Impl::Main() {
+  try {
+    Status status = co_await RunAttempt(/*first=*/true);
+    uint32_t attempts = 0;
+    Clock::time_point lost_at;
+    for (;;) {
+      if (attempt_opened_) attempts = 0;
+      attempt_opened_ = false;
+      {
+        std::lock_guard lock(mutex_);
+        if (!opened_ && failure_.ok()) failure_ = status;  // Start reports it
+        if (!failure_.ok() || residency_.complete()) break;
+      }
+      if (status.ok()) break;
+      if (attempts == 0) lost_at = Clock::now();
+      ++attempts;
+      const ReconnectPolicy& policy = options_.reconnect;
+      if (attempts > policy.max_attempts || Clock::now() - lost_at > policy.deadline) {
+        Fail(
+            Unavailable("image {}: lost the connection to {} and gave up after {} reconnect "
+                        "attempt(s): {}",
+                        options_.image, endpoint_.ToString(), attempts - 1, status.ToString()));
+        break;
+      }
+      auto delay = std::min(policy.max_backoff,
+                            policy.initial_backoff * (int64_t{1} << std::min(attempts - 1, 20u)));
+      spdlog::warn("image {}: connection to {} lost ({}); reconnect attempt {} in {} ms",
+                   options_.image, endpoint_.ToString(), status.ToString(), attempts,
+                   delay.count());
+      backoff_timer_.expires_after(delay);
+      boost::system::error_code ec;
+      co_await backoff_timer_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      if (cancelled_ || Failed()) break;
+      status = co_await RunAttempt(/*first=*/false);
+    }
+  } catch (const std::exception& e) {
+    Fail(Internal("image {}: restore loop failed: {}", options_.image, e.what()));
+  }
+  if (link_) link_->Close();
+  link_.reset();
+  Status flushed = engine_.Flush();
+  if (!flushed.ok()) Fail(flushed.Context(fmt::format("flushing the {} engine", engine_.name())));
+  {
+    std::lock_guard lock(mutex_);
+    if (!opened_ && failure_.ok()) failure_ = Internal("restore ended before the image opened");
+    finished_ = true;
+  }
+  cv_.notify_all();
+}
+
+Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint32_t max_payload) {
+  const std::string& image = options_.image;
+  if (reply.chunk_size() == 0 || reply.chunk_size() > max_payload)
+    return Corrupt("image {}: server announced chunk size {} (max payload {})", image,
+                   reply.chunk_size(), max_payload);
+  if (static_cast<size_t>(reply.bos_size()) > kMaxBos)
+    return Corrupt("image {}: server lists {} BOs (limit {})", image, reply.bos_size(), kMaxBos);
+  std::vector<BoEntry> bos;
+  std::vector<uint64_t> sizes;
+  for (const wire::BoInfo& info : reply.bos()) {
+    BoEntry entry = ToEntry(info);
+    if (entry.chunk_count != ResidencyMap::ChunkCountFor(entry.size, reply.chunk_size()))
+      return Corrupt("image {}: BO {} has {} bytes but {} chunks of {} bytes", image, bos.size(),
+                     entry.size, entry.chunk_count, reply.chunk_size());
+    sizes.push_back(entry.size);
+    bos.push_back(entry);
+  }
+  GPULAZY_ASSIGN_OR_RETURN(ResidencyMap residency, ResidencyMap::Create(reply.chunk_size(), sizes));
+  std::vector<ChunkId> hot;
+  const manifest::AccessProfile& profile = reply.profile();
+  size_t hot_count = std::min<size_t>(profile.hot_count(), profile.order_size());
+  for (size_t i = 0; i < hot_count; ++i) {
+    const manifest::ChunkRef& ref = profile.order(static_cast<int>(i));
+    Status valid = residency.CheckChunk(ref.bo(), ref.chunk());
+    if (!valid.ok())
+      return valid.Context(fmt::format("image {}: access profile entry {}", image, i));
+    hot.emplace_back(ref.bo(), ref.chunk());
+  }
+  // Destinations before anything streams: the engine must have somewhere to put the bytes.
+  for (uint32_t bo = 0; bo < bos.size(); ++bo) {
+    Status created = engine_.AddDestination(bo, bos[bo].size);
+    if (!created.ok())
+      return created.Context(fmt::format("image {}: creating the {} engine's destination for BO {}",
+                                         image, engine_.name(), bo));
+  }
+  bos_ = std::move(bos);
+  chunk_size_ = reply.chunk_size();
+  profile_ = profile;
+  lazy_image_ = reply.lazy_image();
+  hot_chunks_ = std::move(hot);
+  {
+    std::lock_guard lock(mutex_);
+    residency_ = std::move(residency);
+    opened_ = true;
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status RestoreSession::Impl::CheckSameImage(const wire::OpenImageReply& reply) const {
+  bool same =
+      reply.chunk_size() == chunk_size_ && static_cast<size_t>(reply.bos_size()) == bos_.size();
+  for (size_t i = 0; same && i < bos_.size(); ++i)
+    same = SameBo(ToEntry(reply.bos(static_cast<int>(i))), bos_[i]);
+  if (!same)
+    return Corrupt(
+        "image {}: after reconnecting, {} serves a different image ({} BOs, chunk size "
+        "{}; we restored {} BOs, chunk size {}); refusing to mix their contents",
+        options_.image, endpoint_.ToString(), reply.bos_size(), reply.chunk_size(), bos_.size(),
+        chunk_size_);
+  return Status::Ok();
+}
+
+asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
+  // Fatal problems go through Fail (no retry); a returned error means "retry may help".
+  wire::Hello hello;
+  hello.set_min_version(kProtocolVersion);
+  hello.set_max_version(kProtocolVersion);
+  hello.set_client_name(options_.client_name);
+  hello.set_token(options_.token);
+  bool refused = false;
+  Result<Handshake> stream =
+      co_await ConnectAndHello(endpoint_, hello, options_.handshake_timeout, &refused);
+  if (!stream.ok()) {
+    if (refused) Fail(stream.status());
+    co_return stream.status();
+  }
+  FrameLimits limits;
+  uint32_t announced = stream->reply.max_payload();
+  limits.max_payload =
+      std::min(announced == 0 ? limits.max_payload : announced, kMaxAcceptedPayload);
+  window_ = std::max<uint64_t>(options_.window_bytes, limits.max_payload);
+  if (options_.window_bytes < limits.max_payload && first)
+    spdlog::info("image {}: window raised from {} to the server's max payload {} bytes",
+                 options_.image, options_.window_bytes, limits.max_payload);
+
+  Result<wire::OpenImageReply> reply = co_await OpenImage(stream->socket, options_.image, limits,
+                                                          options_.handshake_timeout, &refused);
+  if (!reply.ok()) {
+    if (refused) Fail(reply.status());
+    co_return reply.status();
+  }
+  if (reply->session_secret().size() > kMaxSecretBytes) {
+    Fail(Corrupt("image {}: session secret of {} bytes", options_.image,
+                 reply->session_secret().size()));
+    co_return Status::Ok();
+  }
+  Status table = first ? AdoptImage(*reply, limits.max_payload) : CheckSameImage(*reply);
+  if (!table.ok()) {
+    Fail(table);
+    co_return table;
+  }
+  if (first) {
+    spdlog::info("image {}: opened on {}: {} BOs, chunk size {}, hot set {} chunks, session {}",
+                 options_.image, endpoint_.ToString(), bos_.size(), chunk_size_, hot_chunks_.size(),
+                 reply->session());
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (residency_.complete()) co_return Status::Ok();  // nothing (left) to stream
+  }
+
+  std::optional<net::Socket> demand_socket;
+  if (options_.demand_connection) {
+    wire::Hello join = hello;
+    join.set_join_session(reply->session());
+    join.set_join_secret(reply->session_secret());
+    Result<Handshake> demand =
+        co_await ConnectAndHello(endpoint_, join, options_.handshake_timeout, &refused);
+    if (!demand.ok()) co_return demand.status().Context("opening the demand connection");
+    demand_socket.emplace(std::move(demand->socket));
+  }
+
+  auto link = std::make_shared<Link>(std::move(stream->socket), std::move(demand_socket), limits);
+  std::vector<ChunkRun> held;
+  std::vector<ChunkRun> pending_demand;
+  {
+    std::lock_guard lock(mutex_);
+    held = residency_.HeldRuns();
+    pending_demand = residency_.PendingDemandRuns();
+    if (!first) ++counters_.reconnects;
+  }
+  if (!held.empty()) {
+    wire::Header have;
+    for (const ChunkRun& run : held)
+      *have.mutable_have()->add_ranges() = ToRange(run);
+    link->stream_writer.Send(std::move(have));
+  }
+  wire::Header credit;
+  credit.mutable_credit()->set_bytes(window_);
+  link->credit_outstanding = window_;
+  link->stream_writer.Send(std::move(credit));
+  wire::Header stream_all;
+  stream_all.set_request_id(next_request_id_++);
+  stream_all.mutable_request()->set_stream_all(true);
+  stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
+  link->stream_writer.Send(std::move(stream_all));
+
+  link_ = link;
+  attempt_opened_ = true;
+  demand_queue_.clear();
+  for (const ChunkRun& run : pending_demand)
+    for (uint32_t i = 0; i < run.count; ++i)
+      demand_queue_.emplace_back(run.bo, run.first + i);
+  PumpDemand();
+  if (!first)
+    spdlog::info("image {}: reconnected to {}; told it we hold {} run(s), re-sent {} demand run(s)",
+                 options_.image, endpoint_.ToString(), held.size(), pending_demand.size());
+
+  asio::co_spawn(io_, RunWriter(link, &link->stream_writer), asio::detached);
+  if (link->demand_writer) {
+    asio::co_spawn(io_, RunWriter(link, &*link->demand_writer), asio::detached);
+    asio::co_spawn(io_, ReadDemand(link), asio::detached);
+  }
+  Status status = co_await ReadStream(link);
+  spdlog::debug("image {}: stream reader ended: {}", options_.image, status.ToString());
+  link->Close();
+  if (link_ == link) link_.reset();
+  if (link->complete) co_return Status::Ok();
+  if (!link->error.ok()) co_return link->error;
+  co_return status.ok() ? Unavailable("stream connection closed") : status;
+}
+
+asio::awaitable<void> RestoreSession::Impl::RunWriter(std::shared_ptr<Link> link,
+                                                      FrameWriter* writer) {
+  try {
+    Status status = co_await writer->Run();
+    if (!status.ok()) link->Abort(status, options_.handshake_timeout);
+  } catch (const std::exception& e) {
+    link->Fail(Internal("frame writer: {}", e.what()));
+  }
+}
+
+asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> link) {
+  std::vector<uint8_t> payload;
+  try {
+    for (;;) {
+      Result<wire::Header> header = co_await net::ReadFrame(link->stream, link->limits, &payload);
+      if (!header.ok()) co_return link->complete ? Status::Ok() : header.status();
+      if (link->closed) co_return Status::Ok();
+      switch (header->body_case()) {
+        case wire::Header::kChunk: {
+          Status handled = HandleChunk(link, *header, payload, /*on_stream=*/true);
+          if (!handled.ok()) {
+            Fail(handled);
+            co_return handled;
+          }
+          break;
+        }
+        case wire::Header::kStreamDone: {
+          std::vector<ChunkRun> missed;
+          {
+            std::lock_guard lock(mutex_);
+            missed = residency_.UnrequestedRuns();
+          }
+          spdlog::info("image {}: stream done ({} chunks, {} bytes sent by the server)",
+                       options_.image, header->stream_done().chunks(),
+                       header->stream_done().bytes());
+          // A server that skipped chunks would leave us waiting forever: ask for them.
+          if (!missed.empty()) {
+            spdlog::warn("image {}: stream ended with {} run(s) never sent; demanding them",
+                         options_.image, missed.size());
+            std::vector<ChunkId> chunks;
+            for (const ChunkRun& run : missed)
+              for (uint32_t i = 0; i < run.count; ++i)
+                chunks.emplace_back(run.bo, run.first + i);
+            {
+              std::lock_guard lock(mutex_);
+              for (const ChunkId& id : chunks)
+                residency_.set_demanded(id.first, id.second);
+            }
+            QueueDemand(chunks);
+          }
+          break;
+        }
+        case wire::Header::kError: {
+          Status error = HandleErrorFrame(header->error(), "stream connection");
+          if (!error.ok()) co_return error;
+          break;
+        }
+        case wire::Header::kGoodbye:
+          co_return Unavailable("server said goodbye on the stream connection");
+        default:
+          spdlog::debug("image {}: ignoring frame body {} on the stream connection", options_.image,
+                        static_cast<int>(header->body_case()));
+      }
+    }
+  } catch (const std::exception& e) {
+    Status status = Internal("image {}: stream reader: {}", options_.image, e.what());
+    Fail(status);
+    co_return status;
+  }
+}
+
+asio::awaitable<void> RestoreSession::Impl::ReadDemand(std::shared_ptr<Link> link) {
+  std::vector<uint8_t> payload;
+  try {
+    for (;;) {
+      Result<wire::Header> header = co_await net::ReadFrame(*link->demand, link->limits, &payload);
+      if (!header.ok()) {
+        link->Abort(header.status().Context("demand connection"), options_.handshake_timeout);
+        co_return;
+      }
+      if (link->closed) co_return;
+      if (header->has_chunk()) {
+        Status handled = HandleChunk(link, *header, payload, /*on_stream=*/false);
+        if (!handled.ok()) {
+          Fail(handled);
+          co_return;
+        }
+      } else if (header->has_error()) {
+        Status error = HandleErrorFrame(header->error(), "demand connection");
+        if (!error.ok()) {
+          link->Fail(error);
+          co_return;
+        }
+      } else if (header->has_goodbye()) {
+        link->Abort(Unavailable("server said goodbye on the demand connection"),
+                    options_.handshake_timeout);
+        co_return;
+      }
+    }
+  } catch (const std::exception& e) {
+    Fail(Internal("image {}: demand reader: {}", options_.image, e.what()));
+  }
+}
+
+Status RestoreSession::Impl::HandleErrorFrame(const wire::Error& error,
+                                              std::string_view connection) {
+  Status status = ErrorFrameStatus(error, fmt::format("image {}, {}", options_.image, connection));
+  // Shutting down: the server is going away, reconnecting is the cure. Anything else in the
+  // middle of a restore means we and the server disagree; retrying would repeat it.
+  if (IsRetryableServerError(error)) return status;
+  Fail(status);
+  return status;
+}
+
+std::shared_ptr<std::vector<uint8_t>> RestoreSession::Impl::TakeBuffer() {
+  auto buffer = std::make_shared<std::vector<uint8_t>>();
+  if (!spare_buffers_.empty()) {
+    buffer->swap(spare_buffers_.back());
+    spare_buffers_.pop_back();
+  }
+  return buffer;
+}
+
+Status RestoreSession::Impl::HandleChunk(const std::shared_ptr<Link>& link,
+                                         const wire::Header& header, std::vector<uint8_t>& payload,
+                                         bool on_stream) {
+  const wire::ChunkData& data = header.chunk();
+  const uint32_t bo = data.bo();
+  const uint32_t chunk = data.chunk();
+  const uint64_t wire_bytes = payload.size();
+  if (on_stream) {
+    if (wire_bytes > link->credit_outstanding)
+      return Corrupt(
+          "image {}: server sent a {}-byte chunk with {} bytes of credit left "
+          "(flow control violated)",
+          options_.image, wire_bytes, link->credit_outstanding);
+    link->credit_outstanding -= wire_bytes;
+  }
+  if (data.priority() == wire::PRIORITY_DEMAND && link->demand_in_flight > 0)
+    --link->demand_in_flight;
+  bool duplicate;
+  {
+    std::lock_guard lock(mutex_);
+    Status valid = residency_.CheckChunk(bo, chunk);
+    if (!valid.ok())
+      return valid.Context(fmt::format("image {}: server sent a chunk", options_.image));
+    if (data.raw_length() != residency_.ChunkLength(bo, chunk))
+      return Corrupt("{}: server says {} raw bytes, the BO table says {}", What(bo, chunk),
+                     data.raw_length(), residency_.ChunkLength(bo, chunk));
+    counters_.received_bytes += wire_bytes;
+    // Already resident or being written: a second copy must never be applied.
+    duplicate = residency_.held(bo, chunk);
+    if (duplicate) ++counters_.duplicates;
+  }
+  if (duplicate) {
+    if (on_stream) ReturnCredit(link, wire_bytes);
+    PumpDemand();
+    return Status::Ok();
+  }
+
+  auto staging = TakeBuffer();
+  Status decoded;
+  std::string what = What(bo, chunk);
+  if (data.codec() == manifest::CODEC_RAW) {
+    // The payload becomes the staging buffer; the reader gets a spare one for its next frame.
+    staging->swap(payload);
+    decoded = DecodeChunkPayload(data, *staging, staging.get(), what);
+  } else {
+    decoded = DecodeChunkPayload(data, payload, staging.get(), what);
+  }
+  if (!decoded.ok()) {
+    uint32_t bad_copies;
+    {
+      std::lock_guard lock(mutex_);
+      bad_copies = residency_.CountBadCopy(bo, chunk);
+      if (bad_copies < 2) {
+        ++counters_.refetches;
+        residency_.set_demanded(bo, chunk);
+      }
+    }
+    spare_buffers_.push_back(std::move(*staging));
+    if (on_stream) ReturnCredit(link, wire_bytes);
+    if (bad_copies >= 2)
+      return Corrupt("{}: second copy is bad too, not installing it: {}", what, decoded.message());
+    spdlog::warn("{}; fetching it again", decoded.message());
+    QueueDemand({{bo, chunk}});
+    return Status::Ok();
+  }
+
+  {
+    std::lock_guard lock(mutex_);
+    residency_.MarkLanding(bo, chunk);
+  }
+  std::span<const uint8_t> raw(*staging);
+  // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
+  Status written = engine_.Write(
+      bo, uint64_t{chunk} * chunk_size_, raw,
+      [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
+          Status status) { OnWritten(std::move(status), link, id, staging, credit); });
+  if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
+  PumpDemand();
+  return Status::Ok();
+}
+
+void RestoreSession::Impl::OnWritten(Status status, const std::shared_ptr<Link>& link, ChunkId id,
+                                     std::shared_ptr<std::vector<uint8_t>> staging,
+                                     uint64_t credit) {
+  // Any thread: the engine decides where completions run.
+  if (!status.ok()) {
+    Fail(status.Context(
+        fmt::format("{}: {} engine write", What(id.first, id.second), engine_.name())));
+    return;
+  }
+  bool complete;
+  {
+    std::lock_guard lock(mutex_);
+    residency_.MarkResident(id.first, id.second);
+    complete = residency_.complete();
+  }
+  cv_.notify_all();
+  asio::post(io_, [this, link, staging = std::move(staging), credit, complete] {
+    if (spare_buffers_.size() < kMaxSpareBuffers) spare_buffers_.push_back(std::move(*staging));
+    if (credit > 0) ReturnCredit(link, credit);
+    if (complete) {
+      spdlog::info("image {}: every chunk is resident", options_.image);
+      link->complete = true;
+      link->Close();
+    }
+  });
+}
+
+void RestoreSession::Impl::ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes) {
+  if (link->closed || bytes == 0) return;
+  link->credit_outstanding += bytes;
+  wire::Header header;
+  header.mutable_credit()->set_bytes(bytes);
+  link->stream_writer.Send(std::move(header));
+}
+
+void RestoreSession::Impl::QueueDemand(const std::vector<ChunkId>& chunks) {
+  demand_queue_.insert(demand_queue_.end(), chunks.begin(), chunks.end());
+  PumpDemand();
+}
+
+void RestoreSession::Impl::PumpDemand() {
+  // The next connection re-sends pending demands.
+  if (!link_ || link_->closed || link_->aborting) return;
+  std::vector<ChunkRun> runs;
+  while (!demand_queue_.empty() && link_->demand_in_flight < options_.max_demand_in_flight) {
+    ChunkId id = demand_queue_.front();
+    demand_queue_.pop_front();
+    {
+      std::lock_guard lock(mutex_);
+      if (residency_.held(id.first, id.second)) continue;
+    }
+    if (!runs.empty() && runs.back().bo == id.first &&
+        runs.back().first + runs.back().count == id.second)
+      ++runs.back().count;
+    else
+      runs.push_back(ChunkRun{id.first, id.second, 1});
+    ++link_->demand_in_flight;
+  }
+  if (runs.empty()) return;
+  wire::Header header;
+  header.set_request_id(next_request_id_++);
+  header.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+  for (const ChunkRun& run : runs)
+    *header.mutable_request()->add_ranges() = ToRange(run);
+  link_->demand_out().Send(std::move(header));
+}
+
+// ---- RestoreSession forwards to Impl ----
+
+RestoreSession::RestoreSession(SessionOptions options, CopyEngine& engine)
+    : impl_(std::make_unique<Impl>(std::move(options), engine)) {}
+RestoreSession::~RestoreSession() = default;
+Status RestoreSession::Start() {
+  return impl_->Start();
+}
+const std::vector<BoEntry>& RestoreSession::bos() const {
+  return impl_->bos_;
+}
+uint32_t RestoreSession::chunk_size() const {
+  return impl_->chunk_size_;
+}
+const manifest::AccessProfile& RestoreSession::profile() const {
+  return impl_->profile_;
+}
+bool RestoreSession::lazy_image() const {
+  return impl_->lazy_image_;
+}
+Status RestoreSession::Ensure(uint32_t bo, uint64_t offset, uint64_t length,
+                              std::optional<std::chrono::milliseconds> timeout) {
+  return impl_->Ensure(bo, offset, length, timeout);
+}
+Status RestoreSession::WaitHotSet(std::optional<std::chrono::milliseconds> timeout) {
+  return impl_->WaitHotSet(timeout);
+}
+Status RestoreSession::WaitComplete(std::optional<std::chrono::milliseconds> timeout) {
+  return impl_->WaitComplete(timeout);
+}
+bool RestoreSession::IsResident(uint32_t bo, uint64_t offset, uint64_t length) const {
+  return impl_->IsResident(bo, offset, length);
+}
+Progress RestoreSession::progress() const {
+  return impl_->progress();
+}
+Status RestoreSession::status() const {
+  return impl_->status();
+}
+void RestoreSession::Cancel() {
+  impl_->Cancel();
+}
+
+}  // namespace gpulazy::client

@@ -1,0 +1,119 @@
+// RestoreSession: restores one image's BO contents from gpulazy-server into a CopyEngine
+// (docs/client.md, docs/protocol.md). It opens the image, streams every chunk in the server's
+// priority order under a bounded credit window, verifies each chunk's checksum before the
+// engine sees it, tracks residency per chunk, serves Ensure() by jumping the queue on a
+// separate demand connection, and survives dropped connections and restarted servers
+// (reconnect with back-off, Have for what it holds, no chunk applied twice).
+//
+// Thread-safety: Start, and the destructor, from one thread; Ensure, Wait*, progress and
+// Cancel from any thread at any time after Start returned. The session runs its network
+// I/O, decoding and engine writes on one internal thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "page-client/copy_engine.h"
+#include "proto/manifest.pb.h"
+#include "proto/status.h"
+
+namespace gpulazy::client {
+
+struct ReconnectPolicy {
+  // Consecutive failed attempts before giving up; 0 never reconnects.
+  uint32_t max_attempts = 10;
+  std::chrono::milliseconds initial_backoff{50};  // doubled after each failed attempt
+  std::chrono::milliseconds max_backoff{2000};
+  // Give up when the connection has been lost for this long, whatever max_attempts says.
+  std::chrono::milliseconds deadline{60000};
+};
+
+struct SessionOptions {
+  std::string endpoint;  // "unix:PATH" or "tcp:HOST:PORT"
+  std::string image;     // relative to one of the server's image roots
+  // Most payload bytes the server may have sent that the client has not consumed. Raised to
+  // the server's max_payload when smaller (the protocol needs one whole chunk to fit).
+  uint64_t window_bytes = 16u << 20;
+  // A second connection for demand requests, so they never queue behind background bytes.
+  bool demand_connection = true;
+  ReconnectPolicy reconnect;
+  std::string client_name = "gpulazy-client";
+  std::string token;                                   // bearer token, when the server wants one
+  std::chrono::milliseconds handshake_timeout{10000};  // Hello and OpenImage replies
+  // Most demand chunks asked for and not yet received (the server refuses past its own limit).
+  uint32_t max_demand_in_flight = 128;
+};
+
+// A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).
+struct BoEntry {
+  uint32_t process_id = 0;  // CRIU file id of the amdgpu-kfd-<id>.img it belongs to
+  uint32_t bo_index = 0;    // index in that process's BO table
+  uint32_t gpu_id = 0;
+  uint64_t gpu_va = 0;
+  uint64_t size = 0;
+  uint32_t alloc_flags = 0;
+  uint32_t chunk_count = 0;
+};
+
+struct Progress {
+  uint64_t total_bytes = 0;
+  uint64_t total_chunks = 0;
+  uint64_t resident_bytes = 0;
+  uint64_t resident_chunks = 0;
+  uint64_t hot_chunks = 0;  // chunks in the profile's hot set
+  uint64_t hot_resident_chunks = 0;
+  uint64_t received_bytes = 0;  // payload bytes off the wire, duplicates included
+  uint64_t demand_chunks = 0;   // chunks asked for by Ensure
+  uint64_t refetches = 0;       // chunks asked for again after a bad copy
+  uint64_t duplicates = 0;      // copies of chunks already held, ignored
+  uint64_t reconnects = 0;      // successful re-opens after a lost connection
+  bool complete = false;
+};
+
+class RestoreSession {
+ public:
+  RestoreSession(SessionOptions options, CopyEngine& engine);
+  // Cancels what is still running and waits for the I/O thread and the engine's writes.
+  ~RestoreSession();
+  RestoreSession(const RestoreSession&) = delete;
+  RestoreSession& operator=(const RestoreSession&) = delete;
+
+  // Connects, opens the image, creates one engine destination per BO and starts streaming.
+  // Returns once the image is open (or why it could not be): the first connection is not
+  // retried, so a wrong address or image name fails at once. Call once.
+  Status Start();
+
+  // Valid after Start succeeded; immutable for the session's life.
+  const std::vector<BoEntry>& bos() const;
+  uint32_t chunk_size() const;
+  const manifest::AccessProfile& profile() const;
+  bool lazy_image() const;
+
+  // Blocks until [offset, offset + length) of `bo` is resident, asking the server for the
+  // missing chunks at demand priority. Returns the session's error if it fails meanwhile,
+  // kTimeout if `timeout` passes first.
+  Status Ensure(uint32_t bo, uint64_t offset, uint64_t length,
+                std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  // Blocks until the profile's hot set (or, with an empty profile, nothing) is resident.
+  Status WaitHotSet(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  // Blocks until every chunk is resident.
+  Status WaitComplete(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  // Non-blocking: whether the range is resident now.
+  bool IsResident(uint32_t bo, uint64_t offset, uint64_t length) const;
+
+  Progress progress() const;
+  // The error that ended the session, Ok while it runs or after it completed.
+  Status status() const;
+  // Stops streaming; waiters return kAborted. Idempotent.
+  void Cancel();
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gpulazy::client

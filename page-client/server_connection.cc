@@ -1,0 +1,171 @@
+#include "page-client/server_connection.h"
+
+#include <memory>
+
+namespace gpulazy::client {
+namespace asio = boost::asio;
+
+Status ErrorFrameStatus(const wire::Error& error, std::string_view what) {
+  std::string_view code = wire::ErrorCode_Name(error.code());
+  std::string message = fmt::format("{}: server says {}: {}", what, code, error.message());
+  switch (error.code()) {
+    case wire::ERROR_NOT_FOUND:
+      return Status(Code::kNotFound, message);
+    case wire::ERROR_UNAUTHENTICATED:
+      return Status(Code::kPermissionDenied, message);
+    case wire::ERROR_UNSUPPORTED_VERSION:
+      return Status(Code::kUnsupported, message);
+    case wire::ERROR_OUT_OF_RANGE:
+      return Status(Code::kOutOfRange, message);
+    case wire::ERROR_CORRUPT:
+      return Status(Code::kCorrupt, message);
+    case wire::ERROR_IO:
+      return Status(Code::kIoError, message);
+    case wire::ERROR_LIMIT:
+      return Status(Code::kResourceExhausted, message);
+    case wire::ERROR_SHUTTING_DOWN:
+      return Status(Code::kUnavailable, message);
+    case wire::ERROR_BAD_REQUEST:
+      return Status(Code::kInvalidArgument, message);
+    default:
+      return Status(Code::kInternal, message);
+  }
+}
+
+bool IsRetryableServerError(const wire::Error& error) {
+  return error.code() == wire::ERROR_SHUTTING_DOWN;
+}
+
+namespace {
+
+// Closes the socket if the guarded exchange outlives its deadline. The shared flag keeps a
+// timer handler that was already queued from touching a socket the exchange has moved on with.
+class HandshakeDeadline {
+ public:
+  HandshakeDeadline(asio::any_io_executor executor, net::Socket* socket,
+                    std::chrono::milliseconds timeout)
+      : timer_(std::make_shared<asio::steady_timer>(executor, timeout)),
+        finished_(std::make_shared<bool>(false)) {
+    timer_->async_wait(
+        [timer = timer_, finished = finished_, socket](boost::system::error_code ec) {
+          if (ec || *finished) return;
+          boost::system::error_code ignored;
+          socket->close(ignored);
+        });
+  }
+  ~HandshakeDeadline() {
+    *finished_ = true;
+    timer_->cancel();
+  }
+  HandshakeDeadline(const HandshakeDeadline&) = delete;
+  HandshakeDeadline& operator=(const HandshakeDeadline&) = delete;
+
+ private:
+  std::shared_ptr<asio::steady_timer> timer_;
+  std::shared_ptr<bool> finished_;
+};
+
+}  // namespace
+
+net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
+                                                  const wire::Hello& hello,
+                                                  std::chrono::milliseconds timeout,
+                                                  bool* refused) {
+  *refused = false;
+  auto executor = co_await asio::this_coro::executor;
+  // The connect itself is bounded by the OS (Unix sockets answer at once; TCP by its SYN
+  // retries); the deadline starts once there is a socket to close.
+  Result<net::Socket> connected = co_await net::Connect(endpoint);
+  if (!connected.ok()) co_return connected.status();
+  Handshake handshake{std::move(connected).value(), {}};
+  net::TuneSocket(handshake.socket);
+  HandshakeDeadline deadline(executor, &handshake.socket, timeout);
+
+  FrameLimits limits;
+  wire::Header header;
+  *header.mutable_hello() = hello;
+  Status sent = co_await net::WriteFrame(handshake.socket, header, {}, limits);
+  if (!sent.ok()) co_return sent.Context(fmt::format("sending Hello to {}", endpoint.ToString()));
+  std::vector<uint8_t> payload;
+  Result<wire::Header> reply = co_await net::ReadFrame(handshake.socket, limits, &payload);
+  if (!reply.ok()) {
+    if (!handshake.socket.is_open())
+      co_return TimedOut("{}: no HelloReply within {} ms", endpoint.ToString(), timeout.count());
+    co_return reply.status().Context(
+        fmt::format("waiting for HelloReply from {}", endpoint.ToString()));
+  }
+  if (reply->has_error()) {
+    *refused = !IsRetryableServerError(reply->error());
+    co_return ErrorFrameStatus(reply->error(), fmt::format("Hello to {}", endpoint.ToString()));
+  }
+  if (!reply->has_hello_reply())
+    co_return Corrupt("{}: expected HelloReply, got header body {}", endpoint.ToString(),
+                      static_cast<int>(reply->body_case()));
+  if (reply->hello_reply().version() != kProtocolVersion)
+    co_return Unsupported("{}: server chose protocol version {}, we speak {}", endpoint.ToString(),
+                          reply->hello_reply().version(), kProtocolVersion);
+  handshake.reply = reply->hello_reply();
+  co_return std::move(handshake);
+}
+
+net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Socket& socket,
+                                                       const std::string& image,
+                                                       const FrameLimits& limits,
+                                                       std::chrono::milliseconds timeout,
+                                                       bool* refused) {
+  *refused = false;
+  HandshakeDeadline deadline(co_await asio::this_coro::executor, &socket, timeout);
+  wire::Header header;
+  header.mutable_open_image()->set_image(image);
+  Status sent = co_await net::WriteFrame(socket, header, {}, limits);
+  if (!sent.ok()) co_return sent.Context(fmt::format("opening image {}", image));
+  std::vector<uint8_t> payload;
+  Result<wire::Header> reply = co_await net::ReadFrame(socket, limits, &payload);
+  if (!reply.ok()) {
+    if (!socket.is_open())
+      co_return TimedOut("opening image {}: no reply within {} ms", image, timeout.count());
+    co_return reply.status().Context(fmt::format("opening image {}", image));
+  }
+  if (reply->has_error()) {
+    *refused = !IsRetryableServerError(reply->error());
+    co_return ErrorFrameStatus(reply->error(), fmt::format("opening image {}", image));
+  }
+  if (!reply->has_open_image_reply())
+    co_return Corrupt("opening image {}: expected OpenImageReply, got header body {}", image,
+                      static_cast<int>(reply->body_case()));
+  co_return std::move(*reply->mutable_open_image_reply());
+}
+
+FrameWriter::FrameWriter(net::Socket& socket, FrameLimits limits)
+    : socket_(socket), limits_(limits), wakeup_(socket.get_executor()) {
+  wakeup_.expires_at(asio::steady_timer::time_point::max());
+}
+
+void FrameWriter::Send(wire::Header header) {
+  if (closed_) return;
+  queue_.push_back(std::move(header));
+  wakeup_.cancel();
+}
+
+void FrameWriter::Close() {
+  closed_ = true;
+  wakeup_.cancel();
+}
+
+net::Awaitable<Status> FrameWriter::Run() {
+  for (;;) {
+    while (!queue_.empty()) {
+      // Pop before writing: a frame is never written twice, and Send may append meanwhile.
+      wire::Header header = std::move(queue_.front());
+      queue_.pop_front();
+      Status status = co_await net::WriteFrame(socket_, header, {}, limits_);
+      if (!status.ok()) co_return status;
+    }
+    if (closed_) co_return Status::Ok();
+    boost::system::error_code ec;
+    wakeup_.expires_at(asio::steady_timer::time_point::max());
+    co_await wakeup_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+}
+
+}  // namespace gpulazy::client

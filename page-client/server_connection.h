@@ -1,0 +1,61 @@
+// One connection to gpulazy-server as the client sees it: connecting with a handshake deadline,
+// Hello / OpenImage exchanges, mapping the server's Error frames to Status, and a FrameWriter
+// that serializes the frames several coroutines want to send on one socket.
+// Thread-safety: everything here runs on the owning io_context's single thread.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <string>
+
+#include "page-client/net/asio.h"
+#include "page-client/net/endpoint.h"
+#include "page-client/net/frame_stream.h"
+#include "proto/status.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy::client {
+
+// The Status a server Error frame stands for; `what` says which exchange it answered.
+Status ErrorFrameStatus(const wire::Error& error, std::string_view what);
+// True when the error means "try again later" (the server is shutting down).
+bool IsRetryableServerError(const wire::Error& error);
+
+struct Handshake {
+  net::Socket socket;
+  wire::HelloReply reply;
+};
+
+// Connects and exchanges Hello/HelloReply; the whole exchange must finish within `timeout`
+// (the socket is closed when it does not, so a silent peer cannot hang us). *refused is set
+// when the server answered with an Error frame that retrying will not fix.
+net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
+                                                  const wire::Hello& hello,
+                                                  std::chrono::milliseconds timeout, bool* refused);
+
+// Sends OpenImage and reads its reply within `timeout`; *refused as for ConnectAndHello.
+net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Socket& socket,
+                                                       const std::string& image,
+                                                       const FrameLimits& limits,
+                                                       std::chrono::milliseconds timeout,
+                                                       bool* refused);
+
+// Queues payload-less frames (Credit, Have, Request, Goodbye) and writes them in order from one
+// coroutine, so a socket never has two writes in flight.
+class FrameWriter {
+ public:
+  FrameWriter(net::Socket& socket, FrameLimits limits);
+  void Send(wire::Header header);
+  // Writes until Close() (after draining what was queued) or a write error.
+  net::Awaitable<Status> Run();
+  void Close();
+
+ private:
+  net::Socket& socket_;
+  FrameLimits limits_;
+  std::deque<wire::Header> queue_;
+  boost::asio::steady_timer wakeup_;
+  bool closed_ = false;
+};
+
+}  // namespace gpulazy::client

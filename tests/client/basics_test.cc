@@ -1,0 +1,175 @@
+// Endpoint parsing, the host copy engine, residency tracking and chunk decoding.
+#include <gtest/gtest.h>
+#include <lz4.h>
+#include <unistd.h>
+
+#include "page-client/chunk_codec.h"
+#include "page-client/host_engine.h"
+#include "page-client/net/endpoint.h"
+#include "page-client/residency.h"
+#include "proto/checksum.h"
+
+namespace gpulazy::client {
+namespace {
+
+TEST(Endpoint, ParsesUnixAndTcp) {
+  Result<net::Endpoint> unix_ep = net::Endpoint::Parse("unix:/run/x.sock");
+  ASSERT_TRUE(unix_ep.ok());
+  EXPECT_EQ(unix_ep->kind, net::Endpoint::Kind::kUnix);
+  EXPECT_EQ(unix_ep->path, "/run/x.sock");
+  Result<net::Endpoint> tcp = net::Endpoint::Parse("tcp:127.0.0.1:7070");
+  ASSERT_TRUE(tcp.ok());
+  EXPECT_EQ(tcp->host, "127.0.0.1");
+  EXPECT_EQ(tcp->port, 7070);
+  Result<net::Endpoint> v6 = net::Endpoint::Parse("tcp:[::1]:80");
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(v6->host, "::1");
+  EXPECT_EQ(v6->ToString(), "tcp:[::1]:80");
+}
+
+TEST(Endpoint, RejectsMalformed) {
+  for (const char* bad :
+       {"", "unix:", "tcp:host", "tcp::80", "tcp:h:99999", "tcp:h:8x", "udp:h:1", "tcp:[::1]80"})
+    EXPECT_FALSE(net::Endpoint::Parse(bad).ok()) << bad;
+  EXPECT_FALSE(net::Endpoint::Parse("unix:/" + std::string(200, 'a')).ok());
+}
+
+TEST(HostCopyEngine, WritesLandInTheMemfd) {
+  HostCopyEngine engine;
+  ASSERT_TRUE(engine.AddDestination(3, 8192).ok());
+  std::vector<uint8_t> bytes(100, 0xab);
+  int done_calls = 0;
+  ASSERT_TRUE(engine
+                  .Write(3, 4000, bytes,
+                         [&](Status s) {
+                           EXPECT_TRUE(s.ok());
+                           ++done_calls;
+                         })
+                  .ok());
+  EXPECT_EQ(done_calls, 1);
+  Result<std::span<uint8_t>> mapping = engine.Mapping(3);
+  ASSERT_TRUE(mapping.ok());
+  EXPECT_EQ(mapping->size(), 8192u);
+  EXPECT_EQ((*mapping)[4000], 0xab);
+  EXPECT_EQ((*mapping)[4099], 0xab);
+  EXPECT_EQ((*mapping)[4100], 0);
+  // The fd names the same memory.
+  Result<int> fd = engine.Fd(3);
+  ASSERT_TRUE(fd.ok());
+  uint8_t b = 0;
+  ASSERT_EQ(::pread(*fd, &b, 1, 4050), 1);
+  EXPECT_EQ(b, 0xab);
+  EXPECT_EQ(engine.bytes_written(), 100u);
+}
+
+TEST(HostCopyEngine, RejectsOutOfBoundsAndUnknownBos) {
+  HostCopyEngine engine;
+  ASSERT_TRUE(engine.AddDestination(0, 4096).ok());
+  EXPECT_EQ(engine.AddDestination(0, 4096).code(), Code::kInvalidArgument);
+  std::vector<uint8_t> bytes(16);
+  bool called = false;
+  auto done = [&](Status) { called = true; };
+  EXPECT_EQ(engine.Write(0, 4090, bytes, done).code(), Code::kOutOfRange);
+  EXPECT_EQ(engine.Write(0, 5000, bytes, done).code(), Code::kOutOfRange);
+  EXPECT_EQ(engine.Write(0, UINT64_MAX - 4, bytes, done).code(), Code::kOutOfRange);
+  EXPECT_EQ(engine.Write(1, 0, bytes, done).code(), Code::kNotFound);
+  EXPECT_FALSE(called);
+  EXPECT_TRUE(engine.Write(0, 4080, bytes, done).ok());  // exactly to the end
+  EXPECT_TRUE(called);
+  EXPECT_FALSE(engine.Mapping(7).ok());
+  EXPECT_TRUE(engine.AddDestination(9, 0).ok());  // an empty BO has no mapping but is valid
+  EXPECT_TRUE(engine.Write(9, 0, {}, nullptr).ok());
+}
+
+TEST(Residency, GeometryAndStates) {
+  std::vector<uint64_t> sizes{10000, 4096, 0};
+  Result<ResidencyMap> created = ResidencyMap::Create(4096, sizes);
+  ASSERT_TRUE(created.ok());
+  ResidencyMap& map = *created;
+  EXPECT_EQ(map.total_chunks(), 4u);  // 3 + 1 + 0
+  EXPECT_EQ(map.chunk_count(0), 3u);
+  EXPECT_EQ(map.ChunkLength(0, 2), 10000u - 8192u);
+  EXPECT_TRUE(map.CheckChunk(0, 2).ok());
+  EXPECT_EQ(map.CheckChunk(0, 3).code(), Code::kOutOfRange);
+  EXPECT_EQ(map.CheckChunk(3, 0).code(), Code::kOutOfRange);
+  EXPECT_EQ(map.CheckChunk(2, 0).code(), Code::kOutOfRange);
+
+  Result<ChunkRun> run = map.Covering(0, 4095, 2);
+  ASSERT_TRUE(run.ok());
+  EXPECT_EQ(*run, (ChunkRun{0, 0, 2}));
+  EXPECT_EQ(map.Covering(0, 9999, 2).status().code(), Code::kOutOfRange);
+  EXPECT_EQ(map.Covering(0, UINT64_MAX, 2).status().code(), Code::kOutOfRange);
+
+  EXPECT_TRUE(map.MarkLanding(0, 1));
+  EXPECT_FALSE(map.MarkLanding(0, 1));  // never applied twice
+  EXPECT_TRUE(map.held(0, 1));
+  EXPECT_FALSE(map.resident(0, 1));
+  EXPECT_TRUE(map.MarkResident(0, 1));
+  EXPECT_FALSE(map.MarkResident(0, 1));
+  EXPECT_EQ(map.resident_chunks(), 1u);
+  EXPECT_EQ(map.resident_bytes(), 4096u);
+  ASSERT_TRUE(map.MarkLanding(0, 2));
+  ASSERT_TRUE(map.MarkResident(0, 2));
+  ASSERT_TRUE(map.MarkLanding(1, 0));
+  EXPECT_EQ(map.HeldRuns(), (std::vector<ChunkRun>{{0, 1, 2}, {1, 0, 1}}));
+  map.set_demanded(0, 0);
+  EXPECT_EQ(map.PendingDemandRuns(), (std::vector<ChunkRun>{{0, 0, 1}}));
+  EXPECT_TRUE(map.UnrequestedRuns().empty());
+  EXPECT_FALSE(map.complete());
+  ASSERT_TRUE(map.MarkResident(1, 0));
+  ASSERT_TRUE(map.MarkLanding(0, 0));
+  ASSERT_TRUE(map.MarkResident(0, 0));
+  EXPECT_TRUE(map.complete());
+  EXPECT_EQ(map.resident_bytes(), 10000u + 4096u);
+}
+
+TEST(Residency, RefusesHugeTables) {
+  std::vector<uint64_t> sizes{uint64_t{1} << 62};
+  EXPECT_EQ(ResidencyMap::Create(4096, sizes).status().code(), Code::kResourceExhausted);
+  EXPECT_FALSE(ResidencyMap::Create(0, sizes).ok());
+}
+
+TEST(ChunkCodec, DecodesAndVerifiesEveryCodec) {
+  std::vector<uint8_t> raw(5000);
+  for (size_t i = 0; i < raw.size(); ++i)
+    raw[i] = static_cast<uint8_t>(i % 13);
+  wire::ChunkData data;
+  data.set_raw_length(5000);
+  data.set_checksum(Checksum64(raw));
+  std::vector<uint8_t> out;
+
+  data.set_codec(manifest::CODEC_RAW);
+  ASSERT_TRUE(DecodeChunkPayload(data, raw, &out, "c").ok());
+  EXPECT_EQ(out, raw);
+
+  std::vector<uint8_t> lz4(LZ4_compressBound(5000));
+  lz4.resize(LZ4_compress_default(reinterpret_cast<const char*>(raw.data()),
+                                  reinterpret_cast<char*>(lz4.data()), 5000, int(lz4.size())));
+  data.set_codec(manifest::CODEC_LZ4);
+  out.clear();
+  ASSERT_TRUE(DecodeChunkPayload(data, lz4, &out, "c").ok());
+  EXPECT_EQ(out, raw);
+  std::vector<uint8_t> truncated(lz4.begin(), lz4.end() - 3);
+  EXPECT_EQ(DecodeChunkPayload(data, truncated, &out, "c").code(), Code::kCorrupt);
+
+  std::vector<uint8_t> zeros(5000, 0);
+  data.set_codec(manifest::CODEC_ZERO);
+  data.set_checksum(Checksum64(zeros));
+  ASSERT_TRUE(DecodeChunkPayload(data, {}, &out, "c").ok());
+  EXPECT_EQ(out, zeros);
+  EXPECT_EQ(DecodeChunkPayload(data, raw, &out, "c").code(), Code::kCorrupt);
+
+  data.set_codec(manifest::CODEC_RAW);
+  data.set_checksum(Checksum64(raw) ^ 1);
+  Status bad = DecodeChunkPayload(data, raw, &out, "image x, BO 1, chunk 2");
+  EXPECT_EQ(bad.code(), Code::kCorrupt);
+  EXPECT_NE(bad.message().find("BO 1, chunk 2"), std::string::npos);
+  data.set_checksum(Checksum64(raw));
+  std::vector<uint8_t> short_raw(raw.begin(), raw.end() - 1);
+  EXPECT_EQ(DecodeChunkPayload(data, short_raw, &out, "c").code(), Code::kCorrupt);
+  data.set_codec(static_cast<manifest::Codec>(9));
+  EXPECT_EQ(DecodeChunkPayload(data, raw, &out, "c").code(), Code::kCorrupt);
+}
+
+}  // namespace
+}  // namespace gpulazy::client

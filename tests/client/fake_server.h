@@ -1,0 +1,102 @@
+// An in-process page server for the client tests: speaks docs/protocol.md over a Unix socket
+// with blocking threads, serves an image from memory, and injects faults (corrupt copies,
+// dropped connections, restarts, a different image after a reconnect). Records what the client
+// sent (Have, demand requests, credit) so tests can check the client's side of the protocol.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proto/manifest.pb.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy::testing {
+
+using ChunkKey = std::pair<uint32_t, uint32_t>;  // BO, chunk
+
+struct FakeImage {
+  uint32_t chunk_size = 4096;
+  std::vector<std::vector<uint8_t>> bos;  // contents; BO i has process 1, bo_index i, gpu 0xc0de
+  manifest::AccessProfile profile;
+  // Random contents, with every third chunk all zeros (so CODEC_ZERO gets exercised).
+  static FakeImage Make(const std::vector<uint64_t>& sizes, uint32_t chunk_size, uint32_t seed);
+  uint32_t ChunkCount(uint32_t bo) const;
+  uint64_t TotalChunks() const;
+};
+
+struct FakeServerOptions {
+  std::string image_name = "test-image";
+  uint32_t max_payload = 4 * 1024 * 1024 + 64 * 1024;
+  bool mixed_codecs = true;  // LZ4 for odd chunks, ZERO for zero chunks, RAW otherwise
+  // Copies of these chunks to send corrupted (one byte flipped, checksum of the good bytes).
+  std::map<ChunkKey, int> corrupt_copies;
+  // Close the stream connection after this many stream chunks in total (once; -1: never).
+  int drop_after_chunks = -1;
+  // Restart (close everything, refuse connections for restart_downtime_ms) instead of a plain drop.
+  bool restart_on_drop = false;
+  int restart_downtime_ms = 150;
+  // After the first session, announce BO 0 one chunk larger (a different image).
+  bool different_image_after_first = false;
+  // Hold stream_all chunks until Resume() (demand still flows).
+  bool paused = false;
+};
+
+class FakeServer {
+ public:
+  FakeServer(FakeImage image, FakeServerOptions options);
+  ~FakeServer();
+
+  std::string endpoint() const { return "unix:" + path_; }
+  void Resume();
+
+  // Observations (thread-safe).
+  int sessions() const;
+  std::vector<std::vector<wire::ChunkRange>> haves() const;  // per session, in order
+  std::vector<wire::Request> demand_requests() const;        // from the demand connections
+  std::vector<std::set<ChunkKey>> stream_sent() const;       // per session
+  uint64_t max_outstanding_credit() const;  // max of granted minus sent, over all sessions
+  bool credit_violated() const;             // ever asked to send past credit (never happens)
+
+ private:
+  struct StreamState;
+  void Listen();
+  void AcceptLoop();
+  void Serve(int fd);
+  void ServeStream(int fd, const wire::Hello& hello);
+  void ServeDemand(int fd, const wire::Hello& hello);
+  void SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority priority, uint64_t request_id,
+                 uint64_t* payload_bytes);
+  void CloseAll();
+
+  FakeImage image_;
+  FakeServerOptions options_;
+  std::string dir_;
+  std::string path_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  bool refusing_ = false;
+  int listen_fd_ = -1;
+  std::set<int> open_fds_;
+  std::vector<std::thread> threads_;
+  std::thread acceptor_;
+  int sessions_ = 0;
+  int stream_chunks_sent_ = 0;
+  bool dropped_ = false;
+  std::map<uint64_t, std::pair<std::string, int>> live_sessions_;  // id -> secret, demand fd
+  std::vector<std::vector<wire::ChunkRange>> haves_;
+  std::vector<wire::Request> demand_requests_;
+  std::vector<std::set<ChunkKey>> stream_sent_;
+  uint64_t max_outstanding_ = 0;
+  bool credit_violated_ = false;
+};
+
+}  // namespace gpulazy::testing

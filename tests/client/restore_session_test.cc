@@ -1,0 +1,401 @@
+// RestoreSession against the in-process FakeServer: byte-exact restores, refetch after a bad
+// copy, persistent corruption, reconnects (dropped connection, restarted server, a different
+// image), demand requests, flow control and server errors. Every wait is bounded.
+#include "page-client/restore_session.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <mutex>
+
+#include "page-client/host_engine.h"
+#include "tests/client/fake_server.h"
+
+namespace gpulazy::client {
+namespace {
+
+using gpulazy::testing::ChunkKey;
+using gpulazy::testing::FakeImage;
+using gpulazy::testing::FakeServer;
+using gpulazy::testing::FakeServerOptions;
+using namespace std::chrono_literals;
+
+// The host engine, counting writes per chunk and checking that every write carries the
+// source image's bytes (so corrupt bytes reaching the engine are caught at the write).
+class CountingEngine : public CopyEngine {
+ public:
+  CountingEngine(const FakeImage& image) : image_(image) {}
+  std::string_view name() const override { return "counting-host"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override {
+    return host_.AddDestination(bo, size);
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
+    {
+      std::lock_guard lock(mutex_);
+      ++writes_[{bo, static_cast<uint32_t>(offset / image_.chunk_size)}];
+      if (bo >= image_.bos.size() || offset + raw.size() > image_.bos[bo].size() ||
+          !std::equal(raw.begin(), raw.end(), image_.bos[bo].begin() + offset))
+        ++bad_writes_;
+    }
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  Status Flush() override { return host_.Flush(); }
+
+  std::map<ChunkKey, int> writes() const {
+    std::lock_guard lock(mutex_);
+    return writes_;
+  }
+  int bad_writes() const {
+    std::lock_guard lock(mutex_);
+    return bad_writes_;
+  }
+  bool Matches(const FakeImage& image) const {
+    for (uint32_t bo = 0; bo < image.bos.size(); ++bo) {
+      Result<std::span<uint8_t>> mapping = host_.Mapping(bo);
+      if (!mapping.ok() ||
+          !std::equal(mapping->begin(), mapping->end(), image.bos[bo].begin(), image.bos[bo].end()))
+        return false;
+    }
+    return true;
+  }
+  // Every chunk written exactly once.
+  void ExpectEachChunkOnce() const {
+    std::map<ChunkKey, int> counts = writes();
+    EXPECT_EQ(counts.size(), image_.TotalChunks());
+    for (const auto& [key, n] : counts)
+      EXPECT_EQ(n, 1) << "BO " << key.first << " chunk " << key.second;
+  }
+
+ private:
+  const FakeImage& image_;
+  HostCopyEngine host_;
+  mutable std::mutex mutex_;
+  std::map<ChunkKey, int> writes_;
+  int bad_writes_ = 0;
+};
+
+SessionOptions Options(const FakeServer& server, const std::string& image = "test-image") {
+  SessionOptions options;
+  options.endpoint = server.endpoint();
+  options.image = image;
+  options.window_bytes = 256 * 1024;
+  options.handshake_timeout = 5s;
+  options.reconnect.initial_backoff = 10ms;
+  options.reconnect.max_backoff = 100ms;
+  options.reconnect.max_attempts = 20;
+  options.reconnect.deadline = 10s;
+  return options;
+}
+
+FakeImage SmallImage() {
+  // Three BOs: several chunks, a partial last chunk, a single small chunk.
+  FakeImage image = FakeImage::Make({64 * 1024, 40000, 1000}, 4096, 7);
+  manifest::ChunkRef* ref = image.profile.add_order();
+  ref->set_bo(1);
+  ref->set_chunk(3);
+  ref = image.profile.add_order();
+  ref->set_bo(2);
+  ref->set_chunk(0);
+  image.profile.set_hot_count(2);
+  return image;
+}
+
+TEST(RestoreSession, RestoresByteExact) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_EQ(session.bos().size(), 3u);
+  EXPECT_EQ(session.bos()[1].size, 40000u);
+  EXPECT_EQ(session.chunk_size(), 4096u);
+  ASSERT_TRUE(session.WaitHotSet(10s).ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(engine.bad_writes(), 0);
+  Progress p = session.progress();
+  EXPECT_TRUE(p.complete);
+  EXPECT_EQ(p.resident_chunks, image.TotalChunks());
+  EXPECT_EQ(p.resident_bytes, 64u * 1024 + 40000 + 1000);
+  EXPECT_EQ(p.hot_resident_chunks, 2u);
+  EXPECT_EQ(p.reconnects, 0u);
+  EXPECT_TRUE(session.IsResident(1, 0, 40000));
+}
+
+TEST(RestoreSession, WorksWithoutDemandConnection) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.paused = true;  // only demand requests flow until Resume
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.demand_connection = false;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Ensure(0, 8192, 100, 10s).ok());  // served on the stream connection
+  server.Resume();
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_FALSE(server.credit_violated());
+}
+
+TEST(RestoreSession, EnsureDemandsMissingChunks) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.paused = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  // Chunks 2 and 3 of BO 0: bytes [8192 + 4000, +4000).
+  ASSERT_TRUE(session.Ensure(0, 12192, 4000, 10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(session.IsResident(0, 8192, 8192));
+  EXPECT_FALSE(session.IsResident(0, 0, 4096));  // the stream is paused: nothing else came
+  std::vector<wire::Request> requests = server.demand_requests();
+  ASSERT_EQ(requests.size(), 1u);
+  EXPECT_EQ(requests[0].priority(), wire::PRIORITY_DEMAND);
+  ASSERT_EQ(requests[0].ranges_size(), 1);
+  EXPECT_EQ(requests[0].ranges(0).bo(), 0u);
+  EXPECT_EQ(requests[0].ranges(0).first_chunk(), 2u);
+  EXPECT_EQ(requests[0].ranges(0).chunk_count(), 2u);
+  // Resident already: no new request.
+  ASSERT_TRUE(session.Ensure(0, 8192, 10, 10s).ok());
+  EXPECT_EQ(server.demand_requests().size(), 1u);
+  EXPECT_EQ(session.progress().demand_chunks, 2u);
+  // Out of range is refused without asking anyone.
+  EXPECT_EQ(session.Ensure(0, 65536, 1, 1s).code(), Code::kOutOfRange);
+  EXPECT_EQ(session.Ensure(7, 0, 1, 1s).code(), Code::kOutOfRange);
+  server.Resume();
+  ASSERT_TRUE(session.WaitComplete(10s).ok());
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();  // the streamed copies of chunks 2 and 3 were ignored
+  EXPECT_GE(session.progress().duplicates, 2u);
+}
+
+TEST(RestoreSession, WaitTimesOutWhenNothingArrives) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.paused = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  EXPECT_EQ(session.WaitComplete(100ms).code(), Code::kTimeout);
+  session.Cancel();
+  EXPECT_EQ(session.WaitComplete(1s).code(), Code::kAborted);
+  EXPECT_EQ(session.Ensure(0, 0, 1, 1s).code(), Code::kAborted);
+}
+
+TEST(RestoreSession, RefetchesABadCopyOnce) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.corrupt_copies[{1, 2}] = 1;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  EXPECT_EQ(engine.bad_writes(), 0);
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(session.progress().refetches, 1u);
+  bool asked = false;
+  for (const wire::Request& r : server.demand_requests())
+    for (const wire::ChunkRange& range : r.ranges())
+      asked |= range.bo() == 1 && range.first_chunk() <= 2 &&
+               range.first_chunk() + range.chunk_count() > 2;
+  EXPECT_TRUE(asked);
+}
+
+TEST(RestoreSession, FailsLoudlyOnPersistentCorruption) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.corrupt_copies[{0, 5}] = 100;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
+  EXPECT_NE(status.message().find("test-image"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("BO 0"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("chunk 5"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("checksum mismatch"), std::string::npos) << status.message();
+  EXPECT_EQ(engine.bad_writes(), 0);
+  EXPECT_EQ(engine.writes().count({0, 5}), 0u);  // the bad bytes never reached the engine
+  EXPECT_EQ(session.Ensure(0, 5 * 4096, 1, 1s).code(), Code::kCorrupt);  // waiters see it too
+}
+
+TEST(RestoreSession, ReconnectsAfterADroppedConnection) {
+  FakeImage image = FakeImage::Make({256 * 1024, 100000}, 4096, 11);
+  FakeServerOptions server_options;
+  server_options.drop_after_chunks = 30;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(session.progress().reconnects, 1u);
+  ASSERT_EQ(server.sessions(), 2);
+  // The second session's Have lists exactly what the client held: only chunks the first session
+  // delivered, none of them sent again (no duplicates arrived), and the rest sent once.
+  std::vector<std::set<ChunkKey>> sent = server.stream_sent();
+  std::set<ChunkKey> have;
+  std::vector<std::vector<wire::ChunkRange>> haves = server.haves();
+  for (const wire::ChunkRange& range : haves[1])
+    for (uint32_t i = 0; i < range.chunk_count(); ++i)
+      have.insert({range.bo(), range.first_chunk() + i});
+  EXPECT_TRUE(haves[0].empty());
+  // The client drains what the server sent before the drop (the reader goes on to EOF even when
+  // a Credit write has already failed), so everything delivered is kept.
+  EXPECT_EQ(have, sent[0]);
+  for (const ChunkKey& key : have)
+    EXPECT_TRUE(sent[0].contains(key));
+  for (const ChunkKey& key : sent[1])
+    EXPECT_FALSE(have.contains(key));
+  // (The fake server records a chunk after writing it, so sent[1] may lag the client here.)
+  EXPECT_LE(have.size() + sent[1].size(), image.TotalChunks());
+  EXPECT_EQ(session.progress().duplicates, 0u);
+}
+
+TEST(RestoreSession, SurvivesARestartedServer) {
+  FakeImage image = FakeImage::Make({128 * 1024, 50000}, 4096, 13);
+  FakeServerOptions server_options;
+  server_options.drop_after_chunks = 10;
+  server_options.restart_on_drop = true;
+  server_options.restart_downtime_ms = 200;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(session.progress().reconnects, 1u);
+}
+
+TEST(RestoreSession, GivesUpWhenTheServerStaysAway) {
+  FakeImage image = FakeImage::Make({128 * 1024}, 4096, 17);
+  FakeServerOptions server_options;
+  server_options.drop_after_chunks = 5;
+  server_options.restart_on_drop = true;
+  server_options.restart_downtime_ms = 800;  // far longer than 3 back-offs
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.reconnect.max_attempts = 3;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kUnavailable) << status.ToString();
+  EXPECT_NE(status.message().find("gave up"), std::string::npos) << status.message();
+}
+
+TEST(RestoreSession, RefusesADifferentImageAfterReconnect) {
+  FakeImage image = FakeImage::Make({128 * 1024}, 4096, 19);
+  FakeServerOptions server_options;
+  server_options.drop_after_chunks = 5;
+  server_options.different_image_after_first = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
+  EXPECT_NE(status.message().find("different image"), std::string::npos) << status.message();
+  EXPECT_EQ(engine.bad_writes(), 0);
+}
+
+TEST(RestoreSession, RespectsTheWindow) {
+  FakeImage image = FakeImage::Make({1024 * 1024}, 4096, 23);
+  FakeServerOptions server_options;
+  server_options.max_payload = 16 * 1024;
+  server_options.mixed_codecs = false;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.window_bytes = 32 * 1024;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  EXPECT_FALSE(server.credit_violated());
+  EXPECT_EQ(server.max_outstanding_credit(), 32u * 1024);
+}
+
+TEST(RestoreSession, WindowIsRaisedToMaxPayload) {
+  FakeImage image = FakeImage::Make({256 * 1024}, 4096, 29);
+  FakeServerOptions server_options;
+  server_options.max_payload = 64 * 1024;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.window_bytes = 1000;  // smaller than one chunk: would deadlock if taken literally
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_EQ(server.max_outstanding_credit(), 64u * 1024);
+}
+
+TEST(RestoreSession, StartFailsWithTheServersMessage) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  RestoreSession session(Options(server, "no-such-image"), engine);
+  Status status = session.Start();
+  EXPECT_EQ(status.code(), Code::kNotFound) << status.ToString();
+  EXPECT_NE(status.message().find("no image named 'no-such-image'"), std::string::npos)
+      << status.message();
+  EXPECT_EQ(session.WaitComplete(1s).code(), Code::kInvalidArgument);  // never opened
+}
+
+TEST(RestoreSession, StartFailsWhenNobodyListens) {
+  FakeImage image = SmallImage();
+  CountingEngine engine(image);
+  SessionOptions options;
+  options.endpoint = "unix:/tmp/gpulazy-client-test-nobody-here.sock";
+  options.image = "x";
+  RestoreSession session(options, engine);
+  Status status = session.Start();
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("connecting to unix:/tmp/gpulazy-client-test-nobody-here.sock"),
+            std::string::npos)
+      << status.ToString();
+  options.endpoint = "carrier-pigeon:x";
+  RestoreSession bad_endpoint(options, engine);
+  EXPECT_EQ(bad_endpoint.Start().code(), Code::kInvalidArgument);
+}
+
+TEST(RestoreSession, EnsureFromManyThreads) {
+  FakeImage image = FakeImage::Make({512 * 1024, 300000}, 4096, 31);
+  FakeServerOptions server_options;
+  server_options.paused = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (uint64_t off = uint64_t(t) * 4096; off < 512 * 1024; off += 4 * 4096 + 100)
+        if (!session.Ensure(0, off, 200, 10s).ok()) ++failures;
+      if (!session.Ensure(1, 1000 * t, 250000, 10s).ok()) ++failures;
+    });
+  }
+  for (std::thread& th : threads)
+    th.join();
+  EXPECT_EQ(failures.load(), 0);
+  server.Resume();
+  ASSERT_TRUE(session.WaitComplete(10s).ok());
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+}
+
+}  // namespace
+}  // namespace gpulazy::client
