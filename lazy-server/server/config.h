@@ -1,0 +1,56 @@
+// ServerConfig: everything gpulazy-server can be told, from the command line or a config file
+// (CLI11's TOML/INI support; see docs/server.md). Plain data; ParseCommandLine validates it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "page-client/net/endpoint.h"
+#include "proto/frame.h"
+#include "proto/status.h"
+
+namespace gpulazy::server {
+
+struct ServerConfig {
+  std::vector<std::filesystem::path> image_roots;
+  std::vector<net::Endpoint> listen;
+  uint32_t io_threads = 2;    // threads running the network event loop
+  uint32_t disk_threads = 4;  // threads reading chunks from disk
+  std::string log_level = "info";
+  std::string token;  // bearer token required in Hello when not empty
+
+  uint32_t max_sessions = 64;
+  uint32_t max_connections = 256;
+  uint32_t max_frame = FrameLimits{}.max_payload;  // largest payload sent or accepted
+  uint32_t max_demand = 256;                       // outstanding demand chunks per session
+  uint32_t stream_window = 4;  // chunks in flight per stream connection past the credit check
+  uint32_t demand_window = 8;  // chunks in flight per demand connection
+  uint32_t read_ahead = 4;     // chunks hinted to the kernel ahead of the scheduler
+  uint32_t raw_chunk_size = 2u << 20;  // chunk size when serving plain CRIU checkpoints
+  uint32_t max_cached_images = 64;
+
+  std::chrono::milliseconds hello_timeout{10'000};  // first frame must arrive by then
+  std::chrono::milliseconds idle_timeout{600'000};  // no traffic either way; 0 = never
+  std::chrono::milliseconds shutdown_grace{5'000};  // SIGTERM: in-flight writes may finish
+  std::chrono::milliseconds stats_interval{0};      // 0 = no periodic stats log
+
+  std::filesystem::path ready_file;  // written with the bound endpoints once listening
+  std::string server_name = "gpulazy-server";
+};
+
+// Parses argv (and --config FILE). On --help or a usage error, exit_code says how main should
+// exit and the text is already printed; otherwise config is set.
+struct ParsedCommandLine {
+  std::optional<ServerConfig> config;
+  int exit_code = 0;
+};
+ParsedCommandLine ParseCommandLine(int argc, char** argv);
+
+// Checks ranges and consistency (threads >= 1, max_frame able to carry a chunk, ...).
+Status ValidateConfig(const ServerConfig& config);
+
+}  // namespace gpulazy::server

@@ -1,0 +1,131 @@
+#include "lazy-server/server/context.h"
+
+#include <nlohmann/json.hpp>
+
+#include "lazy-server/server/session.h"
+
+namespace gpulazy::server {
+
+ServerContext::ServerContext(const ServerConfig& config_in)
+    : config(config_in),
+      limits(FrameLimits{FrameLimits{}.max_header, config_in.max_frame}),
+      store(config_in.image_roots, config_in.raw_chunk_size, config_in.max_cached_images),
+      dispatcher(SchedulerLimits{config_in.stream_window, config_in.demand_window,
+                                 config_in.max_demand, SchedulerLimits{}.max_queued},
+                 config_in.disk_threads, config_in.read_ahead) {}
+
+std::shared_ptr<Session> ServerContext::FindSession(SessionId id) const {
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : it->second.lock();
+}
+
+bool ServerContext::AddSession(const std::shared_ptr<Session>& session) {
+  std::lock_guard lock(mu_);
+  if (sessions_.size() >= config.max_sessions) return false;
+  sessions_[session->id()] = session;
+  return true;
+}
+
+void ServerContext::RemoveSession(SessionId id) {
+  std::lock_guard lock(mu_);
+  sessions_.erase(id);
+}
+
+std::vector<std::shared_ptr<Session>> ServerContext::Sessions() const {
+  std::vector<std::shared_ptr<Session>> out;
+  std::lock_guard lock(mu_);
+  for (const auto& [id, weak] : sessions_)
+    if (auto session = weak.lock()) out.push_back(std::move(session));
+  return out;
+}
+
+void ServerContext::AddConnection(uint64_t id, const std::shared_ptr<Connection>& connection) {
+  std::lock_guard lock(mu_);
+  connections_[id] = connection;
+}
+
+void ServerContext::RemoveConnection(uint64_t id) {
+  std::lock_guard lock(mu_);
+  connections_.erase(id);
+}
+
+std::vector<std::shared_ptr<Connection>> ServerContext::Connections() const {
+  std::vector<std::shared_ptr<Connection>> out;
+  std::lock_guard lock(mu_);
+  for (const auto& [id, weak] : connections_)
+    if (auto connection = weak.lock()) out.push_back(std::move(connection));
+  return out;
+}
+
+namespace {
+
+nlohmann::json ChunksByPriority(const std::array<std::atomic<uint64_t>, 3>& chunks) {
+  return {{"demand", chunks[wire::PRIORITY_DEMAND].load()},
+          {"prefetch", chunks[wire::PRIORITY_PREFETCH].load()},
+          {"background", chunks[wire::PRIORITY_BACKGROUND].load()}};
+}
+
+nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
+  SessionStats& stats = session.stats();
+  const Session::Latency latency = session.DemandLatency();
+  nlohmann::json j = {
+      {"session", session.id()},
+      {"image", session.image().name},
+      {"lazy_image", session.image().source->is_lazy()},
+      {"age_s", std::chrono::duration<double>(Clock::now() - session.opened_at()).count()},
+      {"bytes_sent", stats.bytes_sent.load()},
+      {"chunks_sent", ChunksByPriority(stats.chunks_sent)},
+      {"errors_sent", stats.errors_sent.load()},
+      {"stream_done", stats.stream_done.load()},
+      {"demand_latency_us",
+       {{"count", latency.count},
+        {"p50", latency.p50_us},
+        {"p99", latency.p99_us},
+        {"max", latency.max_us}}},
+  };
+  if (auto counters = dispatcher.Counters(session.id())) {
+    j["credit"] = counters->credit;
+    j["queued_chunks"] = counters->queued;
+    j["stream_in_flight"] = counters->stream_in_flight;
+    j["demand_outstanding"] = counters->demand_outstanding;
+  }
+  return j;
+}
+
+}  // namespace
+
+std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_bytes) const {
+  nlohmann::json server = {
+      {"name", config.server_name},
+      {"uptime_s", std::chrono::duration<double>(Clock::now() - started).count()},
+      {"connections_open", totals.connections_open.load()},
+      {"connections_accepted", totals.connections_accepted.load()},
+      {"connections_refused", totals.connections_refused.load()},
+      {"sessions_open", totals.sessions_open.load()},
+      {"sessions_opened", totals.sessions_opened.load()},
+      {"bytes_sent", totals.bytes_sent.load()},
+      {"chunks_sent", ChunksByPriority(totals.chunks_sent)},
+      {"errors_sent", totals.errors_sent.load()},
+      {"frames_received", totals.frames_received.load()},
+      {"images_cached", store.cached()},
+      {"shutting_down", shutting_down.load()},
+  };
+  nlohmann::json sessions = nlohmann::json::array();
+  nlohmann::json mine;
+  for (const std::shared_ptr<Session>& session : Sessions()) {
+    nlohmann::json j = SessionJson(*session, dispatcher);
+    if (own && session->id() == *own) mine = j;
+    sessions.push_back(std::move(j));
+  }
+  nlohmann::json doc = {{"server", server}, {"sessions", sessions}};
+  if (own) doc["own_session"] = *own;
+  std::string text = doc.dump();
+  if (text.size() <= max_bytes) return text;
+  // Too many sessions for one frame header: the asking session and the totals only.
+  doc["sessions"] = mine.is_null() ? nlohmann::json::array() : nlohmann::json::array({mine});
+  doc["sessions_truncated"] = true;
+  return doc.dump();
+}
+
+}  // namespace gpulazy::server

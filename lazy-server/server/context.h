@@ -1,0 +1,73 @@
+// ServerContext: what every connection of one server shares: the configuration, the image
+// store, the dispatcher, the registries of open sessions and connections, and the counters
+// behind StatsReply. Owned by Server; outlives every connection.
+// Thread-safety: counters are atomics; the registries have their own mutex.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lazy-server/server/config.h"
+#include "lazy-server/server/dispatcher.h"
+#include "lazy-server/server/image_store.h"
+#include "proto/frame.h"
+
+namespace gpulazy::server {
+
+class Session;
+class Connection;
+
+struct ServerTotals {
+  std::atomic<uint64_t> connections_accepted{0};
+  std::atomic<uint64_t> connections_open{0};
+  std::atomic<uint64_t> connections_refused{0};
+  std::atomic<uint64_t> sessions_opened{0};
+  std::atomic<uint64_t> sessions_open{0};
+  std::atomic<uint64_t> bytes_sent{0};
+  std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
+  std::atomic<uint64_t> errors_sent{0};
+  std::atomic<uint64_t> frames_received{0};
+};
+
+struct ServerContext {
+  explicit ServerContext(const ServerConfig& config);
+
+  const ServerConfig config;
+  const FrameLimits limits;  // what we accept and send
+  ImageStore store;
+  Dispatcher dispatcher;
+  ServerTotals totals;
+  std::atomic<bool> shutting_down{false};
+
+  // Sessions by id (demand connections join through it) and open connections (shutdown).
+  std::shared_ptr<Session> FindSession(SessionId id) const;
+  bool AddSession(const std::shared_ptr<Session>& session);  // false past max_sessions
+  void RemoveSession(SessionId id);
+  std::vector<std::shared_ptr<Session>> Sessions() const;
+  void AddConnection(uint64_t id, const std::shared_ptr<Connection>& connection);
+  void RemoveConnection(uint64_t id);
+  std::vector<std::shared_ptr<Connection>> Connections() const;
+  uint64_t NextConnectionId() { return next_connection_id_.fetch_add(1) + 1; }
+  SessionId NextSessionId() { return next_session_id_.fetch_add(1) + 1; }
+
+  // The StatsReply document (docs/server.md lists its fields). When it would exceed max_bytes,
+  // only the asking session (own) is listed in full.
+  std::string StatsJson(std::optional<SessionId> own, size_t max_bytes) const;
+  const Clock::time_point started = Clock::now();
+
+ private:
+  mutable std::mutex mu_;
+  std::map<SessionId, std::weak_ptr<Session>> sessions_;
+  std::map<uint64_t, std::weak_ptr<Connection>> connections_;
+  std::atomic<uint64_t> next_connection_id_{0};
+  std::atomic<uint64_t> next_session_id_{0};
+};
+
+}  // namespace gpulazy::server

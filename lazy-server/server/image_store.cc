@@ -1,0 +1,147 @@
+#include "lazy-server/server/image_store.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include <system_error>
+
+namespace gpulazy::server {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr size_t kMaxNameLength = 4096;
+
+Status NotFoundName(std::string_view name) {
+  return NotFound("image '{}' not found", name.substr(0, 256));
+}
+
+bool IsBeneath(const fs::path& path, const fs::path& root) {
+  const std::string& p = path.native();
+  const std::string& r = root.native();
+  if (p.size() < r.size() || p.compare(0, r.size(), r) != 0) return false;
+  return p.size() == r.size() || r.ends_with('/') || p[r.size()] == '/';
+}
+
+// Identity of an image's current contents: the directory and the manifest file (which a
+// conversion or a new profile rewrites by rename, so inode and mtime change).
+std::string Stamp(const fs::path& dir) {
+  std::string stamp;
+  for (const fs::path& p : {dir, dir / image::kManifestFileName}) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) {
+      stamp += "-;";
+      continue;
+    }
+    stamp += fmt::format("{}:{}:{}.{}:{};", st.st_dev, st.st_ino, st.st_mtim.tv_sec,
+                         st.st_mtim.tv_nsec, st.st_size);
+  }
+  return stamp;
+}
+
+}  // namespace
+
+ImageStore::ImageStore(std::vector<fs::path> roots, uint32_t raw_chunk_size, size_t max_cached)
+    : raw_chunk_size_(raw_chunk_size), max_cached_(max_cached) {
+  for (fs::path& root : roots) {
+    std::error_code ec;
+    fs::path canonical = fs::canonical(root, ec);
+    if (ec) {
+      spdlog::warn("image root {} is not usable ({}); ignoring it", root.string(), ec.message());
+      continue;
+    }
+    roots_.push_back(std::move(canonical));
+  }
+}
+
+Status ImageStore::ValidateName(std::string_view name) {
+  if (name.empty()) return NotFound("image name is empty");
+  if (name.size() > kMaxNameLength) return NotFound("image name is too long");
+  if (name.find('\0') != std::string_view::npos) return NotFoundName("<name with NUL>");
+  if (name.front() == '/') return NotFoundName(name);
+  size_t start = 0;
+  while (start <= name.size()) {
+    size_t end = name.find('/', start);
+    if (end == std::string_view::npos) end = name.size();
+    if (name.substr(start, end - start) == "..") return NotFoundName(name);
+    start = end + 1;
+  }
+  return Status::Ok();
+}
+
+Result<fs::path> ImageStore::Resolve(std::string_view name) const {
+  GPULAZY_RETURN_IF_ERROR(ValidateName(name));
+  for (const fs::path& root : roots_) {
+    std::error_code ec;
+    // canonical() follows every symlink; the result must still be below the root, so a link
+    // that leaves the root is refused like a missing image.
+    fs::path resolved = fs::canonical(root / fs::path(std::string(name)), ec);
+    if (ec) continue;
+    if (!IsBeneath(resolved, root)) {
+      spdlog::warn("image '{}' resolves outside its root; refused", name);
+      return NotFoundName(name);
+    }
+    if (!fs::is_directory(resolved, ec)) continue;
+    return resolved;
+  }
+  return NotFoundName(name);
+}
+
+Result<std::shared_ptr<const OpenedImage>> ImageStore::Open(std::string_view name) {
+  GPULAZY_ASSIGN_OR_RETURN(fs::path dir, Resolve(name));
+  const std::string stamp = Stamp(dir);
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      if (it->dir != dir) continue;
+      if (it->stamp == stamp) {
+        cache_.splice(cache_.begin(), cache_, it);
+        return cache_.front().image;
+      }
+      cache_.erase(it);  // rewritten since: open afresh
+      break;
+    }
+  }
+
+  // Opened outside the lock: a slow open of one image must not block others. Two sessions
+  // racing to open the same image both open it; the second insert wins, both work.
+  Result<std::shared_ptr<const image::ImageSource>> source =
+      image::ImageSource::Open(dir, raw_chunk_size_);
+  if (!source.ok()) {
+    spdlog::warn("image '{}' ({}): open failed: {}", name, dir.string(),
+                 source.status().ToString());
+    // The message may name files inside the image, never the root it lives in.
+    std::string message = source.status().message();
+    const std::string prefix = dir.string();
+    for (size_t pos; (pos = message.find(prefix)) != std::string::npos;)
+      message.replace(pos, prefix.size(), std::string(name));
+    return Status(source.status().code(), message);
+  }
+  auto opened = std::make_shared<OpenedImage>();
+  opened->name = std::string(name);
+  opened->dir = dir;
+  opened->source = *source;
+  opened->layout = std::make_shared<const ImageLayout>(
+      ImageLayout::FromManifest((*source)->manifest(), (*source)->is_lazy()));
+  spdlog::info("image '{}': opened ({} image, {} BOs, {} chunks of {} bytes)", name,
+               (*source)->is_lazy() ? "lazy" : "CRIU", opened->layout->bo_count(),
+               opened->layout->total_chunks(), (*source)->chunk_size());
+
+  std::lock_guard lock(mu_);
+  for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+    if (it->dir == dir) {
+      cache_.erase(it);
+      break;
+    }
+  }
+  cache_.push_front(Entry{dir, stamp, opened});
+  while (cache_.size() > max_cached_)
+    cache_.pop_back();  // sessions keep their own reference
+  return std::shared_ptr<const OpenedImage>(opened);
+}
+
+size_t ImageStore::cached() const {
+  std::lock_guard lock(mu_);
+  return cache_.size();
+}
+
+}  // namespace gpulazy::server

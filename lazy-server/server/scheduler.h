@@ -1,0 +1,173 @@
+// server/: the page server daemon gpulazy-server (docs/server.md, docs/protocol.md).
+//
+// Scheduler: which chunk the server reads from disk next. Pure logic, no sockets, no threads,
+// no clock of its own (callers pass the time), so tests drive it directly.
+//
+// Per session it keeps the chunks to send in priority order: demand (for the demand
+// connection, then for the stream connection) > explicit prefetch > the stream_all plan's hot
+// set > explicit background > the rest of the stream_all plan (profile order, then table
+// order). Across sessions, Next() serves sessions round-robin, so one big restore cannot
+// starve another. A session's stream output is gated by its credit (the client's window) and by
+// a small number of chunks in flight, so a later demand request never waits behind megabytes
+// of queued background bytes.
+//
+// Thread-safety: none; the owner (server::Dispatcher) serializes calls with a mutex.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "proto/manifest.pb.h"
+#include "proto/status.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy::server {
+
+using SessionId = uint64_t;
+using Clock = std::chrono::steady_clock;
+
+// The chunk geometry of one image, shared by all sessions of that image.
+class ImageLayout {
+ public:
+  // lazy: payloads are the stored lengths (0 for CODEC_ZERO); else the raw lengths.
+  static ImageLayout FromManifest(const manifest::Manifest& manifest, bool lazy);
+
+  uint32_t bo_count() const { return static_cast<uint32_t>(chunk_counts_.size()); }
+  uint32_t chunk_count(uint32_t bo) const { return chunk_counts_[bo]; }
+  uint64_t total_chunks() const { return payload_lengths_.size(); }
+  // Flat index of (bo, chunk); both must be in range.
+  uint64_t FlatIndex(uint32_t bo, uint32_t chunk) const { return first_flat_[bo] + chunk; }
+  uint32_t payload_length(uint32_t bo, uint32_t chunk) const {
+    return payload_lengths_[FlatIndex(bo, chunk)];
+  }
+  uint32_t max_payload() const { return max_payload_; }
+  bool Contains(uint32_t bo, uint32_t chunk) const {
+    return bo < chunk_counts_.size() && chunk < chunk_counts_[bo];
+  }
+  // Checks a range from the network: BO and chunks in range, at least one chunk.
+  Status CheckRange(const wire::ChunkRange& range) const;
+  // The stream_all order: the profile's valid entries (deduplicated), then every other chunk
+  // in table order. Entries before hot_end() are the hot set.
+  const std::vector<manifest::ChunkRef>& plan() const { return plan_; }
+  size_t hot_end() const { return hot_end_; }
+
+ private:
+  std::vector<uint32_t> chunk_counts_;
+  std::vector<uint64_t> first_flat_;
+  std::vector<uint32_t> payload_lengths_;
+  std::vector<manifest::ChunkRef> plan_;
+  size_t hot_end_ = 0;
+  uint32_t max_payload_ = 0;
+};
+
+// Where a chunk goes once read.
+enum class Output : uint8_t { kStream, kDemand };
+
+struct WorkItem {
+  SessionId session = 0;
+  uint32_t bo = 0;
+  uint32_t chunk = 0;
+  wire::Priority priority = wire::PRIORITY_BACKGROUND;
+  Output output = Output::kStream;
+  uint64_t request_id = 0;       // 0 for stream_all chunks
+  bool from_stream_all = false;  // counts towards StreamDone
+  uint32_t reserved_credit = 0;  // credit taken when picked (stream output only)
+  // Pick order on the stream output: the connection sends non-demand chunks in this order, so
+  // parallel disk reads never put a background chunk before a hot one.
+  uint64_t stream_seq = 0;
+  Clock::time_point received{};  // when the request arrived (demand latency)
+};
+
+struct SchedulerLimits {
+  uint32_t stream_in_flight = 4;   // chunks picked but not yet written, stream connection
+  uint32_t demand_in_flight = 8;   // the same for the demand connection
+  uint32_t max_demand = 256;       // demand chunks queued + in flight per session
+  uint64_t max_queued = 1u << 20;  // explicit prefetch/background chunks queued per session
+};
+
+struct StreamDoneInfo {
+  uint64_t chunks = 0;
+  uint64_t bytes = 0;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerLimits limits = {}) : limits_(limits) {}
+
+  void AddSession(SessionId id, std::shared_ptr<const ImageLayout> layout);
+  void RemoveSession(SessionId id);
+  bool HasSession(SessionId id) const { return sessions_.contains(id); }
+
+  // Marks chunks as held by the client: stream_all skips them. All-or-nothing.
+  Status Have(SessionId id, const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges);
+  // Starts (or restarts) streaming every chunk not in Have.
+  Status StreamAll(SessionId id);
+  // Queues exactly these chunks (again, if sent before). All-or-nothing: an out-of-range
+  // range is kOutOfRange, past a limit kResourceExhausted, and nothing is queued.
+  Status Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
+                 const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
+                 Clock::time_point now);
+  // Grants stream credit (saturating).
+  void AddCredit(SessionId id, uint64_t bytes);
+  // Takes extra credit for a chunk whose payload turned out larger than reserved.
+  bool TakeCredit(SessionId id, uint64_t bytes);
+
+  // The next chunk to read, round-robin over sessions with eligible work; takes the session's
+  // in-flight slot and credit. nullopt: nothing can go now.
+  std::optional<WorkItem> Next();
+  // The chunks the session will most likely pick next (read-ahead hints).
+  std::vector<manifest::ChunkRef> Upcoming(SessionId id, size_t count) const;
+  // A picked item is finished: written (sent_payload = bytes written) or dropped (nullopt;
+  // its credit comes back).
+  void Done(const WorkItem& item, std::optional<uint32_t> sent_payload);
+  // Forgets queued chunks for an output that went away (a demand connection closed).
+  void DropOutput(SessionId id, Output output);
+  // When the session's stream_all has sent everything: its totals, once.
+  std::optional<StreamDoneInfo> TakeStreamDone(SessionId id);
+
+  struct SessionCounters {
+    uint64_t credit = 0;
+    uint64_t queued = 0;  // explicit queue entries plus the stream_all plan's remainder
+    uint32_t stream_in_flight = 0;
+    uint32_t demand_outstanding = 0;
+  };
+  std::optional<SessionCounters> Counters(SessionId id) const;
+
+ private:
+  struct SessionState {
+    std::shared_ptr<const ImageLayout> layout;
+    std::vector<bool> have;
+    std::deque<WorkItem> demand_to_demand;
+    std::deque<WorkItem> demand_to_stream;
+    std::deque<WorkItem> prefetch;
+    std::deque<WorkItem> background;
+    // stream_all
+    bool streaming = false;
+    size_t cursor = 0;
+    uint64_t stream_in_flight_all = 0;
+    uint64_t stream_sent_chunks = 0;
+    uint64_t stream_sent_bytes = 0;
+    uint64_t credit = 0;
+    uint64_t next_stream_seq = 0;
+    uint32_t stream_in_flight = 0;
+    uint32_t demand_in_flight = 0;
+    uint32_t demand_outstanding = 0;
+  };
+
+  // Advances the plan cursor past chunks the client holds.
+  static void SkipHeld(SessionState& s);
+  // The session's best eligible item, popped; nullopt when nothing may go.
+  std::optional<WorkItem> PickFrom(SessionId id, SessionState& s);
+  bool StreamMayTake(const SessionState& s, uint32_t payload) const;
+
+  SchedulerLimits limits_;
+  std::map<SessionId, SessionState> sessions_;
+  SessionId last_served_ = 0;  // round-robin cursor
+};
+
+}  // namespace gpulazy::server

@@ -1,0 +1,223 @@
+#include "lazy-server/server/server.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+
+#include "lazy-server/image/io.h"
+#include "lazy-server/server/session.h"
+#include "proto/checksum.h"
+
+namespace gpulazy::server {
+namespace asio = boost::asio;
+using boost::system::error_code;
+using GenericEndpoint = asio::generic::stream_protocol::endpoint;
+
+namespace {
+
+std::string PeerName(const net::Socket& socket) {
+  error_code ec;
+  GenericEndpoint peer = socket.remote_endpoint(ec);
+  if (ec) return "unknown peer";
+  const sockaddr* sa = peer.data();
+  char text[INET6_ADDRSTRLEN] = {};
+  if (sa->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text));
+    return fmt::format("{}:{}", text, ntohs(in->sin_port));
+  }
+  if (sa->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof(text));
+    return fmt::format("[{}]:{}", text, ntohs(in6->sin6_port));
+  }
+  return "unix";
+}
+
+}  // namespace
+
+Server::Server(const ServerConfig& config)
+    : ctx_(std::make_unique<ServerContext>(config)),
+      io_(static_cast<int>(config.io_threads)),
+      strand_(asio::make_strand(io_)),
+      signals_(strand_, SIGTERM, SIGINT),
+      stats_timer_(strand_) {}
+
+Server::~Server() {
+  listeners_.clear();
+  ctx_->dispatcher.Stop();  // no disk thread posts into io_ while it is destroyed
+}
+
+Result<Server::Listener> Server::Bind(const net::Endpoint& endpoint) {
+  Listener listener;
+  listener.acceptor = std::make_unique<Acceptor>(strand_);
+  listener.endpoint = endpoint;
+  error_code ec;
+  GenericEndpoint generic;
+  if (endpoint.kind == net::Endpoint::Kind::kUnix) {
+    struct stat st {};
+    if (::lstat(endpoint.path.c_str(), &st) == 0) {
+      if (!S_ISSOCK(st.st_mode))
+        return InvalidArgument("{}: exists and is not a socket; not replacing it",
+                               endpoint.ToString());
+      // A socket file nobody answers on is left over from a crash; a live one is in use.
+      asio::io_context probe_io;
+      net::Socket probe(probe_io);
+      probe.connect(GenericEndpoint(asio::local::stream_protocol::endpoint(endpoint.path)), ec);
+      if (!ec) return Unavailable("{}: another server is listening there", endpoint.ToString());
+      ::unlink(endpoint.path.c_str());
+    }
+    generic = GenericEndpoint(asio::local::stream_protocol::endpoint(endpoint.path));
+  } else {
+    asio::ip::tcp::resolver resolver(io_);
+    auto results = resolver.resolve(
+        endpoint.host, std::to_string(endpoint.port),
+        asio::ip::resolver_base::passive | asio::ip::resolver_base::numeric_service, ec);
+    if (ec || results.empty())
+      return Unavailable("{}: cannot resolve: {}", endpoint.ToString(), ec.message());
+    generic = GenericEndpoint(results.begin()->endpoint());
+  }
+  Acceptor& acceptor = *listener.acceptor;
+  acceptor.open(generic.protocol(), ec);
+  if (ec) return IoError("{}: socket: {}", endpoint.ToString(), ec.message());
+  if (endpoint.kind == net::Endpoint::Kind::kTcp)
+    acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+  acceptor.bind(generic, ec);
+  if (ec) return IoError("{}: bind: {}", endpoint.ToString(), ec.message());
+  acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) return IoError("{}: listen: {}", endpoint.ToString(), ec.message());
+  if (endpoint.kind == net::Endpoint::Kind::kUnix) {
+    unix_paths_.push_back(endpoint.path);
+  } else {
+    GenericEndpoint local = acceptor.local_endpoint(ec);
+    if (!ec) {
+      const sockaddr* sa = local.data();
+      if (sa->sa_family == AF_INET)
+        listener.endpoint.port = ntohs(reinterpret_cast<const sockaddr_in*>(sa)->sin_port);
+      else if (sa->sa_family == AF_INET6)
+        listener.endpoint.port = ntohs(reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port);
+    }
+  }
+  return listener;
+}
+
+Status Server::Listen() {
+  for (const net::Endpoint& endpoint : ctx_->config.listen) {
+    GPULAZY_ASSIGN_OR_RETURN(Listener listener, Bind(endpoint));
+    bound_.push_back(listener.endpoint);
+    listeners_.push_back(std::move(listener));
+  }
+  for (const net::Endpoint& endpoint : bound_)
+    spdlog::info("listening on {}", endpoint.ToString());
+  if (!ctx_->config.ready_file.empty()) GPULAZY_RETURN_IF_ERROR(WriteReadyFile());
+  return Status::Ok();
+}
+
+Status Server::WriteReadyFile() const {
+  std::string text;
+  for (const net::Endpoint& endpoint : bound_)
+    text += endpoint.ToString() + "\n";
+  // Atomic, so a test polling for the file never reads half of it.
+  return WriteFileAtomically(ctx_->config.ready_file, AsBytes(text));
+}
+
+asio::awaitable<void> Server::AcceptLoop(Listener& listener) {
+  const std::string where = listener.endpoint.ToString();
+  while (!ctx_->shutting_down) {
+    error_code ec;
+    asio::any_io_executor strand = asio::make_strand(io_);
+    net::Socket socket = co_await listener.acceptor->async_accept(
+        strand, asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) {
+      if (ec == asio::error::operation_aborted || ctx_->shutting_down) break;
+      spdlog::warn("{}: accept failed: {}", where, ec.message());
+      // Out of fds or similar: back off instead of spinning.
+      asio::steady_timer pause(strand_, std::chrono::milliseconds(100));
+      co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      continue;
+    }
+    if (ctx_->shutting_down) break;
+    net::TuneSocket(socket);
+    std::string peer = PeerName(socket);
+    const uint64_t id = ctx_->NextConnectionId();
+    auto connection = std::make_shared<Connection>(*ctx_, std::move(socket), id, peer);
+    if (ctx_->totals.connections_open.load() >= ctx_->config.max_connections) {
+      ctx_->totals.connections_refused.fetch_add(1);
+      spdlog::warn("{}: refusing connection {} from {}: {} connections open", where, id, peer,
+                   ctx_->totals.connections_open.load());
+      connection->Start(wire::ERROR_LIMIT, "too many connections");
+      continue;
+    }
+    connection->Start();
+  }
+}
+
+asio::awaitable<void> Server::StatsLoop() {
+  while (!ctx_->shutting_down) {
+    error_code ec;
+    stats_timer_.expires_after(ctx_->config.stats_interval);
+    co_await stats_timer_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    if (ec || ctx_->shutting_down) break;
+    spdlog::info("stats: {}", ctx_->StatsJson(std::nullopt, SIZE_MAX));
+  }
+}
+
+void Server::BeginShutdown(std::string_view why) {
+  if (ctx_->shutting_down.exchange(true)) return;
+  spdlog::info("shutting down ({}): {} sessions, {} connections open", why,
+               ctx_->totals.sessions_open.load(), ctx_->totals.connections_open.load());
+  error_code ec;
+  for (Listener& listener : listeners_)
+    listener.acceptor->close(ec);
+  for (const std::string& path : unix_paths_)
+    ::unlink(path.c_str());
+  unix_paths_.clear();
+  signals_.cancel(ec);
+  stats_timer_.cancel();
+  for (const std::shared_ptr<Connection>& connection : ctx_->Connections())
+    connection->Shutdown(wire::ERROR_SHUTTING_DOWN, "server is shutting down");
+}
+
+void Server::Stop() {
+  asio::post(strand_, [this] { BeginShutdown("stop requested"); });
+}
+
+int Server::Run() {
+  signals_.async_wait(asio::bind_executor(strand_, [this](const error_code& ec, int signal) {
+    if (!ec) BeginShutdown(signal == SIGTERM ? "SIGTERM" : "SIGINT");
+  }));
+  for (Listener& listener : listeners_)
+    asio::co_spawn(strand_, AcceptLoop(listener), asio::detached);
+  if (ctx_->config.stats_interval.count() > 0) asio::co_spawn(strand_, StatsLoop(), asio::detached);
+
+  int exit_code = 0;
+  auto run = [&] {
+    try {
+      io_.run();
+    } catch (const std::exception& e) {
+      spdlog::critical("network thread failed: {}", e.what());
+      exit_code = 1;
+      io_.stop();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (uint32_t i = 1; i < ctx_->config.io_threads; ++i)
+    threads.emplace_back(run);
+  run();
+  for (std::thread& thread : threads)
+    thread.join();
+  ctx_->dispatcher.Stop();
+  for (const std::string& path : unix_paths_)
+    ::unlink(path.c_str());
+  spdlog::info("stopped: {} bytes sent in {} sessions", ctx_->totals.bytes_sent.load(),
+               ctx_->totals.sessions_opened.load());
+  return exit_code;
+}
+
+}  // namespace gpulazy::server

@@ -1,0 +1,62 @@
+// Server: the gpulazy-server process: listeners (Unix and TCP), the network threads, signal
+// handling and graceful shutdown. Connections and sessions live in session.h; scheduling in
+// scheduler.h and dispatcher.h.
+//
+// Shutdown (SIGTERM, SIGINT or Stop()): stop accepting, remove Unix socket files, tell every
+// connection to finish the write in flight, send ERROR_SHUTTING_DOWN and close (each within
+// --shutdown-grace); Run() returns 0 once all are closed.
+//
+// Thread-safety: Listen and Run from one thread; Stop from any thread.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lazy-server/server/config.h"
+#include "lazy-server/server/context.h"
+#include "page-client/net/asio.h"
+#include "page-client/net/endpoint.h"
+
+namespace gpulazy::server {
+
+class Server {
+ public:
+  explicit Server(const ServerConfig& config);
+  ~Server();
+
+  // Binds every --listen endpoint, then writes --ready-file and logs "listening on ...".
+  Status Listen();
+  // The endpoints actually bound (a tcp port 0 replaced by the real port).
+  const std::vector<net::Endpoint>& bound() const { return bound_; }
+  // Serves until shutdown; returns the process exit code.
+  int Run();
+  void Stop();
+
+ private:
+  using Acceptor = boost::asio::basic_socket_acceptor<boost::asio::generic::stream_protocol>;
+  struct Listener {
+    std::unique_ptr<Acceptor> acceptor;
+    net::Endpoint endpoint;  // as bound
+  };
+  Result<Listener> Bind(const net::Endpoint& endpoint);
+  boost::asio::awaitable<void> AcceptLoop(Listener& listener);
+  boost::asio::awaitable<void> StatsLoop();
+  void BeginShutdown(std::string_view why);
+  Status WriteReadyFile() const;
+
+  // First member, so destroyed last: handlers still queued in io_ when it is destroyed may
+  // hold connections, which refer to the context.
+  std::unique_ptr<ServerContext> ctx_;
+  boost::asio::io_context io_;
+  // Listeners, signals and the stats timer are touched only on this strand.
+  boost::asio::strand<boost::asio::io_context::executor_type> strand_;
+  std::vector<Listener> listeners_;
+  std::vector<net::Endpoint> bound_;
+  std::vector<std::string> unix_paths_;  // removed at shutdown
+  boost::asio::signal_set signals_;
+  boost::asio::steady_timer stats_timer_;
+};
+
+}  // namespace gpulazy::server

@@ -1,0 +1,805 @@
+#include "lazy-server/server/session.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+
+namespace gpulazy::server {
+namespace asio = boost::asio;
+using boost::system::error_code;
+
+namespace {
+
+constexpr size_t kLatencySamples = 4096;
+constexpr auto kLinger = std::chrono::seconds(1);
+
+// Secrets and tokens are compared without an early exit, so timing says nothing about them.
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+std::string RandomSecret() {
+  std::string secret(16, '\0');
+  size_t got = 0;
+  while (got < secret.size()) {
+    ssize_t n = ::getrandom(secret.data() + got, secret.size() - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // cannot happen on Linux >= 3.17 with a 16-byte request
+    got += static_cast<size_t>(n);
+  }
+  return secret;
+}
+
+wire::ErrorCode ToWire(Code code) {
+  switch (code) {
+    case Code::kOk:
+      return wire::ERROR_NONE;
+    case Code::kInvalidArgument:
+      return wire::ERROR_BAD_REQUEST;
+    case Code::kNotFound:
+    case Code::kPermissionDenied:
+      return wire::ERROR_NOT_FOUND;  // never say what exists
+    case Code::kCorrupt:
+    case Code::kUnsupported:
+      return wire::ERROR_CORRUPT;
+    case Code::kIoError:
+      return wire::ERROR_IO;
+    case Code::kOutOfRange:
+      return wire::ERROR_OUT_OF_RANGE;
+    case Code::kResourceExhausted:
+      return wire::ERROR_LIMIT;
+    case Code::kAborted:
+      return wire::ERROR_SHUTTING_DOWN;
+    default:
+      return wire::ERROR_INTERNAL;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Session
+
+Session::Session(ServerContext& ctx, SessionId id, std::string secret,
+                 std::shared_ptr<const OpenedImage> image)
+    : ctx_(ctx),
+      id_(id),
+      secret_(std::move(secret)),
+      image_(std::move(image)),
+      opened_at_(Clock::now()) {}
+
+void Session::SetStream(const std::shared_ptr<Connection>& connection) {
+  std::lock_guard lock(mu_);
+  stream_ = connection;
+}
+
+void Session::AttachDemand(const std::shared_ptr<Connection>& connection) {
+  std::shared_ptr<Connection> previous;
+  {
+    std::lock_guard lock(mu_);
+    previous = demand_.lock();
+    demand_ = connection;
+  }
+  if (previous && previous != connection) {
+    spdlog::info("session {}: demand connection {} replaces {}", id_, connection->id(),
+                 previous->id());
+    previous->Shutdown(wire::ERROR_NONE, "replaced by a newer demand connection");
+  }
+}
+
+void Session::DetachDemand(const Connection* connection) {
+  bool dropped = false;
+  {
+    std::lock_guard lock(mu_);
+    if (demand_.lock().get() == connection) {
+      demand_.reset();
+      dropped = true;
+    }
+  }
+  // Its queued demand chunks have nowhere to go; the client re-sends them on a new connection.
+  if (dropped) ctx_.dispatcher.Update([&](Scheduler& s) { s.DropOutput(id_, Output::kDemand); });
+}
+
+void Session::Close() {
+  std::shared_ptr<Connection> demand;
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    demand = demand_.lock();
+    demand_.reset();
+    stream_.reset();
+  }
+  ctx_.RemoveSession(id_);
+  ctx_.dispatcher.RemoveSession(id_);
+  ctx_.totals.sessions_open.fetch_sub(1);
+  const Latency latency = DemandLatency();
+  spdlog::info(
+      "session {} (image '{}') closed after {:.1f} s: {} bytes, chunks demand/prefetch/"
+      "background {}/{}/{}, demand p50 {:.0f} us p99 {:.0f} us",
+      id_, image_->name, std::chrono::duration<double>(Clock::now() - opened_at_).count(),
+      stats_.bytes_sent.load(), stats_.chunks_sent[wire::PRIORITY_DEMAND].load(),
+      stats_.chunks_sent[wire::PRIORITY_PREFETCH].load(),
+      stats_.chunks_sent[wire::PRIORITY_BACKGROUND].load(), latency.p50_us, latency.p99_us);
+  // Sessions do not outlive their stream connection (docs/protocol.md).
+  if (demand) demand->Shutdown(wire::ERROR_NONE, "session closed");
+}
+
+void Session::RecordDemandLatency(Clock::duration latency) {
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(latency).count();
+  const uint32_t sample = static_cast<uint32_t>(std::clamp<int64_t>(us, 0, UINT32_MAX));
+  std::lock_guard lock(mu_);
+  if (latency_us_.size() < kLatencySamples) {
+    latency_us_.push_back(sample);
+  } else {
+    latency_us_[latency_next_] = sample;
+    latency_next_ = (latency_next_ + 1) % kLatencySamples;
+  }
+  ++latency_count_;
+}
+
+Session::Latency Session::DemandLatency() const {
+  std::vector<uint32_t> samples;
+  Latency out;
+  {
+    std::lock_guard lock(mu_);
+    samples = latency_us_;
+    out.count = latency_count_;
+  }
+  if (samples.empty()) return out;
+  std::sort(samples.begin(), samples.end());
+  auto at = [&](double q) {
+    return static_cast<double>(samples[static_cast<size_t>(q * double(samples.size() - 1))]);
+  };
+  out.p50_us = at(0.50);
+  out.p99_us = at(0.99);
+  out.max_us = samples.back();
+  return out;
+}
+
+void Session::OnChunkRead(const WorkItem& item, Result<image::StoredChunk> chunk) {
+  std::shared_ptr<Connection> target;
+  {
+    std::lock_guard lock(mu_);
+    target = (item.output == Output::kStream ? stream_ : demand_).lock();
+  }
+  if (!target) {
+    ctx_.dispatcher.Done(item, std::nullopt);
+    return;
+  }
+  target->PostChunk(item, std::move(chunk));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connection
+
+Connection::Connection(ServerContext& ctx, net::Socket socket, uint64_t id, std::string peer)
+    : ctx_(ctx),
+      socket_(std::move(socket)),
+      id_(id),
+      peer_(std::move(peer)),
+      wake_(socket_.get_executor()),
+      writer_exit_(socket_.get_executor()),
+      watchdog_(socket_.get_executor()),
+      deadline_(Clock::now() + ctx.config.hello_timeout) {}
+
+Connection::~Connection() = default;
+
+std::string Connection::Tag() const {
+  if (!session_) return fmt::format("conn {} ({})", id_, peer_);
+  return fmt::format("conn {} ({}, {} of session {}, image '{}')", id_, peer_,
+                     role_ == Role::kDemand ? "demand" : "stream", session_->id(),
+                     session_->image().name);
+}
+
+void Connection::Start(wire::ErrorCode refuse_code, std::string refuse_message) {
+  ctx_.totals.connections_open.fetch_add(1);
+  ctx_.totals.connections_accepted.fetch_add(1);
+  ctx_.AddConnection(id_, shared_from_this());
+  refuse_code_ = refuse_code;
+  refuse_message_ = std::move(refuse_message);
+  asio::co_spawn(
+      socket_.get_executor(),
+      [self = shared_from_this()]() -> net::Awaitable<void> { co_await self->Run(); },
+      asio::detached);
+}
+
+net::Awaitable<void> Connection::Run() {
+  auto self = shared_from_this();
+  auto executor = socket_.get_executor();
+  asio::co_spawn(
+      executor, [self]() -> net::Awaitable<void> { co_await self->WriteLoop(); }, asio::detached);
+  asio::co_spawn(
+      executor, [self]() -> net::Awaitable<void> { co_await self->Watchdog(); }, asio::detached);
+  spdlog::debug("{}: connected", Tag());
+  try {
+    if (refuse_code_ != wire::ERROR_NONE) {
+      Fail(refuse_code_, refuse_message_);
+    } else {
+      co_await ReadLoop();
+    }
+  } catch (const std::exception& e) {
+    // No exception leaves a connection: one broken client never disturbs the others.
+    spdlog::error("{}: internal error: {}", Tag(), e.what());
+  }
+
+  // Let the writer flush what is queued for the client (an error, a reply), then close.
+  draining_ = true;
+  Wake();
+  error_code ec;
+  if (!writer_done_) {
+    writer_exit_.expires_at(Clock::time_point::max());
+    co_await writer_exit_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+  if (!closed_) {
+    // Closing a socket with unread input resets the connection, which can destroy our last
+    // frame before the client reads it; so half-close and discard input for a moment.
+    socket_.shutdown(asio::socket_base::shutdown_send, ec);
+    SetDeadline(std::min(deadline_, Clock::now() + kLinger));
+    std::array<uint8_t, 4096> discard;
+    while (!closed_) {
+      co_await socket_.async_read_some(asio::buffer(discard),
+                                       asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) break;
+    }
+  }
+  Close("connection finished");
+}
+
+net::Awaitable<void> Connection::ReadLoop() {
+  while (!closed_ && !draining_) {
+    Result<wire::Header> frame = co_await net::ReadFrame(socket_, ctx_.limits, &payload_);
+    if (!frame.ok()) {
+      const Status& status = frame.status();
+      if (draining_ || closed_) co_return;
+      if (status.code() == Code::kResourceExhausted) {
+        Fail(wire::ERROR_LIMIT, status.message());
+      } else if (status.code() == Code::kCorrupt) {
+        Fail(wire::ERROR_BAD_REQUEST, status.message());
+      } else {
+        spdlog::debug("{}: {}", Tag(), status.ToString());
+      }
+      co_return;
+    }
+    // Clients send no payloads; do not keep a large buffer around for one that did.
+    if (payload_.capacity() > 65536) std::vector<uint8_t>().swap(payload_);
+    ctx_.totals.frames_received.fetch_add(1);
+    Touch();
+    if (role_ == Role::kNew) {
+      co_await HandleHello(*frame);
+    } else {
+      co_await HandleFrame(*frame);
+    }
+  }
+}
+
+net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
+  const uint64_t rid = frame.request_id();
+  if (frame.body_case() != wire::Header::kHello) {
+    Fail(wire::ERROR_BAD_REQUEST, "the first frame on a connection must be Hello", rid);
+    co_return;
+  }
+  const wire::Hello& hello = frame.hello();
+  if (hello.min_version() > kProtocolVersion || hello.max_version() < kProtocolVersion) {
+    Fail(wire::ERROR_UNSUPPORTED_VERSION,
+         fmt::format("server speaks protocol version {}; client offers {}..{}", kProtocolVersion,
+                     hello.min_version(), hello.max_version()),
+         rid);
+    co_return;
+  }
+  if (!ctx_.config.token.empty() && !ConstantTimeEqual(hello.token(), ctx_.config.token)) {
+    spdlog::warn("{}: bad token", Tag());
+    Fail(wire::ERROR_UNAUTHENTICATED, "bad or missing token", rid);
+    co_return;
+  }
+  if (hello.join_session() != 0 || !hello.join_secret().empty()) {
+    std::shared_ptr<Session> session = ctx_.FindSession(hello.join_session());
+    if (!session || !ConstantTimeEqual(session->secret(), hello.join_secret())) {
+      spdlog::warn("{}: demand connection for unknown session {} or wrong secret", Tag(),
+                   hello.join_session());
+      Fail(wire::ERROR_NOT_FOUND, "unknown session or wrong secret", rid);
+      co_return;
+    }
+    role_ = Role::kDemand;
+    session_ = std::move(session);
+    session_->AttachDemand(shared_from_this());
+  } else {
+    role_ = Role::kStream;
+  }
+  wire::Header reply;
+  reply.set_request_id(rid);
+  wire::HelloReply* body = reply.mutable_hello_reply();
+  body->set_version(kProtocolVersion);
+  body->set_server_name(ctx_.config.server_name);
+  body->set_max_payload(ctx_.limits.max_payload);
+  Enqueue(std::move(reply));
+  Touch();
+  spdlog::debug("{}: hello from '{}', {}", Tag(), hello.client_name().substr(0, 64),
+                role_ == Role::kDemand ? "demand connection" : "stream connection");
+  co_return;
+}
+
+net::Awaitable<void> Connection::HandleFrame(const wire::Header& frame) {
+  const uint64_t rid = frame.request_id();
+  switch (frame.body_case()) {
+    case wire::Header::kOpenImage:
+      if (role_ != Role::kStream) {
+        SendError(wire::ERROR_BAD_REQUEST, "OpenImage belongs on a stream connection", rid);
+      } else if (session_) {
+        SendError(wire::ERROR_BAD_REQUEST, "this connection has opened an image already", rid);
+      } else {
+        co_await HandleOpenImage(frame);
+      }
+      break;
+    case wire::Header::kRequest:
+      HandleRequest(frame);
+      break;
+    case wire::Header::kCredit:
+      if (role_ == Role::kDemand) break;  // the demand connection needs no credit
+      if (!session_) {
+        // Pipelined before OpenImage's reply: keep it for the session.
+        pending_credit_ = std::min<uint64_t>(
+            pending_credit_ + std::min<uint64_t>(frame.credit().bytes(), UINT64_MAX / 2),
+            UINT64_MAX / 2);
+        break;
+      }
+      ctx_.dispatcher.Update(
+          [&](Scheduler& s) { s.AddCredit(session_->id(), frame.credit().bytes()); });
+      break;
+    case wire::Header::kHave: {
+      if (!session_) {
+        SendError(wire::ERROR_BAD_REQUEST, "Have before OpenImage", rid);
+        break;
+      }
+      const SessionId id = session_->id();
+      auto [status, done] = ctx_.dispatcher.Update([&](Scheduler& s) {
+        Status st = s.Have(id, frame.have().ranges());
+        return std::make_pair(st, s.TakeStreamDone(id));
+      });
+      if (!status.ok()) SendError(ToWire(status.code()), status.message(), rid);
+      if (done) SendStreamDone(*done);
+      break;
+    }
+    case wire::Header::kStatsRequest:
+      SendStatsReply(rid);
+      break;
+    case wire::Header::kGoodbye:
+      spdlog::debug("{}: goodbye", Tag());
+      draining_ = true;
+      break;
+    case wire::Header::kHello:
+      SendError(wire::ERROR_BAD_REQUEST, "Hello was received already", rid);
+      break;
+    default:
+      SendError(wire::ERROR_BAD_REQUEST,
+                fmt::format("a client may not send message {}", int(frame.body_case())), rid);
+      break;
+  }
+  co_return;
+}
+
+net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
+  const uint64_t rid = frame.request_id();
+  const std::string name = frame.open_image().image();
+  if (ctx_.shutting_down) {
+    SendError(wire::ERROR_SHUTTING_DOWN, "server is shutting down", rid);
+    co_return;
+  }
+  // Opening reads the manifest (or scans a CRIU directory): a disk thread does it, and a timer
+  // on this strand wakes us when the result is back. (GCC 12 mishandles capturing lambdas
+  // inside co_await expressions, so the hand-over is spelled out.)
+  struct Pending {
+    explicit Pending(const asio::any_io_executor& executor) : done(executor) {}
+    asio::steady_timer done;
+    std::optional<Result<std::shared_ptr<const OpenedImage>>> result;
+  };
+  auto pending = std::make_shared<Pending>(socket_.get_executor());
+  ImageStore& store = ctx_.store;
+  asio::post(ctx_.dispatcher.pool(), [pending, &store, name] {
+    Result<std::shared_ptr<const OpenedImage>> result = store.Open(name);
+    asio::post(pending->done.get_executor(), [pending, result = std::move(result)]() mutable {
+      pending->result.emplace(std::move(result));
+      pending->done.cancel();
+    });
+  });
+  error_code ec;
+  while (!pending->result) {
+    pending->done.expires_at(Clock::time_point::max());
+    co_await pending->done.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+  Result<std::shared_ptr<const OpenedImage>> opened = std::move(*pending->result);
+  if (closed_ || draining_) co_return;
+  if (!opened.ok()) {
+    spdlog::info("{}: OpenImage '{}' refused: {}", Tag(), name.substr(0, 256),
+                 opened.status().ToString());
+    SendError(ToWire(opened.status().code()), opened.status().message(), rid);
+    co_return;
+  }
+  const OpenedImage& image = **opened;
+  if (image.layout->max_payload() > ctx_.limits.max_payload) {
+    SendError(wire::ERROR_LIMIT,
+              fmt::format("image '{}' has chunks of {} bytes, over this server's frame limit {}",
+                          name, image.layout->max_payload(), ctx_.limits.max_payload),
+              rid);
+    co_return;
+  }
+
+  wire::Header reply;
+  reply.set_request_id(rid);
+  wire::OpenImageReply* body = reply.mutable_open_image_reply();
+  const manifest::Manifest& manifest = image.source->manifest();
+  body->set_chunk_size(manifest.chunk_size());
+  body->set_lazy_image(image.source->is_lazy());
+  for (const manifest::Bo& bo : manifest.bos()) {
+    wire::BoInfo* info = body->add_bos();
+    info->set_process_id(bo.process_id());
+    info->set_bo_index(bo.bo_index());
+    info->set_gpu_id(bo.gpu_id());
+    info->set_gpu_va(bo.gpu_va());
+    info->set_size(bo.size());
+    info->set_alloc_flags(bo.alloc_flags());
+    info->set_chunk_count(static_cast<uint32_t>(bo.chunks_size()));
+  }
+  *body->mutable_profile() = manifest.profile();
+  const SessionId id = ctx_.NextSessionId();
+  body->set_session(id);
+  std::string secret = RandomSecret();
+  body->set_session_secret(secret);
+  // The reply travels in a frame header (64 KiB at most): a long profile is cut to its hot
+  // set, which is all a client needs (docs/protocol.md, OpenImage).
+  if (reply.ByteSizeLong() > ctx_.limits.max_header) {
+    auto* order = body->mutable_profile()->mutable_order();
+    const int keep = static_cast<int>(
+        std::min<uint64_t>(manifest.profile().hot_count(), static_cast<uint64_t>(order->size())));
+    order->DeleteSubrange(keep, order->size() - keep);
+  }
+  if (reply.ByteSizeLong() > ctx_.limits.max_header) {
+    SendError(wire::ERROR_LIMIT,
+              fmt::format("image '{}' has too many BOs ({}) or too large a hot set for one "
+                          "OpenImageReply",
+                          name, manifest.bos_size()),
+              rid);
+    co_return;
+  }
+
+  auto session = std::make_shared<Session>(ctx_, id, std::move(secret), *opened);
+  if (!ctx_.AddSession(session)) {
+    SendError(wire::ERROR_LIMIT,
+              fmt::format("server has {} sessions open, its limit", ctx_.config.max_sessions), rid);
+    co_return;
+  }
+  ctx_.totals.sessions_opened.fetch_add(1);
+  ctx_.totals.sessions_open.fetch_add(1);
+  session->SetStream(shared_from_this());
+  session_ = session;
+  ctx_.dispatcher.AddSession(id, image.layout, std::weak_ptr<ChunkSink>(session));
+  if (pending_credit_ > 0) {
+    const uint64_t credit = std::exchange(pending_credit_, 0);
+    ctx_.dispatcher.Update([&](Scheduler& s) { s.AddCredit(id, credit); });
+  }
+  Enqueue(std::move(reply));
+  spdlog::info("{}: session {} opened image '{}' ({} BOs, {} chunks, hot set {})", Tag(), id, name,
+               image.layout->bo_count(), image.layout->total_chunks(), image.layout->hot_end());
+}
+
+void Connection::HandleRequest(const wire::Header& frame) {
+  const uint64_t rid = frame.request_id();
+  if (!session_) {
+    SendError(wire::ERROR_BAD_REQUEST, "Request before OpenImage", rid);
+    return;
+  }
+  const wire::Request& request = frame.request();
+  const SessionId id = session_->id();
+  if (request.stream_all()) {
+    if (role_ == Role::kDemand) {
+      SendError(wire::ERROR_BAD_REQUEST, "stream_all belongs on the stream connection", rid);
+      return;
+    }
+    auto done = ctx_.dispatcher.Update([&](Scheduler& s) {
+      (void)s.StreamAll(id);
+      return s.TakeStreamDone(id);
+    });
+    spdlog::debug("{}: stream_all", Tag());
+    if (done) SendStreamDone(*done);
+    return;
+  }
+  if (!wire::Priority_IsValid(request.priority())) {
+    SendError(wire::ERROR_BAD_REQUEST, fmt::format("unknown priority {}", int(request.priority())),
+              rid);
+    return;
+  }
+  const Output output = role_ == Role::kDemand ? Output::kDemand : Output::kStream;
+  const auto now = Clock::now();
+  Status status = ctx_.dispatcher.Update([&](Scheduler& s) {
+    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now);
+  });
+  if (!status.ok()) {
+    spdlog::info("{}: request {} refused: {}", Tag(), rid, status.ToString());
+    SendError(ToWire(status.code()), status.message(), rid);
+  }
+}
+
+void Connection::SendStatsReply(uint64_t request_id) {
+  wire::Header reply;
+  reply.set_request_id(request_id);
+  std::optional<SessionId> own;
+  if (session_) own = session_->id();
+  reply.mutable_stats_reply()->set_json(ctx_.StatsJson(own, ctx_.limits.max_header - 1024));
+  Enqueue(std::move(reply));
+}
+
+void Connection::SendStreamDone(const StreamDoneInfo& info) {
+  wire::Header header;
+  wire::StreamDone* body = header.mutable_stream_done();
+  body->set_chunks(info.chunks);
+  body->set_bytes(info.bytes);
+  if (session_) session_->stats().stream_done.fetch_add(1);
+  spdlog::info("{}: stream done, {} chunks, {} bytes", Tag(), info.chunks, info.bytes);
+  Enqueue(std::move(header));
+}
+
+void Connection::Enqueue(wire::Header header) {
+  if (closed_) return;
+  control_.push_back(std::move(header));
+  Wake();
+}
+
+void Connection::SendError(wire::ErrorCode code, std::string message, uint64_t in_reply_to) {
+  wire::Header header;
+  header.set_request_id(in_reply_to);
+  wire::Error* error = header.mutable_error();
+  error->set_code(code);
+  error->set_message(std::move(message));
+  error->set_in_reply_to(in_reply_to);
+  ctx_.totals.errors_sent.fetch_add(1);
+  if (session_) session_->stats().errors_sent.fetch_add(1);
+  Enqueue(std::move(header));
+}
+
+void Connection::Fail(wire::ErrorCode code, std::string message, uint64_t in_reply_to) {
+  spdlog::info("{}: closing after error {}: {}", Tag(), wire::ErrorCode_Name(code), message);
+  SendError(code, std::move(message), in_reply_to);
+  draining_ = true;
+}
+
+void Connection::Shutdown(wire::ErrorCode code, std::string message) {
+  asio::post(socket_.get_executor(), [self = shared_from_this(), code,
+                                      message = std::move(message)]() mutable {
+    if (self->closed_ || self->draining_) return;
+    if (code != wire::ERROR_NONE) {
+      self->SendError(code, std::move(message), 0);
+    } else {
+      wire::Header bye;
+      bye.mutable_goodbye();
+      self->Enqueue(std::move(bye));
+    }
+    self->draining_ = true;
+    // Wakes the pending read with end-of-file; the write in flight goes on.
+    error_code ec;
+    self->socket_.shutdown(asio::socket_base::shutdown_receive, ec);
+    self->SetDeadline(std::min(self->deadline_, Clock::now() + self->ctx_.config.shutdown_grace));
+    self->Wake();
+  });
+}
+
+void Connection::PostChunk(WorkItem item, Result<image::StoredChunk> chunk) {
+  asio::post(socket_.get_executor(),
+             [self = shared_from_this(), item, chunk = std::move(chunk)]() mutable {
+               self->DeliverChunk(item, std::move(chunk));
+             });
+}
+
+void Connection::PostControl(wire::Header header) {
+  asio::post(socket_.get_executor(),
+             [self = shared_from_this(), header = std::move(header)]() mutable {
+               self->Enqueue(std::move(header));
+             });
+}
+
+void Connection::DeliverChunk(WorkItem item, Result<image::StoredChunk> chunk) {
+  if (closed_ || draining_) {
+    ctx_.dispatcher.Done(item, std::nullopt);
+    return;
+  }
+  if (!chunk.ok()) {
+    std::string message = chunk.status().message();
+    // Read errors may name files by absolute path; say only what the client named.
+    const std::string dir = session_ ? session_->image().dir.string() : std::string();
+    for (size_t pos; !dir.empty() && (pos = message.find(dir)) != std::string::npos;)
+      message.replace(pos, dir.size(), session_->image().name);
+    spdlog::warn("{}: BO {} chunk {}: read failed: {}", Tag(), item.bo, item.chunk,
+                 chunk.status().ToString());
+    SendError(ToWire(chunk.status().code()),
+              fmt::format("BO {} chunk {}: {}", item.bo, item.chunk, message), item.request_id);
+    std::optional<StreamDoneInfo> done = ctx_.dispatcher.Done(item, std::nullopt);
+    if (done) SendStreamDone(*done);
+    MarkStreamSeq(item);
+    return;
+  }
+  chunks_.push_back(ReadyChunk{item, std::move(*chunk)});
+  Wake();
+}
+
+net::Awaitable<void> Connection::WriteLoop() {
+  error_code ec;
+  while (!closed_) {
+    if (!control_.empty()) {
+      wire::Header header = std::move(control_.front());
+      control_.pop_front();
+      Status status = co_await net::WriteFrame(socket_, header, {}, ctx_.limits);
+      if (!status.ok()) {
+        Close(fmt::format("write failed: {}", status.ToString()));
+        break;
+      }
+      Touch();
+      continue;
+    }
+    if (!draining_) {
+      auto pick = NextSendable();
+      if (pick != chunks_.end()) {
+        ReadyChunk ready = std::move(*pick);
+        chunks_.erase(pick);
+        const WorkItem item = ready.item;
+        co_await WriteChunk(ready);
+        MarkStreamSeq(item);
+        continue;
+      }
+    }
+    if (draining_) break;
+    wake_.expires_at(Clock::time_point::max());
+    co_await wake_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+  for (ReadyChunk& ready : chunks_)
+    ctx_.dispatcher.Done(ready.item, std::nullopt);
+  chunks_.clear();
+  writer_done_ = true;
+  writer_exit_.cancel();
+}
+
+std::deque<Connection::ReadyChunk>::iterator Connection::NextSendable() {
+  // A demand chunk that is ready goes before the stream chunks ready ahead of it.
+  auto pick = std::find_if(chunks_.begin(), chunks_.end(), [](const ReadyChunk& r) {
+    return r.item.priority == wire::PRIORITY_DEMAND;
+  });
+  if (pick != chunks_.end()) return pick;
+  return std::find_if(chunks_.begin(), chunks_.end(), [this](const ReadyChunk& r) {
+    return r.item.output == Output::kStream && r.item.stream_seq == next_stream_seq_;
+  });
+}
+
+void Connection::MarkStreamSeq(const WorkItem& item) {
+  if (item.output != Output::kStream) return;
+  if (item.stream_seq != next_stream_seq_) {
+    stream_seq_done_.insert(item.stream_seq);
+    return;
+  }
+  ++next_stream_seq_;
+  for (auto it = stream_seq_done_.begin(); it != stream_seq_done_.end() && *it == next_stream_seq_;
+       it = stream_seq_done_.erase(it))
+    ++next_stream_seq_;
+  Wake();
+}
+
+net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
+  const WorkItem& item = ready.item;
+  const image::StoredChunk& chunk = ready.chunk;
+  const uint64_t payload = chunk.bytes.size();
+  if (payload > ctx_.limits.max_payload || payload > UINT32_MAX) {
+    SendError(wire::ERROR_LIMIT,
+              fmt::format("BO {} chunk {}: {} stored bytes exceed the frame limit", item.bo,
+                          item.chunk, payload),
+              item.request_id);
+    auto done = ctx_.dispatcher.Done(item, std::nullopt);
+    if (done) SendStreamDone(*done);
+    co_return;
+  }
+  // Credit was reserved from the manifest's length; a longer payload must find the rest, so
+  // the stream never carries more than the client granted.
+  if (item.output == Output::kStream && payload > item.reserved_credit &&
+      !ctx_.dispatcher.TakeCredit(item.session, payload - item.reserved_credit)) {
+    SendError(wire::ERROR_INTERNAL,
+              fmt::format("BO {} chunk {}: {} stored bytes where the manifest says {}", item.bo,
+                          item.chunk, payload, item.reserved_credit),
+              item.request_id);
+    auto done = ctx_.dispatcher.Done(item, std::nullopt);
+    if (done) SendStreamDone(*done);
+    co_return;
+  }
+
+  wire::Header header;
+  header.set_request_id(item.request_id);
+  wire::ChunkData* body = header.mutable_chunk();
+  body->set_bo(item.bo);
+  body->set_chunk(item.chunk);
+  body->set_codec(chunk.codec);
+  body->set_raw_length(chunk.raw_length);
+  body->set_checksum(chunk.checksum);
+  body->set_priority(item.priority);
+  Status status = co_await net::WriteFrame(socket_, header, chunk.bytes, ctx_.limits);
+  if (!status.ok()) {
+    ctx_.dispatcher.Done(item, std::nullopt);
+    Close(
+        fmt::format("write of BO {} chunk {} failed: {}", item.bo, item.chunk, status.ToString()));
+    co_return;
+  }
+  const auto sent_at = Clock::now();
+  const int priority = std::clamp<int>(item.priority, 0, 2);
+  ctx_.totals.bytes_sent.fetch_add(payload);
+  ctx_.totals.chunks_sent[priority].fetch_add(1);
+  if (session_) {
+    session_->stats().bytes_sent.fetch_add(payload);
+    session_->stats().chunks_sent[priority].fetch_add(1);
+    if (item.priority == wire::PRIORITY_DEMAND)
+      session_->RecordDemandLatency(sent_at - item.received);
+  }
+  spdlog::trace("{}: sent BO {} chunk {} ({} bytes, {})", Tag(), item.bo, item.chunk, payload,
+                wire::Priority_Name(item.priority));
+  Touch();
+  std::optional<StreamDoneInfo> done = ctx_.dispatcher.Done(item, static_cast<uint32_t>(payload));
+  if (done) SendStreamDone(*done);
+}
+
+net::Awaitable<void> Connection::Watchdog() {
+  error_code ec;
+  while (!closed_) {
+    watchdog_.expires_at(deadline_);
+    co_await watchdog_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    if (closed_) break;
+    if (Clock::now() < deadline_) continue;  // moved later meanwhile (or re-armed)
+    if (role_ == Role::kNew && !draining_) {
+      spdlog::info("{}: no Hello within {} ms; closing", Tag(), ctx_.config.hello_timeout.count());
+    } else if (!draining_) {
+      spdlog::info("{}: idle for {} ms; closing", Tag(), ctx_.config.idle_timeout.count());
+    }
+    Close("deadline passed");
+    break;
+  }
+}
+
+void Connection::Wake() {
+  wake_.cancel();
+}
+
+void Connection::Touch() {
+  if (draining_ || role_ == Role::kNew) return;
+  deadline_ = ctx_.config.idle_timeout.count() > 0 ? Clock::now() + ctx_.config.idle_timeout
+                                                   : Clock::time_point::max();
+}
+
+void Connection::SetDeadline(Clock::time_point deadline) {
+  deadline_ = deadline;
+  watchdog_.cancel();
+}
+
+void Connection::Close(std::string_view why) {
+  if (closed_) return;
+  closed_ = true;
+  draining_ = true;
+  error_code ec;
+  socket_.shutdown(asio::socket_base::shutdown_both, ec);
+  socket_.close(ec);
+  wake_.cancel();
+  watchdog_.cancel();
+  for (ReadyChunk& ready : chunks_)
+    ctx_.dispatcher.Done(ready.item, std::nullopt);
+  chunks_.clear();
+  control_.clear();
+  if (session_) {
+    if (role_ == Role::kStream) {
+      session_->Close();
+    } else {
+      session_->DetachDemand(this);
+    }
+  }
+  ctx_.RemoveConnection(id_);
+  ctx_.totals.connections_open.fetch_sub(1);
+  spdlog::debug("{}: closed ({})", Tag(), why);
+}
+
+}  // namespace gpulazy::server

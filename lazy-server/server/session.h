@@ -1,0 +1,166 @@
+// Session and Connection: one client restoring one image (docs/protocol.md).
+//
+// A Connection is one socket. Its life is one readable coroutine (Run: Hello, then requests
+// until the peer leaves or breaks the protocol) plus a writer coroutine that sends control
+// frames first, then chunks as the Dispatcher delivers them, and a watchdog for the Hello,
+// idle and linger deadlines. Everything of a Connection runs on its own strand.
+//
+// A Session is created by OpenImage on a stream connection and lives as long as that
+// connection; a demand connection joins it with the session secret. Chunks read from disk
+// arrive on a disk thread (ChunkSink) and are posted to the strand of the connection they are
+// for.
+//
+// Thread-safety: Connection methods other than Shutdown() and Post*() run on its strand.
+// Session guards its connection pointers and latency samples with a mutex; counters are atomic.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "lazy-server/server/context.h"
+#include "lazy-server/server/dispatcher.h"
+#include "lazy-server/server/image_store.h"
+#include "page-client/net/frame_stream.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy::server {
+
+class Connection;
+
+struct SessionStats {
+  std::atomic<uint64_t> bytes_sent{0};
+  std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
+  std::atomic<uint64_t> errors_sent{0};
+  std::atomic<uint64_t> stream_done{0};
+};
+
+class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
+ public:
+  Session(ServerContext& ctx, SessionId id, std::string secret,
+          std::shared_ptr<const OpenedImage> image);
+
+  SessionId id() const { return id_; }
+  const std::string& secret() const { return secret_; }
+  const OpenedImage& image() const { return *image_; }
+  SessionStats& stats() { return stats_; }
+  Clock::time_point opened_at() const { return opened_at_; }
+
+  void SetStream(const std::shared_ptr<Connection>& connection);
+  // Makes `connection` the demand connection; the previous one (if any) is shut down.
+  void AttachDemand(const std::shared_ptr<Connection>& connection);
+  void DetachDemand(const Connection* connection);
+  // The stream connection ended: unregisters the session and closes its demand connection.
+  void Close();
+
+  void RecordDemandLatency(Clock::duration latency);
+  struct Latency {
+    uint64_t count = 0;
+    double p50_us = 0;
+    double p99_us = 0;
+    double max_us = 0;
+  };
+  Latency DemandLatency() const;
+
+  // ChunkSink
+  const image::ImageSource& source() const override { return *image_->source; }
+  void OnChunkRead(const WorkItem& item, Result<image::StoredChunk> chunk) override;
+
+ private:
+  ServerContext& ctx_;
+  const SessionId id_;
+  const std::string secret_;
+  const std::shared_ptr<const OpenedImage> image_;
+  const Clock::time_point opened_at_;
+  SessionStats stats_;
+  mutable std::mutex mu_;
+  std::weak_ptr<Connection> stream_;
+  std::weak_ptr<Connection> demand_;
+  std::vector<uint32_t> latency_us_;  // ring of the latest samples
+  size_t latency_next_ = 0;
+  uint64_t latency_count_ = 0;
+  bool closed_ = false;
+};
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  enum class Role { kNew, kStream, kDemand };
+
+  Connection(ServerContext& ctx, net::Socket socket, uint64_t id, std::string peer);
+  ~Connection();
+
+  uint64_t id() const { return id_; }
+  // Spawns Run on the connection's strand. refuse_code != 0: answer that error and close.
+  void Start(wire::ErrorCode refuse_code = wire::ERROR_NONE, std::string refuse_message = {});
+  // Any thread: stop reading, finish the write in flight, send ERROR_SHUTTING_DOWN, close.
+  void Shutdown(wire::ErrorCode code, std::string message);
+  // Any thread: a chunk (or its read error) for this connection.
+  void PostChunk(WorkItem item, Result<image::StoredChunk> chunk);
+  // Any thread: a control frame (StreamDone, ...).
+  void PostControl(wire::Header header);
+
+ private:
+  using Awaitable = net::Awaitable<void>;
+  Awaitable Run();
+  Awaitable ReadLoop();
+  Awaitable WriteLoop();
+  Awaitable Watchdog();
+  net::Awaitable<void> HandleHello(const wire::Header& frame);
+  net::Awaitable<void> HandleFrame(const wire::Header& frame);
+  net::Awaitable<void> HandleOpenImage(const wire::Header& frame);
+  void HandleRequest(const wire::Header& frame);
+  void SendStatsReply(uint64_t request_id);
+  void SendStreamDone(const StreamDoneInfo& info);
+
+  void Enqueue(wire::Header header);
+  void SendError(wire::ErrorCode code, std::string message, uint64_t in_reply_to);
+  // Frame-level error: answer, then close after the answer is written.
+  void Fail(wire::ErrorCode code, std::string message, uint64_t in_reply_to = 0);
+  void DeliverChunk(WorkItem item, Result<image::StoredChunk> chunk);
+  struct ReadyChunk {
+    WorkItem item;
+    image::StoredChunk chunk;
+  };
+  Awaitable WriteChunk(ReadyChunk& ready);
+  // The ready chunk to write next: a demand chunk first, else the stream's next in pick order.
+  std::deque<ReadyChunk>::iterator NextSendable();
+  // A stream chunk was written or dropped: later ones may go.
+  void MarkStreamSeq(const WorkItem& item);
+  void Wake();
+  void Touch();
+  void SetDeadline(Clock::time_point deadline);
+  void Close(std::string_view why);
+  std::string Tag() const;  // "conn 7 (session 3, image 'x')" for logs
+
+  ServerContext& ctx_;
+  net::Socket socket_;
+  const uint64_t id_;
+  const std::string peer_;
+  Role role_ = Role::kNew;
+  wire::ErrorCode refuse_code_ = wire::ERROR_NONE;  // set: answer this and close
+  std::string refuse_message_;
+  std::shared_ptr<Session> session_;
+
+  std::deque<wire::Header> control_;
+  std::deque<ReadyChunk> chunks_;
+  uint64_t next_stream_seq_ = 0;
+  std::set<uint64_t> stream_seq_done_;     // finished out of order (demand chunks)
+  boost::asio::steady_timer wake_;         // writer waits on it; cancel() wakes it
+  boost::asio::steady_timer writer_exit_;  // Run waits on it for the writer to finish
+  boost::asio::steady_timer watchdog_;
+  Clock::time_point deadline_;
+  bool draining_ = false;  // no more requests: flush control frames, then close
+  bool writer_done_ = false;
+  bool closed_ = false;
+  uint64_t pending_credit_ = 0;   // Credit that arrived before OpenImage's session existed
+  std::vector<uint8_t> payload_;  // read buffer for client payloads (unused but bounded)
+};
+
+}  // namespace gpulazy::server

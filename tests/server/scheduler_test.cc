@@ -1,0 +1,366 @@
+// Unit tests of the page server's pure parts: the Scheduler (priorities, profile order,
+// fairness, Have, re-requests, credit) and the ImageStore's path confinement.
+#include "lazy-server/server/scheduler.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "lazy-server/server/image_store.h"
+
+namespace gpulazy::server {
+namespace {
+
+// bos[i] chunks of `chunk_size` bytes each; profile = pairs (bo, chunk); first hot entries hot.
+manifest::Manifest MakeManifest(std::vector<uint32_t> bos, uint32_t chunk_size = 100,
+                                std::vector<std::pair<uint32_t, uint32_t>> profile = {},
+                                uint32_t hot = 0) {
+  manifest::Manifest m;
+  m.set_chunk_size(chunk_size);
+  for (uint32_t count : bos) {
+    manifest::Bo* bo = m.add_bos();
+    bo->set_size(uint64_t{count} * chunk_size);
+    for (uint32_t c = 0; c < count; ++c) {
+      manifest::Chunk* chunk = bo->add_chunks();
+      chunk->set_raw_length(chunk_size);
+      chunk->set_stored_length(chunk_size);
+    }
+  }
+  for (auto [b, c] : profile) {
+    manifest::ChunkRef* ref = m.mutable_profile()->add_order();
+    ref->set_bo(b);
+    ref->set_chunk(c);
+  }
+  m.mutable_profile()->set_hot_count(hot);
+  return m;
+}
+
+std::shared_ptr<const ImageLayout> Layout(const manifest::Manifest& m, bool lazy = false) {
+  return std::make_shared<const ImageLayout>(ImageLayout::FromManifest(m, lazy));
+}
+
+google::protobuf::RepeatedPtrField<wire::ChunkRange> Ranges(
+    std::vector<std::tuple<uint32_t, uint32_t, uint32_t>> ranges) {
+  google::protobuf::RepeatedPtrField<wire::ChunkRange> out;
+  for (auto [bo, first, count] : ranges) {
+    wire::ChunkRange* r = out.Add();
+    r->set_bo(bo);
+    r->set_first_chunk(first);
+    r->set_chunk_count(count);
+  }
+  return out;
+}
+
+// Picks until nothing is eligible, marking each sent at once. Returns (session, bo, chunk, prio).
+struct Pick {
+  SessionId session;
+  uint32_t bo, chunk;
+  wire::Priority priority;
+  bool operator==(const Pick&) const = default;
+};
+std::vector<Pick> Drain(Scheduler& s, size_t max = 1000) {
+  std::vector<Pick> out;
+  while (out.size() < max) {
+    std::optional<WorkItem> item = s.Next();
+    if (!item) break;
+    out.push_back({item->session, item->bo, item->chunk, item->priority});
+    s.Done(*item, item->reserved_credit);
+  }
+  return out;
+}
+
+TEST(ImageLayoutTest, PlanFollowsProfileThenTableOrder) {
+  ImageLayout layout = ImageLayout::FromManifest(
+      MakeManifest({2, 3}, 100, {{1, 2}, {0, 1}, {1, 2}, {9, 9}}, 2), false);
+  ASSERT_EQ(layout.plan().size(), 5u);
+  EXPECT_EQ(layout.plan()[0].bo(), 1u);  // profile order, duplicates and bad entries dropped
+  EXPECT_EQ(layout.plan()[0].chunk(), 2u);
+  EXPECT_EQ(layout.plan()[1].bo(), 0u);
+  EXPECT_EQ(layout.plan()[1].chunk(), 1u);
+  EXPECT_EQ(layout.hot_end(), 2u);
+  EXPECT_EQ(layout.plan()[2].bo(), 0u);  // then table order
+  EXPECT_EQ(layout.plan()[2].chunk(), 0u);
+  EXPECT_EQ(layout.plan()[3].chunk(), 0u);
+  EXPECT_EQ(layout.plan()[4].chunk(), 1u);
+}
+
+TEST(ImageLayoutTest, CheckRangeRejectsOutOfRange) {
+  ImageLayout layout = ImageLayout::FromManifest(MakeManifest({2, 3}), false);
+  wire::ChunkRange r;
+  r.set_bo(2);
+  r.set_chunk_count(1);
+  EXPECT_EQ(layout.CheckRange(r).code(), Code::kOutOfRange);
+  r.set_bo(1);
+  r.set_first_chunk(2);
+  r.set_chunk_count(2);
+  EXPECT_EQ(layout.CheckRange(r).code(), Code::kOutOfRange);
+  r.set_first_chunk(0xffffffffu);
+  r.set_chunk_count(0xffffffffu);  // no 32-bit wrap
+  EXPECT_EQ(layout.CheckRange(r).code(), Code::kOutOfRange);
+  r.set_first_chunk(0);
+  r.set_chunk_count(0);
+  EXPECT_EQ(layout.CheckRange(r).code(), Code::kOutOfRange);
+  r.set_chunk_count(3);
+  EXPECT_TRUE(layout.CheckRange(r).ok());
+}
+
+TEST(SchedulerTest, DemandBeforePrefetchBeforeBackground) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({4, 4}, 100, {{1, 3}}, 1)));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_BACKGROUND, Output::kStream, 7, Ranges({{0, 2, 1}}), Clock::now())
+          .ok());
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 8, Ranges({{1, 1, 1}}), Clock::now())
+          .ok());
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_PREFETCH, Output::kStream, 9, Ranges({{0, 3, 1}}), Clock::now())
+          .ok());
+  std::vector<Pick> picks = Drain(s);
+  ASSERT_GE(picks.size(), 4u);
+  EXPECT_EQ(picks[0], (Pick{1, 1, 1, wire::PRIORITY_DEMAND}));
+  EXPECT_EQ(picks[1], (Pick{1, 0, 3, wire::PRIORITY_PREFETCH}));    // explicit prefetch
+  EXPECT_EQ(picks[2], (Pick{1, 1, 3, wire::PRIORITY_PREFETCH}));    // hot set of the profile
+  EXPECT_EQ(picks[3], (Pick{1, 0, 2, wire::PRIORITY_BACKGROUND}));  // explicit background
+  EXPECT_EQ(picks[4], (Pick{1, 0, 0, wire::PRIORITY_BACKGROUND}));  // the rest, table order
+  // stream_all sends each of the 8 chunks once; explicit requests send theirs again.
+  EXPECT_EQ(picks.size(), 8u + 3u);
+  std::optional<StreamDoneInfo> done = s.TakeStreamDone(1);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->chunks, 8u);
+  EXPECT_EQ(done->bytes, 800u);
+  EXPECT_FALSE(s.TakeStreamDone(1).has_value());  // once
+}
+
+TEST(SchedulerTest, ProfileOrderThenTableOrder) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({3, 2}, 100, {{1, 1}, {0, 2}, {1, 0}}, 2)));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::vector<Pick> picks = Drain(s);
+  std::vector<Pick> want = {{1, 1, 1, wire::PRIORITY_PREFETCH},
+                            {1, 0, 2, wire::PRIORITY_PREFETCH},
+                            {1, 1, 0, wire::PRIORITY_BACKGROUND},
+                            {1, 0, 0, wire::PRIORITY_BACKGROUND},
+                            {1, 0, 1, wire::PRIORITY_BACKGROUND}};
+  EXPECT_EQ(picks, want);
+}
+
+TEST(SchedulerTest, HaveExcludesChunksFromStreamAll) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({4})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.Have(1, Ranges({{0, 1, 2}})).ok());
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::vector<Pick> picks = Drain(s);
+  ASSERT_EQ(picks.size(), 2u);
+  EXPECT_EQ(picks[0].chunk, 0u);
+  EXPECT_EQ(picks[1].chunk, 3u);
+  EXPECT_EQ(s.TakeStreamDone(1)->chunks, 2u);
+  // Out-of-range Have is refused as a whole.
+  EXPECT_EQ(s.Have(1, Ranges({{0, 0, 1}, {5, 0, 1}})).code(), Code::kOutOfRange);
+}
+
+TEST(SchedulerTest, EverythingHeldFinishesAtOnce) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({2})));
+  ASSERT_TRUE(s.Have(1, Ranges({{0, 0, 2}})).ok());
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  EXPECT_FALSE(s.Next().has_value());
+  std::optional<StreamDoneInfo> done = s.TakeStreamDone(1);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->chunks, 0u);
+}
+
+TEST(SchedulerTest, ReRequestSendsAgainEvenWhenHeld) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({2})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.Have(1, Ranges({{0, 0, 2}})).ok());
+  for (int i = 0; i < 2; ++i)
+    ASSERT_TRUE(
+        s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kStream, 5, Ranges({{0, 1, 1}}), Clock::now())
+            .ok());
+  std::vector<Pick> picks = Drain(s);
+  ASSERT_EQ(picks.size(), 2u);
+  EXPECT_EQ(picks[0], picks[1]);
+}
+
+TEST(SchedulerTest, RoundRobinAcrossSessions) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({100})));
+  s.AddSession(2, Layout(MakeManifest({3})));
+  s.AddSession(3, Layout(MakeManifest({3})));
+  for (SessionId id : {1, 2, 3}) {
+    s.AddCredit(id, 1 << 20);
+    ASSERT_TRUE(s.StreamAll(id).ok());
+  }
+  std::vector<Pick> picks = Drain(s, 9);
+  std::vector<SessionId> order;
+  for (const Pick& p : picks)
+    order.push_back(p.session);
+  EXPECT_EQ(order, (std::vector<SessionId>{1, 2, 3, 1, 2, 3, 1, 2, 3}));
+  // Once the small ones are done the big one gets everything.
+  picks = Drain(s);
+  EXPECT_EQ(picks.size(), 97u);
+  for (const Pick& p : picks)
+    EXPECT_EQ(p.session, 1u);
+}
+
+TEST(SchedulerTest, CreditGatesTheStreamButNotTheDemandConnection) {
+  Scheduler s(SchedulerLimits{4, 8, 256, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({10})));
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  EXPECT_FALSE(s.Next().has_value());  // zero credit
+  s.AddCredit(1, 250);
+  std::vector<Pick> picks = Drain(s);
+  EXPECT_EQ(picks.size(), 2u);  // 2 x 100 bytes; 50 left is not enough for the next
+  EXPECT_EQ(s.Counters(1)->credit, 50u);
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 3, Ranges({{0, 9, 1}}), Clock::now())
+          .ok());
+  picks = Drain(s);
+  ASSERT_EQ(picks.size(), 1u);
+  EXPECT_EQ(picks[0].chunk, 9u);
+  s.AddCredit(1, 50);
+  EXPECT_EQ(Drain(s).size(), 1u);
+}
+
+TEST(SchedulerTest, StreamWindowBoundsChunksInFlight) {
+  Scheduler s(SchedulerLimits{2, 8, 256, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({10})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::optional<WorkItem> a = s.Next();
+  std::optional<WorkItem> b = s.Next();
+  ASSERT_TRUE(a && b);
+  EXPECT_FALSE(s.Next().has_value());
+  // A demand request on the stream connection waits only for a slot, not for the plan.
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kStream, 4, Ranges({{0, 8, 1}}), Clock::now())
+          .ok());
+  s.Done(*a, a->reserved_credit);
+  std::optional<WorkItem> c = s.Next();
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->chunk, 8u);
+  EXPECT_EQ(c->priority, wire::PRIORITY_DEMAND);
+  EXPECT_EQ(c->request_id, 4u);
+}
+
+TEST(SchedulerTest, DroppedItemsReturnCredit) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({3})));
+  s.AddCredit(1, 300);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::optional<WorkItem> item = s.Next();
+  ASSERT_TRUE(item.has_value());
+  EXPECT_EQ(s.Counters(1)->credit, 200u);
+  s.Done(*item, std::nullopt);
+  EXPECT_EQ(s.Counters(1)->credit, 300u);
+}
+
+TEST(SchedulerTest, DemandLimit) {
+  Scheduler s(SchedulerLimits{4, 8, 5, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({10})));
+  EXPECT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 1, Ranges({{0, 0, 5}}), Clock::now())
+          .ok());
+  EXPECT_EQ(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 2, Ranges({{0, 5, 1}}), Clock::now())
+          .code(),
+      Code::kResourceExhausted);
+  s.DropOutput(1, Output::kDemand);
+  EXPECT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 3, Ranges({{0, 5, 5}}), Clock::now())
+          .ok());
+  EXPECT_EQ(s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 4, Ranges({{0, 0, 1}, {3, 0, 1}}),
+                      Clock::now())
+                .code(),
+            Code::kOutOfRange);
+}
+
+TEST(SchedulerTest, UpcomingFollowsPickOrder) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({6}, 100, {{0, 4}}, 1)));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.Have(1, Ranges({{0, 0, 1}})).ok());
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::vector<manifest::ChunkRef> next = s.Upcoming(1, 3);
+  ASSERT_EQ(next.size(), 3u);
+  EXPECT_EQ(next[0].chunk(), 4u);
+  EXPECT_EQ(next[1].chunk(), 1u);
+  EXPECT_EQ(next[2].chunk(), 2u);
+}
+
+TEST(SchedulerTest, LazyPayloadsUseStoredLengths) {
+  manifest::Manifest m = MakeManifest({2});
+  m.mutable_bos(0)->mutable_chunks(0)->set_codec(manifest::CODEC_ZERO);
+  m.mutable_bos(0)->mutable_chunks(1)->set_codec(manifest::CODEC_LZ4);
+  m.mutable_bos(0)->mutable_chunks(1)->set_stored_length(40);
+  ImageLayout layout = ImageLayout::FromManifest(m, true);
+  EXPECT_EQ(layout.payload_length(0, 0), 0u);
+  EXPECT_EQ(layout.payload_length(0, 1), 40u);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class ImageStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/glstore-XXXXXX";
+    base_ = ::mkdtemp(pattern);
+    root_ = base_ / "root";
+    std::filesystem::create_directories(root_ / "a" / "img");
+    std::filesystem::create_directories(base_ / "outside" / "img");
+    std::filesystem::create_directory_symlink(base_ / "outside", root_ / "escape");
+    std::filesystem::create_directory_symlink("a/img", root_ / "inside");
+  }
+  void TearDown() override { std::filesystem::remove_all(base_); }
+  std::filesystem::path base_, root_;
+};
+
+TEST_F(ImageStoreTest, ValidateNameRejectsDangerousNames) {
+  EXPECT_EQ(ImageStore::ValidateName("").code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName("/etc").code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName("..").code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName("../x").code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName("a/../../x").code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName("a/..").code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName(std::string("a\0b", 3)).code(), Code::kNotFound);
+  EXPECT_EQ(ImageStore::ValidateName(std::string(5000, 'a')).code(), Code::kNotFound);
+  EXPECT_TRUE(ImageStore::ValidateName("a/img").ok());
+  EXPECT_TRUE(ImageStore::ValidateName("a/..b/c..").ok());
+}
+
+TEST_F(ImageStoreTest, ResolveStaysBeneathTheRoot) {
+  ImageStore store({root_}, 1 << 20, 4);
+  Result<std::filesystem::path> ok = store.Resolve("a/img");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(*ok, std::filesystem::canonical(root_ / "a" / "img"));
+  // A symlink that stays inside is fine; one that leaves is not found.
+  EXPECT_TRUE(store.Resolve("inside").ok());
+  Result<std::filesystem::path> escape = store.Resolve("escape/img");
+  EXPECT_EQ(escape.status().code(), Code::kNotFound);
+  EXPECT_EQ(escape.status().message().find(base_.string()), std::string::npos);
+  EXPECT_EQ(store.Resolve("missing").status().code(), Code::kNotFound);
+  EXPECT_EQ(store.Resolve("../outside/img").status().code(), Code::kNotFound);
+  EXPECT_EQ(store.Resolve((base_ / "outside" / "img").string()).status().code(), Code::kNotFound);
+  // A plain file is not an image directory.
+  std::ofstream(root_ / "file") << "x";
+  EXPECT_EQ(store.Resolve("file").status().code(), Code::kNotFound);
+}
+
+TEST_F(ImageStoreTest, OpenOfNonImageSaysNotFoundWithoutRoot) {
+  ImageStore store({root_}, 1 << 20, 4);
+  Result<std::shared_ptr<const OpenedImage>> opened = store.Open("a/img");
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().message().find(root_.string()), std::string::npos)
+      << opened.status().message();
+}
+
+}  // namespace
+}  // namespace gpulazy::server

@@ -1,0 +1,549 @@
+// Integration tests of gpulazy-server: a real server process on a temp Unix socket and on
+// 127.0.0.1 port 0, driven by a frame-level test client (tests/server/test_support.h).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/lazy_image.h"
+#include "lazy-server/image/synth.h"
+#include "proto/endian.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::server::testing {
+namespace {
+namespace fs = std::filesystem;
+
+constexpr uint32_t kChunk = 64 * 1024;
+constexpr uint64_t kBigWindow = 1ull << 30;
+
+Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) {
+  image::SynthOptions options;
+  options.out = dir;
+  options.gpus = 2;
+  options.bos = 8;
+  options.total_bytes = bytes;
+  options.seed = seed;
+  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(options).status());
+  if (!lazy) return Status::Ok();
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
+  image::ConvertOptions convert;
+  convert.chunk_size = kChunk;
+  return image::ConvertToLazyImage(checkpoint, convert).status();
+}
+
+// Shared by the tests: images under one root and one server.
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    const fs::path root = dir_->path() / "images";
+    fs::create_directories(root / "sub");
+    ASSERT_TRUE(MakeImage(root / "raw", 8ull << 20, 1, false).ok());
+    ASSERT_TRUE(MakeImage(root / "sub" / "lazy", 8ull << 20, 2, true).ok());
+    ASSERT_TRUE(MakeImage(root / "big", 48ull << 20, 3, false).ok());
+    ASSERT_TRUE(MakeImage(root / "hot", 4ull << 20, 4, true).ok());
+    // A profile for "hot": a few chunks from the end of the table are the hot set.
+    Result<image::LazyImage> hot = image::LazyImage::Open(root / "hot");
+    ASSERT_TRUE(hot.ok()) << hot.status().ToString();
+    manifest::Manifest m = hot->manifest();
+    manifest::AccessProfile* profile = m.mutable_profile();
+    profile->Clear();
+    const int last = m.bos_size() - 1;
+    for (int bo = last; bo >= 0 && profile->order_size() < 6; --bo) {
+      if (m.bos(bo).chunks_size() == 0) continue;
+      manifest::ChunkRef* ref = profile->add_order();
+      ref->set_bo(static_cast<uint32_t>(bo));
+      ref->set_chunk(static_cast<uint32_t>(m.bos(bo).chunks_size() - 1));
+    }
+    profile->set_hot_count(4);
+    profile->set_source("test");
+    ASSERT_TRUE(image::WriteManifest(root / "hot", m).ok());
+    for (const char* name : {"raw", "sub/lazy", "big", "hot"}) {
+      auto contents = LoadCriuContents(root / name);
+      ASSERT_TRUE(contents.ok()) << contents.status().ToString();
+      (*expected_)[name] = std::move(*contents);
+    }
+    server_ = new ServerProcess(dir_->path(), root,
+                                {"--raw-chunk-size", "64K", "--hello-timeout", "1",
+                                 "--disk-threads", "2", "--threads", "2"});
+    ASSERT_TRUE(server_->ready()) << server_->Log();
+  }
+  static void TearDownTestSuite() {
+    // A clean exit after the suite's traffic: sanitizer builds report leaks and errors here.
+    if (server_ != nullptr && server_->ready()) {
+      const int status = server_->Terminate(15s);
+      EXPECT_EQ(status, 0) << server_->Log().substr(0, 20000);
+    }
+    delete server_;
+    delete dir_;
+    server_ = nullptr;
+    dir_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    ASSERT_TRUE(server_->ready());
+    ::alarm(120);  // no test may hang
+  }
+  void TearDown() override {
+    ::alarm(0);
+    if (HasFailure()) std::cerr << server_->Log().substr(0, 20000);
+  }
+
+  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>* expected_;
+  static TempDir* dir_;
+  static ServerProcess* server_;
+};
+std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>* ServerTest::expected_ =
+    new std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>();
+TempDir* ServerTest::dir_ = nullptr;
+ServerProcess* ServerTest::server_ = nullptr;
+
+// Opens `image`, streams it all and checks every byte.
+void StreamAndVerify(const net::Endpoint& endpoint, const std::string& image,
+                     const std::map<BoKey, std::vector<uint8_t>>& expected, uint64_t window,
+                     bool want_lazy) {
+  TestClient client(endpoint);
+  ASSERT_TRUE(client.connected());
+  Result<wire::HelloReply> hello = client.Hello();
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->version(), 1u);
+  Result<wire::OpenImageReply> reply = client.Open(image);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  EXPECT_EQ(reply->lazy_image(), want_lazy);
+  EXPECT_EQ(reply->session_secret().size(), 16u);
+  Result<Received> received = ReceiveStream(client, window);
+  ASSERT_TRUE(received.ok()) << received.status().ToString();
+  Status verified = VerifyStream(*reply, received->chunks, expected);
+  EXPECT_TRUE(verified.ok()) << verified.ToString();
+  EXPECT_EQ(received->done.chunks(), received->chunks.size());
+  uint64_t bytes = 0;
+  for (const Frame& f : received->chunks)
+    bytes += f.payload.size();
+  EXPECT_EQ(received->done.bytes(), bytes);
+}
+
+TEST_F(ServerTest, StreamsRawCriuImageOverUnix) {
+  StreamAndVerify(server_->unix_endpoint(), "raw", (*expected_)["raw"], 4 * kChunk, false);
+}
+
+TEST_F(ServerTest, StreamsLazyImageOverTcp) {
+  StreamAndVerify(server_->tcp_endpoint(), "sub/lazy", (*expected_)["sub/lazy"], 16 * kChunk, true);
+}
+
+TEST_F(ServerTest, HotSetStreamsFirstInProfileOrder) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  Result<wire::OpenImageReply> reply = client.Open("hot");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  const manifest::AccessProfile& profile = reply->profile();
+  ASSERT_EQ(profile.hot_count(), 4u);
+  ASSERT_EQ(profile.order_size(), 6);
+  Result<Received> received = ReceiveStream(client, kBigWindow);
+  ASSERT_TRUE(received.ok()) << received.status().ToString();
+  ASSERT_GE(received->chunks.size(), 6u);
+  for (int i = 0; i < 6; ++i) {
+    const wire::ChunkData& chunk = received->chunks[i].header.chunk();
+    EXPECT_EQ(chunk.bo(), profile.order(i).bo()) << i;
+    EXPECT_EQ(chunk.chunk(), profile.order(i).chunk()) << i;
+    EXPECT_EQ(chunk.priority(), i < 4 ? wire::PRIORITY_PREFETCH : wire::PRIORITY_BACKGROUND) << i;
+  }
+  for (size_t i = 4; i < received->chunks.size(); ++i)
+    EXPECT_EQ(received->chunks[i].header.chunk().priority(), wire::PRIORITY_BACKGROUND);
+  EXPECT_TRUE(VerifyStream(*reply, received->chunks, (*expected_)["hot"]).ok());
+}
+
+TEST_F(ServerTest, CreditIsRespected) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  Result<wire::OpenImageReply> reply = client.Open("raw");
+  ASSERT_TRUE(reply.ok());
+  ASSERT_TRUE(client.StreamAll().ok());
+  // No credit: nothing comes.
+  EXPECT_EQ(client.Read(300ms).status().code(), Code::kTimeout);
+  uint64_t granted = 3 * kChunk;
+  ASSERT_TRUE(client.Credit(3 * kChunk).ok());
+  uint64_t received = 0;
+  size_t chunks = 0;
+  auto drain = [&] {
+    while (true) {
+      Result<Frame> frame = client.Read(400ms);
+      if (!frame.ok()) return frame.status().code() == Code::kTimeout;
+      if (frame->header.has_stream_done()) return true;
+      if (!frame->header.has_chunk()) return false;
+      received += frame->payload.size();
+      ++chunks;
+      if (received > granted) return false;
+    }
+  };
+  ASSERT_TRUE(drain());
+  EXPECT_GE(chunks, 1u);
+  EXPECT_LE(received, granted);
+  const size_t first = chunks;
+  granted += 10 * kChunk;
+  ASSERT_TRUE(client.Credit(10 * kChunk).ok());
+  ASSERT_TRUE(drain());
+  EXPECT_GT(chunks, first);  // more credit, more chunks
+  EXPECT_LE(received, granted);
+}
+
+TEST_F(ServerTest, DemandConnectionIsAnsweredAheadOfBackground) {
+  TestClient stream(server_->unix_endpoint());
+  ASSERT_TRUE(stream.Hello().ok());
+  Result<wire::OpenImageReply> reply = stream.Open("big");
+  ASSERT_TRUE(reply.ok());
+  uint64_t total_chunks = 0;
+  for (const wire::BoInfo& bo : reply->bos())
+    total_chunks += bo.chunk_count();
+  ASSERT_GT(total_chunks, 500u);
+  // A huge window and nobody reading the stream: the server queues background data until
+  // the socket buffers are full.
+  ASSERT_TRUE(stream.Credit(kBigWindow).ok());
+  ASSERT_TRUE(stream.StreamAll().ok());
+  std::this_thread::sleep_for(200ms);
+
+  TestClient demand(server_->unix_endpoint());
+  ASSERT_TRUE(demand.Hello(reply->session(), reply->session_secret()).ok());
+  const uint32_t bo = static_cast<uint32_t>(reply->bos_size() - 1);
+  const uint32_t chunk = reply->bos(static_cast<int>(bo)).chunk_count() - 1;
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(demand.Request(wire::PRIORITY_DEMAND, bo, chunk, 1, 77).ok());
+  Result<Frame> answer = demand.Read(5s);
+  const auto latency = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(answer.ok()) << answer.status().ToString();
+  ASSERT_TRUE(answer->header.has_chunk());
+  EXPECT_EQ(answer->header.request_id(), 77u);
+  EXPECT_EQ(answer->header.chunk().bo(), bo);
+  EXPECT_EQ(answer->header.chunk().chunk(), chunk);
+  EXPECT_EQ(answer->header.chunk().priority(), wire::PRIORITY_DEMAND);
+  EXPECT_LT(latency, 2s);
+  std::cerr << "demand latency with a full stream: "
+            << std::chrono::duration_cast<std::chrono::microseconds>(latency).count() << " us\n";
+
+  // The stream was nowhere near done when the demand answer came.
+  Result<std::string> stats = demand.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  nlohmann::json doc = nlohmann::json::parse(*stats);
+  uint64_t background = 0;
+  for (const auto& session : doc["sessions"])
+    if (session["session"] == reply->session())
+      background = session["chunks_sent"]["background"].get<uint64_t>();
+  EXPECT_LT(background, total_chunks / 2) << *stats;
+
+  // The stream still completes, every chunk once.
+  std::vector<Frame> chunks;
+  while (true) {
+    Result<Frame> frame = stream.Read(10s);
+    ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+    if (frame->header.has_stream_done()) break;
+    if (frame->header.has_chunk()) chunks.push_back(std::move(*frame));
+  }
+  EXPECT_EQ(chunks.size(), total_chunks);
+  EXPECT_TRUE(VerifyStream(*reply, chunks, (*expected_)["big"]).ok());
+}
+
+TEST_F(ServerTest, DemandOnTheStreamConnectionJumpsTheQueue) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  Result<wire::OpenImageReply> reply = client.Open("big");
+  ASSERT_TRUE(reply.ok());
+  constexpr uint64_t kWindowChunks = 16;
+  ASSERT_TRUE(client.Credit(kWindowChunks * kChunk).ok());
+  ASSERT_TRUE(client.StreamAll().ok());
+  for (int i = 0; i < 10; ++i) {
+    Result<Frame> frame = client.Read();
+    ASSERT_TRUE(frame.ok() && frame->header.has_chunk());
+    ASSERT_TRUE(client.Credit(frame->payload.size()).ok());
+  }
+  const uint32_t bo = static_cast<uint32_t>(reply->bos_size() - 1);
+  const uint32_t chunk = reply->bos(static_cast<int>(bo)).chunk_count() - 1;
+  ASSERT_TRUE(client.Request(wire::PRIORITY_DEMAND, bo, chunk, 1, 55).ok());
+  size_t before = 0;
+  while (true) {
+    Result<Frame> frame = client.Read();
+    ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+    ASSERT_TRUE(frame->header.has_chunk());
+    ASSERT_TRUE(client.Credit(frame->payload.size()).ok());
+    if (frame->header.request_id() == 55) {
+      EXPECT_EQ(frame->header.chunk().priority(), wire::PRIORITY_DEMAND);
+      break;
+    }
+    ++before;
+  }
+  // At most the credit window plus the chunks in flight were ahead of it.
+  EXPECT_LE(before, kWindowChunks + 8);
+}
+
+TEST_F(ServerTest, RequestErrorsKeepTheConnection) {
+  TestClient client(server_->tcp_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  for (const char* bad : {"nope", "../images/raw", "/etc", "sub/../raw", "raw/../../x", ""}) {
+    Result<wire::OpenImageReply> reply = client.Open(bad, 5);
+    ASSERT_FALSE(reply.ok()) << bad;
+    EXPECT_NE(reply.status().message().find("ERROR_NOT_FOUND"), std::string::npos)
+        << bad << ": " << reply.status().message();
+    EXPECT_EQ(reply.status().message().find(dir_->path().string()), std::string::npos)
+        << "the root leaked: " << reply.status().message();
+  }
+  Result<wire::OpenImageReply> reply = client.Open("raw", 6);
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  // Out-of-range BO and chunk.
+  ASSERT_TRUE(client.Request(wire::PRIORITY_PREFETCH, 9999, 0, 1, 7).ok());
+  Result<wire::Error> error = client.ReadError();
+  ASSERT_TRUE(error.ok());
+  EXPECT_EQ(error->code(), wire::ERROR_OUT_OF_RANGE);
+  EXPECT_EQ(error->in_reply_to(), 7u);
+  ASSERT_TRUE(client.Request(wire::PRIORITY_PREFETCH, 0, 0xfffffff0u, 0x20, 8).ok());
+  error = client.ReadError();
+  ASSERT_TRUE(error.ok());
+  EXPECT_EQ(error->code(), wire::ERROR_OUT_OF_RANGE);
+  EXPECT_EQ(error->in_reply_to(), 8u);
+  // A second OpenImage is a request-level error too.
+  Result<wire::OpenImageReply> again = client.Open("raw", 9);
+  EXPECT_FALSE(again.ok());
+  // Still serving: a good request is answered.
+  ASSERT_TRUE(client.Credit(kBigWindow).ok());
+  ASSERT_TRUE(client.Request(wire::PRIORITY_PREFETCH, 0, 0, 1, 10).ok());
+  Result<Frame> frame = client.Read();
+  ASSERT_TRUE(frame.ok());
+  ASSERT_TRUE(frame->header.has_chunk());
+  EXPECT_EQ(frame->header.request_id(), 10u);
+  EXPECT_EQ(frame->header.chunk().priority(), wire::PRIORITY_PREFETCH);
+}
+
+// Each bad client gets its error and is closed while a good client streams undisturbed.
+TEST_F(ServerTest, FrameErrorsCloseOnlyTheBadConnection) {
+  std::atomic<bool> good_ok{false};
+  std::thread good([&] {
+    StreamAndVerify(server_->tcp_endpoint(), "sub/lazy", (*expected_)["sub/lazy"], 8 * kChunk,
+                    true);
+    good_ok = !::testing::Test::HasFailure();
+  });
+
+  auto expect_error_then_close = [](TestClient& client, wire::ErrorCode code) {
+    Result<wire::Error> error = client.ReadError(5s);
+    ASSERT_TRUE(error.ok()) << error.status().ToString();
+    EXPECT_EQ(error->code(), code) << error->message();
+    EXPECT_TRUE(client.WaitClosed(5s));
+  };
+  {  // a prefix claiming a 1 GiB payload
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.Hello().ok());
+    uint8_t prefix[8];
+    StoreLe32(prefix, 4);
+    StoreLe32(prefix + 4, 1u << 30);
+    ASSERT_TRUE(client.SendRaw(prefix).ok());
+    expect_error_then_close(client, wire::ERROR_LIMIT);
+  }
+  {  // a header that is not protobuf
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.Hello().ok());
+    std::vector<uint8_t> frame(8 + 12, 0xff);
+    StoreLe32(frame.data(), 12);
+    StoreLe32(frame.data() + 4, 0);
+    ASSERT_TRUE(client.SendRaw(frame).ok());
+    expect_error_then_close(client, wire::ERROR_BAD_REQUEST);
+  }
+  {  // an empty header
+    TestClient client(server_->tcp_endpoint());
+    uint8_t prefix[8] = {0};
+    ASSERT_TRUE(client.SendRaw(prefix).ok());
+    expect_error_then_close(client, wire::ERROR_BAD_REQUEST);
+  }
+  {  // no Hello first
+    TestClient client(server_->unix_endpoint());
+    wire::Header header;
+    header.mutable_open_image()->set_image("raw");
+    ASSERT_TRUE(client.Send(header).ok());
+    expect_error_then_close(client, wire::ERROR_BAD_REQUEST);
+  }
+  {  // a version the server does not speak
+    TestClient client(server_->unix_endpoint());
+    wire::Header header;
+    header.mutable_hello()->set_min_version(2);
+    header.mutable_hello()->set_max_version(5);
+    ASSERT_TRUE(client.Send(header).ok());
+    expect_error_then_close(client, wire::ERROR_UNSUPPORTED_VERSION);
+  }
+  {  // joining a session with a wrong secret
+    TestClient client(server_->unix_endpoint());
+    wire::Header header;
+    header.mutable_hello()->set_min_version(1);
+    header.mutable_hello()->set_max_version(1);
+    header.mutable_hello()->set_join_session(1);
+    header.mutable_hello()->set_join_secret("0123456789abcdef");
+    ASSERT_TRUE(client.Send(header).ok());
+    expect_error_then_close(client, wire::ERROR_NOT_FOUND);
+  }
+  {  // silent: closed after the Hello timeout (1 s in this suite)
+    TestClient client(server_->unix_endpoint());
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_TRUE(client.WaitClosed(5s));
+    EXPECT_GE(std::chrono::steady_clock::now() - start, 800ms);
+  }
+  good.join();
+  EXPECT_TRUE(good_ok);
+}
+
+TEST_F(ServerTest, SixteenConcurrentClients) {
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 16; ++i) {
+    threads.emplace_back([&, i] {
+      const bool lazy = i % 2 == 1;
+      const std::string image = lazy ? "sub/lazy" : "raw";
+      const net::Endpoint& endpoint =
+          (i / 2) % 2 == 0 ? server_->unix_endpoint() : server_->tcp_endpoint();
+      TestClient client(endpoint);
+      if (!client.connected() || !client.Hello().ok()) return;
+      Result<wire::OpenImageReply> reply = client.Open(image);
+      if (!reply.ok()) return;
+      Result<Received> received = ReceiveStream(client, 8 * kChunk);
+      if (!received.ok()) {
+        ADD_FAILURE() << "client " << i << ": " << received.status().ToString();
+        return;
+      }
+      Status verified = VerifyStream(*reply, received->chunks, (*expected_)[image]);
+      if (!verified.ok()) {
+        ADD_FAILURE() << "client " << i << ": " << verified.ToString();
+        return;
+      }
+      ++ok;
+    });
+  }
+  for (std::thread& t : threads)
+    t.join();
+  EXPECT_EQ(ok.load(), 16);
+}
+
+TEST_F(ServerTest, StatsReportTheSession) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  Result<wire::OpenImageReply> reply = client.Open("sub/lazy");
+  ASSERT_TRUE(reply.ok());
+  Result<Received> received = ReceiveStream(client, kBigWindow);
+  ASSERT_TRUE(received.ok());
+  ASSERT_TRUE(client.Request(wire::PRIORITY_DEMAND, 0, 0, 2, 31).ok());
+  for (int i = 0; i < 2; ++i) {
+    Result<Frame> frame = client.Read();
+    ASSERT_TRUE(frame.ok() && frame->header.has_chunk());
+  }
+  uint64_t bytes = 0;
+  for (const Frame& f : received->chunks)
+    bytes += f.payload.size();
+  Result<std::string> stats = client.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  nlohmann::json doc = nlohmann::json::parse(*stats);
+  ASSERT_TRUE(doc.contains("server"));
+  EXPECT_GE(doc["server"]["sessions_open"].get<uint64_t>(), 1u);
+  EXPECT_EQ(doc["own_session"].get<uint64_t>(), reply->session());
+  bool found = false;
+  for (const auto& session : doc["sessions"]) {
+    if (session["session"] != reply->session()) continue;
+    found = true;
+    EXPECT_EQ(session["image"], "sub/lazy");
+    EXPECT_GE(session["bytes_sent"].get<uint64_t>(), bytes);
+    const auto& chunks = session["chunks_sent"];
+    EXPECT_EQ(chunks["background"].get<uint64_t>() + chunks["prefetch"].get<uint64_t>(),
+              received->chunks.size());
+    EXPECT_EQ(chunks["demand"].get<uint64_t>(), 2u);
+    EXPECT_EQ(session["demand_latency_us"]["count"].get<uint64_t>(), 2u);
+    EXPECT_GE(session["demand_latency_us"]["p99"].get<double>(),
+              session["demand_latency_us"]["p50"].get<double>());
+  }
+  EXPECT_TRUE(found) << *stats;
+}
+
+// Its own server: SIGTERM while a client streams.
+TEST(ServerShutdownTest, SigtermExitsCleanlyAndRemovesTheSocket) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(MakeImage(root / "img", 4ull << 20, 9, false).ok());
+  ServerProcess server(dir.path(), root, {"--raw-chunk-size", "64K"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient client(server.unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  ASSERT_TRUE(client.Open("img").ok());
+  // Little enough credit that the chunks sent fit in the socket buffer: no write is stuck
+  // when SIGTERM comes (a stuck one would only end at --shutdown-grace, without the error).
+  ASSERT_TRUE(client.Credit(2 * kChunk).ok());
+  ASSERT_TRUE(client.StreamAll().ok());
+  Result<Frame> first = client.Read();
+  ASSERT_TRUE(first.ok() && first->header.has_chunk());
+  std::this_thread::sleep_for(100ms);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(server.Terminate(10s), 0) << server.Log();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);  // not the 5 s grace
+  EXPECT_FALSE(fs::exists(server.socket_path()));
+  // The client hears why, then the connection ends.
+  bool saw_shutdown = false;
+  while (true) {
+    Result<Frame> frame = client.Read(2s);
+    if (!frame.ok()) break;
+    if (frame->header.has_error() && frame->header.error().code() == wire::ERROR_SHUTTING_DOWN)
+      saw_shutdown = true;
+  }
+  EXPECT_TRUE(saw_shutdown);
+  ::alarm(0);
+}
+
+// Its own server: token, session and demand limits.
+TEST(ServerLimitsTest, TokenSessionAndDemandLimits) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(MakeImage(root / "img", 2ull << 20, 5, false).ok());
+  ServerProcess server(
+      dir.path(), root,
+      {"--raw-chunk-size", "64K", "--token", "s3cret", "--max-sessions", "1", "--max-demand", "4"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  {
+    TestClient client(server.unix_endpoint());
+    Result<wire::HelloReply> hello = client.Hello(0, {}, "wrong");
+    ASSERT_FALSE(hello.ok());
+    EXPECT_NE(hello.status().message().find("ERROR_UNAUTHENTICATED"), std::string::npos);
+    EXPECT_TRUE(client.WaitClosed());
+  }
+  auto first = std::make_unique<TestClient>(server.unix_endpoint());
+  ASSERT_TRUE(first->Hello(0, {}, "s3cret").ok());
+  Result<wire::OpenImageReply> reply = first->Open("img");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  {
+    TestClient second(server.tcp_endpoint());
+    ASSERT_TRUE(second.Hello(0, {}, "s3cret").ok());
+    Result<wire::OpenImageReply> refused = second.Open("img");
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("ERROR_LIMIT"), std::string::npos);
+  }
+  TestClient demand(server.unix_endpoint());
+  ASSERT_TRUE(demand.Hello(reply->session(), reply->session_secret(), "s3cret").ok());
+  ASSERT_TRUE(demand.Request(wire::PRIORITY_DEMAND, 0, 0, 5, 3).ok());  // over --max-demand
+  Result<wire::Error> error = demand.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status().ToString();
+  EXPECT_EQ(error->code(), wire::ERROR_LIMIT);
+  EXPECT_EQ(error->in_reply_to(), 3u);
+  ASSERT_TRUE(demand.Request(wire::PRIORITY_DEMAND, 0, 0, 4, 4).ok());
+  for (int i = 0; i < 4; ++i) {
+    Result<Frame> frame = demand.Read();
+    ASSERT_TRUE(frame.ok() && frame->header.has_chunk());
+    EXPECT_EQ(frame->header.request_id(), 4u);
+  }
+  // The stream connection closing ends the session: the demand connection hears Goodbye.
+  first.reset();
+  Result<Frame> bye = demand.Read(5s);
+  ASSERT_TRUE(bye.ok()) << bye.status().ToString();
+  EXPECT_TRUE(bye->header.has_goodbye());
+  EXPECT_TRUE(demand.WaitClosed());
+  EXPECT_EQ(server.Terminate(10s), 0) << server.Log();
+  ::alarm(0);
+}
+
+}  // namespace
+}  // namespace gpulazy::server::testing

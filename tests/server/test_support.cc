@@ -1,0 +1,339 @@
+#include "tests/server/test_support.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/io.h"
+#include "lazy-server/image/lazy_image.h"
+#include "proto/criu_file.h"
+
+namespace gpulazy::server::testing {
+namespace fs = std::filesystem;
+namespace asio = boost::asio;
+
+TempDir::TempDir() {
+  // Short, because Unix socket paths live inside and are limited to 107 bytes.
+  char pattern[] = "/tmp/gls-XXXXXX";
+  char* made = ::mkdtemp(pattern);
+  path_ = made ? fs::path(made) : fs::temp_directory_path() / "gls-fallback";
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  fs::remove_all(path_, ec);
+}
+
+ServerProcess::ServerProcess(const fs::path& dir, const fs::path& root,
+                             std::vector<std::string> extra_args) {
+  const fs::path ready = dir / "ready";
+  log_ = dir / "server.log";
+  const std::string socket = (dir / "s.sock").string();
+  std::vector<std::string> args = {std::string(GPULAZY_BIN_DIR) + "/gpulazy-server",
+                                   "--images",
+                                   root.string(),
+                                   "--listen",
+                                   "unix:" + socket,
+                                   "--listen",
+                                   "tcp:127.0.0.1:0",
+                                   "--ready-file",
+                                   ready.string(),
+                                   "--log-level",
+                                   "debug"};
+  for (std::string& arg : extra_args)
+    args.push_back(std::move(arg));
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    std::vector<char*> argv;
+    for (std::string& arg : args)
+      argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  // Sanitizer builds start slowly: allow a generous deadline.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return;
+    }
+    if (fs::exists(ready)) {
+      std::ifstream in(ready);
+      std::string line;
+      while (std::getline(in, line)) {
+        Result<net::Endpoint> endpoint = net::Endpoint::Parse(line);
+        if (!endpoint.ok()) continue;
+        if (endpoint->kind == net::Endpoint::Kind::kUnix)
+          unix_ = *endpoint;
+        else
+          tcp_ = *endpoint;
+      }
+      ready_ = !unix_.path.empty() && tcp_.port != 0;
+      return;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+}
+
+int ServerProcess::Terminate(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return -1;
+  ::kill(pid_, SIGTERM);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  return -1;
+}
+
+std::string ServerProcess::Log() const {
+  std::ifstream in(log_);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+const FrameLimits kClientLimits{64 * 1024, 8 * 1024 * 1024};
+
+Status Unexpected(const wire::Header& header, std::string_view wanted) {
+  if (header.has_error())
+    return Status(Code::kInternal, fmt::format("wanted {}, got error {}: {}", wanted,
+                                               wire::ErrorCode_Name(header.error().code()),
+                                               header.error().message()));
+  return Internal("wanted {}, got body {}", wanted, int(header.body_case()));
+}
+}  // namespace
+
+TestClient::TestClient(const net::Endpoint& endpoint) : socket_(io_) {
+  Result<net::Socket> socket = net::ConnectBlocking(io_, endpoint);
+  if (socket.ok()) socket_ = std::move(*socket);
+}
+
+Status TestClient::Send(const wire::Header& header) {
+  return net::WriteFrameBlocking(socket_, header, {}, kClientLimits);
+}
+
+Status TestClient::SendRaw(std::span<const uint8_t> bytes) {
+  boost::system::error_code ec;
+  asio::write(socket_, asio::buffer(bytes.data(), bytes.size()), ec);
+  if (ec) return IoError("send: {}", ec.message());
+  return Status::Ok();
+}
+
+Result<Frame> TestClient::Read(std::chrono::milliseconds timeout) {
+  pollfd pfd{socket_.native_handle(), POLLIN, 0};
+  int ready = ::poll(&pfd, 1, static_cast<int>(timeout.count()));
+  if (ready == 0) return TimedOut("no frame within {} ms", timeout.count());
+  if (ready < 0) return IoError("poll failed");
+  Frame frame;
+  GPULAZY_ASSIGN_OR_RETURN(frame.header,
+                           net::ReadFrameBlocking(socket_, kClientLimits, &frame.payload));
+  return frame;
+}
+
+bool TestClient::WaitClosed(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::array<uint8_t, 65536> buffer;
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd pfd{socket_.native_handle(), POLLIN, 0};
+    if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) return false;
+    ssize_t n = ::recv(socket_.native_handle(), buffer.data(), buffer.size(), 0);
+    if (n <= 0) return true;
+  }
+}
+
+Result<wire::HelloReply> TestClient::Hello(uint64_t join_session, std::string join_secret,
+                                           std::string token) {
+  wire::Header header;
+  header.set_request_id(1000);
+  wire::Hello* hello = header.mutable_hello();
+  hello->set_min_version(1);
+  hello->set_max_version(1);
+  hello->set_client_name("server-test");
+  hello->set_join_session(join_session);
+  hello->set_join_secret(std::move(join_secret));
+  hello->set_token(std::move(token));
+  GPULAZY_RETURN_IF_ERROR(Send(header));
+  GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
+  if (!frame.header.has_hello_reply()) return Unexpected(frame.header, "HelloReply");
+  return frame.header.hello_reply();
+}
+
+Result<wire::OpenImageReply> TestClient::Open(const std::string& image, uint64_t request_id) {
+  wire::Header header;
+  header.set_request_id(request_id);
+  header.mutable_open_image()->set_image(image);
+  GPULAZY_RETURN_IF_ERROR(Send(header));
+  GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
+  if (!frame.header.has_open_image_reply()) return Unexpected(frame.header, "OpenImageReply");
+  return frame.header.open_image_reply();
+}
+
+Status TestClient::Credit(uint64_t bytes) {
+  wire::Header header;
+  header.mutable_credit()->set_bytes(bytes);
+  return Send(header);
+}
+
+Status TestClient::StreamAll(uint64_t request_id) {
+  wire::Header header;
+  header.set_request_id(request_id);
+  header.mutable_request()->set_stream_all(true);
+  return Send(header);
+}
+
+Status TestClient::Request(wire::Priority priority, uint32_t bo, uint32_t first, uint32_t count,
+                           uint64_t request_id) {
+  wire::Header header;
+  header.set_request_id(request_id);
+  wire::Request* request = header.mutable_request();
+  request->set_priority(priority);
+  wire::ChunkRange* range = request->add_ranges();
+  range->set_bo(bo);
+  range->set_first_chunk(first);
+  range->set_chunk_count(count);
+  return Send(header);
+}
+
+Result<wire::Error> TestClient::ReadError(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read(timeout));
+    if (frame.header.has_error()) return frame.header.error();
+    if (!frame.header.has_chunk()) return Unexpected(frame.header, "Error");
+  }
+  return TimedOut("no Error frame");
+}
+
+Result<std::string> TestClient::Stats(uint64_t request_id) {
+  wire::Header header;
+  header.set_request_id(request_id);
+  header.mutable_stats_request();
+  GPULAZY_RETURN_IF_ERROR(Send(header));
+  while (true) {
+    GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
+    if (frame.header.has_stats_reply()) return frame.header.stats_reply().json();
+    if (!frame.header.has_chunk() && !frame.header.has_stream_done())
+      return Unexpected(frame.header, "StatsReply");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+Result<std::map<BoKey, std::vector<uint8_t>>> LoadCriuContents(const fs::path& dir) {
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
+  std::map<BoKey, std::vector<uint8_t>> out;
+  for (const image::ContentBo& bo : checkpoint.content_bos()) {
+    std::vector<uint8_t> bytes(bo.size);
+    if (bo.size > 0) {
+      GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(dir / bo.pages_file));
+      GPULAZY_RETURN_IF_ERROR(
+          ReadExactAt(fd.get(), criu_format::kHeaderSize + bo.pages_offset, bytes, bo.pages_file));
+    }
+    out[{bo.process_id, bo.bo_index}] = std::move(bytes);
+  }
+  return out;
+}
+
+Result<std::vector<uint8_t>> DecodeChunkFrame(const Frame& frame) {
+  const wire::ChunkData& data = frame.header.chunk();
+  manifest::Chunk chunk;
+  chunk.set_codec(data.codec());
+  chunk.set_raw_length(data.raw_length());
+  chunk.set_stored_length(static_cast<uint32_t>(frame.payload.size()));
+  chunk.set_checksum(data.checksum());
+  std::vector<uint8_t> raw(data.raw_length());
+  GPULAZY_RETURN_IF_ERROR(image::DecodeChunk(
+      chunk, frame.payload, raw, fmt::format("BO {} chunk {}", data.bo(), data.chunk())));
+  return raw;
+}
+
+Result<Received> ReceiveStream(TestClient& client, uint64_t window,
+                               std::chrono::milliseconds timeout) {
+  GPULAZY_RETURN_IF_ERROR(client.Credit(window));
+  GPULAZY_RETURN_IF_ERROR(client.StreamAll());
+  Received out;
+  uint64_t granted = window;
+  uint64_t received = 0;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    GPULAZY_ASSIGN_OR_RETURN(Frame frame, client.Read());
+    if (frame.header.has_stream_done()) {
+      out.done = frame.header.stream_done();
+      return out;
+    }
+    if (frame.header.has_error()) return Unexpected(frame.header, "ChunkData");
+    if (!frame.header.has_chunk()) continue;
+    received += frame.payload.size();
+    if (received > granted)
+      return Internal("server sent {} payload bytes with only {} granted", received, granted);
+    const uint64_t size = frame.payload.size();
+    out.chunks.push_back(std::move(frame));
+    if (size > 0) {
+      GPULAZY_RETURN_IF_ERROR(client.Credit(size));
+      granted += size;
+    }
+  }
+  return TimedOut("stream not done within {} ms", timeout.count());
+}
+
+Status VerifyStream(const wire::OpenImageReply& reply, const std::vector<Frame>& chunks,
+                    const std::map<BoKey, std::vector<uint8_t>>& expected) {
+  std::vector<std::vector<bool>> seen;
+  for (const wire::BoInfo& bo : reply.bos())
+    seen.emplace_back(bo.chunk_count(), false);
+  for (const Frame& frame : chunks) {
+    const wire::ChunkData& data = frame.header.chunk();
+    if (data.bo() >= seen.size() || data.chunk() >= seen[data.bo()].size())
+      return OutOfRange("chunk BO {} chunk {} out of range", data.bo(), data.chunk());
+    if (seen[data.bo()][data.chunk()])
+      return Corrupt("BO {} chunk {} received twice", data.bo(), data.chunk());
+    seen[data.bo()][data.chunk()] = true;
+    GPULAZY_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeChunkFrame(frame));
+    const wire::BoInfo& bo = reply.bos(static_cast<int>(data.bo()));
+    auto it = expected.find({bo.process_id(), bo.bo_index()});
+    if (it == expected.end()) return NotFound("BO {} not in the CRIU image", data.bo());
+    const uint64_t offset = uint64_t{data.chunk()} * reply.chunk_size();
+    if (offset + raw.size() > it->second.size() ||
+        !std::equal(raw.begin(), raw.end(), it->second.begin() + static_cast<long>(offset)))
+      return Corrupt("BO {} chunk {} differs from the CRIU bytes", data.bo(), data.chunk());
+  }
+  for (size_t bo = 0; bo < seen.size(); ++bo)
+    for (size_t c = 0; c < seen[bo].size(); ++c)
+      if (!seen[bo][c]) return NotFound("BO {} chunk {} never arrived", bo, c);
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::server::testing

@@ -1,0 +1,115 @@
+// Helpers for the page-server tests: temporary directories, a real gpulazy-server process
+// started on a temp Unix socket and an ephemeral TCP port (via --ready-file), and a small
+// frame-level client built on the blocking net:: helpers. Every read has a deadline, so no
+// test can hang.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "page-client/net/endpoint.h"
+#include "page-client/net/frame_stream.h"
+#include "proto/manifest.pb.h"
+#include "proto/status.h"
+#include "proto/wire.pb.h"
+
+namespace gpulazy::server::testing {
+
+using namespace std::chrono_literals;
+
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+class ServerProcess {
+ public:
+  // Starts build/bin/gpulazy-server with --images root, a Unix socket and tcp:127.0.0.1:0 in
+  // `dir`, plus extra arguments; waits for the ready file.
+  ServerProcess(const std::filesystem::path& dir, const std::filesystem::path& root,
+                std::vector<std::string> extra_args = {});
+  ~ServerProcess();
+  bool ready() const { return ready_; }
+  const net::Endpoint& unix_endpoint() const { return unix_; }
+  const net::Endpoint& tcp_endpoint() const { return tcp_; }
+  std::filesystem::path socket_path() const { return unix_.path; }
+  pid_t pid() const { return pid_; }
+  // SIGTERM, then waits up to `timeout`; returns the exit status (or -1 on timeout / signal).
+  int Terminate(std::chrono::milliseconds timeout = 10s);
+  std::string Log() const;
+
+ private:
+  pid_t pid_ = -1;
+  bool ready_ = false;
+  std::filesystem::path log_;
+  net::Endpoint unix_;
+  net::Endpoint tcp_;
+};
+
+struct Frame {
+  wire::Header header;
+  std::vector<uint8_t> payload;
+};
+
+class TestClient {
+ public:
+  explicit TestClient(const net::Endpoint& endpoint);
+  bool connected() const { return socket_.is_open(); }
+
+  Status Send(const wire::Header& header);
+  Status SendRaw(std::span<const uint8_t> bytes);
+  // Next frame, or kTimeout after `timeout` with nothing to read.
+  Result<Frame> Read(std::chrono::milliseconds timeout = 10s);
+  // True when the server closed the connection (EOF / reset) within `timeout`.
+  bool WaitClosed(std::chrono::milliseconds timeout = 5s);
+
+  // Request/response helpers; each fails the Result on an unexpected frame.
+  Result<wire::HelloReply> Hello(uint64_t join_session = 0, std::string join_secret = {},
+                                 std::string token = {});
+  Result<wire::OpenImageReply> Open(const std::string& image, uint64_t request_id = 1);
+  Status Credit(uint64_t bytes);
+  Status StreamAll(uint64_t request_id = 2);
+  Status Request(wire::Priority priority, uint32_t bo, uint32_t first, uint32_t count,
+                 uint64_t request_id);
+  // Reads until an Error frame arrives (skipping chunks); returns it.
+  Result<wire::Error> ReadError(std::chrono::milliseconds timeout = 10s);
+  Result<std::string> Stats(uint64_t request_id = 99);
+
+ private:
+  boost::asio::io_context io_;
+  net::Socket socket_;
+};
+
+// The raw bytes of every BO of a checkpoint, keyed by (process_id, bo_index), read straight
+// from the CRIU pages files.
+using BoKey = std::pair<uint32_t, uint32_t>;
+Result<std::map<BoKey, std::vector<uint8_t>>> LoadCriuContents(const std::filesystem::path& dir);
+
+// Decodes a ChunkData frame's payload to raw bytes and verifies its checksum.
+Result<std::vector<uint8_t>> DecodeChunkFrame(const Frame& frame);
+
+// Receives a whole stream: returns chunks in arrival order until StreamDone, returning credit
+// as chunks are consumed (window bytes).
+struct Received {
+  std::vector<Frame> chunks;
+  wire::StreamDone done;
+};
+Result<Received> ReceiveStream(TestClient& client, uint64_t window,
+                               std::chrono::milliseconds timeout = 30s);
+
+// Checks every chunk of the image arrived exactly once and matches the CRIU bytes.
+Status VerifyStream(const wire::OpenImageReply& reply, const std::vector<Frame>& chunks,
+                    const std::map<BoKey, std::vector<uint8_t>>& expected);
+
+}  // namespace gpulazy::server::testing
