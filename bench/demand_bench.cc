@@ -1,0 +1,180 @@
+#include "bench/demand_bench.h"
+
+#include <random>
+
+#include "page-client/host_engine.h"
+#include "page-client/net/frame_stream.h"
+#include "page-client/restore_session.h"
+
+namespace gpulazy::bench {
+namespace fs = std::filesystem;
+
+namespace {
+
+struct ChunkId {
+  uint32_t bo;
+  uint32_t chunk;
+};
+
+// Full-size chunks of the image, from its BO table.
+std::vector<ChunkId> FullChunks(const std::vector<client::BoEntry>& bos, uint32_t chunk_size) {
+  std::vector<ChunkId> chunks;
+  for (uint32_t b = 0; b < bos.size(); ++b)
+    for (uint32_t c = 0; c < bos[b].chunk_count; ++c)
+      if ((uint64_t{c} + 1) * chunk_size <= bos[b].size) chunks.push_back({b, c});
+  return chunks;
+}
+
+// Time to fetch one chunk with nothing else going on: Hello + OpenImage on a stream connection
+// that never asks to stream, then demand requests one at a time on the demand connection.
+Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const std::string& image,
+                                        uint32_t samples, uint64_t seed) {
+  GPULAZY_ASSIGN_OR_RETURN(net::Endpoint endpoint, net::Endpoint::Parse(endpoint_text));
+  boost::asio::io_context io;
+  FrameLimits limits;
+  std::vector<uint8_t> payload;
+  auto expect = [&](net::Socket& socket, wire::Header::BodyCase body) -> Result<wire::Header> {
+    GPULAZY_ASSIGN_OR_RETURN(wire::Header reply, net::ReadFrameBlocking(socket, limits, &payload));
+    if (reply.body_case() == wire::Header::kError)
+      return Unavailable("server: {}", reply.error().message());
+    if (reply.body_case() != body) return Internal("unexpected frame {}", int(reply.body_case()));
+    return reply;
+  };
+  GPULAZY_ASSIGN_OR_RETURN(net::Socket stream, net::ConnectBlocking(io, endpoint));
+  wire::Header hello;
+  hello.mutable_hello()->set_min_version(kProtocolVersion);
+  hello.mutable_hello()->set_max_version(kProtocolVersion);
+  hello.mutable_hello()->set_client_name("bench-lone");
+  GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(stream, hello, {}, limits));
+  GPULAZY_RETURN_IF_ERROR(expect(stream, wire::Header::kHelloReply).status());
+  wire::Header open;
+  open.set_request_id(1);
+  open.mutable_open_image()->set_image(image);
+  GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(stream, open, {}, limits));
+  GPULAZY_ASSIGN_OR_RETURN(wire::Header opened, expect(stream, wire::Header::kOpenImageReply));
+  const wire::OpenImageReply& reply = opened.open_image_reply();
+
+  GPULAZY_ASSIGN_OR_RETURN(net::Socket demand, net::ConnectBlocking(io, endpoint));
+  wire::Header join = hello;
+  join.mutable_hello()->set_join_session(reply.session());
+  join.mutable_hello()->set_join_secret(reply.session_secret());
+  GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(demand, join, {}, limits));
+  GPULAZY_RETURN_IF_ERROR(expect(demand, wire::Header::kHelloReply).status());
+
+  std::vector<client::BoEntry> bos;
+  for (const wire::BoInfo& info : reply.bos()) {
+    client::BoEntry entry;
+    entry.size = info.size();
+    entry.chunk_count = info.chunk_count();
+    bos.push_back(entry);
+  }
+  std::vector<ChunkId> chunks = FullChunks(bos, reply.chunk_size());
+  if (chunks.empty()) return InvalidArgument("image has no full-size chunk");
+  std::mt19937_64 random(seed);
+  std::vector<double> latencies;
+  for (uint32_t i = 0; i < samples; ++i) {
+    ChunkId id = chunks[random() % chunks.size()];
+    wire::Header request;
+    request.set_request_id(100 + i);
+    request.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+    wire::ChunkRange* range = request.mutable_request()->add_ranges();
+    range->set_bo(id.bo);
+    range->set_first_chunk(id.chunk);
+    range->set_chunk_count(1);
+    auto start = Clock::now();
+    GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(demand, request, {}, limits));
+    GPULAZY_RETURN_IF_ERROR(expect(demand, wire::Header::kChunk).status());
+    latencies.push_back(SecondsSince(start));
+  }
+  return nlohmann::json{{"lone_chunk_s", Percentile(latencies, 0.5)},
+                        {"lone_chunk_p99_s", Percentile(latencies, 0.99)},
+                        {"chunk_size", reply.chunk_size()}};
+}
+
+// Demand latency under a saturating background stream: Ensure() on random chunks that are not
+// resident yet; only samples taken while the stream was still running count.
+Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::string& image,
+                                     const DemandOptions& options) {
+  client::HostCopyEngine engine;
+  client::SessionOptions session_options;
+  session_options.endpoint = endpoint;
+  session_options.image = image;
+  session_options.window_bytes = options.window;
+  session_options.client_name = "bench-demand";
+  client::RestoreSession session(session_options, engine);
+  auto start = Clock::now();
+  GPULAZY_RETURN_IF_ERROR(session.Start());
+  std::vector<ChunkId> chunks = FullChunks(session.bos(), session.chunk_size());
+  std::mt19937_64 random(options.seed);
+  std::vector<double> latencies;
+  uint32_t skipped = 0;
+  while (latencies.size() < options.requests && !session.progress().complete) {
+    ChunkId id = chunks[random() % chunks.size()];
+    const uint64_t offset = uint64_t{id.chunk} * session.chunk_size();
+    if (session.IsResident(id.bo, offset, session.chunk_size())) {
+      if (++skipped > 100000) break;
+      continue;
+    }
+    auto asked = Clock::now();
+    GPULAZY_RETURN_IF_ERROR(
+        session.Ensure(id.bo, offset, session.chunk_size(), std::chrono::seconds(30)));
+    double latency = SecondsSince(asked);
+    if (!session.progress().complete) latencies.push_back(latency);
+  }
+  client::Progress during = session.progress();
+  double stream_seconds_so_far = SecondsSince(start);
+  GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
+  double total_seconds = SecondsSince(start);
+  return nlohmann::json{
+      {"samples", latencies.size()},
+      {"p50_s", Percentile(latencies, 0.5)},
+      {"p99_s", Percentile(latencies, 0.99)},
+      {"max_s", latencies.empty() ? 0.0 : Percentile(latencies, 1.0)},
+      {"background_Bps_during", static_cast<double>(during.received_bytes) / stream_seconds_so_far},
+      {"time_to_full_s", total_seconds},
+      {"demand_chunks", session.progress().demand_chunks}};
+}
+
+}  // namespace
+
+Status RunDemandBench(const CommonOptions& common, const DemandOptions& options) {
+  if (options.transport != "unix" && options.transport != "tcp")
+    return InvalidArgument("--transport {}: use unix or tcp", options.transport);
+  GPULAZY_ASSIGN_OR_RETURN(WorkDir work, WorkDir::Create(common.work_dir));
+  const fs::path root = work.path() / "images";
+  fs::create_directories(root);
+  GPULAZY_ASSIGN_OR_RETURN(fs::path image_dir, MakeWarmImage(root, "ckpt", options.size, 2, 11));
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
+                           ServerChild::Start(common.bin_dir, root, work.path()));
+  const std::string& endpoint =
+      options.transport == "unix" ? server.unix_endpoint() : server.tcp_endpoint();
+  const std::string image = image_dir.filename().string();
+
+  GPULAZY_ASSIGN_OR_RETURN(nlohmann::json lone, RunInChild([&] {
+                             return MeasureLoneChunk(endpoint, image, 50, options.seed);
+                           }));
+  GPULAZY_ASSIGN_OR_RETURN(nlohmann::json loaded,
+                           RunInChild([&] { return MeasureLoaded(endpoint, image, options); }));
+  const double lone_s = lone["lone_chunk_s"].get<double>();
+  const double p99_s = loaded["p99_s"].get<double>();
+  nlohmann::json result = {{"bench", "demand"},
+                           {"transport", options.transport},
+                           {"size_bytes", options.size},
+                           {"window_bytes", options.window},
+                           {"chunk_size", lone["chunk_size"]},
+                           {"samples", loaded["samples"]},
+                           {"p50_s", loaded["p50_s"]},
+                           {"p99_s", p99_s},
+                           {"max_s", loaded["max_s"]},
+                           {"lone_chunk_s", lone_s},
+                           {"p99_over_lone", lone_s > 0 ? p99_s / lone_s : 0.0},
+                           {"background_Bps_during", loaded["background_Bps_during"]},
+                           {"time_to_full_s", loaded["time_to_full_s"]},
+                           {"machine", MachineDescription()}};
+  Emit(common, result,
+       {"bench", "transport", "samples", "p50_s", "p99_s", "lone_chunk_s", "p99_over_lone",
+        "background_Bps_during"});
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::bench

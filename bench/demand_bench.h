@@ -1,0 +1,23 @@
+// `gpulazy-bench demand`: how long a demand request waits while a background stream saturates
+// the session, against the time to fetch one chunk alone on an idle server (same run, same
+// image). p50/p99 come from RestoreSession::Ensure on chunks that are not yet resident.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "bench/harness.h"
+
+namespace gpulazy::bench {
+
+struct DemandOptions {
+  uint64_t size = 2ull << 30;
+  uint32_t requests = 200;
+  std::string transport = "unix";
+  uint64_t window = 16u << 20;
+  uint64_t seed = 42;
+};
+
+Status RunDemandBench(const CommonOptions& common, const DemandOptions& options);
+
+}  // namespace gpulazy::bench

@@ -1,0 +1,248 @@
+#include "bench/harness.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include "lazy-server/image/io.h"
+#include "lazy-server/image/synth.h"
+
+namespace gpulazy::bench {
+namespace fs = std::filesystem;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+Result<WorkDir> WorkDir::Create(const fs::path& parent) {
+  std::string templ = (parent / "gpulazy-bench.XXXXXX").string();
+  if (mkdtemp(templ.data()) == nullptr) return ErrnoError(errno, "mkdtemp {}", templ);
+  WorkDir dir;
+  dir.path_ = templ;
+  return dir;
+}
+
+WorkDir::WorkDir(WorkDir&& other) noexcept : path_(std::move(other.path_)) {
+  other.path_.clear();
+}
+
+WorkDir::~WorkDir() {
+  if (path_.empty()) return;
+  std::error_code ignored;
+  fs::remove_all(path_, ignored);
+}
+
+Result<std::vector<fs::path>> PagesFiles(const fs::path& image_dir) {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(image_dir, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.starts_with("amdgpu-pages-")) files.push_back(entry.path());
+  }
+  if (ec) return IoError("listing {}: {}", image_dir.string(), ec.message());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+Result<fs::path> MakeWarmImage(const fs::path& root, const std::string& name, uint64_t bytes,
+                               uint32_t gpus, uint64_t seed) {
+  image::SynthOptions synth;
+  synth.out = root / name;
+  synth.gpus = gpus;
+  synth.bos = 16;
+  synth.total_bytes = bytes;
+  synth.seed = seed;
+  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(synth).status());
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, PagesFiles(synth.out));
+  std::vector<uint8_t> buffer(8u << 20);
+  for (const fs::path& file : files) {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file));
+    while (true) {
+      ssize_t n = read(fd.get(), buffer.data(), buffer.size());
+      if (n < 0) return ErrnoError(errno, "reading {}", file.string());
+      if (n == 0) break;
+    }
+  }
+  return synth.out;
+}
+
+Result<ServerChild> ServerChild::Start(const fs::path& bin_dir, const fs::path& root,
+                                       const fs::path& run_dir) {
+  const fs::path binary = bin_dir / "gpulazy-server";
+  if (access(binary.c_str(), X_OK) != 0)
+    return NotFound("{} is not an executable (pass --bin-dir)", binary.string());
+  const fs::path ready = run_dir / "server.ready";
+  const fs::path log = run_dir / "server.log";
+  std::vector<std::string> args = {binary.string(),
+                                   "--images",
+                                   root.string(),
+                                   "--listen",
+                                   "unix:" + (run_dir / "server.sock").string(),
+                                   "--listen",
+                                   "tcp:127.0.0.1:0",
+                                   "--ready-file",
+                                   ready.string(),
+                                   "--log-level",
+                                   "warn"};
+  pid_t pid = fork();
+  if (pid < 0) return ErrnoError(errno, "fork");
+  if (pid == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+    }
+    std::vector<char*> argv;
+    for (std::string& arg : args)
+      argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  ServerChild child;
+  child.pid_ = pid;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (Clock::now() < deadline) {
+    std::ifstream in(ready);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.starts_with("unix:")) child.unix_endpoint_ = line;
+      if (line.starts_with("tcp:")) child.tcp_endpoint_ = line;
+    }
+    if (!child.unix_endpoint_.empty() && !child.tcp_endpoint_.empty()) return child;
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      child.pid_ = -1;
+      return Unavailable("gpulazy-server exited before it was ready (see {})", log.string());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return TimedOut("gpulazy-server did not write {} within 20 s", ready.string());
+}
+
+ServerChild::ServerChild(ServerChild&& other) noexcept
+    : pid_(std::exchange(other.pid_, -1)),
+      unix_endpoint_(std::move(other.unix_endpoint_)),
+      tcp_endpoint_(std::move(other.tcp_endpoint_)) {}
+
+ServerChild::~ServerChild() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGTERM);
+  for (int i = 0; i < 250; ++i) {
+    if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+}
+
+Result<nlohmann::json> RunInChild(const std::function<Result<nlohmann::json>()>& measure) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) return ErrnoError(errno, "pipe");
+  UniqueFd read_end(pipe_fds[0]);
+  UniqueFd write_end(pipe_fds[1]);
+  pid_t pid = fork();
+  if (pid < 0) return ErrnoError(errno, "fork");
+  if (pid == 0) {
+    read_end.reset();
+    Result<nlohmann::json> result = measure();
+    nlohmann::json out =
+        result.ok() ? *result : nlohmann::json{{"error", result.status().ToString()}};
+    std::string text = out.dump();
+    size_t off = 0;
+    while (off < text.size()) {
+      ssize_t n = write(write_end.get(), text.data() + off, text.size() - off);
+      if (n <= 0) _exit(3);
+      off += static_cast<size_t>(n);
+    }
+    _exit(result.ok() ? 0 : 1);
+  }
+  write_end.reset();
+  std::string text;
+  char buffer[4096];
+  while (true) {
+    ssize_t n = read(read_end.get(), buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  int status = 0;
+  struct rusage usage {};
+  if (wait4(pid, &status, 0, &usage) != pid) return ErrnoError(errno, "wait4");
+  if (text.empty()) return Internal("benchmark child exited with status {} and no result", status);
+  nlohmann::json result = nlohmann::json::parse(text, nullptr, false);
+  if (result.is_discarded()) return Internal("benchmark child wrote unreadable JSON");
+  if (result.contains("error")) return Internal("{}", result["error"].get<std::string>());
+  result["peak_rss_bytes"] = static_cast<uint64_t>(usage.ru_maxrss) * 1024;  // ru_maxrss is KiB
+  return result;
+}
+
+nlohmann::json MachineDescription() {
+  nlohmann::json machine;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.starts_with("model name")) {
+      machine["cpu"] = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  machine["cores"] = std::thread::hardware_concurrency();
+  machine["memory_bytes"] =
+      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  struct utsname uts {};
+  if (uname(&uts) == 0) machine["kernel"] = std::string(uts.release);
+  return machine;
+}
+
+void Emit(const CommonOptions& options, const nlohmann::json& result,
+          const std::vector<std::string>& columns) {
+  if (options.json) {
+    std::cout << result.dump() << std::endl;
+    return;
+  }
+  std::ostringstream row;
+  for (const std::string& column : columns) {
+    if (!result.contains(column)) continue;
+    const nlohmann::json& value = result[column];
+    row << column << '=';
+    if (value.is_number_float()) {
+      double v = value.get<double>();
+      if (column.ends_with("_Bps"))
+        row << fmt::format("{:.2f}GB/s", v / 1e9);
+      else if (column.ends_with("_s"))
+        row << fmt::format("{:.3f}ms", v * 1e3);
+      else
+        row << fmt::format("{:.3f}", v);
+    } else if (value.is_string()) {
+      row << value.get<std::string>();
+    } else {
+      row << value.dump();
+    }
+    row << "  ";
+  }
+  std::cout << row.str() << std::endl;
+}
+
+double Percentile(std::vector<double> samples, double fraction) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  double rank = fraction * static_cast<double>(samples.size() - 1);
+  size_t lo = static_cast<size_t>(std::floor(rank));
+  size_t hi = std::min(lo + 1, samples.size() - 1);
+  double weight = rank - static_cast<double>(lo);
+  return samples[lo] * (1 - weight) + samples[hi] * weight;
+}
+
+}  // namespace gpulazy::bench

@@ -1,0 +1,100 @@
+// bench/: gpulazy-bench, which measures gpulazy against ceilings taken in the same run.
+//
+// harness: what every benchmark needs — a synthetic image on disk and warm in the page cache,
+// a real gpulazy-server child process, measurement in a forked child (so each case's peak RSS
+// is its own), a discarding copy engine, and the machine's description for the report.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "page-client/copy_engine.h"
+#include "proto/status.h"
+
+namespace gpulazy::bench {
+
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point start);
+
+struct CommonOptions {
+  std::filesystem::path work_dir = "/tmp";  // images and sockets go in a fresh folder here
+  std::filesystem::path bin_dir;            // where gpulazy-server lives
+  bool json = false;
+};
+
+// A fresh directory, removed with everything in it on destruction.
+class WorkDir {
+ public:
+  static Result<WorkDir> Create(const std::filesystem::path& parent);
+  WorkDir(WorkDir&& other) noexcept;
+  WorkDir& operator=(WorkDir&&) = delete;
+  ~WorkDir();
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  WorkDir() = default;
+  std::filesystem::path path_;
+};
+
+// Synthesizes a CRIU checkpoint of `bytes` content bytes under root/name and reads it once so
+// it is in the page cache. Returns the image directory.
+Result<std::filesystem::path> MakeWarmImage(const std::filesystem::path& root,
+                                            const std::string& name, uint64_t bytes, uint32_t gpus,
+                                            uint64_t seed);
+// Paths of the checkpoint's pages files.
+Result<std::vector<std::filesystem::path>> PagesFiles(const std::filesystem::path& image_dir);
+
+// gpulazy-server as a child process, serving `root` on a Unix socket and on tcp 127.0.0.1:0.
+class ServerChild {
+ public:
+  static Result<ServerChild> Start(const std::filesystem::path& bin_dir,
+                                   const std::filesystem::path& root,
+                                   const std::filesystem::path& run_dir);
+  ServerChild(ServerChild&& other) noexcept;
+  ServerChild& operator=(ServerChild&&) = delete;
+  ~ServerChild();  // SIGTERM, then SIGKILL if it lingers
+  const std::string& unix_endpoint() const { return unix_endpoint_; }
+  const std::string& tcp_endpoint() const { return tcp_endpoint_; }
+
+ private:
+  ServerChild() = default;
+  pid_t pid_ = -1;
+  std::string unix_endpoint_;
+  std::string tcp_endpoint_;
+};
+
+// Runs `measure` in a forked child and returns the JSON it produced, with the child's peak RSS
+// added as "peak_rss_bytes". Call only while this process has a single thread.
+Result<nlohmann::json> RunInChild(const std::function<Result<nlohmann::json>()>& measure);
+
+// Accepts every write and drops the bytes: measures the pipeline up to the engine without the
+// cost (or memory) of a destination.
+class DiscardEngine : public client::CopyEngine {
+ public:
+  std::string_view name() const override { return "discard"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override { return Status::Ok(); }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+               client::CopyDone done) override {
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  Status Flush() override { return Status::Ok(); }
+};
+
+// CPU model, cores, memory and kernel, for the report.
+nlohmann::json MachineDescription();
+
+// One case's result: a table row on a terminal, one JSON line with --json.
+void Emit(const CommonOptions& options, const nlohmann::json& result,
+          const std::vector<std::string>& columns);
+
+double Percentile(std::vector<double> samples, double fraction);
+
+}  // namespace gpulazy::bench

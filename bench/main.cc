@@ -1,0 +1,90 @@
+// gpulazy-bench: measures gpulazy against ceilings taken in the same run. Each subcommand
+// prints a table row per case, or with --json one JSON object per case (docs/benchmarks.md).
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "bench/demand_bench.h"
+#include "bench/stream_bench.h"
+#include "proto/size.h"
+
+namespace {
+
+int Fail(const gpulazy::Status& status) {
+  std::cerr << "gpulazy-bench: " << status.message() << '\n';
+  return 1;
+}
+
+int Run(int argc, char** argv) {
+  using namespace gpulazy;
+  CLI::App app{"gpulazy-bench: throughput and latency against same-run ceilings"};
+  app.require_subcommand(1);
+  bench::CommonOptions common;
+  common.bin_dir = GPULAZY_DEFAULT_BIN_DIR;
+  std::string work_dir = common.work_dir.string(), bin_dir = common.bin_dir.string();
+  app.add_flag("--json", common.json, "one JSON object per measured case");
+  app.add_option("--work-dir", work_dir, "where images and sockets are made")
+      ->capture_default_str();
+  app.add_option("--bin-dir", bin_dir, "where gpulazy-server is")->capture_default_str();
+
+  bench::StreamOptions stream;
+  std::string stream_size = "1G", stream_window = "16M";
+  CLI::App* stream_cmd =
+      app.add_subcommand("stream", "streaming throughput vs raw page-cache reads");
+  stream_cmd->add_option("--size", stream_size, "image content bytes")->capture_default_str();
+  stream_cmd->add_option("--sessions", stream.sessions, "concurrent sessions (list: 1,8)")
+      ->delimiter(',');
+  stream_cmd->add_option("--transport", stream.transports, "unix and/or tcp (list)")
+      ->delimiter(',');
+  stream_cmd->add_option("--engine", stream.engine, "host or discard")->capture_default_str();
+  stream_cmd->add_option("--window", stream_window, "client credit window")->capture_default_str();
+
+  bench::DemandOptions demand;
+  std::string demand_size = "2G", demand_window = "16M";
+  CLI::App* demand_cmd =
+      app.add_subcommand("demand", "demand latency under a saturating background stream");
+  demand_cmd->add_option("--size", demand_size, "image content bytes")->capture_default_str();
+  demand_cmd->add_option("--requests", demand.requests, "demand requests")->capture_default_str();
+  demand_cmd->add_option("--transport", demand.transport, "unix or tcp")->capture_default_str();
+  demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  // Results go to stdout (one JSON object per line with --json); the library's progress logs
+  // would interleave with them.
+  spdlog::set_level(spdlog::level::warn);
+  common.work_dir = work_dir;
+  common.bin_dir = bin_dir;
+
+  if (stream_cmd->parsed()) {
+    auto size = ParseSize(stream_size);
+    auto window = ParseSize(stream_window);
+    if (!size.ok()) return Fail(size.status());
+    if (!window.ok()) return Fail(window.status());
+    stream.size = *size;
+    stream.window = *window;
+    if (stream.engine != "host" && stream.engine != "discard")
+      return Fail(InvalidArgument("--engine {}: use host or discard", stream.engine));
+    Status status = bench::RunStreamBench(common, stream);
+    return status.ok() ? 0 : Fail(status);
+  }
+  auto size = ParseSize(demand_size);
+  auto window = ParseSize(demand_window);
+  if (!size.ok()) return Fail(size.status());
+  if (!window.ok()) return Fail(window.status());
+  demand.size = *size;
+  demand.window = *window;
+  Status status = bench::RunDemandBench(common, demand);
+  return status.ok() ? 0 : Fail(status);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "gpulazy-bench: " << e.what() << '\n';
+    return 1;
+  }
+}

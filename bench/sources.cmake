@@ -1,0 +1,11 @@
+add_executable(gpulazy-bench
+  ${CMAKE_CURRENT_LIST_DIR}/main.cc
+  ${CMAKE_CURRENT_LIST_DIR}/harness.cc
+  ${CMAKE_CURRENT_LIST_DIR}/stream_bench.cc
+  ${CMAKE_CURRENT_LIST_DIR}/demand_bench.cc)
+target_link_libraries(gpulazy-bench PRIVATE gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
+# The bench starts the real server binary; build it alongside.
+if(TARGET gpulazy-server)
+  add_dependencies(gpulazy-bench gpulazy-server)
+endif()
+target_compile_definitions(gpulazy-bench PRIVATE GPULAZY_DEFAULT_BIN_DIR="${CMAKE_BINARY_DIR}/bin")

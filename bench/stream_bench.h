@@ -1,0 +1,24 @@
+// `gpulazy-bench stream`: end-to-end streaming throughput (server -> client -> engine) of one or
+// more concurrent sessions from the page cache, against a ceiling measured in the same run: the
+// same bytes read straight from the page cache into memory by as many threads as sessions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bench/harness.h"
+
+namespace gpulazy::bench {
+
+struct StreamOptions {
+  uint64_t size = 1ull << 30;
+  std::vector<uint32_t> sessions = {1};
+  std::vector<std::string> transports = {"unix"};
+  std::string engine = "host";  // host (memcpy into memfds) or discard
+  uint64_t window = 16u << 20;
+};
+
+Status RunStreamBench(const CommonOptions& common, const StreamOptions& options);
+
+}  // namespace gpulazy::bench
