@@ -1,0 +1,210 @@
+// End-to-end tests against a real gpulazy-server process: `gpulazy-client fetch` reproduces
+// every CRIU pages file byte for byte (raw and lazy images, multi-GPU, multi-process, over
+// unix and tcp), and a RestoreSession survives its server being SIGKILLed mid-restore and
+// restarted on the same socket. Every wait is bounded.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/lazy_image.h"
+#include "lazy-server/image/synth.h"
+#include "page-client/host_engine.h"
+#include "page-client/restore_session.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using server::testing::BoKey;
+using server::testing::LoadCriuContents;
+using server::testing::ServerProcess;
+using server::testing::TempDir;
+
+std::vector<uint8_t> ReadFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
+}
+
+// The CRIU pages files of a checkpoint directory, by name.
+std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {
+  std::map<std::string, std::vector<uint8_t>> files;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("amdgpu-pages-", 0) == 0 && entry.path().extension() == ".img")
+      files[name] = ReadFile(entry.path());
+  }
+  return files;
+}
+
+struct ClientRun {
+  int exit_code = -1;
+  std::string out;
+};
+
+ClientRun RunClient(const std::string& args) {
+  // `timeout` keeps a hung client from hanging the suite.
+  const std::string command = "timeout 60 " GPULAZY_BIN_DIR "/gpulazy-client " + args + " 2>&1";
+  ClientRun run;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return run;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
+    run.out.append(buffer, n);
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+void Synthesize(const fs::path& out, uint64_t total_bytes, uint64_t seed) {
+  image::SynthOptions options;
+  options.out = out;
+  options.gpus = 3;
+  options.processes = 2;
+  options.bos = 12;
+  options.total_bytes = total_bytes;
+  options.seed = seed;
+  Result<image::SynthReport> report = image::SynthesizeCheckpoint(options);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+}
+
+// 1. `fetch` against a real server: raw CRIU and lazy image, over unix and tcp.
+TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
+  TempDir root;
+  TempDir run_dir;
+  const fs::path raw = root.path() / "raw";
+  const fs::path lazy = root.path() / "lazy";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(raw, 32ull << 20, 11));
+  ASSERT_NO_FATAL_FAILURE(Synthesize(lazy, 32ull << 20, 12));
+  const auto raw_files = PagesFiles(raw);
+  const auto lazy_files = PagesFiles(lazy);
+  // 2 processes x 3 GPUs.
+  ASSERT_EQ(raw_files.size(), 6u);
+  ASSERT_EQ(lazy_files.size(), 6u);
+  {
+    Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(lazy);
+    ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+    image::ConvertOptions convert;
+    convert.chunk_size = 256 * 1024;
+    auto stats = image::ConvertToLazyImage(checkpoint.value(), convert);
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    ASSERT_TRUE(image::LazyImage::Exists(lazy));
+  }
+
+  ServerProcess server(run_dir.path(), root.path());
+  ASSERT_TRUE(server.ready()) << server.Log();
+
+  int n = 0;
+  for (const auto* endpoint : {&server.unix_endpoint(), &server.tcp_endpoint()}) {
+    for (const auto& [name, source] :
+         {std::pair{std::string("raw"), &raw_files}, std::pair{std::string("lazy"), &lazy_files}}) {
+      SCOPED_TRACE(endpoint->ToString() + " " + name);
+      const fs::path out = run_dir.path() / ("out" + std::to_string(n++));
+      const ClientRun run = RunClient("fetch --server " + endpoint->ToString() + " --image " +
+                                      name + " --out " + out.string() + " --json");
+      ASSERT_EQ(run.exit_code, 0) << run.out << "\n" << server.Log();
+      const auto fetched = PagesFiles(out);
+      ASSERT_EQ(fetched.size(), source->size());
+      for (const auto& [file, bytes] : *source) {
+        auto it = fetched.find(file);
+        ASSERT_NE(it, fetched.end()) << file << " not fetched";
+        ASSERT_EQ(it->second.size(), bytes.size()) << file;
+        EXPECT_TRUE(it->second == bytes) << file << " differs";
+      }
+    }
+  }
+  EXPECT_EQ(server.Terminate(), 0) << server.Log();
+}
+
+// 2. RestoreSession survives a SIGKILLed server restarted on the same unix socket.
+TEST(E2eRestore, ReconnectsAfterServerKilledAndRestarted) {
+  TempDir root;
+  TempDir run_dir;
+  const fs::path img = root.path() / "img";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(img, 96ull << 20, 21));
+  auto expected = LoadCriuContents(img);
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+
+  auto server = std::make_unique<ServerProcess>(run_dir.path(), root.path());
+  ASSERT_TRUE(server->ready()) << server->Log();
+  const std::string endpoint = server->unix_endpoint().ToString();
+
+  client::HostCopyEngine engine;
+  client::SessionOptions options;
+  options.endpoint = endpoint;
+  options.image = "img";
+  options.window_bytes = 1u << 20;
+  options.reconnect.max_attempts = 50;
+  options.reconnect.initial_backoff = 20ms;
+  options.reconnect.max_backoff = 200ms;
+  options.reconnect.deadline = 20000ms;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok()) << server->Log();
+
+  // Kill the server once some bytes are resident but the restore is not done.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  bool killed = false;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const client::Progress p = session.progress();
+    ASSERT_FALSE(p.complete) << "restore finished before the server could be killed";
+    if (p.resident_bytes > 0) {
+      ASSERT_EQ(::kill(server->pid(), SIGKILL), 0);
+      killed = true;
+      break;
+    }
+    std::this_thread::sleep_for(100us);
+  }
+  ASSERT_TRUE(killed) << "no bytes resident within 10 s";
+  const uint64_t resident_at_kill = session.progress().resident_bytes;
+  // Terminate() reaps the killed process, so the destructor has nothing left to do.
+  EXPECT_EQ(server->Terminate(5s), -1);
+  ASSERT_EQ(server->pid(), -1);
+  server.reset();
+  EXPECT_LT(resident_at_kill, session.progress().total_bytes);
+
+  // Restart on the same dir: same socket path (stale socket file left by the kill).
+  std::this_thread::sleep_for(100ms);
+  fs::remove(run_dir.path() / "ready");
+  server = std::make_unique<ServerProcess>(run_dir.path(), root.path());
+  ASSERT_TRUE(server->ready()) << server->Log();
+  ASSERT_EQ(server->unix_endpoint().ToString(), endpoint);
+
+  const Status done = session.WaitComplete(20s);
+  ASSERT_TRUE(done.ok()) << done.ToString() << "\nstatus: " << session.status().ToString() << "\n"
+                         << server->Log();
+  const client::Progress p = session.progress();
+  EXPECT_TRUE(p.complete);
+  EXPECT_GE(p.reconnects, 1u);
+  EXPECT_EQ(p.resident_bytes, p.total_bytes);
+
+  const auto& bos = session.bos();
+  ASSERT_EQ(bos.size(), expected->size());
+  for (uint32_t i = 0; i < bos.size(); ++i) {
+    SCOPED_TRACE("bo " + std::to_string(i));
+    auto it = expected->find(BoKey{bos[i].process_id, bos[i].bo_index});
+    ASSERT_NE(it, expected->end());
+    Result<std::span<uint8_t>> mapping = engine.Mapping(i);
+    ASSERT_TRUE(mapping.ok()) << mapping.status().ToString();
+    ASSERT_EQ(mapping->size(), it->second.size());
+    ASSERT_EQ(bos[i].size, it->second.size());
+    EXPECT_TRUE(std::equal(mapping->begin(), mapping->end(), it->second.begin()))
+        << "BO contents differ";
+  }
+  EXPECT_EQ(server->Terminate(), 0) << server->Log();
+}
+
+}  // namespace
+}  // namespace gpulazy
