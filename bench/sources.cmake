@@ -9,3 +9,9 @@ if(TARGET gpulazy-server)
   add_dependencies(gpulazy-bench gpulazy-server)
 endif()
 target_compile_definitions(gpulazy-bench PRIVATE GPULAZY_DEFAULT_BIN_DIR="${CMAKE_BINARY_DIR}/bin")
+
+# Further benchmark parts (restore demo) add themselves here.
+file(GLOB GPULAZY_BENCH_PARTS ${CMAKE_CURRENT_LIST_DIR}/*.part.cmake)
+foreach(part ${GPULAZY_BENCH_PARTS})
+  include(${part})
+endforeach()

@@ -7,3 +7,7 @@ target_link_libraries(gpulazy_net PUBLIC gpulazy_proto Boost::system Threads::Th
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/client.cmake)
   include(${CMAKE_CURRENT_LIST_DIR}/client.cmake)
 endif()
+
+if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/uffd/uffd.cmake)
+  include(${CMAKE_CURRENT_LIST_DIR}/uffd/uffd.cmake)
+endif()
