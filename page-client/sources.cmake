@@ -11,3 +11,7 @@ endif()
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/uffd/uffd.cmake)
   include(${CMAKE_CURRENT_LIST_DIR}/uffd/uffd.cmake)
 endif()
+
+if(GPULAZY_WITH_CUDA)
+  include(${CMAKE_CURRENT_LIST_DIR}/cuda/cuda.cmake)
+endif()

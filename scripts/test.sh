@@ -13,7 +13,11 @@ if [ -n "$sanitize" ]; then
   export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 else
   build="$root/build"
-  "$root/scripts/build.sh" "$build"
+  # The CUDA engine is compiled wherever the CUDA toolkit is installed (its tests skip without
+  # a GPU); it needs no GPU to build.
+  cuda=()
+  [ -x /usr/local/cuda/bin/nvcc ] && cuda=(-DGPULAZY_WITH_CUDA=ON -DCUDAToolkit_ROOT=/usr/local/cuda)
+  "$root/scripts/build.sh" "$build" "${cuda[@]}"
 fi
 cd "$build"
 ctest --output-on-failure --parallel "$(nproc)" --timeout 300

@@ -1,0 +1,56 @@
+// CudaCopyEngine: the CopyEngine for NVIDIA GPUs (built with -DGPULAZY_WITH_CUDA=ON). Each BO
+// is one cudaMalloc'd buffer. A write copies the verified chunk into a slot of a pinned staging
+// ring, queues cudaMemcpyAsync on one of several copy streams and records an event; a reaper
+// thread waits for the events in order and runs the writes' done callbacks, so a chunk becomes
+// resident only once its DMA has landed. Write blocks only when every staging slot is in
+// flight, which bounds pinned memory to slots x slot_bytes whatever the image size.
+//
+// Thread-safety: AddDestination before any Write; Write and Flush from one thread at a time
+// (the session's I/O thread); done callbacks run on the reaper thread. DevicePointer and
+// CopyToHost may be called from any thread once the BO's writes are done.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "page-client/copy_engine.h"
+#include "proto/status.h"
+
+namespace gpulazy::client {
+
+struct CudaEngineOptions {
+  int device = 0;
+  uint32_t staging_slots = 16;
+  uint32_t slot_bytes = 4u << 20;  // the largest chunk the server sends (4 MiB)
+  uint32_t streams = 4;
+};
+
+class CudaCopyEngine : public CopyEngine {
+ public:
+  // Fails with kUnavailable when there is no CUDA device (or driver).
+  static Result<std::unique_ptr<CudaCopyEngine>> Create(const CudaEngineOptions& options);
+  ~CudaCopyEngine() override;
+
+  std::string_view name() const override { return "cuda"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override;
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override;
+  Status Flush() override;
+
+  // The BO's device buffer (nullptr for an unknown BO).
+  void* DevicePointer(uint32_t bo) const;
+  // Copies [offset, offset + out.size()) of the BO back to host memory (for verification).
+  Status CopyToHost(uint32_t bo, uint64_t offset, std::span<uint8_t> out) const;
+  uint64_t bytes_written() const;
+
+ private:
+  class Impl;
+  explicit CudaCopyEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Whether a CUDA device is usable here (false without a GPU or driver).
+bool CudaDeviceAvailable();
+
+}  // namespace gpulazy::client
