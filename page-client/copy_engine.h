@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -40,6 +41,29 @@ class CopyEngine {
   // keep `raw` and `done` is never called; otherwise `done` is called exactly once.
   virtual Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                        CopyDone done) = 0;
+
+  // Optional: receive straight into the destination. An engine whose destination memory is
+  // ordinary CPU-writable memory that nothing can observe (or execute from) for a chunk that is
+  // not resident yet may return the writable span of [offset, offset + length) of BO `bo`.
+  // The session then reads a RAW chunk's payload from the socket into that span, verifies the
+  // checksum there, and only if it matches calls CommitReceived (which completes like Write).
+  // On a mismatch or a broken connection the session zeroes the span and the chunk stays
+  // missing, so corrupt bytes are never marked resident and do not linger. An engine that cannot
+  // promise that (memory mapped into a running program without a residency gate, a DMA
+  // engine) keeps the default: nullopt, and every chunk goes through Write. Called only on the
+  // session's I/O threads, for disjoint ranges (a chunk is claimed before it is received).
+  virtual std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                          uint64_t length) {
+    (void)bo, (void)offset, (void)length;
+    return std::nullopt;
+  }
+  // The bytes of a ReceiveTarget span are verified and in place: complete the "write" (done is
+  // called exactly once, as for Write). Only called after ReceiveTarget returned a span.
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): overrides take ownership of `done`.
+  virtual Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+    (void)bo, (void)offset, (void)length, (void)done;
+    return Unsupported("{} engine: CommitReceived without ReceiveTarget", name());
+  }
 
   // Returns once every accepted write has completed (its `done` has run); the first failure
   // since the last Flush, if any.

@@ -86,6 +86,27 @@ Status HostCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
   return Status::Ok();
 }
 
+std::optional<std::span<uint8_t>> HostCopyEngine::ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                                uint64_t length) {
+  if (!options_.receive_in_place) return std::nullopt;
+  Result<const MemfdRegion*> region = Find(bo);
+  if (!region.ok()) return std::nullopt;  // Write will say why
+  const uint64_t size = (*region)->size();
+  if (offset > size || length > size - offset || length == 0) return std::nullopt;
+  return (*region)->bytes().subspan(static_cast<size_t>(offset), static_cast<size_t>(length));
+}
+
+Status HostCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t length,
+                                      CopyDone done) {
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  if (offset > region->size() || length > region->size() - offset)
+    return OutOfRange("host engine: commit of {} bytes at offset {} past the end of BO {}", length,
+                      offset, bo);
+  bytes_written_.fetch_add(length, std::memory_order_relaxed);
+  if (done) done(Status::Ok());
+  return Status::Ok();
+}
+
 Result<std::span<uint8_t>> HostCopyEngine::Mapping(uint32_t bo) const {
   GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
   return region->bytes();

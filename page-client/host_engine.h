@@ -1,6 +1,7 @@
 // HostCopyEngine: the embedded CopyEngine where "device memory" is host memory, one memfd per
 // BO (mapped shared, so the userfaultfd pager and demos can map or pass the same memory).
-// Writes are memcpy and complete inside Write. Every write is bounds-checked.
+// Writes are memcpy and complete inside Write. Every write is bounds-checked. The session may
+// also receive RAW chunks straight into the memfds (ReceiveTarget), verifying them in place.
 // Thread-safety: as CopyEngine; Write may also run concurrently for disjoint ranges, and the
 // accessors are safe once AddDestination has returned.
 #pragma once
@@ -40,14 +41,26 @@ class MemfdRegion {
   uint64_t size_ = 0;
 };
 
+struct HostEngineOptions {
+  // Let the session receive RAW chunks straight into the memfds (CopyEngine::ReceiveTarget):
+  // one copy fewer per byte. Safe as long as nobody reads a chunk's bytes before the session
+  // reports it resident (the contract of this engine's Mapping/Fd: the bytes of a chunk that is
+  // not resident are unspecified; they are zeros or an in-progress, unverified receive).
+  bool receive_in_place = true;
+};
+
 class HostCopyEngine : public CopyEngine {
  public:
   HostCopyEngine() = default;
+  explicit HostCopyEngine(HostEngineOptions options) : options_(options) {}
 
   std::string_view name() const override { return "host"; }
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override;
   Status Flush() override { return Status::Ok(); }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override;
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
 
   // The BO's memory: kNotFound for a BO without a destination.
   Result<std::span<uint8_t>> Mapping(uint32_t bo) const;
@@ -58,6 +71,7 @@ class HostCopyEngine : public CopyEngine {
  private:
   Result<const MemfdRegion*> Find(uint32_t bo) const;
 
+  HostEngineOptions options_;
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
   std::map<uint32_t, MemfdRegion> regions_;
   std::atomic<uint64_t> bytes_written_{0};

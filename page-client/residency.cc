@@ -60,6 +60,13 @@ bool ResidencyMap::MarkLanding(uint32_t bo, uint32_t chunk) {
   return true;
 }
 
+bool ResidencyMap::ClearLanding(uint32_t bo, uint32_t chunk) {
+  ChunkState& state = At(bo, chunk);
+  if ((state.flags & kLanding) == 0 || (state.flags & kResident) != 0) return false;
+  state.flags &= static_cast<uint8_t>(~kLanding);
+  return true;
+}
+
 bool ResidencyMap::MarkResident(uint32_t bo, uint32_t chunk) {
   ChunkState& state = At(bo, chunk);
   if (!(state.flags & kLanding)) return false;

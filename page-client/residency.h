@@ -54,6 +54,9 @@ class ResidencyMap {
   void set_demanded(uint32_t bo, uint32_t chunk) { At(bo, chunk).flags |= kDemanded; }
   // Missing -> landing; false when the chunk is already held.
   bool MarkLanding(uint32_t bo, uint32_t chunk);
+  // Landing -> missing: a receive straight into the destination failed (bad checksum, lost
+  // connection). False (and nothing changes) if it was not landing.
+  bool ClearLanding(uint32_t bo, uint32_t chunk);
   // Landing -> resident; false (and nothing changes) if it was not landing.
   bool MarkResident(uint32_t bo, uint32_t chunk);
   // Counts a copy that failed verification; returns how many bad copies so far.

@@ -1,10 +1,12 @@
 #include "page-client/restore_session.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <mutex>
@@ -142,15 +144,31 @@ class RestoreSession::Impl {
 
   Status AdoptImage(const wire::OpenImageReply& reply, uint32_t max_payload);
   Status CheckSameImage(const wire::OpenImageReply& reply) const;
-  Status HandleChunk(const std::shared_ptr<Link>& link, const wire::Header& header,
-                     std::vector<uint8_t>& payload, bool on_stream);
-  void OnWritten(Status status, const std::shared_ptr<Link>& link, ChunkId id,
+  // Reads a ChunkData frame's payload (its header already read) and installs the chunk: a RAW
+  // chunk the engine lets us place goes straight into its destination and is verified there;
+  // anything else is read into `payload` and goes through InstallChunk. *transport is set when
+  // the error is the connection's (retrying may help), else the error is fatal.
+  asio::awaitable<Status> ReceiveChunk(const std::shared_ptr<Link>& link, net::Socket& socket,
+                                       const wire::Header& header, uint32_t payload_length,
+                                       std::vector<uint8_t>& payload, bool on_stream,
+                                       bool* transport);
+  // Checks a chunk's header against the table and the credit, counts it. *duplicate: already
+  // held; its bytes must be dropped (the caller returns the credit).
+  Status AcceptChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                     uint64_t wire_bytes, bool on_stream, bool* duplicate);
+  // A chunk that is not held and whose payload is in `payload`: decode, verify, hand to Write.
+  Status InstallChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                      std::vector<uint8_t>& payload, bool on_stream);
+  // A verification failure: count it, re-request once, or fail for good (returned).
+  Status BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
+                 uint64_t wire_bytes, bool on_stream, const Status& why);
+  void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
                  std::shared_ptr<std::vector<uint8_t>> staging, uint64_t credit);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
   void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
   void QueueDemand(const std::vector<ChunkId>& chunks);
   void PumpDemand();
-  void Fail(Status status);
+  void Fail(const Status& status);
   bool Failed() const;
   std::string What(uint32_t bo, uint32_t chunk) const;
   std::shared_ptr<std::vector<uint8_t>> TakeBuffer();
@@ -232,7 +250,7 @@ bool RestoreSession::Impl::Failed() const {
   return !failure_.ok();
 }
 
-void RestoreSession::Impl::Fail(Status status) {
+void RestoreSession::Impl::Fail(const Status& status) {
   {
     std::lock_guard lock(mutex_);
     if (!failure_.ok()) return;
@@ -603,13 +621,23 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
   std::vector<uint8_t> payload;
   try {
     for (;;) {
-      Result<wire::Header> header = co_await net::ReadFrame(link->stream, link->limits, &payload);
-      if (!header.ok()) co_return link->complete ? Status::Ok() : header.status();
+      Result<net::FrameHead> head = co_await net::ReadFrameHead(link->stream, link->limits);
+      if (!head.ok()) co_return link->complete ? Status::Ok() : head.status();
       if (link->closed) co_return Status::Ok();
+      wire::Header* header = &head->header;
+      if (header->body_case() != wire::Header::kChunk) {
+        // Only ChunkData carries a payload (docs/protocol.md); read and drop any other's.
+        payload.resize(head->payload_length);
+        Status read = co_await net::ReadPayload(link->stream, payload);
+        if (!read.ok()) co_return link->complete ? Status::Ok() : read;
+      }
       switch (header->body_case()) {
         case wire::Header::kChunk: {
-          Status handled = HandleChunk(link, *header, payload, /*on_stream=*/true);
+          bool transport = false;
+          Status handled = co_await ReceiveChunk(link, link->stream, *header, head->payload_length,
+                                                 payload, /*on_stream=*/true, &transport);
           if (!handled.ok()) {
+            if (transport) co_return link->complete ? Status::Ok() : handled;
             Fail(handled);
             co_return handled;
           }
@@ -664,19 +692,33 @@ asio::awaitable<void> RestoreSession::Impl::ReadDemand(std::shared_ptr<Link> lin
   std::vector<uint8_t> payload;
   try {
     for (;;) {
-      Result<wire::Header> header = co_await net::ReadFrame(*link->demand, link->limits, &payload);
-      if (!header.ok()) {
-        link->Abort(header.status().Context("demand connection"), options_.handshake_timeout);
+      Result<net::FrameHead> head = co_await net::ReadFrameHead(*link->demand, link->limits);
+      if (!head.ok()) {
+        link->Abort(head.status().Context("demand connection"), options_.handshake_timeout);
         co_return;
       }
       if (link->closed) co_return;
+      const wire::Header* header = &head->header;
       if (header->has_chunk()) {
-        Status handled = HandleChunk(link, *header, payload, /*on_stream=*/false);
+        bool transport = false;
+        Status handled = co_await ReceiveChunk(link, *link->demand, *header, head->payload_length,
+                                               payload, /*on_stream=*/false, &transport);
         if (!handled.ok()) {
-          Fail(handled);
+          if (transport) {
+            link->Abort(handled.Context("demand connection"), options_.handshake_timeout);
+          } else {
+            Fail(handled);
+          }
           co_return;
         }
-      } else if (header->has_error()) {
+        continue;
+      }
+      payload.resize(head->payload_length);
+      if (Status read = co_await net::ReadPayload(*link->demand, payload); !read.ok()) {
+        link->Abort(read.Context("demand connection"), options_.handshake_timeout);
+        co_return;
+      }
+      if (header->has_error()) {
         Status error = HandleErrorFrame(header->error(), "demand connection");
         if (!error.ok()) {
           link->Fail(error);
@@ -712,13 +754,11 @@ std::shared_ptr<std::vector<uint8_t>> RestoreSession::Impl::TakeBuffer() {
   return buffer;
 }
 
-Status RestoreSession::Impl::HandleChunk(const std::shared_ptr<Link>& link,
-                                         const wire::Header& header, std::vector<uint8_t>& payload,
-                                         bool on_stream) {
-  const wire::ChunkData& data = header.chunk();
+Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
+                                         const wire::ChunkData& data, uint64_t wire_bytes,
+                                         bool on_stream, bool* duplicate) {
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
-  const uint64_t wire_bytes = payload.size();
   if (on_stream) {
     if (wire_bytes > link->credit_outstanding)
       return Corrupt(
@@ -729,26 +769,125 @@ Status RestoreSession::Impl::HandleChunk(const std::shared_ptr<Link>& link,
   }
   if (data.priority() == wire::PRIORITY_DEMAND && link->demand_in_flight > 0)
     --link->demand_in_flight;
-  bool duplicate;
-  {
-    std::lock_guard lock(mutex_);
-    Status valid = residency_.CheckChunk(bo, chunk);
-    if (!valid.ok())
-      return valid.Context(fmt::format("image {}: server sent a chunk", options_.image));
-    if (data.raw_length() != residency_.ChunkLength(bo, chunk))
-      return Corrupt("{}: server says {} raw bytes, the BO table says {}", What(bo, chunk),
-                     data.raw_length(), residency_.ChunkLength(bo, chunk));
-    counters_.received_bytes += wire_bytes;
-    // Already resident or being written: a second copy must never be applied.
-    duplicate = residency_.held(bo, chunk);
-    if (duplicate) ++counters_.duplicates;
+  std::lock_guard lock(mutex_);
+  Status valid = residency_.CheckChunk(bo, chunk);
+  if (!valid.ok())
+    return valid.Context(fmt::format("image {}: server sent a chunk", options_.image));
+  if (data.raw_length() != residency_.ChunkLength(bo, chunk))
+    return Corrupt("{}: server says {} raw bytes, the BO table says {}", What(bo, chunk),
+                   data.raw_length(), residency_.ChunkLength(bo, chunk));
+  counters_.received_bytes += wire_bytes;
+  // Already resident or being written: a second copy must never be applied.
+  *duplicate = residency_.held(bo, chunk);
+  if (*duplicate) ++counters_.duplicates;
+  return Status::Ok();
+}
+
+asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
+    const std::shared_ptr<Link>& link, net::Socket& socket, const wire::Header& header,
+    uint32_t payload_length, std::vector<uint8_t>& payload, bool on_stream, bool* transport) {
+  const wire::ChunkData& data = header.chunk();
+  const uint32_t bo = data.bo();
+  const uint32_t chunk = data.chunk();
+  *transport = false;
+  bool duplicate = false;
+  Status accepted = AcceptChunk(link, data, payload_length, on_stream, &duplicate);
+  if (!accepted.ok()) co_return accepted;
+
+  // Only a RAW chunk whose payload is exactly its raw bytes can land in place; the engine
+  // decides whether its memory may hold unverified bytes of a chunk that is not resident.
+  std::optional<std::span<uint8_t>> target;
+  const uint64_t offset = uint64_t{chunk} * chunk_size_;
+  if (!duplicate && data.codec() == manifest::CODEC_RAW && payload_length > 0 &&
+      payload_length == data.raw_length()) {
+    target = engine_.ReceiveTarget(bo, offset, payload_length);
+    if (target && target->size() != payload_length) target.reset();
   }
-  if (duplicate) {
-    if (on_stream) ReturnCredit(link, wire_bytes);
-    PumpDemand();
-    return Status::Ok();
+  if (!target) {
+    payload.resize(payload_length);
+    Status read = co_await net::ReadPayload(socket, payload);
+    if (!read.ok()) {
+      *transport = true;
+      co_return read;
+    }
+    if (duplicate) {
+      if (on_stream) ReturnCredit(link, payload_length);
+      PumpDemand();
+      co_return Status::Ok();
+    }
+    co_return InstallChunk(link, data, payload, on_stream);
   }
 
+  // Claim the chunk before the first byte lands, so a copy arriving on the other connection
+  // meanwhile is a duplicate and never writes the same range.
+  {
+    std::lock_guard lock(mutex_);
+    residency_.MarkLanding(bo, chunk);
+  }
+  // The checksum is computed slice by slice right after each slice lands, while it is still in
+  // the cache: one pass over memory for copy and verification together.
+  constexpr size_t kSlice = 256u << 10;
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(),
+                                                                       &XXH3_freeState);
+  Status status = hash ? Status::Ok() : Internal("out of memory for a checksum state");
+  if (status.ok()) XXH3_64bits_reset(hash.get());
+  for (size_t done = 0; status.ok() && done < target->size();) {
+    const std::span<uint8_t> slice = target->subspan(done, std::min(kSlice, target->size() - done));
+    status = co_await net::ReadPayload(socket, slice);
+    if (!status.ok()) {
+      *transport = true;
+      break;
+    }
+    XXH3_64bits_update(hash.get(), slice.data(), slice.size());
+    done += slice.size();
+  }
+  if (!status.ok() || XXH3_64bits_digest(hash.get()) != data.checksum()) {
+    // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
+    std::memset(target->data(), 0, target->size());
+    {
+      std::lock_guard lock(mutex_);
+      residency_.ClearLanding(bo, chunk);
+    }
+    if (!status.ok()) co_return status;
+    co_return BadCopy(link, bo, chunk, payload_length, on_stream,
+                      Corrupt("{}: checksum mismatch (received in place)", What(bo, chunk)));
+  }
+  Status committed = engine_.CommitReceived(
+      bo, offset, payload_length,
+      [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
+          Status status) { OnWritten(std::move(status), link, id, nullptr, credit); });
+  if (!committed.ok())
+    co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
+  PumpDemand();
+  co_return Status::Ok();
+}
+
+Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
+                                     uint64_t wire_bytes, bool on_stream, const Status& why) {
+  uint32_t bad_copies;
+  {
+    std::lock_guard lock(mutex_);
+    bad_copies = residency_.CountBadCopy(bo, chunk);
+    if (bad_copies < 2) {
+      ++counters_.refetches;
+      residency_.set_demanded(bo, chunk);
+    }
+  }
+  if (on_stream) ReturnCredit(link, wire_bytes);
+  if (bad_copies >= 2)
+    return Corrupt("{}: second copy is bad too, not installing it: {}", What(bo, chunk),
+                   why.message());
+  spdlog::warn("{}; fetching it again", why.message());
+  QueueDemand({{bo, chunk}});
+  return Status::Ok();
+}
+
+Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
+                                          const wire::ChunkData& data,
+                                          std::vector<uint8_t>& payload, bool on_stream) {
+  const uint32_t bo = data.bo();
+  const uint32_t chunk = data.chunk();
+  const uint64_t wire_bytes = payload.size();
   auto staging = TakeBuffer();
   Status decoded;
   std::string what = What(bo, chunk);
@@ -760,22 +899,8 @@ Status RestoreSession::Impl::HandleChunk(const std::shared_ptr<Link>& link,
     decoded = DecodeChunkPayload(data, payload, staging.get(), what);
   }
   if (!decoded.ok()) {
-    uint32_t bad_copies;
-    {
-      std::lock_guard lock(mutex_);
-      bad_copies = residency_.CountBadCopy(bo, chunk);
-      if (bad_copies < 2) {
-        ++counters_.refetches;
-        residency_.set_demanded(bo, chunk);
-      }
-    }
     spare_buffers_.push_back(std::move(*staging));
-    if (on_stream) ReturnCredit(link, wire_bytes);
-    if (bad_copies >= 2)
-      return Corrupt("{}: second copy is bad too, not installing it: {}", what, decoded.message());
-    spdlog::warn("{}; fetching it again", decoded.message());
-    QueueDemand({{bo, chunk}});
-    return Status::Ok();
+    return BadCopy(link, bo, chunk, wire_bytes, on_stream, decoded);
   }
 
   {
@@ -793,8 +918,8 @@ Status RestoreSession::Impl::HandleChunk(const std::shared_ptr<Link>& link,
   return Status::Ok();
 }
 
-void RestoreSession::Impl::OnWritten(Status status, const std::shared_ptr<Link>& link, ChunkId id,
-                                     std::shared_ptr<std::vector<uint8_t>> staging,
+void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr<Link>& link,
+                                     ChunkId id, std::shared_ptr<std::vector<uint8_t>> staging,
                                      uint64_t credit) {
   // Any thread: the engine decides where completions run.
   if (!status.ok()) {
@@ -810,7 +935,8 @@ void RestoreSession::Impl::OnWritten(Status status, const std::shared_ptr<Link>&
   }
   cv_.notify_all();
   asio::post(io_, [this, link, staging = std::move(staging), credit, complete] {
-    if (spare_buffers_.size() < kMaxSpareBuffers) spare_buffers_.push_back(std::move(*staging));
+    if (staging && spare_buffers_.size() < kMaxSpareBuffers)
+      spare_buffers_.push_back(std::move(*staging));
     if (credit > 0) ReturnCredit(link, credit);
     if (complete) {
       spdlog::info("image {}: every chunk is resident", options_.image);

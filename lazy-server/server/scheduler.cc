@@ -208,6 +208,11 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s) {
   };
 
   if (!s.demand_to_stream.empty()) return take_queued(s.demand_to_stream);
+  // While the session waits for demand chunks, its background and prefetch reads shrink to one
+  // in flight: on a small machine they compete with the demand read (disk threads, CPU) and
+  // with the client's install of the demand chunk. One keeps the stream moving.
+  if ((s.demand_in_flight > 0 || !s.demand_to_demand.empty()) && s.stream_in_flight >= 1)
+    return std::nullopt;
   if (!s.prefetch.empty()) return take_queued(s.prefetch);
   if (s.streaming) SkipHeld(s);
   const bool plan_left = s.streaming && s.cursor < s.layout->plan().size();

@@ -38,8 +38,7 @@ Result<wire::Header> ParseHeader(const Header& bytes) {
 
 }  // namespace
 
-Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& limits,
-                                          std::vector<uint8_t>* payload) {
+Awaitable<Result<FrameHead>> ReadFrameHead(Socket& socket, const FrameLimits& limits) {
   std::array<uint8_t, kFramePrefixSize> prefix_bytes;
   error_code ec;
   size_t got = co_await asio::async_read(socket, asio::buffer(prefix_bytes),
@@ -54,14 +53,26 @@ Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& lim
   if (ec) co_return ReadError(ec, true);
   Result<wire::Header> header = ParseHeader(header_bytes);
   if (!header.ok()) co_return header.status();
+  co_return FrameHead{std::move(*header), prefix->payload_length};
+}
 
-  payload->resize(prefix->payload_length);
-  if (prefix->payload_length > 0) {
-    co_await asio::async_read(socket, asio::buffer(*payload),
-                              asio::redirect_error(asio::use_awaitable, ec));
-    if (ec) co_return ReadError(ec, true);
-  }
-  co_return header;
+Awaitable<Status> ReadPayload(Socket& socket, std::span<uint8_t> into) {
+  if (into.empty()) co_return Status::Ok();
+  error_code ec;
+  co_await asio::async_read(socket, asio::buffer(into.data(), into.size()),
+                            asio::redirect_error(asio::use_awaitable, ec));
+  if (ec) co_return ReadError(ec, true);
+  co_return Status::Ok();
+}
+
+Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& limits,
+                                          std::vector<uint8_t>* payload) {
+  Result<FrameHead> head = co_await ReadFrameHead(socket, limits);
+  if (!head.ok()) co_return head.status();
+  payload->resize(head->payload_length);
+  Status read = co_await ReadPayload(socket, *payload);
+  if (!read.ok()) co_return read;
+  co_return std::move(head->header);
 }
 
 Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
@@ -81,11 +92,12 @@ Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
 
 void TuneSocket(Socket& socket) {
   if (!socket.is_open()) return;
-  int family = socket.local_endpoint().protocol().family();
-  if (family == AF_INET || family == AF_INET6) {
-    error_code ignored;
+  error_code ignored;
+  socket.set_option(asio::socket_base::send_buffer_size(kSocketBufferBytes), ignored);
+  socket.set_option(asio::socket_base::receive_buffer_size(kSocketBufferBytes), ignored);
+  int family = socket.local_endpoint(ignored).protocol().family();
+  if (family == AF_INET || family == AF_INET6)
     socket.set_option(asio::ip::tcp::no_delay(true), ignored);
-  }
 }
 
 Awaitable<Result<Socket>> Connect(const Endpoint& endpoint) {

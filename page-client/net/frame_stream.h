@@ -21,6 +21,18 @@ using Socket = boost::asio::generic::stream_protocol::socket;
 template <typename T>
 using Awaitable = boost::asio::awaitable<T>;
 
+// A frame whose header has been read and whose payload (payload_length bytes, already checked
+// against the limits) is still in the socket: the caller decides where it lands.
+struct FrameHead {
+  wire::Header header;
+  uint32_t payload_length = 0;
+};
+// Reads a frame's prefix and header only. Errors as ReadFrame.
+Awaitable<Result<FrameHead>> ReadFrameHead(Socket& socket, const FrameLimits& limits);
+// Reads exactly into.size() payload bytes (after ReadFrameHead). A close is kCorrupt
+// ("truncated frame").
+Awaitable<Status> ReadPayload(Socket& socket, std::span<uint8_t> into);
+
 // Reads one frame; the payload lands in *payload (resized, capacity reused between calls).
 // A clean close before a frame starts is kUnavailable("connection closed"); a close inside a
 // frame is kCorrupt("truncated frame").
@@ -37,7 +49,10 @@ Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
                           std::span<const uint8_t> payload, const FrameLimits& limits);
 Result<Socket> ConnectBlocking(boost::asio::io_context& io, const Endpoint& endpoint);
 
-// Sets TCP_NODELAY on TCP sockets (frames are small and latency matters); no-op on Unix.
+// Sets TCP_NODELAY on TCP sockets (frames are small and latency matters) and asks for socket
+// buffers of kSocketBufferBytes both ways (Unix and TCP), so a 2 MiB chunk crosses in a few
+// wakeups instead of dozens. Best effort: the kernel caps them (net.core.[rw]mem_max).
+inline constexpr int kSocketBufferBytes = 4 << 20;
 void TuneSocket(Socket& socket);
 
 }  // namespace gpulazy::net

@@ -397,5 +397,133 @@ TEST(RestoreSession, EnsureFromManyThreads) {
   engine.ExpectEachChunkOnce();
 }
 
+// ---- receiving RAW chunks straight into the engine's destination (CopyEngine::ReceiveTarget) --
+
+// A host engine that lets the session receive in place, and checks at every commit that the
+// bytes in the destination are the source's (so a corrupt chunk committed would be caught).
+class InPlaceEngine : public CopyEngine {
+ public:
+  explicit InPlaceEngine(const FakeImage& image) : image_(image) {}
+  std::string_view name() const override { return "in-place-host"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override {
+    return host_.AddDestination(bo, size);
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
+    {
+      std::lock_guard lock(mutex_);
+      ++writes_;
+    }
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    return host_.ReceiveTarget(bo, offset, length);
+  }
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    {
+      std::lock_guard lock(mutex_);
+      ++commits_[{bo, static_cast<uint32_t>(offset / image_.chunk_size)}];
+      std::span<uint8_t> mapping = *host_.Mapping(bo);
+      if (offset + length > image_.bos[bo].size() ||
+          !std::equal(mapping.begin() + offset, mapping.begin() + offset + length,
+                      image_.bos[bo].begin() + offset))
+        ++bad_commits_;
+    }
+    return host_.CommitReceived(bo, offset, length, std::move(done));
+  }
+  Status Flush() override { return host_.Flush(); }
+
+  std::span<uint8_t> Bytes(uint32_t bo) const { return *host_.Mapping(bo); }
+  int writes() const {
+    std::lock_guard lock(mutex_);
+    return writes_;
+  }
+  std::map<ChunkKey, int> commits() const {
+    std::lock_guard lock(mutex_);
+    return commits_;
+  }
+  int bad_commits() const {
+    std::lock_guard lock(mutex_);
+    return bad_commits_;
+  }
+
+ private:
+  const FakeImage& image_;
+  HostCopyEngine host_;
+  mutable std::mutex mutex_;
+  int writes_ = 0;
+  std::map<ChunkKey, int> commits_;
+  int bad_commits_ = 0;
+};
+
+bool SameBytes(std::span<const uint8_t> a, const std::vector<uint8_t>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
+
+TEST(RestoreSessionInPlace, RestoresByteExactWithMixedCodecs) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, FakeServerOptions{});
+  InPlaceEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+    EXPECT_TRUE(SameBytes(engine.Bytes(bo), image.bos[bo])) << "BO " << bo;
+  EXPECT_EQ(engine.bad_commits(), 0);
+  EXPECT_GT(engine.commits().size(), 0u);  // RAW chunks landed in place
+  EXPECT_GT(engine.writes(), 0);           // LZ4 / zero chunks went through Write
+  for (const auto& [key, n] : engine.commits())
+    EXPECT_EQ(n, 1) << "BO " << key.first << " chunk " << key.second;
+}
+
+TEST(RestoreSessionInPlace, RefetchesABadCopyWithoutCommittingIt) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.mixed_codecs = false;  // every chunk RAW: received in place
+  server_options.corrupt_copies[{1, 2}] = 1;
+  FakeServer server(image, server_options);
+  InPlaceEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+    EXPECT_TRUE(SameBytes(engine.Bytes(bo), image.bos[bo])) << "BO " << bo;
+  EXPECT_EQ(engine.bad_commits(), 0);
+  EXPECT_EQ(engine.commits()[ChunkKey(1, 2)], 1);  // only the good copy
+  EXPECT_EQ(session.progress().refetches, 1u);
+}
+
+TEST(RestoreSessionInPlace, PersistentCorruptionNeverBecomesResidentAndIsScrubbed) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.mixed_codecs = false;  // every chunk RAW: received in place
+  server_options.corrupt_copies[{0, 4}] = 100;
+  FakeServer server(image, server_options);
+  InPlaceEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
+  EXPECT_NE(status.message().find("chunk 4"), std::string::npos) << status.message();
+  EXPECT_EQ(engine.bad_commits(), 0);
+  EXPECT_EQ(engine.commits().count({0, 4}), 0u);
+  EXPECT_FALSE(session.IsResident(0, 4 * 4096, 4096));
+  EXPECT_EQ(session.Ensure(0, 4 * 4096, 1, 1s).code(), Code::kCorrupt);
+  // The corrupt bytes did not stay in the destination: the range was zeroed.
+  std::span<const uint8_t> range = engine.Bytes(0).subspan(4 * 4096, 4096);
+  EXPECT_TRUE(std::all_of(range.begin(), range.end(), [](uint8_t b) { return b == 0; }));
+}
+
+TEST(RestoreSessionInPlace, HostEngineCanOptOut) {
+  HostCopyEngine engine(HostEngineOptions{.receive_in_place = false});
+  ASSERT_TRUE(engine.AddDestination(0, 8192).ok());
+  EXPECT_FALSE(engine.ReceiveTarget(0, 0, 4096).has_value());
+  HostCopyEngine in_place;
+  ASSERT_TRUE(in_place.AddDestination(0, 8192).ok());
+  EXPECT_TRUE(in_place.ReceiveTarget(0, 4096, 4096).has_value());
+  EXPECT_FALSE(in_place.ReceiveTarget(0, 4097, 4096).has_value());  // past the end
+  EXPECT_FALSE(in_place.ReceiveTarget(1, 0, 4096).has_value());     // no such BO
+}
+
 }  // namespace
 }  // namespace gpulazy::client
