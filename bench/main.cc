@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "bench/demand_bench.h"
+#include "bench/restore_bench.h"  // issue 4: restore modes
 #include "bench/stream_bench.h"
 #include "proto/size.h"
 
@@ -49,6 +50,12 @@ int Run(int argc, char** argv) {
   demand_cmd->add_option("--transport", demand.transport, "unix or tcp")->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
 
+  // --- restore (issue 4): restore modes side by side; see bench/restore_bench.h ---
+  bench::RestoreOptions restore;
+  std::string restore_size, restore_chunk;
+  CLI::App* restore_cmd = bench::AddRestoreCommand(app, restore, restore_size, restore_chunk);
+  // --- end restore ---
+
   CLI11_PARSE(app, argc, argv);
   // Results go to stdout (one JSON object per line with --json); the library's progress logs
   // would interleave with them.
@@ -56,6 +63,20 @@ int Run(int argc, char** argv) {
   common.work_dir = work_dir;
   common.bin_dir = bin_dir;
 
+  // --- restore (issue 4) ---
+  if (restore_cmd->parsed()) {
+    auto size = ParseSize(restore_size);
+    if (!size.ok()) return Fail(size.status());
+    restore.size = *size;
+    if (!restore_chunk.empty()) {
+      auto chunk = ParseSize(restore_chunk);
+      if (!chunk.ok()) return Fail(chunk.status());
+      restore.chunk_size = static_cast<uint32_t>(*chunk);
+    }
+    Status status = bench::RunRestoreBench(common, restore);
+    return status.ok() ? 0 : Fail(status);
+  }
+  // --- end restore ---
   if (stream_cmd->parsed()) {
     auto size = ParseSize(stream_size);
     auto window = ParseSize(stream_window);

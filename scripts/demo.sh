@@ -2,6 +2,8 @@
 # The main job: sets up, builds, synthesizes a checkpoint, shows what the image tool sees,
 # converts it to a lazy image and verifies it, then serves it with gpulazy-server and restores
 # its BO contents with gpulazy-client, checking the result byte for byte against the source.
+# Last, restores a small inference workload in four modes (eager, parallel, lazy with the
+# userfaultfd pager, lazy with a recorded access profile) and prints their table (docs/uffd.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install-deps.sh"
@@ -36,3 +38,7 @@ for f in "$work"/images/ckpt/amdgpu-pages-*.img; do
   cmp "$f" "$work/restored/$(basename "$f")"
 done
 echo "restored pages files are byte-identical to the checkpoint's"
+
+step "restore a workload in four modes: eager, parallel, lazy (userfaultfd), lazy-profiled"
+"$bin/gpulazy-bench" --work-dir "$work" restore --size 512M \
+  --modes eager,parallel,lazy,lazy-profiled --svg "$work/restore-timeline.svg"

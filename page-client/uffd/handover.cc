@@ -1,0 +1,179 @@
+#include "page-client/uffd/handover.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+namespace gpulazy::uffd {
+namespace {
+
+constexpr uint32_t kMagic = 0x46554c47;  // "GLUF"
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kCompleteMagic = 0x454e4f44;  // "DONE"
+
+struct HelloMsg {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t mode;
+  uint32_t count;
+};
+struct RegionMsg {
+  uint32_t bo;
+  uint32_t reserved;
+  uint64_t addr;
+  uint64_t size;
+};
+
+Status SendMsg(int socket, const void* data, size_t length, int fd) {
+  iovec iov{const_cast<void*>(data), length};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cmsg), &fd, sizeof fd);
+  }
+  ssize_t n;
+  do {
+    n = sendmsg(socket, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoError(errno, "handover: sendmsg");
+  if (static_cast<size_t>(n) != length) return IoError("handover: short sendmsg");
+  return Status::Ok();
+}
+
+// Receives one message of at most `capacity` bytes and at most one fd, with a deadline.
+Result<size_t> RecvMsg(int socket, void* data, size_t capacity, Fd* fd,
+                       std::chrono::milliseconds timeout) {
+  pollfd pfd{socket, POLLIN, 0};
+  int rc;
+  do {
+    rc = poll(&pfd, 1, static_cast<int>(timeout.count()));
+  } while (rc < 0 && errno == EINTR);
+  if (rc < 0) return ErrnoError(errno, "handover: poll");
+  if (rc == 0) return TimedOut("handover: nothing received in {} ms", timeout.count());
+  iovec iov{data, capacity};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoError(errno, "handover: recvmsg");
+  if (n == 0) return Unavailable("handover: peer hung up");
+  // Take ownership of every fd that came, so none leaks, then check there was at most one.
+  std::vector<Fd> fds;
+  for (cmsghdr* cmsg = CMSG_FIRSTHDR(&msg); cmsg != nullptr; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
+    if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int raw;
+      std::memcpy(&raw, CMSG_DATA(cmsg) + i * sizeof(int), sizeof raw);
+      fds.emplace_back(raw);
+    }
+  }
+  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0)
+    return Corrupt("handover: truncated message");
+  if (fds.size() > 1) return Corrupt("handover: {} descriptors in one message", fds.size());
+  if (fd != nullptr && !fds.empty()) *fd = std::move(fds[0]);
+  return static_cast<size_t>(n);
+}
+
+}  // namespace
+
+Result<std::pair<Fd, Fd>> HandoverSocketPair() {
+  int fds[2];
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0)
+    return ErrnoError(errno, "socketpair");
+  return std::pair<Fd, Fd>(Fd(fds[0]), Fd(fds[1]));
+}
+
+Status SendLayout(int socket, const std::vector<uint64_t>& sizes) {
+  if (sizes.size() > kMaxHandoverRegions) return OutOfRange("handover: {} BOs", sizes.size());
+  std::vector<uint64_t> message;
+  message.push_back((uint64_t{kVersion} << 32) | kMagic);
+  message.push_back(sizes.size());
+  message.insert(message.end(), sizes.begin(), sizes.end());
+  return SendMsg(socket, message.data(), message.size() * sizeof(uint64_t), -1);
+}
+
+Result<std::vector<uint64_t>> ReceiveLayout(int socket, std::chrono::milliseconds timeout) {
+  std::vector<uint64_t> message(kMaxHandoverRegions + 2);
+  GPULAZY_ASSIGN_OR_RETURN(size_t n, RecvMsg(socket, message.data(),
+                                             message.size() * sizeof(uint64_t), nullptr, timeout));
+  if (n < 16 || n % 8 != 0 || message[0] != ((uint64_t{kVersion} << 32) | kMagic))
+    return Corrupt("handover: bad layout message ({} bytes)", n);
+  if (message[1] != n / 8 - 2) return Corrupt("handover: layout says {} BOs", message[1]);
+  return std::vector<uint64_t>(message.begin() + 2, message.begin() + static_cast<long>(n / 8));
+}
+
+Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Region>& regions,
+                    const std::vector<int>& memfds) {
+  const bool minor = uffd.mode() == FillMode::kMinorContinue;
+  if (minor && memfds.size() != regions.size())
+    return InvalidArgument("handover: MINOR mode needs one memfd per region");
+  HelloMsg hello{kMagic, kVersion, static_cast<uint32_t>(uffd.mode()),
+                 static_cast<uint32_t>(regions.size())};
+  GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &hello, sizeof hello, uffd.fd()));
+  for (size_t i = 0; i < regions.size(); ++i) {
+    RegionMsg region{regions[i].bo, 0, regions[i].addr, regions[i].size};
+    GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &region, sizeof region, minor ? memfds[i] : -1));
+  }
+  return Status::Ok();
+}
+
+Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) {
+  HelloMsg hello{};
+  Fd uffd_fd;
+  GPULAZY_ASSIGN_OR_RETURN(size_t n, RecvMsg(socket, &hello, sizeof hello, &uffd_fd, timeout));
+  if (n != sizeof hello || hello.magic != kMagic || hello.version != kVersion)
+    return Corrupt("handover: bad hello ({} bytes)", n);
+  if (hello.mode > static_cast<uint32_t>(FillMode::kMinorContinue))
+    return Corrupt("handover: unknown mode {}", hello.mode);
+  if (hello.count > kMaxHandoverRegions) return Corrupt("handover: {} regions", hello.count);
+  if (!uffd_fd.valid()) return Corrupt("handover: hello without a userfaultfd");
+  const auto mode = static_cast<FillMode>(hello.mode);
+  Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode), {}, {}};
+  for (uint32_t i = 0; i < hello.count; ++i) {
+    RegionMsg region{};
+    Fd memfd;
+    GPULAZY_ASSIGN_OR_RETURN(size_t got, RecvMsg(socket, &region, sizeof region, &memfd, timeout));
+    if (got != sizeof region) return Corrupt("handover: region message of {} bytes", got);
+    if (region.addr % PageSize() != 0 || region.addr + region.size < region.addr)
+      return Corrupt("handover: region {:#x} +{} is not a page-aligned range", region.addr,
+                     region.size);
+    if (mode == FillMode::kMinorContinue && !memfd.valid())
+      return Corrupt("handover: MINOR-mode region of BO {} without its memfd", region.bo);
+    handover.regions.push_back({region.bo, region.addr, region.size});
+    handover.memfds.push_back(std::move(memfd));
+  }
+  return handover;
+}
+
+Status SendComplete(int socket) {
+  uint32_t magic = kCompleteMagic;
+  return SendMsg(socket, &magic, sizeof magic, -1);
+}
+
+Status WaitComplete(int socket, std::chrono::milliseconds timeout) {
+  uint32_t magic = 0;
+  GPULAZY_ASSIGN_OR_RETURN(size_t n, RecvMsg(socket, &magic, sizeof magic, nullptr, timeout));
+  if (n != sizeof magic || magic != kCompleteMagic)
+    return Corrupt("handover: bad complete message");
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::uffd

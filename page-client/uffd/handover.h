@@ -1,0 +1,46 @@
+// Handover of a restored process's userfaultfd to a pager in another process (as CRIU's
+// lazy-pages daemon receives it), over a SOCK_SEQPACKET Unix socket with SCM_RIGHTS.
+//
+//   pager    -> restored : Layout   {magic, version, count, sizes[count]}    (BO sizes)
+//   restored -> pager    : Hello    {magic, version, mode, count}  + fd: uffd
+//   restored -> pager    : Region   {bo, addr, size} x count       + fd: memfd (MINOR mode)
+//   pager    -> restored : Complete {magic}  when every BO is resident and unregistered
+//
+// The restored process keeps its end open while it runs: a hang-up tells the pager it is gone.
+// Every count and size read is checked; every receive has a deadline.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "page-client/uffd/memory.h"
+#include "page-client/uffd/userfaultfd.h"
+#include "proto/status.h"
+
+namespace gpulazy::uffd {
+
+inline constexpr uint32_t kMaxHandoverRegions = 65536;
+
+// A connected SOCK_SEQPACKET pair (for a forked child); both ends close-on-exec.
+Result<std::pair<Fd, Fd>> HandoverSocketPair();
+
+Status SendLayout(int socket, const std::vector<uint64_t>& sizes);
+Result<std::vector<uint64_t>> ReceiveLayout(int socket, std::chrono::milliseconds timeout);
+
+// memfds: one per region in MINOR mode, empty in MISSING mode.
+Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Region>& regions,
+                    const std::vector<int>& memfds);
+
+struct Handover {
+  Userfaultfd uffd;
+  std::vector<Region> regions;
+  std::vector<Fd> memfds;  // parallel to regions in MINOR mode
+};
+Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout);
+
+Status SendComplete(int socket);
+// kOk once Complete arrived; kTimeout; kUnavailable when the pager hung up first.
+Status WaitComplete(int socket, std::chrono::milliseconds timeout);
+
+}  // namespace gpulazy::uffd

@@ -1,0 +1,250 @@
+#include "page-client/uffd/pager.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace gpulazy::uffd {
+
+using Clock = std::chrono::steady_clock;
+
+// ---- AccessRecorder: policy, not part of the fault loop ----
+
+void AccessRecorder::Reset(const std::vector<client::BoEntry>& bos) {
+  std::lock_guard lock(mutex_);
+  seen_.clear();
+  order_.clear();
+  for (const client::BoEntry& bo : bos)
+    seen_.emplace_back(bo.chunk_count, false);
+}
+
+bool AccessRecorder::Note(uint32_t bo, uint32_t chunk) {
+  std::lock_guard lock(mutex_);
+  if (bo >= seen_.size() || chunk >= seen_[bo].size() || seen_[bo][chunk]) return false;
+  seen_[bo][chunk] = true;
+  order_.push_back({bo, chunk});
+  return true;
+}
+
+void AccessRecorder::NoteRange(uint32_t bo, uint64_t offset, uint64_t length, uint32_t chunk_size) {
+  if (length == 0 || chunk_size == 0) return;
+  for (uint64_t c = offset / chunk_size; c <= (offset + length - 1) / chunk_size; ++c)
+    Note(bo, static_cast<uint32_t>(c));
+}
+
+std::vector<ChunkRef> AccessRecorder::order() const {
+  std::lock_guard lock(mutex_);
+  return order_;
+}
+
+size_t AccessRecorder::size() const {
+  std::lock_guard lock(mutex_);
+  return order_.size();
+}
+
+// ---- Pager ----
+
+Pager::Pager(const Userfaultfd& uffd, client::RestoreSession& session, UffdCopyEngine& engine,
+             std::vector<Region> regions, PagerOptions options)
+    : uffd_(uffd),
+      session_(session),
+      engine_(engine),
+      regions_(std::move(regions)),
+      options_(options) {
+  std::sort(regions_.begin(), regions_.end(),
+            [](const Region& a, const Region& b) { return a.addr < b.addr; });
+  for (const Region& region : regions_) {
+    if (region.bo >= by_bo_.size()) by_bo_.resize(region.bo + 1, nullptr);
+    by_bo_[region.bo] = &region;
+  }
+}
+
+Pager::~Pager() {
+  Stop();
+}
+
+Status Pager::Start() {
+  chunk_size_ = session_.chunk_size();
+  if (chunk_size_ == 0) return InvalidArgument("pager: session not started");
+  int raw = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (raw < 0) return ErrnoError(errno, "eventfd");
+  stop_event_ = Fd(raw);
+  loop_ = std::thread([this] { Loop(); });
+  for (uint32_t i = 0; i < std::max(1u, options_.demand_threads); ++i)
+    workers_.emplace_back([this] { DemandWorker(); });
+  return Status::Ok();
+}
+
+void Pager::Stop() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_workers_.notify_all();
+  if (stop_event_.valid()) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(stop_event_.get(), &one, sizeof one);
+  }
+  if (loop_.joinable()) loop_.join();
+  for (std::thread& worker : workers_)
+    if (worker.joinable()) worker.join();
+  workers_.clear();
+}
+
+Status Pager::UnregisterAll() {
+  for (const Region& region : regions_)
+    GPULAZY_RETURN_IF_ERROR(
+        uffd_.Unregister(region.addr, PageAlignUp(std::max<uint64_t>(region.size, 1))));
+  return Status::Ok();
+}
+
+Status Pager::status() const {
+  std::lock_guard lock(mutex_);
+  return status_;
+}
+
+PagerStats Pager::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void Pager::Fail(Status status) {
+  spdlog::warn("uffd pager: {}", status.ToString());
+  {
+    std::lock_guard lock(mutex_);
+    if (status_.ok()) status_ = std::move(status);
+    stopping_ = true;
+  }
+  wake_workers_.notify_all();
+}
+
+// The core loop: wait for faults (or a hang-up, or Stop), read them, dispatch. Nothing here
+// blocks on the network.
+void Pager::Loop() {
+  FaultEvent events[64];
+  while (true) {
+    pollfd fds[3] = {{uffd_.fd(), POLLIN, 0},
+                     {stop_event_.get(), POLLIN, 0},
+                     {options_.peer_fd, POLLIN | POLLRDHUP, 0}};
+    const nfds_t count = options_.peer_fd >= 0 ? 3 : 2;
+    int rc = poll(fds, count, static_cast<int>(options_.poll_interval.count()));
+    if (rc < 0 && errno != EINTR) return Fail(ErrnoError(errno, "poll on userfaultfd"));
+    if (fds[1].revents != 0) return;
+    if ((count == 3 && (fds[2].revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) ||
+        engine_.target_gone()) {
+      // The restored process went away: nothing left to serve; end the session quietly.
+      peer_gone_.store(true);
+      session_.Cancel();
+      spdlog::info("uffd pager: restored process gone, session cancelled");
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+      wake_workers_.notify_all();
+      return;
+    }
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    Result<size_t> n = uffd_.Read(events);
+    if (!n.ok()) return Fail(n.status());
+    const auto now = Clock::now();
+    for (size_t i = 0; i < *n; ++i)
+      if (events[i].kind == FaultEvent::Kind::kPagefault) HandleFault(events[i].address, now);
+  }
+}
+
+uint64_t Pager::ChunkAddr(const Region& region, uint32_t chunk) const {
+  return region.addr + uint64_t{chunk} * chunk_size_;
+}
+
+uint64_t Pager::ChunkLength(const Region& region, uint32_t chunk) const {
+  return std::min<uint64_t>(chunk_size_, region.size - uint64_t{chunk} * chunk_size_);
+}
+
+void Pager::HandleFault(uint64_t address, Clock::time_point when) {
+  const Region* region = FindRegion(regions_, address);
+  const uint64_t page = PageAlignDown(address);
+  if (region == nullptr || address - region->addr >= region->size) {
+    // Not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
+    Fail(Internal("fault at {:#x} outside every registered BO", address));
+    return;
+  }
+  const auto chunk = static_cast<uint32_t>((address - region->addr) / chunk_size_);
+  if (options_.recorder != nullptr) options_.recorder->Note(region->bo, chunk);
+  const uint64_t offset = uint64_t{chunk} * chunk_size_;
+  {
+    std::lock_guard lock(mutex_);
+    ++stats_.faults;
+  }
+  if (session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
+    // Installed before we read the fault (the install woke it, or raced with it).
+    Status woken = uffd_.mode() == FillMode::kMinorContinue
+                       ? uffd_.Continue(page, PageSize()).status()
+                       : uffd_.Wake(page, PageSize());
+    std::lock_guard lock(mutex_);
+    ++stats_.resident_faults;
+    stats_.latencies_s.push_back(std::chrono::duration<double>(Clock::now() - when).count());
+    if (!woken.ok() && status_.ok()) status_ = woken;
+    return;
+  }
+  std::lock_guard lock(mutex_);
+  const Key key{region->bo, chunk};
+  auto [it, inserted] = pending_.try_emplace(key);
+  it->second.faulted.push_back(when);
+  if (inserted) {
+    queue_.push_back(key);
+    ++stats_.demand_chunks;
+    wake_workers_.notify_one();
+  }
+}
+
+void Pager::DemandWorker() {
+  while (true) {
+    Key key;
+    {
+      std::unique_lock lock(mutex_);
+      wake_workers_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      key = queue_.front();
+      queue_.pop_front();
+    }
+    const Region& region = *by_bo_[key.first];
+    while (true) {
+      Status status = session_.Ensure(key.first, uint64_t{key.second} * chunk_size_,
+                                      ChunkLength(region, key.second), options_.ensure_slice);
+      if (status.ok()) {
+        Resolve(key, true);
+        break;
+      }
+      // kTimeout: the session is reconnecting or busy; keep asking while we run. Anything else
+      // ended the session: the faulting threads stay blocked (reading zeros would be wrong).
+      std::lock_guard lock(mutex_);
+      if (stopping_) return;
+      if (status.code() != Code::kTimeout) {
+        if (status_.ok()) status_ = status;
+        stopping_ = true;
+        wake_workers_.notify_all();
+        return;
+      }
+    }
+  }
+}
+
+void Pager::Resolve(const Key& key, bool landed) {
+  const Region& region = *by_bo_[key.first];
+  // The install already woke the faulting threads; this wake covers pages that were present
+  // before (EEXIST) and faults that arrived in between.
+  Status woken = uffd_.Wake(ChunkAddr(region, key.second), ChunkLength(region, key.second));
+  const auto now = Clock::now();
+  std::lock_guard lock(mutex_);
+  auto it = pending_.find(key);
+  if (it != pending_.end()) {
+    for (const auto& when : it->second.faulted)
+      stats_.latencies_s.push_back(std::chrono::duration<double>(now - when).count());
+    pending_.erase(it);
+  }
+  if (!woken.ok() && status_.ok() && landed) status_ = woken;
+}
+
+}  // namespace gpulazy::uffd

@@ -1,0 +1,124 @@
+// Pager: serves a restored process's userfaultfd faults from a RestoreSession. The core loop is
+// poll + read + dispatch (as Firecracker's handler): a fault on a chunk that is already resident
+// is woken at once; otherwise the chunk goes to a few demand threads that call
+// RestoreSession::Ensure (demand priority), and the engine's install wakes the faulting thread
+// (an explicit UFFDIO_WAKE follows, for pages that someone else installed first).
+//
+// Policy kept outside the loop: which chunks were first needed, in what order (AccessRecorder,
+// the source of a recorded access profile), and when to stop.
+//
+// Ends cleanly when the restored process goes away (its handover socket hangs up, or installs
+// fail with ESRCH): the session is cancelled and peer_gone() says why.
+//
+// Thread-safety: Start/Stop/UnregisterAll from one owner thread; the rest from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "page-client/restore_session.h"
+#include "page-client/uffd/memory.h"
+#include "page-client/uffd/uffd_engine.h"
+#include "page-client/uffd/userfaultfd.h"
+
+namespace gpulazy::uffd {
+
+struct ChunkRef {
+  uint32_t bo = 0;
+  uint32_t chunk = 0;
+};
+
+// First-need order of chunks (each chunk once). Thread-safe.
+class AccessRecorder {
+ public:
+  void Reset(const std::vector<client::BoEntry>& bos);
+  // True when this is the chunk's first note.
+  bool Note(uint32_t bo, uint32_t chunk);
+  // Notes every chunk of [offset, offset + length) of `bo`.
+  void NoteRange(uint32_t bo, uint64_t offset, uint64_t length, uint32_t chunk_size);
+  std::vector<ChunkRef> order() const;
+  size_t size() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::vector<bool>> seen_;
+  std::vector<ChunkRef> order_;
+};
+
+struct PagerOptions {
+  uint32_t demand_threads = 4;                   // concurrent Ensure calls
+  std::chrono::milliseconds ensure_slice{500};   // Ensure timeout, retried while running
+  std::chrono::milliseconds poll_interval{100};  // how often the loop checks for a dead peer
+  int peer_fd = -1;  // handover socket: hang-up means the restored process is gone
+  AccessRecorder* recorder = nullptr;  // notes the first fault per chunk, when set
+};
+
+struct PagerStats {
+  uint64_t faults = 0;              // page-fault events read
+  uint64_t resident_faults = 0;     // already resident when read (woken at once)
+  uint64_t demand_chunks = 0;       // chunks sent to Ensure
+  std::vector<double> latencies_s;  // per fault: read -> woken
+};
+
+class Pager {
+ public:
+  Pager(const Userfaultfd& uffd, client::RestoreSession& session, UffdCopyEngine& engine,
+        std::vector<Region> regions, PagerOptions options = {});
+  ~Pager();  // Stop()
+  Pager(const Pager&) = delete;
+  Pager& operator=(const Pager&) = delete;
+
+  Status Start();
+  // Stops the loop and the demand threads (faults still pending stay blocked).
+  void Stop();
+  // After every chunk is resident: unregisters every region, so the memory is plain memory.
+  Status UnregisterAll();
+
+  bool peer_gone() const { return peer_gone_.load(); }
+  // The error that stopped the loop (Ok while running or after a clean stop).
+  Status status() const;
+  PagerStats stats() const;
+
+ private:
+  struct Pending {
+    std::vector<std::chrono::steady_clock::time_point> faulted;  // one per fault waiting
+  };
+  using Key = std::pair<uint32_t, uint32_t>;  // (bo, chunk)
+
+  void Loop();
+  void HandleFault(uint64_t address, std::chrono::steady_clock::time_point when);
+  void DemandWorker();
+  void Resolve(const Key& key, bool landed);
+  void Fail(Status status);
+  uint64_t ChunkAddr(const Region& region, uint32_t chunk) const;
+  uint64_t ChunkLength(const Region& region, uint32_t chunk) const;
+
+  const Userfaultfd& uffd_;
+  client::RestoreSession& session_;
+  UffdCopyEngine& engine_;
+  std::vector<Region> regions_;       // sorted by address
+  std::vector<const Region*> by_bo_;  // index: BO
+  PagerOptions options_;
+  uint32_t chunk_size_ = 0;
+  Fd stop_event_;
+
+  mutable std::mutex mutex_;  // guards the queue, pending faults, stats, status
+  std::condition_variable wake_workers_;
+  std::deque<Key> queue_;
+  std::map<Key, Pending> pending_;
+  PagerStats stats_;
+  Status status_;
+  bool stopping_ = false;
+  std::atomic<bool> peer_gone_{false};
+  std::thread loop_;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace gpulazy::uffd

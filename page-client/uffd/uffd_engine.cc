@@ -1,0 +1,105 @@
+#include "page-client/uffd/uffd_engine.h"
+
+#include <cstring>
+
+namespace gpulazy::uffd {
+
+Status UffdCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
+  std::lock_guard lock(mutex_);
+  if (destinations_.contains(bo)) return InvalidArgument("uffd engine: BO {} added twice", bo);
+  destinations_[bo].size = size;
+  return Status::Ok();
+}
+
+Status UffdCopyEngine::Install(const Destination& dest, uint64_t offset,
+                               std::span<const uint8_t> raw) {
+  if (target_gone_.load()) return Status::Ok();
+  const uint64_t addr = dest.region->addr + offset;
+  auto install = [&]() -> Result<InstallResult> {
+    if (uffd_.mode() == FillMode::kMissingCopy) return uffd_.Copy(addr, raw);
+    // Bytes first through our own mapping (the faulting process cannot see them yet: its page
+    // tables do not map these pages), then map them there.
+    std::memcpy(dest.filler.data() + offset, raw.data(), raw.size());
+    return uffd_.Continue(addr, raw.size());
+  };
+  Result<InstallResult> result = install();
+  if (!result.ok()) {
+    if (result.status().code() == Code::kAborted) {
+      target_gone_.store(true);
+      return Status::Ok();
+    }
+    return result.status().Context(
+        fmt::format("installing BO {} offset {}", dest.region->bo, offset));
+  }
+  bytes_installed_ += result->installed;
+  already_present_ += result->already_present;
+  return Status::Ok();
+}
+
+Status UffdCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                             client::CopyDone done) {
+  Destination* dest = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = destinations_.find(bo);
+    if (it == destinations_.end()) return NotFound("uffd engine: no destination for BO {}", bo);
+    if (offset > it->second.size || raw.size() > it->second.size - offset)
+      return OutOfRange("uffd engine: write [{}, +{}) past BO {} of {} bytes", offset, raw.size(),
+                        bo, it->second.size);
+    if (!it->second.region) {
+      it->second.held.push_back({offset, raw, std::move(done)});
+      return Status::Ok();
+    }
+    dest = &it->second;  // bound destinations never change again
+  }
+  done(Install(*dest, offset, raw));
+  return Status::Ok();
+}
+
+Status UffdCopyEngine::Bind(const Region& region, int memfd) {
+  std::vector<Held> held;
+  Destination* dest = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = destinations_.find(region.bo);
+    if (it == destinations_.end()) return NotFound("uffd engine: bind of unknown BO {}", region.bo);
+    if (it->second.region) return InvalidArgument("uffd engine: BO {} bound twice", region.bo);
+    if (region.size != it->second.size)
+      return InvalidArgument("uffd engine: BO {} is {} bytes, its region {}", region.bo,
+                             it->second.size, region.size);
+    if (uffd_.mode() == FillMode::kMinorContinue) {
+      if (memfd < 0)
+        return InvalidArgument("uffd engine: MINOR mode needs BO {}'s memfd", region.bo);
+      GPULAZY_ASSIGN_OR_RETURN(it->second.filler, Mapping::Map(memfd, region.size));
+    }
+    it->second.region = region;
+    held.swap(it->second.held);
+    dest = &it->second;
+  }
+  for (Held& write : held)
+    write.done(Install(*dest, write.offset, write.raw));
+  return Status::Ok();
+}
+
+void UffdCopyEngine::Abandon() {
+  std::vector<Held> held;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto& [bo, dest] : destinations_)
+      for (Held& write : dest.held)
+        held.push_back(std::move(write));
+    for (auto& [bo, dest] : destinations_)
+      dest.held.clear();
+  }
+  for (Held& write : held)
+    write.done(Aborted("restored process never described its memory"));
+}
+
+Status UffdCopyEngine::Flush() {
+  std::lock_guard lock(mutex_);
+  for (const auto& [bo, dest] : destinations_)
+    if (!dest.held.empty()) return Unavailable("uffd engine: BO {} has writes held until Bind", bo);
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::uffd

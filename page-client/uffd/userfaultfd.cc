@@ -1,0 +1,215 @@
+#include "page-client/uffd/userfaultfd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+namespace gpulazy::uffd {
+
+Fd& Fd::operator=(Fd&& other) noexcept {
+  if (this != &other) {
+    reset();
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+Fd::~Fd() {
+  reset();
+}
+
+void Fd::reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+const char* FillModeName(FillMode mode) {
+  return mode == FillMode::kMissingCopy ? "missing-copy" : "minor-continue";
+}
+
+uint64_t PageSize() {
+  static const uint64_t size = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+namespace {
+
+uint64_t FeaturesFor(FillMode mode) {
+  // Shmem support is asked for in both modes: the host engine's BO memory is a memfd.
+  return mode == FillMode::kMissingCopy ? UFFD_FEATURE_MISSING_SHMEM
+                                        : (UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM);
+}
+
+// One ioctl that installs pages (COPY or CONTINUE), repeated past pages that are already there
+// (EEXIST) and past interruptions (EAGAIN: the range changed under us, retry the rest).
+template <typename Step>
+Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* what, Step step) {
+  InstallResult result;
+  uint64_t done = 0;
+  const uint64_t page = PageSize();
+  while (done < length) {
+    int64_t progressed = 0;
+    int err = step(addr + done, length - done, &progressed);
+    if (progressed > 0) {
+      done += static_cast<uint64_t>(progressed);
+      result.installed += static_cast<uint64_t>(progressed);
+    }
+    if (err == 0) continue;
+    if (err == EEXIST) {  // the page at addr+done is there already: skip it
+      done += page;
+      result.already_present += page;
+      continue;
+    }
+    if (err == EAGAIN) continue;
+    if (err == ESRCH) return Aborted("{} at {:#x}: the registered process is gone", what, addr);
+    return ErrnoError(err, "{} [{:#x}, +{})", what, addr + done, length - done);
+  }
+  return result;
+}
+
+}  // namespace
+
+Result<Userfaultfd> Userfaultfd::Create(FillMode mode) {
+  int raw =
+      static_cast<int>(syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY));
+  if (raw < 0) return ErrnoError(errno, "userfaultfd");
+  Fd fd(raw);
+  uffdio_api api{};
+  api.api = UFFD_API;
+  api.features = FeaturesFor(mode);
+  if (ioctl(fd.get(), UFFDIO_API, &api) != 0) {
+    if (errno == EINVAL)
+      return Unsupported("userfaultfd lacks features for {}", FillModeName(mode));
+    return ErrnoError(errno, "UFFDIO_API");
+  }
+  return Userfaultfd(std::move(fd), mode);
+}
+
+Userfaultfd Userfaultfd::Adopt(Fd fd, FillMode mode) {
+  return Userfaultfd(std::move(fd), mode);
+}
+
+Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {
+  uffdio_register reg{};
+  reg.range.start = addr;
+  reg.range.len = length;
+  reg.mode = UFFDIO_REGISTER_MODE_MISSING;
+  if (mode_ == FillMode::kMinorContinue) reg.mode |= UFFDIO_REGISTER_MODE_MINOR;
+  if (ioctl(fd_.get(), UFFDIO_REGISTER, &reg) != 0)
+    return ErrnoError(errno, "UFFDIO_REGISTER [{:#x}, +{}) {}", addr, length, FillModeName(mode_));
+  const uint64_t needed =
+      mode_ == FillMode::kMissingCopy ? (1ull << _UFFDIO_COPY) : (1ull << _UFFDIO_CONTINUE);
+  if ((reg.ioctls & needed) == 0)
+    return Unsupported("region [{:#x}, +{}) does not support {}", addr, length,
+                       FillModeName(mode_));
+  return Status::Ok();
+}
+
+Status Userfaultfd::Unregister(uint64_t addr, uint64_t length) const {
+  uffdio_range range{addr, length};
+  if (ioctl(fd_.get(), UFFDIO_UNREGISTER, &range) != 0) {
+    if (errno == ESRCH) return Status::Ok();  // the process is gone, and its registration too
+    return ErrnoError(errno, "UFFDIO_UNREGISTER [{:#x}, +{})", addr, length);
+  }
+  return Status::Ok();
+}
+
+Result<InstallResult> Userfaultfd::Copy(uint64_t dst, std::span<const uint8_t> src) const {
+  const uint64_t page = PageSize();
+  const uint64_t whole = src.size() & ~(page - 1);
+  auto step = [&](uint64_t at, uint64_t left, int64_t* progressed) {
+    uffdio_copy copy{};
+    copy.dst = at;
+    copy.src = reinterpret_cast<uint64_t>(src.data()) + (at - dst);
+    copy.len = left;
+    int rc = ioctl(fd_.get(), UFFDIO_COPY, &copy);
+    *progressed = copy.copy > 0 ? copy.copy : 0;
+    if (rc == 0) return 0;
+    return copy.copy < 0 ? static_cast<int>(-copy.copy) : errno;
+  };
+  GPULAZY_ASSIGN_OR_RETURN(InstallResult result, InstallLoop(dst, whole, "UFFDIO_COPY", step));
+  if (whole < src.size()) {  // a short last page: install it zero-padded from a bounce page
+    std::vector<uint8_t> bounce(page, 0);
+    std::memcpy(bounce.data(), src.data() + whole, src.size() - whole);
+    auto tail = [&](uint64_t at, uint64_t left, int64_t* progressed) {
+      uffdio_copy copy{};
+      copy.dst = at;
+      copy.src = reinterpret_cast<uint64_t>(bounce.data());
+      copy.len = left;
+      int rc = ioctl(fd_.get(), UFFDIO_COPY, &copy);
+      *progressed = copy.copy > 0 ? copy.copy : 0;
+      if (rc == 0) return 0;
+      return copy.copy < 0 ? static_cast<int>(-copy.copy) : errno;
+    };
+    GPULAZY_ASSIGN_OR_RETURN(InstallResult last,
+                             InstallLoop(dst + whole, page, "UFFDIO_COPY", tail));
+    result.installed += last.installed;
+    result.already_present += last.already_present;
+  }
+  return result;
+}
+
+Result<InstallResult> Userfaultfd::Continue(uint64_t addr, uint64_t length) const {
+  auto step = [&](uint64_t at, uint64_t left, int64_t* progressed) {
+    uffdio_continue cont{};
+    cont.range.start = at;
+    cont.range.len = left;
+    int rc = ioctl(fd_.get(), UFFDIO_CONTINUE, &cont);
+    *progressed = cont.mapped > 0 ? cont.mapped : 0;
+    if (rc == 0) return 0;
+    return cont.mapped < 0 ? static_cast<int>(-cont.mapped) : errno;
+  };
+  return InstallLoop(addr, PageAlignUp(length), "UFFDIO_CONTINUE", step);
+}
+
+Status Userfaultfd::Wake(uint64_t addr, uint64_t length) const {
+  uffdio_range range{addr, PageAlignUp(length)};
+  if (ioctl(fd_.get(), UFFDIO_WAKE, &range) != 0 && errno != ESRCH)
+    return ErrnoError(errno, "UFFDIO_WAKE [{:#x}, +{})", addr, length);
+  return Status::Ok();
+}
+
+Result<size_t> Userfaultfd::Read(std::span<FaultEvent> out) const {
+  uffd_msg msgs[64];
+  const size_t want = std::min(out.size(), std::size(msgs));
+  ssize_t n = ::read(fd_.get(), msgs, want * sizeof(uffd_msg));
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EINTR) return size_t{0};
+    return ErrnoError(errno, "reading userfaultfd");
+  }
+  if (n == 0) return Aborted("userfaultfd closed");
+  const size_t count = static_cast<size_t>(n) / sizeof(uffd_msg);
+  for (size_t i = 0; i < count; ++i) {
+    FaultEvent& event = out[i];
+    event = FaultEvent{};
+    switch (msgs[i].event) {
+      case UFFD_EVENT_PAGEFAULT:
+        event.kind = FaultEvent::Kind::kPagefault;
+        event.address = msgs[i].arg.pagefault.address;
+        event.minor = (msgs[i].arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_MINOR) != 0;
+        event.write = (msgs[i].arg.pagefault.flags & UFFD_PAGEFAULT_FLAG_WRITE) != 0;
+        break;
+      case UFFD_EVENT_REMOVE:
+        event.kind = FaultEvent::Kind::kRemove;
+        event.address = msgs[i].arg.remove.start;
+        event.end = msgs[i].arg.remove.end;
+        break;
+      case UFFD_EVENT_UNMAP:
+        event.kind = FaultEvent::Kind::kUnmap;
+        event.address = msgs[i].arg.remove.start;
+        event.end = msgs[i].arg.remove.end;
+        break;
+      default:
+        break;
+    }
+  }
+  return count;
+}
+
+}  // namespace gpulazy::uffd

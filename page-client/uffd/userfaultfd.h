@@ -1,0 +1,108 @@
+// page-client/uffd/: the userfaultfd pager (docs/uffd.md). Restored BO memory is registered with
+// userfaultfd; a fault asks RestoreSession::Ensure for the chunk at demand priority, and the
+// session's background fill installs bytes through the same ioctls (UffdCopyEngine), so a fault
+// and a fill never race.
+//
+// userfaultfd.h: the one place that speaks the userfaultfd syscall and ioctls. Everything else
+// (engine, pager, handover, tests) goes through this small interface.
+//
+// Thread-safety: the ioctls may be issued from any number of threads at once (the kernel
+// serializes per page); Read is meant for one reader thread.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <utility>
+
+#include "proto/status.h"
+
+namespace gpulazy::uffd {
+
+// An owned file descriptor (uffd, memfd, eventfd, socket); closes on destruction.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  Fd& operator=(Fd&& other) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd();
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// How a region is registered and filled (docs/uffd.md has the measurement behind the default).
+enum class FillMode {
+  // MISSING faults; bytes installed with UFFDIO_COPY into the registered range. Works on
+  // anonymous and shmem (memfd) mappings; the filler needs only the uffd and the addresses.
+  kMissingCopy,
+  // MISSING + MINOR faults on a memfd; bytes written through the filler's own mapping of the
+  // memfd, then mapped into the registered range with UFFDIO_CONTINUE. Needs the memfd.
+  kMinorContinue,
+};
+const char* FillModeName(FillMode mode);
+
+struct FaultEvent {
+  enum class Kind { kPagefault, kRemove, kUnmap, kOther };
+  Kind kind = Kind::kOther;
+  uint64_t address = 0;  // page fault: the faulting address; remove/unmap: range start
+  uint64_t end = 0;      // remove/unmap: range end
+  bool minor = false;    // a MINOR fault (the page is in the page cache, not mapped)
+  bool write = false;
+};
+
+// The outcome of installing a range: how much was installed now and how much was already there
+// (EEXIST: installed earlier by someone else, e.g. a fill that beat a fault).
+struct InstallResult {
+  uint64_t installed = 0;
+  uint64_t already_present = 0;
+};
+
+class Userfaultfd {
+ public:
+  // Opens a userfaultfd (O_CLOEXEC | O_NONBLOCK, user-mode faults only) and negotiates the API
+  // with the features `mode` needs; kUnsupported when the kernel lacks them.
+  static Result<Userfaultfd> Create(FillMode mode);
+  // Wraps a descriptor received from another process (API already negotiated there).
+  static Userfaultfd Adopt(Fd fd, FillMode mode);
+
+  int fd() const { return fd_.get(); }
+  FillMode mode() const { return mode_; }
+
+  // Registers [addr, addr + length) (page aligned) for the mode's fault kinds.
+  Status Register(uint64_t addr, uint64_t length) const;
+  Status Unregister(uint64_t addr, uint64_t length) const;
+
+  // UFFDIO_COPY of src to dst (page aligned; src.size() a multiple of the page size; the last
+  // page may be given short and is zero-padded). Pages already present are skipped.
+  // kAborted when the registered process is gone (ESRCH): nothing left to fill.
+  Result<InstallResult> Copy(uint64_t dst, std::span<const uint8_t> src) const;
+  // UFFDIO_CONTINUE over [addr, addr + length): maps page-cache pages. Present pages skipped.
+  Result<InstallResult> Continue(uint64_t addr, uint64_t length) const;
+  // UFFDIO_WAKE: wakes threads blocked on faults in the range (after someone else installed).
+  Status Wake(uint64_t addr, uint64_t length) const;
+
+  // Non-blocking read of pending events; 0 when none. kAborted at EOF.
+  Result<size_t> Read(std::span<FaultEvent> out) const;
+
+ private:
+  Userfaultfd(Fd fd, FillMode mode) : fd_(std::move(fd)), mode_(mode) {}
+  Fd fd_;
+  FillMode mode_ = FillMode::kMissingCopy;
+};
+
+uint64_t PageSize();
+inline uint64_t PageAlignDown(uint64_t v) {
+  return v & ~(PageSize() - 1);
+}
+inline uint64_t PageAlignUp(uint64_t v) {
+  return (v + PageSize() - 1) & ~(PageSize() - 1);
+}
+
+}  // namespace gpulazy::uffd

@@ -1,0 +1,307 @@
+// The userfaultfd pager end to end: a real gpulazy-server, a RestoreSession, a UffdCopyEngine
+// and real userfaultfd faults. Every wait is bounded.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/image_source.h"
+#include "lazy-server/image/io.h"
+#include "lazy-server/image/lazy_image.h"
+#include "lazy-server/image/synth.h"
+#include "page-client/restore_session.h"
+#include "page-client/uffd/handover.h"
+#include "page-client/uffd/memory.h"
+#include "page-client/uffd/pager.h"
+#include "page-client/uffd/uffd_engine.h"
+#include "page-client/uffd/userfaultfd.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::uffd {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using server::testing::ServerProcess;
+using server::testing::TempDir;
+
+// A small synthetic checkpoint converted to a lazy image with 64 KiB chunks (many chunks, so
+// faults and the background stream overlap).
+fs::path MakeImage(const fs::path& root, uint64_t bytes) {
+  image::SynthOptions synth;
+  synth.out = root / "ckpt";
+  synth.gpus = 1;
+  synth.bos = 6;
+  synth.total_bytes = bytes;
+  EXPECT_TRUE(image::SynthesizeCheckpoint(synth).ok());
+  auto checkpoint = image::CriuCheckpoint::Open(synth.out);
+  EXPECT_TRUE(checkpoint.ok());
+  image::ConvertOptions convert;
+  convert.chunk_size = 64 << 10;
+  EXPECT_TRUE(image::ConvertToLazyImage(*checkpoint, convert).ok());
+  return synth.out;
+}
+
+// The source bytes of every BO, in session order, straight from the CRIU pages files.
+std::vector<std::vector<uint8_t>> SourceBytes(const fs::path& dir,
+                                              const std::vector<client::BoEntry>& bos) {
+  auto source = image::ImageSource::Open(dir);
+  EXPECT_TRUE(source.ok());
+  std::vector<std::vector<uint8_t>> out;
+  for (const client::BoEntry& entry : bos) {
+    for (const manifest::Bo& bo : (*source)->manifest().bos()) {
+      if (bo.process_id() != entry.process_id || bo.bo_index() != entry.bo_index) continue;
+      auto fd = OpenForRead(dir / bo.source_file());
+      EXPECT_TRUE(fd.ok());
+      std::vector<uint8_t> bytes(bo.size());
+      EXPECT_TRUE(ReadExactAt(fd->get(), 8 + bo.source_offset(), bytes, bo.source_file()).ok());
+      out.push_back(std::move(bytes));
+    }
+  }
+  EXPECT_EQ(out.size(), bos.size());
+  return out;
+}
+
+std::vector<uint64_t> Sizes(const std::vector<client::BoEntry>& bos) {
+  std::vector<uint64_t> sizes;
+  for (const client::BoEntry& bo : bos)
+    sizes.push_back(bo.size);
+  return sizes;
+}
+
+client::SessionOptions Options(const ServerProcess& server) {
+  client::SessionOptions options;
+  options.endpoint = "unix:" + server.socket_path().string();
+  options.image = "ckpt";
+  options.window_bytes = 1 << 20;
+  options.reconnect.initial_backoff = 20ms;
+  options.reconnect.deadline = 20000ms;
+  return options;
+}
+
+// Several threads read random pages (with random lengths) while the background stream runs;
+// every byte must match the source.
+void ReadRandomly(const RestoredMemory& memory, const std::vector<std::vector<uint8_t>>& source,
+                  int threads, int reads, std::atomic<int>* mismatches) {
+  std::vector<std::thread> readers;
+  for (int t = 0; t < threads; ++t) {
+    readers.emplace_back([&, t] {
+      std::mt19937_64 random(t + 7);
+      for (int i = 0; i < reads; ++i) {
+        const auto bo = static_cast<uint32_t>(random() % source.size());
+        if (source[bo].empty()) continue;
+        const uint64_t offset = random() % source[bo].size();
+        const uint64_t length =
+            std::min<uint64_t>(1 + random() % 20000, source[bo].size() - offset);
+        if (std::memcmp(memory.bytes(bo).data() + offset, source[bo].data() + offset, length) != 0)
+          ++*mismatches;
+      }
+    });
+  }
+  for (std::thread& reader : readers)
+    reader.join();
+}
+
+class UffdRestore : public ::testing::TestWithParam<FillMode> {};
+
+TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
+  ServerProcess server(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server.ready()) << server.Log();
+
+  auto uffd = Userfaultfd::Create(GetParam());
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  UffdCopyEngine engine(*uffd);
+  client::RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  auto source = SourceBytes(image_dir, session.bos());
+  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  for (const Region& region : memory->regions())
+    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
+  AccessRecorder recorder;
+  recorder.Reset(session.bos());
+  PagerOptions pager_options;
+  pager_options.recorder = &recorder;
+  Pager pager(*uffd, session, engine, memory->regions(), pager_options);
+  ASSERT_TRUE(pager.Start().ok());
+
+  std::atomic<int> mismatches{0};
+  ReadRandomly(*memory, source, 4, 300, &mismatches);
+  EXPECT_EQ(mismatches.load(), 0);
+  ASSERT_TRUE(session.WaitComplete(20s).ok());
+  ASSERT_TRUE(pager.UnregisterAll().ok());
+  pager.Stop();
+  EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  for (uint32_t bo = 0; bo < source.size(); ++bo)
+    EXPECT_EQ(std::memcmp(memory->bytes(bo).data(), source[bo].data(), source[bo].size()), 0)
+        << "BO " << bo;
+  EXPECT_GT(pager.stats().faults, 0u);
+  EXPECT_GT(recorder.size(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, UffdRestore,
+                         ::testing::Values(FillMode::kMissingCopy, FillMode::kMinorContinue));
+
+TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
+  auto server = std::make_unique<ServerProcess>(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server->ready()) << server->Log();
+  const client::SessionOptions options = Options(*server);
+
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok());
+  UffdCopyEngine engine(*uffd);
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  // The server dies before the memory is even bound: every read below faults on a dead server.
+  kill(server->pid(), SIGKILL);
+  auto source = SourceBytes(image_dir, session.bos());
+  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  ASSERT_TRUE(memory.ok());
+  for (const Region& region : memory->regions())
+    ASSERT_TRUE(engine.Bind(region, -1).ok());
+  Pager pager(*uffd, session, engine, memory->regions());
+  ASSERT_TRUE(pager.Start().ok());
+
+  std::atomic<int> mismatches{0};
+  std::thread readers([&] { ReadRandomly(*memory, source, 3, 100, &mismatches); });
+  std::this_thread::sleep_for(300ms);  // faults pile up against the dead server
+  server.reset();                      // reaps the killed process
+  fs::remove(dir.path() / "ready");
+  server = std::make_unique<ServerProcess>(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server->ready()) << server->Log();
+  readers.join();
+  EXPECT_EQ(mismatches.load(), 0);
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_GE(session.progress().reconnects, 1u);
+  ASSERT_TRUE(pager.UnregisterAll().ok());
+  pager.Stop();
+  for (uint32_t bo = 0; bo < source.size(); ++bo)
+    EXPECT_EQ(std::memcmp(memory->bytes(bo).data(), source[bo].data(), source[bo].size()), 0);
+}
+
+// The restored process in a forked child hands its userfaultfd (and memfds) to the pager in
+// this process over SCM_RIGHTS; it reads everything, or (`exit_early`) a little and exits.
+void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash) {
+  auto layout = ReceiveLayout(socket, 10s);
+  if (!layout.ok()) _exit(10);
+  auto uffd = Userfaultfd::Create(mode);
+  if (!uffd.ok()) _exit(11);
+  auto memory = RestoredMemory::Create(*uffd, *layout);
+  if (!memory.ok()) _exit(12);
+  if (!SendHandover(socket, *uffd, memory->regions(), memory->memfds()).ok()) _exit(13);
+  uint64_t hash = 0;
+  for (uint32_t bo = 0; bo < layout->size(); ++bo) {
+    std::span<uint8_t> bytes = memory->bytes(bo);
+    if (exit_early) {
+      volatile uint8_t first = bytes.empty() ? 0 : bytes[0];
+      (void)first;
+      _exit(0);
+    }
+    hash = XXH3_64bits_withSeed(bytes.data(), bytes.size(), hash);
+  }
+  if (hash != expected_hash) _exit(14);
+  if (!WaitComplete(socket, 20s).ok()) _exit(15);
+  _exit(0);
+}
+
+class UffdHandover : public ::testing::TestWithParam<std::tuple<FillMode, bool>> {};
+
+TEST_P(UffdHandover, PagerInAnotherProcess) {
+  const auto [mode, exit_early] = GetParam();
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
+  // The expected hash needs the BO order the server will list: take it from a first session.
+  uint64_t expected = 0;
+  std::vector<uint64_t> sizes;
+  {
+    ServerProcess probe_server(dir.path(), dir.path() / "images");
+    ASSERT_TRUE(probe_server.ready());
+    auto uffd = Userfaultfd::Create(mode);
+    ASSERT_TRUE(uffd.ok());
+    UffdCopyEngine engine(*uffd);
+    client::RestoreSession probe(Options(probe_server), engine);
+    ASSERT_TRUE(probe.Start().ok());
+    for (const auto& bytes : SourceBytes(image_dir, probe.bos()))
+      expected = XXH3_64bits_withSeed(bytes.data(), bytes.size(), expected);
+    sizes = Sizes(probe.bos());
+    probe.Cancel();
+    engine.Abandon();
+  }
+  fs::remove(dir.path() / "ready");
+  auto pair = HandoverSocketPair();
+  ASSERT_TRUE(pair.ok());
+  // Fork before this process has threads (the probe's have been joined).
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    pair->first.reset();
+    RunChild(pair->second.get(), exit_early, mode, expected);
+  }
+  pair->second.reset();
+  const int socket = pair->first.get();
+  ServerProcess server(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server.ready()) << server.Log();
+
+  ASSERT_TRUE(SendLayout(socket, sizes).ok());
+  auto handover = ReceiveHandover(socket, 10s);
+  ASSERT_TRUE(handover.ok()) << handover.status().ToString();
+  EXPECT_EQ(handover->uffd.mode(), mode);
+  UffdCopyEngine engine(handover->uffd);
+  client::RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  for (size_t i = 0; i < handover->regions.size(); ++i)
+    ASSERT_TRUE(engine.Bind(handover->regions[i], handover->memfds[i].get()).ok());
+  PagerOptions pager_options;
+  pager_options.peer_fd = socket;
+  Pager pager(handover->uffd, session, engine, handover->regions, pager_options);
+  ASSERT_TRUE(pager.Start().ok());
+
+  Status complete = session.WaitComplete(20s);
+  if (exit_early) {
+    // The child is gone: the pager notices (hang-up or ESRCH) and ends the session quietly.
+    for (int i = 0; i < 200 && !pager.peer_gone(); ++i)
+      std::this_thread::sleep_for(10ms);
+    EXPECT_TRUE(pager.peer_gone());
+    EXPECT_TRUE(complete.ok() || complete.code() == Code::kAborted) << complete.ToString();
+    pager.Stop();
+    EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  } else {
+    ASSERT_TRUE(complete.ok()) << complete.ToString();
+    ASSERT_TRUE(pager.UnregisterAll().ok());
+    ASSERT_TRUE(SendComplete(socket).ok());
+    pager.Stop();
+    EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  }
+  int status = 0;
+  for (int i = 0; i < 1000 && waitpid(child, &status, WNOHANG) == 0; ++i)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, UffdHandover,
+                         ::testing::Combine(::testing::Values(FillMode::kMissingCopy,
+                                                              FillMode::kMinorContinue),
+                                            ::testing::Bool()));
+
+TEST(Handover, RejectsGarbage) {
+  auto pair = HandoverSocketPair();
+  ASSERT_TRUE(pair.ok());
+  const char junk[5] = "junk";
+  ASSERT_EQ(write(pair->first.get(), junk, sizeof junk), 5);
+  EXPECT_EQ(ReceiveHandover(pair->second.get(), 1s).status().code(), Code::kCorrupt);
+  EXPECT_EQ(ReceiveLayout(pair->second.get(), 50ms).status().code(), Code::kTimeout);
+}
+
+}  // namespace
+}  // namespace gpulazy::uffd
