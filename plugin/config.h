@@ -1,0 +1,60 @@
+// PluginConfig: what the plugin is told, from a config file and environment variables (the
+// environment wins). Every switch is listed here and in docs/criu.md, nowhere else.
+//
+//   file key          env var                   meaning
+//   mode              GPULAZY_MODE              eager | parallel | lazy (default parallel)
+//   server            GPULAZY_SERVER            unix:PATH or tcp:HOST:PORT; empty = serve the
+//                                               image directory in-process
+//   image             GPULAZY_IMAGE             image name on the server (default: the image
+//                                               directory's base name)
+//   token             GPULAZY_TOKEN             bearer token for the server
+//   engine            GPULAZY_ENGINE            auto | sdma | host (auto: sdma on a real KFD)
+//   fake_kfd          GPULAZY_FAKE_KFD          state directory of the fake KFD (tests only)
+//   topology          GPULAZY_TOPOLOGY          KFD topology root (default
+//   /sys/class/kfd/kfd/topology) fault_socket      GPULAZY_FAULT_SOCKET      path of the fault
+//   channel (lazy mode) window            GPULAZY_WINDOW            client credit window in bytes
+//   resume_timeout_ms GPULAZY_RESUME_TIMEOUT_MS most a RESUME_DEVICES_LATE waits for contents
+//   check_*           GPULAZY_CHECK_*           topology checks (topology.h), 0 disables one
+//   log_level         GPULAZY_LOG_LEVEL         spdlog level
+// The file is GPULAZY_CONFIG, else /etc/gpulazy/plugin.conf when present: `key = value` lines,
+// `#` comments.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "plugin/topology.h"
+#include "proto/status.h"
+
+namespace gpulazy::plugin {
+
+enum class Mode { kEager, kParallel, kLazy };
+enum class EngineKind { kAuto, kSdma, kHost };
+
+std::string_view ModeName(Mode mode);
+
+struct PluginConfig {
+  Mode mode = Mode::kParallel;
+  std::string server;
+  std::string image;
+  std::string token;
+  EngineKind engine = EngineKind::kAuto;
+  std::filesystem::path fake_kfd;
+  std::filesystem::path topology_root = "/sys/class/kfd/kfd/topology";
+  std::filesystem::path fault_socket;
+  uint64_t window_bytes = 16u << 20;
+  std::chrono::milliseconds resume_timeout{600'000};
+  TopologyChecks checks;
+  std::string log_level = "info";
+};
+
+// Reads the config file (if any) then the environment. `getenv` is injectable for tests.
+using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
+Result<PluginConfig> LoadConfig(const EnvLookup& env);
+Result<PluginConfig> LoadConfigFromProcess();
+
+}  // namespace gpulazy::plugin

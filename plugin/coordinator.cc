@@ -1,0 +1,255 @@
+#include "plugin/coordinator.h"
+
+#include <poll.h>
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "lazy-server/server/server.h"
+#include "plugin/handoff.h"
+
+namespace gpulazy::plugin {
+namespace fs = std::filesystem;
+
+RestoreCoordinator::RestoreCoordinator(PluginConfig config, fs::path image_dir, UniqueFd handoff,
+                                       KfdProvider& kfd, EngineFactory engines)
+    : config_(std::move(config)),
+      image_dir_(std::move(image_dir)),
+      handoff_(std::move(handoff)),
+      kfd_(kfd),
+      make_engine_(std::move(engines)) {}
+
+RestoreCoordinator::~RestoreCoordinator() {
+  (void)Finish(false);
+}
+
+Status RestoreCoordinator::StartServer() {
+  // No server given: serve the local image directory from this process.
+  char tmpl[] = "/tmp/gpulazy-plugin-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) return ErrnoError(errno, "mkdtemp");
+  server_dir_ = tmpl;
+  server::ServerConfig sc;
+  sc.image_roots = {image_dir_.parent_path()};
+  GPULAZY_ASSIGN_OR_RETURN(net::Endpoint ep,
+                           net::Endpoint::Parse("unix:" + (server_dir_ / "s").string()));
+  sc.listen = {ep};
+  sc.io_threads = 1;
+  sc.disk_threads = 2;
+  sc.server_name = "gpulazy-plugin";
+  server_ = std::make_unique<server::Server>(sc);
+  GPULAZY_RETURN_IF_ERROR(server_->Listen().Context("in-process page server"));
+  server_thread_ = std::thread([this] { (void)server_->Run(); });
+  config_.server = ep.ToString();
+  if (config_.image.empty()) config_.image = image_dir_.filename().string();
+  spdlog::info("gpulazy: serving {} in-process on {}", image_dir_.string(), config_.server);
+  return Status::Ok();
+}
+
+Status RestoreCoordinator::Start() {
+  int wake = ::eventfd(0, EFD_CLOEXEC);
+  if (wake < 0) return ErrnoError(errno, "eventfd");
+  wake_.reset(wake);
+  receiver_ = std::thread([this] { ReceiveLoop(); });
+  if (config_.mode == Mode::kEager) return Status::Ok();  // tasks copy their own contents
+
+  if (config_.server.empty()) GPULAZY_RETURN_IF_ERROR(StartServer());
+  if (config_.image.empty()) config_.image = image_dir_.filename().string();
+  client::SessionOptions options;
+  options.endpoint = config_.server;
+  options.image = config_.image;
+  options.token = config_.token;
+  options.window_bytes = config_.window_bytes;
+  options.client_name = "gpulazy-plugin";
+  session_ = std::make_unique<client::RestoreSession>(options, router_);
+  Status started = session_->Start();
+  if (!started.ok())
+    return started.Context(fmt::format("{} restore: page server {} image {}",
+                                       ModeName(config_.mode), config_.server, config_.image));
+  const auto& bos = session_->bos();
+  for (uint32_t i = 0; i < bos.size(); ++i)
+    session_index_[{bos[i].process_id, bos[i].bo_index}] = i;
+  spdlog::info("gpulazy: {} restore of {} ({} BOs) from {}", ModeName(config_.mode), config_.image,
+               bos.size(), config_.server);
+  if (config_.mode == Mode::kLazy) {
+    fs::path path = config_.fault_socket;
+    if (path.empty()) path = fs::path("/tmp") / fmt::format("gpulazy-fault-{}.sock", ::getpid());
+    faults_ = std::make_unique<FaultChannel>(
+        path, [this](uint32_t pid, uint64_t va, uint64_t len) { return Ensure(pid, va, len); });
+    GPULAZY_RETURN_IF_ERROR(faults_->Start());
+  }
+  return Status::Ok();
+}
+
+void RestoreCoordinator::ReceiveLoop() {
+  for (;;) {
+    pollfd fds[2] = {{handoff_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    std::lock_guard lock(receive_mutex_);
+    Result<HandoffRecord> record = ReceiveHandoff(handoff_.get(), true);
+    if (!record.ok()) {
+      if (record.status().code() == Code::kTimeout) continue;
+      std::lock_guard l(mutex_);
+      if (handoff_error_.ok()) handoff_error_ = record.status();
+      if (record.status().code() == Code::kUnavailable) return;
+      continue;
+    }
+    Status absorbed = Absorb(std::move(*record));
+    if (!absorbed.ok()) {
+      spdlog::error("gpulazy: {}", absorbed.ToString());
+      std::lock_guard l(mutex_);
+      if (handoff_error_.ok()) handoff_error_ = absorbed;
+    }
+  }
+}
+
+Status RestoreCoordinator::Absorb(HandoffRecord record) {
+  {
+    std::lock_guard lock(mutex_);
+    Task& task = tasks_[record.pid];
+    task.file_id = record.file_id;
+    if (record.last) task.complete = true;
+  }
+  for (HandedBo& bo : record.bos) {
+    if (!session_) continue;  // eager: the task copied it; the fd just closes
+    auto it = session_index_.find({record.file_id, bo.bo_index});
+    if (it == session_index_.end())
+      return Corrupt("task {} (amdgpu-kfd-{}.img) handed over BO {} the image does not serve",
+                     record.pid, record.file_id, bo.bo_index);
+    DeviceEngine* engine;
+    {
+      std::lock_guard lock(mutex_);
+      auto& slot = engines_[bo.local_gpu_id];
+      if (!slot) {
+        auto made = make_engine_(bo.local_gpu_id);
+        if (!made.ok())
+          return made.status().Context(fmt::format("engine for gpu {:#x}", bo.local_gpu_id));
+        slot = std::move(*made);
+      }
+      engine = slot.get();
+      tasks_[record.pid].bos.push_back(it->second);
+    }
+    GPULAZY_RETURN_IF_ERROR(router_.Bind(it->second, engine, std::move(bo.dmabuf), bo.size)
+                                .Context(fmt::format("task {} BO {}", record.pid, bo.bo_index)));
+  }
+  return Status::Ok();
+}
+
+Status RestoreCoordinator::DrainPending() {
+  // A task's records were sent before its RESTORE_EXT_FILE returned, so by RESUME_DEVICES_LATE
+  // they sit in the socket: read what is there now instead of racing the receiver thread.
+  std::lock_guard lock(receive_mutex_);
+  for (;;) {
+    Result<HandoffRecord> record = ReceiveHandoff(handoff_.get(), true);
+    if (!record.ok()) {
+      if (record.status().code() == Code::kTimeout || record.status().code() == Code::kUnavailable)
+        return Status::Ok();
+      return record.status();
+    }
+    GPULAZY_RETURN_IF_ERROR(Absorb(std::move(*record)));
+  }
+}
+
+Status RestoreCoordinator::ResumeTask(uint32_t pid) {
+  GPULAZY_RETURN_IF_ERROR(DrainPending());
+  Task task;
+  {
+    std::lock_guard lock(mutex_);
+    if (!handoff_error_.ok()) return handoff_error_;
+    auto it = tasks_.find(pid);
+    if (it == tasks_.end()) return NotFound("pid {} handed over no KFD state", pid);
+    task = it->second;
+  }
+  if (!task.complete)
+    return Aborted("pid {} (amdgpu-kfd-{}.img) did not finish handing over its BOs", pid,
+                   task.file_id);
+  if (session_) {
+    auto timeout = config_.resume_timeout;
+    if (config_.mode == Mode::kParallel) {
+      // Ensure() asks for what is missing at demand priority: this task's BOs jump the queue.
+      for (uint32_t bo : task.bos) {
+        Status s = session_->Ensure(bo, 0, session_->bos()[bo].size, timeout);
+        if (!s.ok()) return s.Context(fmt::format("pid {}: waiting for BO {}", pid, bo));
+      }
+    } else {
+      Status s = session_->WaitHotSet(timeout);
+      if (!s.ok())
+        return s.Context(
+            fmt::format("pid {}: lazy restore refuses to resume without the hot set", pid));
+    }
+  }
+  if (!master_kfd_) {
+    GPULAZY_ASSIGN_OR_RETURN(master_kfd_, kfd_.Open());
+  }
+  kfd_ioctl_criu_args args{};
+  args.op = KFD_CRIU_OP_RESUME;
+  args.pid = pid;
+  int rc = master_kfd_->CriuOp(args);
+  if (rc != 0) return ErrnoError(-rc, "KFD CRIU_OP RESUME for pid {}", pid);
+  spdlog::info("gpulazy: pid {} resumed ({} mode)", pid, ModeName(config_.mode));
+  return Status::Ok();
+}
+
+Status RestoreCoordinator::Ensure(uint32_t pid, uint64_t va, uint64_t len) {
+  std::vector<uint32_t> bos;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = tasks_.find(pid);
+    if (it == tasks_.end()) return NotFound("pid {} has no GPU state here", pid);
+    bos = it->second.bos;
+  }
+  uint64_t covered = 0;
+  for (uint32_t bo : bos) {
+    const client::BoEntry& e = session_->bos()[bo];
+    uint64_t begin = std::max(va, e.gpu_va);
+    uint64_t end = std::min(va + len, e.gpu_va + e.size);
+    if (begin >= end) continue;
+    GPULAZY_RETURN_IF_ERROR(
+        session_->Ensure(bo, begin - e.gpu_va, end - begin, config_.resume_timeout));
+    covered += end - begin;
+  }
+  if (covered == 0) return NotFound("pid {}: no BO at [{:#x}, +{})", pid, va, len);
+  return Status::Ok();
+}
+
+Status RestoreCoordinator::Finish(bool success) {
+  if (finished_) return Status::Ok();
+  finished_ = true;
+  Status result;
+  if (success && session_) {
+    result = session_->WaitComplete();
+    if (result.ok()) result = router_.Flush();
+    Status handoff;
+    {
+      std::lock_guard lock(mutex_);
+      handoff = handoff_error_;
+    }
+    if (result.ok() && !handoff.ok()) result = handoff;
+  }
+  if (faults_) faults_->Stop();
+  if (session_) session_->Cancel();
+  router_.FailParked(Aborted("restore abandoned"));
+  session_.reset();  // joins the session's I/O thread and flushes the router
+  if (wake_.valid()) {
+    uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof(one));
+  }
+  if (receiver_.joinable()) receiver_.join();
+  {
+    std::lock_guard lock(mutex_);
+    engines_.clear();
+  }
+  if (server_) {
+    server_->Stop();
+    if (server_thread_.joinable()) server_thread_.join();
+    server_.reset();
+    std::error_code ec;
+    fs::remove_all(server_dir_, ec);
+  }
+  return result;
+}
+
+}  // namespace gpulazy::plugin

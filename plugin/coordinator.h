@@ -1,0 +1,85 @@
+// RestoreCoordinator: the master's side of a restore (design.md 3). Started at POST_FORKING:
+// receives the BO tables and dmabuf fds the restored tasks hand over, streams the image from
+// gpulazy-server (or from an in-process server over the local image directory) into one
+// DeviceEngine per GPU, answers the fault channel, and at RESUME_DEVICES_LATE waits per mode
+// (parallel: all of the task's BOs, pre-empting the stream; lazy: the hot set) before
+// CRIU_OP RESUME. Finish() (plugin exit) waits for completion on success, cancels otherwise,
+// and joins every thread.
+// Thread-safety: Start, ResumeTask and Finish from CRIU's master thread; internal threads
+// (receiver, session I/O, engines, fault channel) are joined by Finish.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "page-client/restore_session.h"
+#include "plugin/config.h"
+#include "plugin/device_engine.h"
+#include "plugin/fault_channel.h"
+#include "plugin/handoff.h"
+#include "plugin/kfd.h"
+#include "plugin/router.h"
+
+namespace gpulazy::server {
+class Server;
+}
+
+namespace gpulazy::plugin {
+
+// Makes the engine for a local GPU (SDMA on hardware, host in tests).
+using EngineFactory = std::function<Result<std::unique_ptr<DeviceEngine>>(uint32_t local_gpu_id)>;
+
+class RestoreCoordinator {
+ public:
+  RestoreCoordinator(PluginConfig config, std::filesystem::path image_dir, UniqueFd handoff,
+                     KfdProvider& kfd, EngineFactory engines);
+  ~RestoreCoordinator();
+
+  Status Start();
+  // kNotFound when `pid` handed over no KFD state (the hook then answers -ENOTSUP).
+  Status ResumeTask(uint32_t pid);
+  Status Finish(bool success);
+
+ private:
+  struct Task {
+    uint32_t file_id = 0;
+    bool complete = false;
+    std::vector<uint32_t> bos;  // session BO indices
+  };
+  Status StartServer();
+  void ReceiveLoop();
+  Status Absorb(HandoffRecord record);  // caller holds receive_mutex_
+  Status DrainPending();
+  Status Ensure(uint32_t pid, uint64_t va, uint64_t len);
+
+  PluginConfig config_;
+  std::filesystem::path image_dir_;
+  UniqueFd handoff_;
+  UniqueFd wake_;
+  KfdProvider& kfd_;
+  EngineFactory make_engine_;
+
+  std::unique_ptr<server::Server> server_;
+  std::thread server_thread_;
+  std::filesystem::path server_dir_;
+
+  Router router_{false};
+  std::unique_ptr<client::RestoreSession> session_;
+  std::map<std::pair<uint32_t, uint32_t>, uint32_t> session_index_;  // (file id, bo_index)
+
+  std::mutex receive_mutex_;  // one reader of the handoff socket at a time
+  std::mutex mutex_;          // tasks_, engines_, handoff_error_
+  std::map<uint32_t, Task> tasks_;
+  std::map<uint32_t, std::unique_ptr<DeviceEngine>> engines_;  // by local gpu id
+  Status handoff_error_;
+  std::thread receiver_;
+  std::unique_ptr<Kfd> master_kfd_;
+  std::unique_ptr<FaultChannel> faults_;
+  bool finished_ = false;
+};
+
+}  // namespace gpulazy::plugin

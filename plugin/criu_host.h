@@ -1,0 +1,27 @@
+// CriuHost: the functions CRIU exports to plugins, resolved at run time with
+// dlsym(RTLD_DEFAULT) so the shared object loads into any host (a test host, an older CRIU).
+// Thread-safety: immutable after Resolve.
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+#include "plugin/criu_abi.h"
+#include "proto/status.h"
+
+namespace gpulazy::plugin {
+
+struct CriuHost {
+  gpulazy_check_and_remove_inventory_plugin_t check_and_remove_inventory_plugin = nullptr;
+  gpulazy_criu_get_image_dir_t criu_get_image_dir = nullptr;
+  gpulazy_fdstore_add_t fdstore_add = nullptr;
+  gpulazy_fdstore_get_t fdstore_get = nullptr;
+
+  static CriuHost Resolve();
+  // Claims a plugin entry of the inventory; true when it was listed (or there is no inventory).
+  bool Claim(const std::string& name) const;
+  // A path that opens CRIU's image directory (/proc/self/fd/<fd>), or $GPULAZY_IMAGE_DIR.
+  Result<std::filesystem::path> ImageDir() const;
+};
+
+}  // namespace gpulazy::plugin

@@ -1,0 +1,33 @@
+#include "plugin/device_engine.h"
+
+namespace gpulazy::plugin {
+
+Status HostDmabufEngine::Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) {
+  auto target = std::make_shared<Target>();
+  target->fd = std::move(dmabuf);
+  target->size = size;
+  std::lock_guard lock(mutex_);
+  if (!targets_.emplace(bo, std::move(target)).second)
+    return InvalidArgument("BO {} bound twice", bo);
+  return Status::Ok();
+}
+
+Status HostDmabufEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                               client::CopyDone done) {
+  std::shared_ptr<Target> target;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = targets_.find(bo);
+    if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
+    target = it->second;
+  }
+  if (offset > target->size || raw.size() > target->size - offset)
+    return OutOfRange("write [{}, +{}) past BO {} of {} bytes", offset, raw.size(), bo,
+                      target->size);
+  Status written = WriteAllAt(target->fd.get(), offset, raw, fmt::format("BO {}", bo));
+  if (!written.ok()) return written;
+  done(Status::Ok());
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::plugin

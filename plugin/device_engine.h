@@ -1,0 +1,42 @@
+// DeviceEngine: a CopyEngine whose destinations are BOs the KFD restored, handed over as dmabuf
+// fds (one engine per GPU). Bind() attaches a BO's dmabuf before writes to it; the host
+// implementation (tests, CI) writes into the fd with pwrite (the fake KFD's dmabufs are
+// memfds); the SDMA one (sdma_engine.h) imports the dmabuf into libdrm_amdgpu.
+// Thread-safety: as CopyEngine; Bind may run concurrently with Write for other BOs.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "lazy-server/image/io.h"
+#include "page-client/copy_engine.h"
+
+namespace gpulazy::plugin {
+
+class DeviceEngine : public client::CopyEngine {
+ public:
+  // Takes ownership of `dmabuf`. AddDestination is not used by device engines: a destination
+  // exists once bound.
+  virtual Status Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) = 0;
+  Status AddDestination(uint32_t bo, uint64_t size) override { return Status::Ok(); }
+};
+
+class HostDmabufEngine : public DeviceEngine {
+ public:
+  std::string_view name() const override { return "host-dmabuf"; }
+  Status Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) override;
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+               client::CopyDone done) override;
+  Status Flush() override { return Status::Ok(); }
+
+ private:
+  struct Target {
+    UniqueFd fd;
+    uint64_t size = 0;
+  };
+  std::mutex mutex_;
+  std::map<uint32_t, std::shared_ptr<Target>> targets_;
+};
+
+}  // namespace gpulazy::plugin

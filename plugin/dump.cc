@@ -1,0 +1,101 @@
+#include "plugin/dump.h"
+
+#include <spdlog/spdlog.h>
+
+#include <map>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "proto/criu_file.h"
+
+namespace gpulazy::plugin {
+
+Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir) {
+  kfd_ioctl_criu_args info{};
+  info.op = KFD_CRIU_OP_PROCESS_INFO;
+  int rc = kfd.CriuOp(info);
+  if (rc != 0) return ErrnoError(-rc, "KFD CRIU_OP PROCESS_INFO");
+  // From here the queues are paused: unpause whatever happens.
+  struct Unpause {
+    Kfd& kfd;
+    ~Unpause() {
+      kfd_ioctl_criu_args a{};
+      a.op = KFD_CRIU_OP_UNPAUSE;
+      if (int rc = kfd.CriuOp(a); rc != 0) spdlog::error("gpulazy: KFD UNPAUSE failed: {}", rc);
+    }
+  } unpause{kfd};
+
+  std::vector<kfd_criu_device_bucket> devices(info.num_devices);
+  std::vector<kfd_criu_bo_bucket> bos(info.num_bos);
+  std::string priv(info.priv_data_size, '\0');
+  kfd_ioctl_criu_args cp = info;
+  cp.op = KFD_CRIU_OP_CHECKPOINT;
+  cp.devices = reinterpret_cast<uint64_t>(devices.data());
+  cp.bos = reinterpret_cast<uint64_t>(bos.data());
+  cp.priv_data = reinterpret_cast<uint64_t>(priv.data());
+  rc = kfd.CriuOp(cp);
+  if (rc != 0) return ErrnoError(-rc, "KFD CRIU_OP CHECKPOINT ({} BOs)", info.num_bos);
+  std::vector<UniqueFd> dmabufs;
+  for (const auto& b : bos)
+    if (b.dmabuf_fd != kKfdInvalidFd) dmabufs.emplace_back(static_cast<int>(b.dmabuf_fd));
+
+  criu::KfdProcess m;
+  m.set_pid(info.pid);
+  m.set_gpu_count(info.num_devices);
+  m.set_cpu_count(0);
+  m.set_bo_count(info.num_bos);
+  m.set_object_count(info.num_objects);
+  m.set_shared_mem_size(0);
+  m.set_shared_mem_magic(0);
+  m.set_driver_private(priv);
+  for (const auto& d : devices) {
+    criu::KfdDevice* dev = m.add_devices();
+    // Topology fields come from sysfs on hardware; the fake fills gpu ids only. Every field is
+    // `required`, so set them all.
+    const auto* r = dev->GetReflection();
+    const auto* desc = dev->GetDescriptor();
+    for (int f = 0; f < desc->field_count(); ++f) {
+      const auto* field = desc->field(f);
+      if (field->is_repeated()) continue;
+      if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT32)
+        r->SetUInt32(dev, field, 0);
+      if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64)
+        r->SetUInt64(dev, field, 0);
+    }
+    dev->set_gpu_id(d.user_gpu_id);
+  }
+  std::map<uint32_t, uint64_t> per_gpu;
+  for (const auto& b : bos) {
+    criu::KfdBo* bo = m.add_bos();
+    bo->set_gpu_va(b.addr);
+    bo->set_size(b.size);
+    bo->set_mmap_offset(b.offset);
+    bo->set_alloc_flags(b.alloc_flags);
+    bo->set_gpu_id(b.gpu_id);
+    bo->set_handle(0);
+    if (criu_format::HasContents(b.alloc_flags)) per_gpu[b.gpu_id] += b.size;
+  }
+  std::vector<uint8_t> buffer;
+  for (const auto& [gpu, total] : per_gpu) {
+    GPULAZY_ASSIGN_OR_RETURN(
+        image::PagesFileWriter w,
+        image::PagesFileWriter::Create(image_dir, static_cast<uint32_t>(id), gpu, total));
+    for (const auto& b : bos) {
+      if (b.gpu_id != gpu || !criu_format::HasContents(b.alloc_flags)) continue;
+      if (b.dmabuf_fd == kKfdInvalidFd)
+        return Corrupt("BO at {:#x} has contents but no dmabuf", b.addr);
+      constexpr uint64_t kStep = 2u << 20;
+      for (uint64_t off = 0; off < b.size; off += kStep) {
+        buffer.resize(std::min<uint64_t>(kStep, b.size - off));
+        GPULAZY_RETURN_IF_ERROR(ReadExactAt(static_cast<int>(b.dmabuf_fd), off, buffer, "dmabuf"));
+        GPULAZY_RETURN_IF_ERROR(w.Append(buffer));
+      }
+    }
+    GPULAZY_RETURN_IF_ERROR(w.Finish());
+  }
+  GPULAZY_RETURN_IF_ERROR(image::WriteKfdImage(image_dir, static_cast<uint32_t>(id), m));
+  spdlog::info("gpulazy: dumped {} ({} BOs on {} GPUs)", criu_format::KfdImageName(id),
+               info.num_bos, info.num_devices);
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::plugin

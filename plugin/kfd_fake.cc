@@ -1,0 +1,229 @@
+// The fake KFD driver: enforces the CRIU ioctl contract of kfd.h (bucket layout, op order,
+// errno values) without a GPU. BOs are memfds, so bytes written into their "dmabuf" fds are
+// observable by the restored task. State shared between the restored task (RESTORE) and
+// CRIU's master (RESUME) lives in files under the state directory, as the real driver's state
+// lives in the kernel.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <vector>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "plugin/kfd.h"
+#include "plugin/topology.h"
+#include "proto/criu_file.h"
+
+namespace gpulazy::plugin {
+namespace {
+namespace fs = std::filesystem;
+
+constexpr const char* kFakeKfdName = "gpulazy-fake-kfd";
+constexpr uint64_t kMaxPrivData = 1ull << 30;
+constexpr uint64_t kRestoredOffsetBias = 1ull << 40;
+
+std::string FdTarget(int fd) {
+  char buf[256];
+  std::string link = "/proc/self/fd/" + std::to_string(fd);
+  ssize_t n = ::readlink(link.c_str(), buf, sizeof(buf) - 1);
+  return n < 0 ? std::string() : std::string(buf, static_cast<size_t>(n));
+}
+
+Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t size) {
+  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "memfd_create {}", name);
+  UniqueFd owned(fd);
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0)
+    return ErrnoError(errno, "ftruncate {}", name);
+  return owned;
+}
+
+class FakeKfd : public Kfd {
+ public:
+  FakeKfd(fs::path state, UniqueFd fd, bool owned)
+      : state_(std::move(state)), fd_(std::move(fd)), owned_(owned) {}
+  ~FakeKfd() override {
+    if (!owned_) (void)fd_.release();
+  }
+  int fd() const override { return fd_.get(); }
+
+  int CriuOp(kfd_ioctl_criu_args& a) override {
+    switch (a.op) {
+      case KFD_CRIU_OP_PROCESS_INFO:
+        return ProcessInfo(a);
+      case KFD_CRIU_OP_CHECKPOINT:
+        return Checkpoint(a);
+      case KFD_CRIU_OP_UNPAUSE:
+        if (!paused_) return -EINVAL;
+        paused_ = false;
+        return 0;
+      case KFD_CRIU_OP_RESTORE:
+        return Restore(a);
+      case KFD_CRIU_OP_RESUME:
+        return Resume(a);
+      default:
+        return -EINVAL;
+    }
+  }
+
+ private:
+  int ProcessInfo(kfd_ioctl_criu_args& a) {
+    if (paused_) return -EINVAL;  // already paused: the driver refuses a second PROCESS_INFO
+    auto cp = image::CriuCheckpoint::Open(state_ / "live");
+    if (!cp.ok() || cp->processes().empty()) return -ESRCH;  // no GPU state to checkpoint
+    live_ = std::move(*cp);
+    const criu::KfdProcess& m = live_->processes().front().message;
+    a.num_devices = static_cast<uint32_t>(m.devices_size());
+    a.num_bos = static_cast<uint32_t>(m.bos_size());
+    a.num_objects = m.object_count();
+    a.priv_data_size = m.driver_private().size();
+    a.pid = m.pid();
+    paused_ = true;
+    return 0;
+  }
+
+  int Checkpoint(kfd_ioctl_criu_args& a) {
+    if (!paused_ || !live_) return -EINVAL;
+    const criu::KfdProcess& m = live_->processes().front().message;
+    if (a.num_devices != static_cast<uint32_t>(m.devices_size()) ||
+        a.num_bos != static_cast<uint32_t>(m.bos_size()) || a.num_objects != m.object_count() ||
+        a.priv_data_size != m.driver_private().size())
+      return -EINVAL;
+    if ((a.num_devices && !a.devices) || (a.num_bos && !a.bos) ||
+        (a.priv_data_size && !a.priv_data))
+      return -EFAULT;
+    auto* devices = reinterpret_cast<kfd_criu_device_bucket*>(a.devices);
+    for (int i = 0; i < m.devices_size(); ++i) {
+      devices[i] = {};
+      devices[i].user_gpu_id = m.devices(i).gpu_id();
+      devices[i].actual_gpu_id = m.devices(i).gpu_id();
+    }
+    auto* bos = reinterpret_cast<kfd_criu_bo_bucket*>(a.bos);
+    size_t content = 0;
+    const auto& content_bos = live_->content_bos();
+    for (int i = 0; i < m.bos_size(); ++i) {
+      const criu::KfdBo& bo = m.bos(i);
+      kfd_criu_bo_bucket& b = bos[i];
+      b = {};
+      b.addr = bo.gpu_va();
+      b.size = bo.size();
+      b.offset = bo.mmap_offset();
+      b.gpu_id = bo.gpu_id();
+      b.alloc_flags = bo.alloc_flags();
+      b.dmabuf_fd = kKfdInvalidFd;
+      if (!criu_format::HasContents(bo.alloc_flags())) continue;
+      if (content >= content_bos.size()) return -EIO;
+      const image::ContentBo& cb = content_bos[content++];
+      auto memfd = MakeMemfd("gpulazy-bo-" + std::to_string(i), bo.size());
+      if (!memfd.ok()) return -ENOMEM;
+      std::vector<uint8_t> bytes(cb.size);
+      auto in = OpenForRead(live_->dir() / cb.pages_file);
+      if (!in.ok() ||
+          !ReadExactAt(in->get(), criu_format::kHeaderSize + cb.pages_offset, bytes, cb.pages_file)
+               .ok() ||
+          !WriteAllAt(memfd->get(), 0, bytes, "bo").ok())
+        return -EIO;
+      b.dmabuf_fd = static_cast<uint32_t>(memfd->release());  // the caller owns it
+    }
+    if (a.priv_data_size)
+      std::memcpy(reinterpret_cast<void*>(a.priv_data), m.driver_private().data(),
+                  a.priv_data_size);
+    return 0;
+  }
+
+  int Restore(kfd_ioctl_criu_args& a) {
+    if (restored_) return -EINVAL;  // one RESTORE per KFD file
+    if ((a.num_devices && !a.devices) || (a.num_bos && !a.bos) ||
+        (a.priv_data_size && !a.priv_data))
+      return -EINVAL;
+    if (a.priv_data_size > kMaxPrivData) return -EINVAL;
+    std::set<uint32_t> local;
+    if (auto topo = ReadTopology(state_ / "topology"); topo.ok())
+      for (const LocalGpu& g : *topo)
+        local.insert(g.gpu_id);
+    std::set<uint32_t> user_ids;
+    const auto* devices = reinterpret_cast<const kfd_criu_device_bucket*>(a.devices);
+    for (uint32_t i = 0; i < a.num_devices; ++i) {
+      if (!local.count(devices[i].actual_gpu_id)) return -EINVAL;  // no such local GPU
+      if (::fcntl(static_cast<int>(devices[i].drm_fd), F_GETFD) < 0) return -EBADF;
+      if (!user_ids.insert(devices[i].user_gpu_id).second) return -EINVAL;
+    }
+    auto* bos = reinterpret_cast<kfd_criu_bo_bucket*>(a.bos);
+    for (uint32_t i = 0; i < a.num_bos; ++i) {
+      if (!user_ids.count(bos[i].gpu_id) || bos[i].size == 0 || bos[i].size % 4096 != 0)
+        return -EINVAL;
+    }
+    std::vector<UniqueFd> made;
+    for (uint32_t i = 0; i < a.num_bos; ++i) {
+      kfd_criu_bo_bucket& b = bos[i];
+      b.restored_offset = b.offset + kRestoredOffsetBias;
+      b.dmabuf_fd = kKfdInvalidFd;
+      if (!criu_format::HasContents(b.alloc_flags)) continue;
+      auto memfd = MakeMemfd("gpulazy-bo-" + std::to_string(i), b.size);
+      if (!memfd.ok()) return -ENOMEM;
+      int exported = ::fcntl(memfd->get(), F_DUPFD_CLOEXEC, 0);
+      if (exported < 0) return -errno;
+      b.dmabuf_fd = static_cast<uint32_t>(exported);
+      made.push_back(std::move(*memfd));  // the driver keeps the BO alive
+    }
+    bos_ = std::move(made);
+    restored_ = true;
+    std::ofstream(state_ / ("restored-" + std::to_string(::getpid()))) << a.num_bos << "\n";
+    return 0;
+  }
+
+  int Resume(kfd_ioctl_criu_args& a) {
+    fs::path restored = state_ / ("restored-" + std::to_string(a.pid));
+    fs::path resumed = state_ / ("resumed-" + std::to_string(a.pid));
+    std::error_code ec;
+    if (!fs::exists(restored, ec)) return -ESRCH;  // no KFD process for that pid
+    if (fs::exists(resumed, ec)) return -EINVAL;
+    std::ofstream(resumed) << "resumed\n";
+    return 0;
+  }
+
+  fs::path state_;
+  UniqueFd fd_;
+  bool owned_;
+  bool paused_ = false;
+  bool restored_ = false;
+  std::optional<image::CriuCheckpoint> live_;
+  std::vector<UniqueFd> bos_;
+};
+
+class FakeKfdProvider : public KfdProvider {
+ public:
+  explicit FakeKfdProvider(fs::path state) : state_(std::move(state)) {}
+  std::string_view name() const override { return "fake-kfd"; }
+  Result<std::unique_ptr<Kfd>> Open() override {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, MakeMemfd(kFakeKfdName, 0));
+    return std::unique_ptr<Kfd>(std::make_unique<FakeKfd>(state_, std::move(fd), true));
+  }
+  Result<std::unique_ptr<Kfd>> Attach(int fd) override {
+    if (!IsKfd(fd)) return InvalidArgument("fd {} is not a (fake) KFD file", fd);
+    return std::unique_ptr<Kfd>(std::make_unique<FakeKfd>(state_, UniqueFd(fd), false));
+  }
+  bool IsKfd(int fd) const override { return IsKfdPath(FdTarget(fd)); }
+  bool IsKfdPath(const std::string& path) const override {
+    return path == "/dev/kfd" || path.find(kFakeKfdName) != std::string::npos;
+  }
+  Result<UniqueFd> OpenRenderNode(uint32_t minor) override {
+    return MakeMemfd("gpulazy-fake-renderD" + std::to_string(minor), 0);
+  }
+  bool real() const override { return false; }
+
+ private:
+  fs::path state_;
+};
+
+}  // namespace
+
+std::unique_ptr<KfdProvider> MakeFakeKfdProvider(const std::string& state_dir) {
+  return std::make_unique<FakeKfdProvider>(state_dir);
+}
+
+}  // namespace gpulazy::plugin

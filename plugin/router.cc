@@ -1,0 +1,100 @@
+#include "plugin/router.h"
+
+#include <algorithm>
+
+namespace gpulazy::plugin {
+
+Status Router::AddDestination(uint32_t bo, uint64_t size) {
+  std::lock_guard lock(mutex_);
+  sizes_[bo] = size;
+  return Status::Ok();
+}
+
+Status Router::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                     client::CopyDone done) {
+  DeviceEngine* engine = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    auto size = sizes_.find(bo);
+    if (size == sizes_.end()) return NotFound("BO {} has no destination", bo);
+    if (offset > size->second || raw.size() > size->second - offset)
+      return OutOfRange("write [{}, +{}) past BO {} of {} bytes", offset, raw.size(), bo,
+                        size->second);
+    auto it = bound_.find(bo);
+    if (it != bound_.end()) {
+      engine = it->second;
+    } else if (!discard_unbound_) {
+      parked_[bo].push_back(Parked{offset, raw, std::move(done)});
+      return Status::Ok();
+    }
+  }
+  if (engine == nullptr) {  // another task's BO, in a restored task
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  return engine->Write(bo, offset, raw, std::move(done));
+}
+
+Status Router::Flush() {
+  std::vector<DeviceEngine*> engines;
+  {
+    std::lock_guard lock(mutex_);
+    engines = engines_;
+  }
+  Status first;
+  for (DeviceEngine* e : engines) {
+    Status s = e->Flush();
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t size) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = sizes_.find(bo);
+    if (it == sizes_.end()) return NotFound("BO {} is not in the image", bo);
+    if (it->second != size)
+      return InvalidArgument("BO {}: restored with {} bytes, image has {}", bo, size, it->second);
+    if (bound_.count(bo)) return InvalidArgument("BO {} handed over twice", bo);
+  }
+  GPULAZY_RETURN_IF_ERROR(engine->Bind(bo, std::move(dmabuf), size));
+  std::vector<Parked> replay;
+  {
+    std::lock_guard lock(mutex_);
+    bound_[bo] = engine;
+    if (std::find(engines_.begin(), engines_.end(), engine) == engines_.end())
+      engines_.push_back(engine);
+    if (auto it = parked_.find(bo); it != parked_.end()) {
+      replay = std::move(it->second);
+      parked_.erase(it);
+    }
+  }
+  for (Parked& p : replay) {
+    client::CopyDone done = p.done;  // Write keeps no callback when it fails
+    Status s = engine->Write(bo, p.offset, p.raw, std::move(p.done));
+    if (!s.ok()) done(s);
+  }
+  return Status::Ok();
+}
+
+void Router::FailParked(const Status& why) {
+  std::map<uint32_t, std::vector<Parked>> parked;
+  {
+    std::lock_guard lock(mutex_);
+    parked.swap(parked_);
+  }
+  for (auto& [bo, list] : parked)
+    for (Parked& p : list)
+      p.done(why);
+}
+
+size_t Router::parked() const {
+  std::lock_guard lock(mutex_);
+  size_t n = 0;
+  for (const auto& [bo, list] : parked_)
+    n += list.size();
+  return n;
+}
+
+}  // namespace gpulazy::plugin

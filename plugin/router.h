@@ -1,0 +1,47 @@
+// Router: the CopyEngine the master's RestoreSession writes into. It routes each BO's writes to
+// the DeviceEngine of the GPU the BO was restored on, once the restored task has handed the
+// BO's dmabuf over (handoff.h). Writes that arrive earlier are parked (the session keeps their
+// bytes alive and withholds their credit, so parking is bounded by the credit window) and
+// replayed at Bind. In a restored task (eager mode with a server) BOs of other tasks are
+// discarded instead.
+// Thread-safety: Write/Flush from the session's thread, Bind/FailParked from any thread.
+#pragma once
+
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "plugin/device_engine.h"
+
+namespace gpulazy::plugin {
+
+class Router : public client::CopyEngine {
+ public:
+  explicit Router(bool discard_unbound) : discard_unbound_(discard_unbound) {}
+  std::string_view name() const override { return "router"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override;
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+               client::CopyDone done) override;
+  Status Flush() override;
+
+  // Binds BO `bo` (the session's index) to `engine` with its dmabuf and replays parked writes.
+  Status Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t size);
+  // Completes every parked write with `why` (a task died; the restore is being abandoned).
+  void FailParked(const Status& why);
+  size_t parked() const;
+
+ private:
+  struct Parked {
+    uint64_t offset;
+    std::span<const uint8_t> raw;
+    client::CopyDone done;
+  };
+  mutable std::mutex mutex_;
+  bool discard_unbound_;
+  std::map<uint32_t, uint64_t> sizes_;
+  std::map<uint32_t, DeviceEngine*> bound_;
+  std::map<uint32_t, std::vector<Parked>> parked_;
+  std::vector<DeviceEngine*> engines_;
+};
+
+}  // namespace gpulazy::plugin

@@ -1,0 +1,176 @@
+#include "plugin/sdma_engine.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace gpulazy::plugin {
+
+Result<std::unique_ptr<SdmaCopyEngine>> SdmaCopyEngine::Create(std::unique_ptr<AmdgpuDevice> device,
+                                                               SdmaOptions options) {
+  if (options.staging_slots == 0 || options.slot_bytes == 0 || options.slot_bytes % 4096 != 0)
+    return InvalidArgument("SDMA engine: {} staging slots of {} bytes", options.staging_slots,
+                           options.slot_bytes);
+  std::unique_ptr<SdmaCopyEngine> engine(new SdmaCopyEngine(std::move(device), options));
+  GPULAZY_RETURN_IF_ERROR(engine->Init());
+  return engine;
+}
+
+SdmaCopyEngine::SdmaCopyEngine(std::unique_ptr<AmdgpuDevice> device, SdmaOptions options)
+    : device_(std::move(device)), options_(options) {}
+
+Status SdmaCopyEngine::Init() {
+  // Page-aligned, so the kernel can pin it as a userptr BO.
+  uint64_t bytes = options_.slot_bytes * options_.staging_slots;
+  staging_ = std::aligned_alloc(4096, bytes);
+  if (staging_ == nullptr) return ResourceExhausted("SDMA staging: {} bytes", bytes);
+  for (uint32_t i = 0; i < options_.staging_slots; ++i) {
+    Slot slot;
+    slot.host = static_cast<uint8_t*>(staging_) + i * options_.slot_bytes;
+    GPULAZY_ASSIGN_OR_RETURN(slot.handle,
+                             device_->CreateFromUserMem(slot.host, options_.slot_bytes));
+    slots_.push_back(slot);
+    GPULAZY_ASSIGN_OR_RETURN(slots_.back().va, device_->MapVa(slot.handle, options_.slot_bytes));
+    free_slots_.push_back(i);
+  }
+  reaper_ = std::thread([this] { ReaperLoop(); });
+  return Status::Ok();
+}
+
+SdmaCopyEngine::~SdmaCopyEngine() {
+  if (reaper_.joinable()) {
+    (void)Flush();
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    reaper_.join();
+  }
+  for (auto& [bo, t] : targets_)
+    device_->Release(t.handle);
+  for (const Slot& s : slots_)
+    device_->Release(s.handle);
+  std::free(staging_);
+}
+
+Status SdmaCopyEngine::Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) {
+  GPULAZY_ASSIGN_OR_RETURN(BoHandle handle, device_->ImportDmabuf(dmabuf.get(), size));
+  Result<uint64_t> va = device_->MapVa(handle, size);
+  if (!va.ok()) {
+    device_->Release(handle);
+    return va.status().Context(fmt::format("mapping BO {}", bo));
+  }
+  std::lock_guard lock(mutex_);
+  Target& t = targets_[bo];
+  if (t.handle != 0) {
+    device_->Release(handle);
+    return InvalidArgument("BO {} bound twice", bo);
+  }
+  t = Target{std::move(dmabuf), handle, *va, size};
+  return Status::Ok();
+}
+
+Status SdmaCopyEngine::LaunchLocked(const Pending& w, client::CopyDone& done) {
+  const Target& t = targets_.at(w.bo);
+  size_t index = free_slots_.back();
+  const Slot& slot = slots_[index];
+  std::memcpy(slot.host, w.raw.data(), w.raw.size());
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<uint32_t> ib, BuildCopyIb(device_->generation(), slot.va,
+                                                                 t.va + w.offset, w.raw.size()));
+  const BoHandle resources[] = {slot.handle, t.handle};
+  GPULAZY_ASSIGN_OR_RETURN(uint64_t seq, device_->Submit(ib, resources));
+  free_slots_.pop_back();
+  in_flight_.push_back(InFlight{seq, index, std::move(done)});
+  ++stats_.submits;
+  stats_.max_in_flight =
+      std::max<uint32_t>(stats_.max_in_flight, static_cast<uint32_t>(in_flight_.size()));
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+Status SdmaCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                             client::CopyDone done) {
+  if (raw.empty()) {
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  std::lock_guard lock(mutex_);
+  auto it = targets_.find(bo);
+  if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
+  if (offset > it->second.size || raw.size() > it->second.size - offset)
+    return OutOfRange("write [{}, +{}) past BO {} of {} bytes", offset, raw.size(), bo,
+                      it->second.size);
+  if (raw.size() > options_.slot_bytes)
+    return InvalidArgument("write of {} bytes exceeds the {}-byte staging slot", raw.size(),
+                           options_.slot_bytes);
+  Pending w{bo, offset, raw, nullptr};
+  if (!free_slots_.empty() && pending_.empty()) {
+    GPULAZY_RETURN_IF_ERROR(LaunchLocked(w, done));
+    ++outstanding_;
+    return Status::Ok();
+  }
+  w.done = std::move(done);
+  ++outstanding_;
+  pending_.push_back(std::move(w));
+  ++stats_.queued_writes;
+  return Status::Ok();
+}
+
+void SdmaCopyEngine::ReaperLoop() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !in_flight_.empty(); });
+    if (in_flight_.empty()) return;  // stopping, nothing left to reap
+    uint64_t seq = in_flight_.front().seq;
+    lock.unlock();
+    Result<bool> signalled = device_->WaitFence(seq, options_.fence_timeout);
+    lock.lock();
+    InFlight done = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    free_slots_.push_back(done.slot);
+    Status status = Status::Ok();
+    if (!signalled.ok())
+      status = signalled.status();
+    else if (!*signalled)
+      status =
+          TimedOut("SDMA fence {} not signalled after {} ms", seq, options_.fence_timeout.count());
+    if (!status.ok() && first_error_.ok()) first_error_ = status;
+    ++stats_.reaped_async;
+    // Start queued writes while slots are free; their failures complete them at once.
+    std::vector<std::pair<client::CopyDone, Status>> failed;
+    while (!pending_.empty() && !free_slots_.empty()) {
+      Pending next = std::move(pending_.front());
+      pending_.pop_front();
+      client::CopyDone cb = std::move(next.done);
+      Status launched = LaunchLocked(next, cb);
+      if (!launched.ok()) {
+        if (first_error_.ok()) first_error_ = launched;
+        failed.emplace_back(std::move(cb), launched);
+      }
+    }
+    cv_.notify_all();
+    lock.unlock();
+    done.done(std::move(status));
+    for (auto& [cb, s] : failed)
+      cb(std::move(s));
+    lock.lock();
+    outstanding_ -= 1 + failed.size();
+    cv_.notify_all();
+  }
+}
+
+Status SdmaCopyEngine::Flush() {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return outstanding_ == 0; });
+  return std::exchange(first_error_, Status::Ok());
+}
+
+SdmaStats SdmaCopyEngine::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+}  // namespace gpulazy::plugin

@@ -1,0 +1,161 @@
+#include "plugin/task_restore.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "page-client/restore_session.h"
+#include "plugin/device_engine.h"
+#include "plugin/handoff.h"
+#include "plugin/router.h"
+#include "plugin/topology.h"
+#include "proto/criu_file.h"
+
+namespace gpulazy::plugin {
+namespace fs = std::filesystem;
+
+Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int handoff) {
+  const uint32_t file_id = static_cast<uint32_t>(id);
+  fs::path image = image_dir / criu_format::KfdImageName(file_id);
+  std::error_code ec;
+  if (!fs::exists(image, ec)) return NotFound("{} does not exist: not a KFD file", image.string());
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(image, 1ull << 30));
+  if (bytes.size() < criu_format::kHeaderSize)
+    return Corrupt("{}: shorter than its header", image.string());
+  GPULAZY_ASSIGN_OR_RETURN(
+      criu::KfdProcess process,
+      criu_format::ParseKfdProcess(std::span(bytes).subspan(criu_format::kHeaderSize),
+                                   image.filename().string()));
+
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<LocalGpu> local, ReadTopology(config_.topology_root));
+  std::vector<criu::KfdDevice> devices(process.devices().begin(), process.devices().end());
+  GPULAZY_ASSIGN_OR_RETURN(GpuMapping mapping, MapGpus(devices, local, config_.checks));
+
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<Kfd> kfd, kfd_.Open());
+  std::vector<kfd_criu_device_bucket> device_buckets(devices.size());
+  std::vector<UniqueFd> render_fds;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    uint32_t local_id = mapping.checkpoint_to_local.at(devices[i].gpu_id());
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd drm, kfd_.OpenRenderNode(mapping.render_minor.at(local_id)));
+    device_buckets[i].user_gpu_id = devices[i].gpu_id();
+    device_buckets[i].actual_gpu_id = local_id;
+    device_buckets[i].drm_fd = static_cast<uint32_t>(drm.get());
+    render_fds.push_back(std::move(drm));
+  }
+  std::vector<kfd_criu_bo_bucket> bo_buckets(process.bos_size());
+  for (int i = 0; i < process.bos_size(); ++i) {
+    const criu::KfdBo& bo = process.bos(i);
+    bo_buckets[i] = {};
+    bo_buckets[i].addr = bo.gpu_va();
+    bo_buckets[i].size = bo.size();
+    bo_buckets[i].offset = bo.mmap_offset();
+    bo_buckets[i].gpu_id = bo.gpu_id();
+    bo_buckets[i].alloc_flags = bo.alloc_flags();
+  }
+  std::string priv = process.driver_private();
+  kfd_ioctl_criu_args args{};
+  args.op = KFD_CRIU_OP_RESTORE;
+  args.devices = reinterpret_cast<uint64_t>(device_buckets.data());
+  args.num_devices = static_cast<uint32_t>(device_buckets.size());
+  args.bos = reinterpret_cast<uint64_t>(bo_buckets.data());
+  args.num_bos = static_cast<uint32_t>(bo_buckets.size());
+  args.priv_data = reinterpret_cast<uint64_t>(priv.data());
+  args.priv_data_size = priv.size();
+  args.num_objects = process.object_count();
+  int rc = kfd->CriuOp(args);
+  if (rc != 0)
+    return ErrnoError(-rc, "KFD CRIU_OP RESTORE of {} ({} BOs)", image.filename().string(),
+                      args.num_bos);
+
+  // Every dmabuf fd is ours now; hold them before anything can fail.
+  std::vector<HandedBo> handed;
+  std::map<uint32_t, uint32_t> gpu_of_user;
+  for (const auto& d : device_buckets)
+    gpu_of_user[d.user_gpu_id] = d.actual_gpu_id;
+  for (int i = 0; i < process.bos_size(); ++i) {
+    const kfd_criu_bo_bucket& b = bo_buckets[i];
+    remaps_[b.offset] = Remap{b.restored_offset, kfd->fd()};  // CRIU keeps pgoff in bytes
+    if (b.dmabuf_fd == kKfdInvalidFd) continue;
+    handed.push_back(HandedBo{static_cast<uint32_t>(i), gpu_of_user[b.gpu_id], b.size,
+                              UniqueFd(static_cast<int>(b.dmabuf_fd))});
+  }
+  if (config_.mode == Mode::kEager) {
+    GPULAZY_RETURN_IF_ERROR(CopyEager(image_dir, file_id, handed));
+    handed.clear();  // closes the dmabufs; the driver keeps the BOs
+  }
+  if (handoff < 0) return Internal("no handoff socket to CRIU's master");
+  GPULAZY_RETURN_IF_ERROR(SendHandoff(handoff, static_cast<uint32_t>(::getpid()), file_id, handed));
+  spdlog::info("gpulazy: {} restored ({} BOs, {} with contents, {} mode)",
+               image.filename().string(), process.bos_size(), handed.size(),
+               ModeName(config_.mode));
+  int fd = kfd->fd();
+  files_.push_back(std::move(kfd));
+  return fd;
+}
+
+Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
+                               std::vector<HandedBo>& bos) {
+  HostDmabufEngine engine;  // eager is the baseline: plain writes from this task
+  if (!config_.server.empty()) {
+    // Contents from the page server: only this task's BOs, one after another.
+    Router router(/*discard_unbound=*/true);
+    client::SessionOptions options;
+    options.endpoint = config_.server;
+    options.image = config_.image.empty() ? image_dir.filename().string() : config_.image;
+    options.token = config_.token;
+    options.window_bytes = config_.window_bytes;
+    client::RestoreSession session(options, router);
+    GPULAZY_RETURN_IF_ERROR(
+        session.Start().Context(fmt::format("eager restore: page server {}", config_.server)));
+    std::map<uint32_t, uint32_t> index;
+    for (uint32_t i = 0; i < session.bos().size(); ++i)
+      if (session.bos()[i].process_id == file_id) index[session.bos()[i].bo_index] = i;
+    for (HandedBo& bo : bos) {
+      auto it = index.find(bo.bo_index);
+      if (it == index.end())
+        return NotFound("BO {} of amdgpu-kfd-{}.img not served", bo.bo_index, file_id);
+      GPULAZY_RETURN_IF_ERROR(router.Bind(it->second, &engine, std::move(bo.dmabuf), bo.size));
+      GPULAZY_RETURN_IF_ERROR(session.Ensure(it->second, 0, bo.size, config_.resume_timeout));
+    }
+    session.Cancel();
+    return Status::Ok();
+  }
+  // No server: read the pages files here, as upstream CRIU does.
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint cp, image::CriuCheckpoint::Open(image_dir));
+  std::map<uint32_t, const image::ContentBo*> content;
+  for (const image::ContentBo& c : cp.content_bos())
+    if (c.process_id == file_id) content[c.bo_index] = &c;
+  std::vector<uint8_t> buffer;
+  for (HandedBo& bo : bos) {
+    auto it = content.find(bo.bo_index);
+    if (it == content.end())
+      return NotFound("BO {} of amdgpu-kfd-{}.img has no contents", bo.bo_index, file_id);
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd in, OpenForRead(image_dir / it->second->pages_file));
+    GPULAZY_RETURN_IF_ERROR(engine.Bind(bo.bo_index, std::move(bo.dmabuf), bo.size));
+    constexpr uint64_t kStep = 2u << 20;
+    for (uint64_t off = 0; off < bo.size; off += kStep) {
+      buffer.resize(std::min<uint64_t>(kStep, bo.size - off));
+      GPULAZY_RETURN_IF_ERROR(ReadExactAt(in.get(),
+                                          criu_format::kHeaderSize + it->second->pages_offset + off,
+                                          buffer, it->second->pages_file));
+      // The engine may copy asynchronously (SDMA) and `buffer` is reused next round: wait for
+      // this copy to land first. Eager mode is sequential by definition (upstream's baseline).
+      GPULAZY_RETURN_IF_ERROR(engine.Write(bo.bo_index, off, buffer, [](const Status&) {}));
+      GPULAZY_RETURN_IF_ERROR(engine.Flush());
+    }
+  }
+  return Status::Ok();
+}
+
+Status TaskRestorer::UpdateVmaMap(const std::string& path, uint64_t old_pgoff, uint64_t* new_pgoff,
+                                  int* plugin_fd) const {
+  if (!kfd_.IsKfdPath(path)) return NotFound("{} is not a KFD mapping", path);
+  auto it = remaps_.find(old_pgoff);
+  if (it == remaps_.end()) return NotFound("{}: no BO had page offset {:#x}", path, old_pgoff);
+  *new_pgoff = it->second.new_pgoff;
+  *plugin_fd = it->second.fd;
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::plugin

@@ -1,0 +1,44 @@
+// TaskRestorer: what runs inside a restored task (RESTORE_EXT_FILE, UPDATE_VMA_MAP). Per KFD
+// file: read amdgpu-kfd-<id>.img, map its GPUs onto local ones, CRIU_OP RESTORE with device
+// and BO buckets (metadata only), remember the new mmap offsets, then either hand the BO table
+// and dmabuf fds to the master (parallel, lazy) or copy the contents here, one BO after another
+// (eager, the baseline).
+// Thread-safety: CRIU calls these hooks from the task's one thread.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "plugin/config.h"
+#include "plugin/kfd.h"
+
+namespace gpulazy::plugin {
+
+class TaskRestorer {
+ public:
+  TaskRestorer(const PluginConfig& config, KfdProvider& kfd) : config_(config), kfd_(kfd) {}
+  // The restored KFD fd, or kNotFound when `id` is not a KFD image of ours (-ENOTSUP).
+  // `image_dir` is a path that opens the image directory; `handoff` the task's end of the
+  // master's socket (-1 in eager mode is fine).
+  Result<int> RestoreFile(const std::filesystem::path& image_dir, int id, int handoff);
+  // UPDATE_VMA_MAP: kNotFound when the mapping is not one of ours.
+  Status UpdateVmaMap(const std::string& path, uint64_t old_pgoff, uint64_t* new_pgoff,
+                      int* plugin_fd) const;
+
+ private:
+  Status CopyEager(const std::filesystem::path& image_dir, uint32_t file_id,
+                   std::vector<struct HandedBo>& bos);
+
+  const PluginConfig& config_;
+  KfdProvider& kfd_;
+  std::vector<std::unique_ptr<Kfd>> files_;  // the driver's process state lives as long as these
+  struct Remap {
+    uint64_t new_pgoff;
+    int fd;
+  };
+  std::map<uint64_t, Remap> remaps_;  // by old mmap offset (bytes)
+};
+
+}  // namespace gpulazy::plugin

@@ -1,0 +1,190 @@
+#include "plugin/topology.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+namespace gpulazy::plugin {
+namespace fs = std::filesystem;
+
+uint64_t LocalGpu::Get(const std::string& key) const {
+  auto it = properties.find(key);
+  return it == properties.end() ? 0 : it->second;
+}
+
+Result<std::vector<LocalGpu>> ReadTopology(const fs::path& root) {
+  std::error_code ec;
+  fs::path nodes = root / "nodes";
+  if (!fs::is_directory(nodes, ec)) return NotFound("no KFD topology at {}", nodes.string());
+  std::vector<LocalGpu> gpus;
+  for (const fs::directory_entry& entry : fs::directory_iterator(nodes, ec)) {
+    LocalGpu gpu;
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    gpu.node_id = static_cast<uint32_t>(std::stoul(name));
+    std::ifstream id_file(entry.path() / "gpu_id");
+    uint64_t id = 0;
+    if (!(id_file >> id)) return Corrupt("{}: unreadable gpu_id", entry.path().string());
+    if (id == 0) continue;  // a CPU node
+    gpu.gpu_id = static_cast<uint32_t>(id);
+    std::ifstream props(entry.path() / "properties");
+    if (!props) return Corrupt("{}: no properties file", entry.path().string());
+    std::string line;
+    while (std::getline(props, line)) {
+      std::istringstream words(line);
+      std::string key;
+      uint64_t value = 0;
+      if (words >> key >> value) gpu.properties[key] = value;
+    }
+    gpus.push_back(std::move(gpu));
+  }
+  if (ec) return IoError("listing {}: {}", nodes.string(), ec.message());
+  std::sort(gpus.begin(), gpus.end(),
+            [](const LocalGpu& a, const LocalGpu& b) { return a.node_id < b.node_id; });
+  return gpus;
+}
+
+const std::vector<std::string>& TopologyChecks::Names() {
+  static const std::vector<std::string> names = {"device_id", "compute", "sdma",
+                                                 "queues",    "vram",    "firmware"};
+  return names;
+}
+
+bool* TopologyChecks::Find(const std::string& name) {
+  if (name == "device_id") return &device_id;
+  if (name == "compute") return &compute;
+  if (name == "sdma") return &sdma;
+  if (name == "queues") return &queues;
+  if (name == "vram") return &vram;
+  if (name == "firmware") return &firmware;
+  return nullptr;
+}
+
+std::string Incompatibility(const criu::KfdDevice& d, const LocalGpu& l,
+                            const TopologyChecks& checks) {
+  std::vector<std::string> why;
+  auto equal = [&](const char* key, uint64_t want) {
+    if (l.Get(key) != want) why.push_back(fmt::format("{} {:#x} != {:#x}", key, l.Get(key), want));
+  };
+  auto at_least = [&](const char* key, uint64_t want) {
+    if (l.Get(key) < want) why.push_back(fmt::format("{} {} < {}", key, l.Get(key), want));
+  };
+  if (checks.device_id) {
+    equal("device_id", d.device_id());
+    equal("vendor_id", d.vendor_id());
+  }
+  if (checks.compute) {
+    equal("simd_count", d.simd_count());
+    equal("array_count", d.array_count());
+    equal("cu_per_simd_array", d.cu_per_simd_array());
+    equal("simd_per_cu", d.simd_per_cu());
+    equal("max_waves_per_simd", d.max_waves_per_simd());
+    equal("wave_front_size", d.wave_front_size());
+    equal("lds_size_in_kb", d.lds_size_in_kb());
+  }
+  if (checks.sdma) {
+    equal("num_sdma_engines", d.num_sdma_engines());
+    equal("num_sdma_xgmi_engines", d.num_sdma_xgmi_engines());
+    equal("num_sdma_queues_per_engine", d.num_sdma_queues_per_engine());
+  }
+  if (checks.queues) equal("num_cp_queues", d.num_cp_queues());
+  if (checks.vram) at_least("vram_size", d.vram_size());
+  if (checks.firmware) {
+    at_least("fw_version", d.fw_version());
+    at_least("sdma_fw_version", d.sdma_fw_version());
+  }
+  std::string out;
+  for (const std::string& w : why)
+    out += (out.empty() ? "" : ", ") + w;
+  return out;
+}
+
+namespace {
+
+bool Assign(size_t i, const std::vector<std::vector<bool>>& ok, std::vector<int>& choice,
+            std::vector<bool>& used) {
+  if (i == ok.size()) return true;
+  for (size_t j = 0; j < used.size(); ++j) {
+    if (used[j] || !ok[i][j]) continue;
+    used[j] = true;
+    choice[i] = static_cast<int>(j);
+    if (Assign(i + 1, ok, choice, used)) return true;
+    used[j] = false;
+  }
+  return false;
+}
+
+}  // namespace
+
+Result<GpuMapping> MapGpus(const std::vector<criu::KfdDevice>& checkpointed,
+                           const std::vector<LocalGpu>& local, const TopologyChecks& checks) {
+  if (checkpointed.size() > local.size())
+    return InvalidArgument("checkpoint used {} GPU(s), this host has {}", checkpointed.size(),
+                           local.size());
+  std::vector<std::vector<bool>> ok(checkpointed.size(), std::vector<bool>(local.size()));
+  std::string report;
+  for (size_t i = 0; i < checkpointed.size(); ++i) {
+    bool any = false;
+    std::string reasons;
+    for (size_t j = 0; j < local.size(); ++j) {
+      std::string why = Incompatibility(checkpointed[i], local[j], checks);
+      ok[i][j] = why.empty();
+      any = any || ok[i][j];
+      if (!why.empty())
+        reasons +=
+            fmt::format("; local gpu {:#x} (node {}): {}", local[j].gpu_id, local[j].node_id, why);
+    }
+    if (!any)
+      report += fmt::format(
+          "{}checkpointed gpu {:#x} (device_id {:#x}) has no compatible local "
+          "GPU{}",
+          report.empty() ? "" : " | ", checkpointed[i].gpu_id(), checkpointed[i].device_id(),
+          reasons);
+  }
+  if (!report.empty()) return InvalidArgument("wrong topology: {}", report);
+  std::vector<int> choice(checkpointed.size(), -1);
+  std::vector<bool> used(local.size(), false);
+  if (!Assign(0, ok, choice, used))
+    return InvalidArgument(
+        "wrong topology: the {} checkpointed GPUs cannot each get a distinct "
+        "compatible local GPU",
+        checkpointed.size());
+  GpuMapping mapping;
+  for (size_t i = 0; i < checkpointed.size(); ++i) {
+    const LocalGpu& l = local[static_cast<size_t>(choice[i])];
+    mapping.checkpoint_to_local[checkpointed[i].gpu_id()] = l.gpu_id;
+    mapping.render_minor[l.gpu_id] = static_cast<uint32_t>(l.Get("drm_render_minor"));
+  }
+  return mapping;
+}
+
+Status WriteFakeTopology(const fs::path& root, const std::vector<criu::KfdDevice>& devices) {
+  std::error_code ec;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const criu::KfdDevice& d = devices[i];
+    fs::path node = root / "nodes" / std::to_string(i + 1);
+    fs::create_directories(node, ec);
+    if (ec) return IoError("creating {}: {}", node.string(), ec.message());
+    std::ofstream(node / "gpu_id") << d.gpu_id() << "\n";
+    std::ofstream p(node / "properties");
+    p << "simd_count " << d.simd_count() << "\narray_count " << d.array_count()
+      << "\ncu_per_simd_array " << d.cu_per_simd_array() << "\nsimd_per_cu " << d.simd_per_cu()
+      << "\nmax_waves_per_simd " << d.max_waves_per_simd() << "\nwave_front_size "
+      << d.wave_front_size() << "\nlds_size_in_kb " << d.lds_size_in_kb() << "\nvendor_id "
+      << d.vendor_id() << "\ndevice_id " << d.device_id() << "\nnum_sdma_engines "
+      << d.num_sdma_engines() << "\nnum_sdma_xgmi_engines " << d.num_sdma_xgmi_engines()
+      << "\nnum_sdma_queues_per_engine " << d.num_sdma_queues_per_engine() << "\nnum_cp_queues "
+      << d.num_cp_queues() << "\nfw_version " << d.fw_version() << "\nsdma_fw_version "
+      << d.sdma_fw_version() << "\nvram_size " << d.vram_size() << "\ndrm_render_minor "
+      << d.drm_render_minor() << "\n";
+    if (!p) return IoError("writing {}/properties", node.string());
+  }
+  // A CPU node, as every real tree has one.
+  fs::create_directories(root / "nodes" / "0", ec);
+  std::ofstream(root / "nodes" / "0" / "gpu_id") << "0\n";
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::plugin

@@ -1,0 +1,62 @@
+// KFD topology: the local GPUs as /sys/class/kfd/kfd/topology/nodes/*/ describes them, and the
+// mapping of checkpointed GPUs (KfdDevice entries of an amdgpu-kfd image) onto local ones, with
+// upstream-like compatibility checks, each of which can be switched off.
+// Thread-safety: plain data and pure functions.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "proto/criu_amdgpu.pb.h"
+#include "proto/status.h"
+
+namespace gpulazy::plugin {
+
+struct LocalGpu {
+  uint32_t node_id = 0;
+  uint32_t gpu_id = 0;
+  std::map<std::string, uint64_t> properties;  // the node's `properties` file, key -> value
+  uint64_t Get(const std::string& key) const;  // 0 when absent
+};
+
+// Reads root/nodes/<n>/{gpu_id,properties}; nodes whose gpu_id is 0 are CPUs and skipped.
+// A missing root is kNotFound ("no KFD topology at ...").
+Result<std::vector<LocalGpu>> ReadTopology(const std::filesystem::path& root);
+
+// Which properties must agree. Names are the config keys (check_<name>).
+struct TopologyChecks {
+  bool device_id = true;  // same ASIC (device_id, vendor_id)
+  bool compute = true;    // simd_count, array_count, cu_per_simd_array, simd_per_cu, waves,
+                          // wave_front_size, lds
+  bool sdma = true;       // num_sdma_engines, num_sdma_xgmi_engines, num_sdma_queues_per_engine
+  bool queues = true;     // num_cp_queues
+  bool vram = true;       // local vram_size >= checkpointed
+  bool firmware = true;   // local fw_version, sdma_fw_version >= checkpointed
+
+  static const std::vector<std::string>& Names();
+  bool* Find(const std::string& name);
+};
+
+struct GpuMapping {
+  std::map<uint32_t, uint32_t> checkpoint_to_local;  // gpu_id -> gpu_id
+  std::map<uint32_t, uint32_t> render_minor;         // local gpu_id -> drm render minor
+};
+
+// Maps every checkpointed device to a distinct compatible local GPU (backtracking, so one
+// early greedy choice cannot block a later device). Errors list, per unmatched device, why
+// each local GPU was refused.
+Result<GpuMapping> MapGpus(const std::vector<criu::KfdDevice>& checkpointed,
+                           const std::vector<LocalGpu>& local, const TopologyChecks& checks);
+
+// Why `local` cannot stand in for `device` ("" when it can).
+std::string Incompatibility(const criu::KfdDevice& device, const LocalGpu& local,
+                            const TopologyChecks& checks);
+
+// Writes a fake topology tree describing `devices` (tests and demos): one node per device.
+Status WriteFakeTopology(const std::filesystem::path& root,
+                         const std::vector<criu::KfdDevice>& devices);
+
+}  // namespace gpulazy::plugin

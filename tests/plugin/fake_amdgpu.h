@@ -1,0 +1,57 @@
+// FakeAmdgpuDevice: an AmdgpuDevice whose "GPU" is a thread that decodes each submitted IB
+// (checking packet format, NOP padding and the count encoding of its SDMA generation) and
+// performs the copies on host memory after a delay, so fences complete asynchronously.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "plugin/amdgpu_device.h"
+
+namespace gpulazy::plugin::testing {
+
+class FakeAmdgpuDevice : public AmdgpuDevice {
+ public:
+  FakeAmdgpuDevice(SdmaGeneration gen, std::chrono::microseconds latency);
+  ~FakeAmdgpuDevice() override;
+  SdmaGeneration generation() const override { return gen_; }
+  Result<BoHandle> ImportDmabuf(int fd, uint64_t size) override;
+  Result<BoHandle> CreateFromUserMem(void* ptr, uint64_t size) override;
+  Result<uint64_t> MapVa(BoHandle bo, uint64_t size) override;
+  void Release(BoHandle bo) override;
+  Result<uint64_t> Submit(std::span<const uint32_t> ib,
+                          std::span<const BoHandle> resources) override;
+  Result<bool> WaitFence(uint64_t seq, std::chrono::nanoseconds timeout) override;
+
+  uint32_t max_outstanding() const;
+  size_t live_bos() const;
+
+ private:
+  struct Bo {
+    uint8_t* host = nullptr;
+    uint64_t size = 0;
+    uint64_t va = 0;
+    bool mapped_fd = false;
+  };
+  void Run();
+  uint8_t* Translate(uint64_t va, uint64_t len);
+
+  SdmaGeneration gen_;
+  std::chrono::microseconds latency_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::map<BoHandle, Bo> bos_;
+  BoHandle next_ = 0;
+  uint64_t next_va_ = 1ull << 32;
+  std::deque<std::pair<uint64_t, std::vector<uint32_t>>> queue_;
+  uint64_t next_seq_ = 0;
+  uint64_t completed_ = 0;
+  uint32_t max_outstanding_ = 0;
+  bool stop_ = false;
+  std::thread gpu_;
+};
+
+}  // namespace gpulazy::plugin::testing

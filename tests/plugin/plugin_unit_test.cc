@@ -1,0 +1,408 @@
+// Unit tests of the plugin's pieces: SDMA packets, topology mapping, config, the fake KFD's
+// contract, the SDMA engine's pipelining (fake libdrm device), the BO handoff.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "lazy-server/image/synth.h"
+#include "plugin/config.h"
+#include "plugin/handoff.h"
+#include "plugin/kfd.h"
+#include "plugin/sdma_engine.h"
+#include "plugin/sdma_packets.h"
+#include "plugin/topology.h"
+#include "proto/criu_file.h"
+#include "tests/plugin/fake_amdgpu.h"
+
+namespace gpulazy::plugin {
+namespace {
+namespace fs = std::filesystem;
+
+struct TempDir {
+  TempDir() {
+    char t[] = "/tmp/gpulazy-plugin-test-XXXXXX";
+    path = ::mkdtemp(t);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  fs::path path;
+};
+
+// ---- SDMA packets ----
+
+TEST(SdmaPackets, OnePacketLayoutV4) {
+  auto ib =
+      BuildCopyIb(SdmaGeneration::kV4Plus, 0x1122334455667788ull, 0x99aabbccddeeff00ull, 4096);
+  ASSERT_TRUE(ib.ok());
+  ASSERT_EQ(ib->size(), 8u);
+  EXPECT_EQ((*ib)[0], 0x00000001u);  // op COPY=1, sub-op LINEAR=0
+  EXPECT_EQ((*ib)[1], 4095u);        // count - 1 on v4+
+  EXPECT_EQ((*ib)[2], 0u);
+  EXPECT_EQ((*ib)[3], 0x55667788u);
+  EXPECT_EQ((*ib)[4], 0x11223344u);
+  EXPECT_EQ((*ib)[5], 0xddeeff00u);
+  EXPECT_EQ((*ib)[6], 0x99aabbccu);
+  EXPECT_EQ((*ib)[7], 0u);  // one NOP pads 7 to 8
+}
+
+TEST(SdmaPackets, CountEncodingPerGeneration) {
+  auto cik = BuildCopyIb(SdmaGeneration::kCikVi, 0, 0x1000, 4096);
+  ASSERT_TRUE(cik.ok());
+  EXPECT_EQ((*cik)[1], 4096u);
+  EXPECT_EQ(SdmaGenerationForFamily(141), SdmaGeneration::kV4Plus);  // AI (Vega)
+  EXPECT_EQ(SdmaGenerationForFamily(143), SdmaGeneration::kV4Plus);  // NV
+  EXPECT_EQ(SdmaGenerationForFamily(130), SdmaGeneration::kCikVi);   // VI
+}
+
+TEST(SdmaPackets, AroundTheTwoMiBLimit) {
+  const uint64_t max = kSdmaMaxPacketBytes;
+  for (uint64_t bytes :
+       std::initializer_list<uint64_t>{max - 1, max, max + 1, 2 * max, 2 * max + 4096, 1}) {
+    auto ib = BuildCopyIb(SdmaGeneration::kV4Plus, 0x10000, 0x800000000ull, bytes);
+    ASSERT_TRUE(ib.ok()) << bytes;
+    EXPECT_EQ(ib->size() % 8, 0u);
+    auto copies = DecodeCopyIb(SdmaGeneration::kV4Plus, *ib);
+    ASSERT_TRUE(copies.ok()) << copies.status().ToString();
+    EXPECT_EQ(copies->size(), (bytes + max - 1) / max) << bytes;
+    uint64_t total = 0;
+    for (const auto& c : *copies) {
+      EXPECT_LE(c.bytes, max);
+      EXPECT_EQ(c.src, 0x10000 + total);
+      EXPECT_EQ(c.dst, 0x800000000ull + total);
+      total += c.bytes;
+    }
+    EXPECT_EQ(total, bytes);
+  }
+  std::vector<uint32_t> ib;
+  EXPECT_FALSE(AppendLinearCopy(ib, SdmaGeneration::kV4Plus, 0, 0, max + 1).ok());
+  EXPECT_FALSE(AppendLinearCopy(ib, SdmaGeneration::kV4Plus, 0, 0, 0).ok());
+  EXPECT_TRUE(AppendLinearCopy(ib, SdmaGeneration::kV4Plus, 0, 0, max).ok());
+  EXPECT_EQ(ib[1], max - 1);
+}
+
+TEST(SdmaPackets, NopPadding) {
+  std::vector<uint32_t> ib;
+  for (int packets = 1; packets <= 9; ++packets) {
+    ib.clear();
+    for (int i = 0; i < packets; ++i)
+      ASSERT_TRUE(AppendLinearCopy(ib, SdmaGeneration::kV4Plus, 0, 0, 64).ok());
+    PadWithNops(ib);
+    EXPECT_EQ(ib.size(), (packets * 7 + 7) / 8 * 8u);
+    for (size_t i = packets * 7; i < ib.size(); ++i)
+      EXPECT_EQ(ib[i], 0u);
+  }
+  EXPECT_FALSE(DecodeCopyIb(SdmaGeneration::kV4Plus, {1, 0, 0, 0, 0, 0, 0}).ok());  // not padded
+}
+
+// ---- topology ----
+
+criu::KfdDevice Device(uint32_t gpu_id, uint32_t device_id, uint64_t vram) {
+  criu::KfdDevice d;
+  const auto* r = d.GetReflection();
+  for (int f = 0; f < d.GetDescriptor()->field_count(); ++f) {
+    const auto* field = d.GetDescriptor()->field(f);
+    if (field->is_repeated()) continue;
+    if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT32)
+      r->SetUInt32(&d, field, 1);
+    else
+      r->SetUInt64(&d, field, 1);
+  }
+  d.set_gpu_id(gpu_id);
+  d.set_device_id(device_id);
+  d.set_vram_size(vram);
+  d.set_drm_render_minor(128);
+  return d;
+}
+
+TEST(Topology, ReadsFakeTreeAndMaps) {
+  TempDir dir;
+  std::vector<criu::KfdDevice> local = {Device(0x1111, 0x740f, 64ull << 30),
+                                        Device(0x2222, 0x740f, 64ull << 30)};
+  ASSERT_TRUE(WriteFakeTopology(dir.path, local).ok());
+  auto gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok()) << gpus.status().ToString();
+  ASSERT_EQ(gpus->size(), 2u);  // the CPU node is skipped
+  std::vector<criu::KfdDevice> cp = {Device(0xaaaa, 0x740f, 32ull << 30),
+                                     Device(0xbbbb, 0x740f, 64ull << 30)};
+  auto m = MapGpus(cp, *gpus, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->checkpoint_to_local.at(0xaaaa), 0x1111u);
+  EXPECT_EQ(m->checkpoint_to_local.at(0xbbbb), 0x2222u);
+}
+
+TEST(Topology, WrongDeviceIdIsAClearErrorUnlessCheckOff) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFakeTopology(dir.path, {Device(0x1111, 0x7408, 64ull << 30)}).ok());
+  auto gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok());
+  auto m = MapGpus({Device(0xaaaa, 0x740f, 1)}, *gpus, {});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("wrong topology"), std::string::npos);
+  EXPECT_NE(m.status().message().find("device_id 0x7408 != 0x740f"), std::string::npos)
+      << m.status().message();
+  TopologyChecks lax;
+  lax.device_id = false;
+  EXPECT_TRUE(MapGpus({Device(0xaaaa, 0x740f, 1)}, *gpus, lax).ok());
+}
+
+TEST(Topology, VramTooSmallAndTooFewGpus) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFakeTopology(dir.path, {Device(0x1111, 0x740f, 16ull << 30)}).ok());
+  auto gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok());
+  auto m = MapGpus({Device(0xaaaa, 0x740f, 32ull << 30)}, *gpus, {});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("vram_size"), std::string::npos);
+  EXPECT_FALSE(MapGpus({Device(1, 0x740f, 1), Device(2, 0x740f, 1)}, *gpus, {}).ok());
+  EXPECT_EQ(ReadTopology(dir.path / "missing").status().code(), Code::kNotFound);
+}
+
+TEST(Topology, BacktracksPastAGreedyChoice) {
+  TempDir dir;
+  // Local 1 fits both checkpointed GPUs, local 2 only the first: greedy would fail.
+  ASSERT_TRUE(
+      WriteFakeTopology(dir.path, {Device(1, 0x740f, 64ull << 30), Device(2, 0x740f, 16ull << 30)})
+          .ok());
+  auto gpus = ReadTopology(dir.path);
+  auto m = MapGpus({Device(0xa, 0x740f, 8ull << 30), Device(0xb, 0x740f, 32ull << 30)}, *gpus, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->checkpoint_to_local.at(0xa), 2u);
+  EXPECT_EQ(m->checkpoint_to_local.at(0xb), 1u);
+}
+
+// ---- config ----
+
+TEST(Config, EnvironmentAndFile) {
+  TempDir dir;
+  std::ofstream(dir.path / "p.conf")
+      << "# comment\nmode = lazy\nserver = unix:/x\ncheck_vram = 0\n";
+  std::map<std::string, std::string> env = {{"GPULAZY_CONFIG", (dir.path / "p.conf").string()},
+                                            {"GPULAZY_SERVER", "tcp:h:1"}};
+  auto lookup = [&](const std::string& k) -> std::optional<std::string> {
+    auto it = env.find(k);
+    return it == env.end() ? std::nullopt : std::optional(it->second);
+  };
+  auto c = LoadConfig(lookup);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->mode, Mode::kLazy);
+  EXPECT_EQ(c->server, "tcp:h:1");  // the environment wins
+  EXPECT_FALSE(c->checks.vram);
+  env["GPULAZY_MODE"] = "fast";
+  EXPECT_FALSE(LoadConfig(lookup).ok());
+}
+
+// ---- fake KFD contract ----
+
+class FakeKfdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    image::SynthOptions o;
+    o.out = state.path / "live";
+    o.gpus = 2;
+    o.bos = 8;
+    o.total_bytes = 4 << 20;
+    auto r = image::SynthesizeCheckpoint(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto bytes = ReadWholeFile(o.out / criu_format::KfdImageName(1), 1 << 30);
+    ASSERT_TRUE(bytes.ok());
+    auto m = criu_format::ParseKfdProcess(std::span(*bytes).subspan(8), "kfd");
+    ASSERT_TRUE(m.ok());
+    process = *m;
+    ASSERT_TRUE(WriteFakeTopology(state.path / "topology",
+                                  {process.devices().begin(), process.devices().end()})
+                    .ok());
+    provider = MakeFakeKfdProvider(state.path.string());
+  }
+  TempDir state;
+  criu::KfdProcess process;
+  std::unique_ptr<KfdProvider> provider;
+};
+
+TEST_F(FakeKfdTest, DumpOrderIsEnforced) {
+  auto kfd = provider->Open();
+  ASSERT_TRUE(kfd.ok());
+  kfd_ioctl_criu_args a{};
+  a.op = KFD_CRIU_OP_CHECKPOINT;
+  EXPECT_EQ((*kfd)->CriuOp(a), -EINVAL);  // before PROCESS_INFO
+  a.op = KFD_CRIU_OP_UNPAUSE;
+  EXPECT_EQ((*kfd)->CriuOp(a), -EINVAL);
+  a.op = KFD_CRIU_OP_PROCESS_INFO;
+  ASSERT_EQ((*kfd)->CriuOp(a), 0);
+  EXPECT_EQ(a.num_bos, static_cast<uint32_t>(process.bos_size()));
+  EXPECT_EQ(a.priv_data_size, process.driver_private().size());
+  std::vector<kfd_criu_device_bucket> d(a.num_devices);
+  std::vector<kfd_criu_bo_bucket> b(a.num_bos);
+  std::string priv(a.priv_data_size, '\0');
+  kfd_ioctl_criu_args c = a;
+  c.op = KFD_CRIU_OP_CHECKPOINT;
+  c.devices = reinterpret_cast<uint64_t>(d.data());
+  c.bos = reinterpret_cast<uint64_t>(b.data());
+  c.priv_data = reinterpret_cast<uint64_t>(priv.data());
+  c.num_bos = a.num_bos - 1;
+  EXPECT_EQ((*kfd)->CriuOp(c), -EINVAL);  // bucket count must match PROCESS_INFO
+  c.num_bos = a.num_bos;
+  ASSERT_EQ((*kfd)->CriuOp(c), 0);
+  EXPECT_EQ(priv, process.driver_private());
+  for (const auto& bucket : b)
+    if (bucket.dmabuf_fd != kKfdInvalidFd) ::close(static_cast<int>(bucket.dmabuf_fd));
+  a.op = KFD_CRIU_OP_UNPAUSE;
+  EXPECT_EQ((*kfd)->CriuOp(a), 0);
+}
+
+TEST_F(FakeKfdTest, RestoreChecksBucketsAndResumeNeedsRestore) {
+  auto kfd = provider->Open();
+  ASSERT_TRUE(kfd.ok());
+  std::vector<kfd_criu_device_bucket> d;
+  std::vector<UniqueFd> drm;
+  for (const auto& dev : process.devices()) {
+    drm.push_back(provider->OpenRenderNode(128).value());
+    d.push_back({dev.gpu_id(), dev.gpu_id(), static_cast<uint32_t>(drm.back().get()), 0});
+  }
+  std::vector<kfd_criu_bo_bucket> b;
+  for (const auto& bo : process.bos()) {
+    kfd_criu_bo_bucket x{};
+    x.addr = bo.gpu_va();
+    x.size = bo.size();
+    x.offset = bo.mmap_offset();
+    x.gpu_id = bo.gpu_id();
+    x.alloc_flags = bo.alloc_flags();
+    b.push_back(x);
+  }
+  kfd_ioctl_criu_args resume{};
+  resume.op = KFD_CRIU_OP_RESUME;
+  resume.pid = static_cast<uint32_t>(::getpid());
+  EXPECT_EQ((*kfd)->CriuOp(resume), -ESRCH);  // nothing restored yet
+
+  kfd_ioctl_criu_args a{};
+  a.op = KFD_CRIU_OP_RESTORE;
+  a.devices = reinterpret_cast<uint64_t>(d.data());
+  a.num_devices = static_cast<uint32_t>(d.size());
+  a.bos = reinterpret_cast<uint64_t>(b.data());
+  a.num_bos = static_cast<uint32_t>(b.size());
+  d[0].actual_gpu_id = 0xdead;
+  EXPECT_EQ((*kfd)->CriuOp(a), -EINVAL);  // no such local GPU
+  d[0].actual_gpu_id = d[0].user_gpu_id;
+  ASSERT_EQ((*kfd)->CriuOp(a), 0);
+  EXPECT_EQ((*kfd)->CriuOp(a), -EINVAL);  // once per file
+  for (size_t i = 0; i < b.size(); ++i) {
+    EXPECT_NE(b[i].restored_offset, b[i].offset);
+    if (criu_format::HasContents(b[i].alloc_flags)) {
+      ASSERT_NE(b[i].dmabuf_fd, kKfdInvalidFd);
+      // Bytes written through the dmabuf are visible: it is a memfd.
+      uint32_t v = 0xabcd1234;
+      ASSERT_EQ(::pwrite(static_cast<int>(b[i].dmabuf_fd), &v, 4, 0), 4);
+      ::close(static_cast<int>(b[i].dmabuf_fd));
+    } else {
+      EXPECT_EQ(b[i].dmabuf_fd, kKfdInvalidFd);
+    }
+  }
+  EXPECT_EQ((*kfd)->CriuOp(resume), 0);
+  EXPECT_EQ((*kfd)->CriuOp(resume), -EINVAL);  // twice
+  kfd_ioctl_criu_args bad{};
+  bad.op = 99;
+  EXPECT_EQ((*kfd)->CriuOp(bad), -EINVAL);
+}
+
+// ---- SDMA engine pipelining ----
+
+TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
+  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
+                                                            std::chrono::microseconds(20000));
+  testing::FakeAmdgpuDevice* fake = device.get();
+  SdmaOptions options;
+  options.staging_slots = 3;
+  options.slot_bytes = 2u << 20;
+  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const uint64_t bo_size = 16u << 20;
+  int memfd = ::memfd_create("dst", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(memfd, bo_size), 0);
+  int keep = ::dup(memfd);
+  ASSERT_TRUE((*engine)->Bind(7, UniqueFd(memfd), bo_size).ok());
+
+  std::vector<std::vector<uint8_t>> chunks(8);
+  std::atomic<int> done{0};
+  std::atomic<int> on_writer_thread{0};
+  const auto writer = std::this_thread::get_id();
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    chunks[i].assign(2u << 20, static_cast<uint8_t>(i + 1));
+    Status s = (*engine)->Write(7, i * (2u << 20), chunks[i], [&](Status st) {
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      if (std::this_thread::get_id() == writer) ++on_writer_thread;
+      ++done;
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  EXPECT_LT(done.load(), 8);  // Write returned before the copies finished
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_EQ(done.load(), 8);
+  EXPECT_EQ(on_writer_thread.load(), 0);  // fences reaped off the writer's thread
+  SdmaStats st = (*engine)->stats();
+  EXPECT_EQ(st.submits, 8u);
+  EXPECT_GT(st.queued_writes, 0u);         // more writes than staging slots
+  EXPECT_GE(fake->max_outstanding(), 2u);  // several copies in flight at once
+  EXPECT_LE(fake->max_outstanding(), 3u);  // never more than the slots
+  void* p = ::mmap(nullptr, bo_size, PROT_READ, MAP_SHARED, keep, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  for (size_t i = 0; i < 8; ++i)
+    EXPECT_EQ(static_cast<uint8_t*>(p)[i * (2u << 20) + 123], i + 1);
+  ::munmap(p, bo_size);
+  ::close(keep);
+  // Bounds and unknown BOs fail the Write without calling `done`.
+  EXPECT_FALSE((*engine)->Write(7, bo_size - 1, chunks[0], [](Status) { FAIL(); }).ok());
+  EXPECT_FALSE((*engine)->Write(8, 0, chunks[0], [](Status) { FAIL(); }).ok());
+  engine->reset();
+  EXPECT_EQ(fake->live_bos(), 0u);  // staging and imported BOs released
+}
+
+// ---- handoff ----
+
+TEST(Handoff, RecordsCarryFdsInBatches) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+  UniqueFd a(sv[0]), b(sv[1]);
+  int sndbuf = 4 << 20;
+  ::setsockopt(a.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+  std::vector<HandedBo> bos;
+  for (uint32_t i = 0; i < 150; ++i) {
+    int fd = ::memfd_create("bo", MFD_CLOEXEC);
+    ASSERT_EQ(::ftruncate(fd, 4096 * (i + 1)), 0);
+    bos.push_back(HandedBo{i * 2, 0x1234, 4096ull * (i + 1), UniqueFd(fd)});
+  }
+  ASSERT_TRUE(SendHandoff(a.get(), 42, 3, bos).ok());
+  uint32_t seen = 0;
+  bool last = false;
+  while (!last) {
+    auto r = ReceiveHandoff(b.get(), true);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->pid, 42u);
+    EXPECT_EQ(r->file_id, 3u);
+    for (auto& bo : r->bos) {
+      EXPECT_EQ(bo.bo_index, seen * 2);
+      off_t size = ::lseek(bo.dmabuf.get(), 0, SEEK_END);
+      EXPECT_EQ(static_cast<uint64_t>(size), bo.size);
+      ++seen;
+    }
+    last = r->last;
+  }
+  EXPECT_EQ(seen, 150u);
+  EXPECT_EQ(ReceiveHandoff(b.get(), true).status().code(), Code::kTimeout);
+  ASSERT_TRUE(SendHandoff(a.get(), 43, 4, {}).ok());  // a task without content BOs
+  auto r = ReceiveHandoff(b.get(), true);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->last);
+  EXPECT_TRUE(r->bos.empty());
+}
+
+}  // namespace
+}  // namespace gpulazy::plugin
