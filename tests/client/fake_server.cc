@@ -196,7 +196,8 @@ void FakeServer::Serve(int fd) {
 }
 
 void FakeServer::SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority priority,
-                           uint64_t request_id, uint64_t* payload_bytes) {
+                           uint64_t request_id, uint64_t* payload_bytes,
+                           const std::function<void(uint64_t)>& before_write) {
   const std::vector<uint8_t>& bytes = image_.bos[bo];
   uint64_t start = uint64_t{chunk} * image_.chunk_size;
   size_t length = std::min<uint64_t>(image_.chunk_size, bytes.size() - start);
@@ -237,6 +238,7 @@ void FakeServer::SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority p
     payload.assign(raw.begin(), raw.end());
   }
   *payload_bytes = payload.size();
+  if (before_write) before_write(payload.size());
   WriteFrame(fd, header, payload);
 }
 
@@ -370,13 +372,15 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
       if (stopping_ || state.closed) break;
     }
     uint64_t payload_bytes = 0;
-    SendChunk(fd, key.first, key.second, priority, request_id, &payload_bytes);
+    SendChunk(fd, key.first, key.second, priority, request_id, &payload_bytes, [&](uint64_t bytes) {
+      std::lock_guard lock(mutex_);
+      if (bytes > state.credit) credit_violated_ = true;
+      state.credit -= std::min(state.credit, bytes);
+      state.sent += bytes;
+    });
     bool drop = false;
     {
       std::lock_guard lock(mutex_);
-      if (payload_bytes > state.credit) credit_violated_ = true;
-      state.credit -= std::min(state.credit, payload_bytes);
-      state.sent += payload_bytes;
       stream_sent_[session_index].insert(key);
       ++stream_chunks_sent_;
       if (!dropped_ && options_.drop_after_chunks >= 0 &&

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -71,8 +72,11 @@ class FakeServer {
   void Serve(int fd);
   void ServeStream(int fd, const wire::Hello& hello);
   void ServeDemand(int fd, const wire::Hello& hello);
+  // `before_write` runs with the payload size before the frame is written: credit must be
+  // accounted for before the client can see the chunk (and return its credit).
   void SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority priority, uint64_t request_id,
-                 uint64_t* payload_bytes);
+                 uint64_t* payload_bytes,
+                 const std::function<void(uint64_t)>& before_write = nullptr);
   void CloseAll();
 
   FakeImage image_;
