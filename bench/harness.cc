@@ -104,6 +104,7 @@ Result<ServerChild> ServerChild::Start(const fs::path& bin_dir, const fs::path& 
       dup2(fd, STDERR_FILENO);
     }
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (std::string& arg : args)
       argv.push_back(arg.data());
     argv.push_back(nullptr);

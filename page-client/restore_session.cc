@@ -855,7 +855,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   Status committed = engine_.CommitReceived(
       bo, offset, payload_length,
       [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
-          Status status) { OnWritten(std::move(status), link, id, nullptr, credit); });
+          const Status& status) { OnWritten(status, link, id, nullptr, credit); });
   if (!committed.ok())
     co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
   PumpDemand();
@@ -912,7 +912,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   Status written = engine_.Write(
       bo, uint64_t{chunk} * chunk_size_, raw,
       [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
-          Status status) { OnWritten(std::move(status), link, id, staging, credit); });
+          const Status& status) { OnWritten(status, link, id, staging, credit); });
   if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
   PumpDemand();
   return Status::Ok();

@@ -42,7 +42,7 @@ namespace {
 // timer handler that was already queued from touching a socket the exchange has moved on with.
 class HandshakeDeadline {
  public:
-  HandshakeDeadline(asio::any_io_executor executor, net::Socket* socket,
+  HandshakeDeadline(const asio::any_io_executor& executor, net::Socket* socket,
                     std::chrono::milliseconds timeout)
       : timer_(std::make_shared<asio::steady_timer>(executor, timeout)),
         finished_(std::make_shared<bool>(false)) {
@@ -55,7 +55,8 @@ class HandshakeDeadline {
   }
   ~HandshakeDeadline() {
     *finished_ = true;
-    timer_->cancel();
+    boost::system::error_code ignored;
+    timer_->cancel(ignored);  // the non-throwing overload: destructors must not throw
   }
   HandshakeDeadline(const HandshakeDeadline&) = delete;
   HandshakeDeadline& operator=(const HandshakeDeadline&) = delete;

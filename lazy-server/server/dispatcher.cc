@@ -70,10 +70,10 @@ void Dispatcher::Pump() {
     }
   }
   for (Job& job : jobs)
-    boost::asio::post(pool_, [this, job = std::move(job)]() mutable { Read(std::move(job)); });
+    boost::asio::post(pool_, [this, job = std::move(job)] { Read(job); });
 }
 
-void Dispatcher::Read(Job job) {
+void Dispatcher::Read(const Job& job) {
   std::shared_ptr<ChunkSink> sink = job.sink.lock();
   if (!sink) {
     {

@@ -66,7 +66,7 @@ class Dispatcher {
     std::weak_ptr<ChunkSink> sink;
     std::vector<manifest::ChunkRef> upcoming;
   };
-  void Read(Job job);
+  void Read(const Job& job);
 
   const uint32_t max_reads_;
   const uint32_t read_ahead_;

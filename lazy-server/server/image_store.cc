@@ -40,9 +40,10 @@ std::string Stamp(const fs::path& dir) {
 
 }  // namespace
 
-ImageStore::ImageStore(std::vector<fs::path> roots, uint32_t raw_chunk_size, size_t max_cached)
+ImageStore::ImageStore(const std::vector<fs::path>& roots, uint32_t raw_chunk_size,
+                       size_t max_cached)
     : raw_chunk_size_(raw_chunk_size), max_cached_(max_cached) {
-  for (fs::path& root : roots) {
+  for (const fs::path& root : roots) {
     std::error_code ec;
     fs::path canonical = fs::canonical(root, ec);
     if (ec) {

@@ -34,7 +34,8 @@ struct OpenedImage {
 
 class ImageStore {
  public:
-  ImageStore(std::vector<std::filesystem::path> roots, uint32_t raw_chunk_size, size_t max_cached);
+  ImageStore(const std::vector<std::filesystem::path>& roots, uint32_t raw_chunk_size,
+             size_t max_cached);
 
   // Syntactic check of a name from the network (no disk access).
   static Status ValidateName(std::string_view name);

@@ -4,12 +4,13 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <iostream>
 #include <string>
 
 #include "page-client/cli/commands.h"
 #include "proto/size.h"
 
-int main(int argc, char** argv) {
+static int Run(int argc, char** argv) {
   using namespace gpulazy::client::cli;
   CLI::App app{"gpulazy-client: lazy GPU-memory restore client"};
   app.require_subcommand(1);
@@ -54,4 +55,14 @@ int main(int argc, char** argv) {
     return RunFetch(fetch);
   }
   return RunStats(stats);
+}
+
+int main(int argc, char** argv) {
+  // Nothing may escape main: an exception becomes a message and exit status 1.
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "gpulazy-client: " << e.what() << '\n';
+    return 1;
+  }
 }
