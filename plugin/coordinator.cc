@@ -49,8 +49,12 @@ Status RestoreCoordinator::Start() {
   int wake = ::eventfd(0, EFD_CLOEXEC);
   if (wake < 0) return ErrnoError(errno, "eventfd");
   wake_.reset(wake);
-  receiver_ = std::thread([this] { ReceiveLoop(); });
-  if (config_.mode == Mode::kEager) return Status::Ok();  // tasks copy their own contents
+  // The receiver starts only once the session (and session_index_) is set up: tasks may hand
+  // their BOs over before or while POST_FORKING runs, and their records wait in the socket.
+  if (config_.mode == Mode::kEager) {  // tasks copy their own contents
+    receiver_ = std::thread([this] { ReceiveLoop(); });
+    return Status::Ok();
+  }
 
   if (config_.server.empty()) GPULAZY_RETURN_IF_ERROR(StartServer());
   if (config_.image.empty()) config_.image = image_dir_.filename().string();
@@ -77,6 +81,7 @@ Status RestoreCoordinator::Start() {
         path, [this](uint32_t pid, uint64_t va, uint64_t len) { return Ensure(pid, va, len); });
     GPULAZY_RETURN_IF_ERROR(faults_->Start());
   }
+  receiver_ = std::thread([this] { ReceiveLoop(); });
   return Status::Ok();
 }
 

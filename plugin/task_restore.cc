@@ -14,6 +14,21 @@
 
 namespace gpulazy::plugin {
 namespace fs = std::filesystem;
+namespace {
+
+// Where an eager task's session puts other tasks' BOs: nowhere.
+class DiscardEngine : public DeviceEngine {
+ public:
+  std::string_view name() const override { return "discard"; }
+  Status Bind(uint32_t, UniqueFd, uint64_t) override { return Status::Ok(); }
+  Status Write(uint32_t, uint64_t, std::span<const uint8_t>, client::CopyDone done) override {
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  Status Flush() override { return Status::Ok(); }
+};
+
+}  // namespace
 
 Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int handoff) {
   const uint32_t file_id = static_cast<uint32_t>(id);
@@ -98,8 +113,12 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
                                std::vector<HandedBo>& bos) {
   HostDmabufEngine engine;  // eager is the baseline: plain writes from this task
   if (!config_.server.empty()) {
-    // Contents from the page server: only this task's BOs, one after another.
-    Router router(/*discard_unbound=*/true);
+    // Contents from the page server: only this task's BOs, one after another. The session
+    // streams from Start on, so writes to BOs not bound yet must be parked, not dropped (a
+    // dropped chunk still counts as resident and Ensure would not ask for it again): every
+    // BO is bound right after Start, ours to the dmabufs, other tasks' to a sink.
+    Router router(/*discard_unbound=*/false);
+    DiscardEngine sink;
     client::SessionOptions options;
     options.endpoint = config_.server;
     options.image = config_.image.empty() ? image_dir.filename().string() : config_.image;
@@ -111,15 +130,26 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
     std::map<uint32_t, uint32_t> index;
     for (uint32_t i = 0; i < session.bos().size(); ++i)
       if (session.bos()[i].process_id == file_id) index[session.bos()[i].bo_index] = i;
-    for (HandedBo& bo : bos) {
-      auto it = index.find(bo.bo_index);
-      if (it == index.end())
-        return NotFound("BO {} of amdgpu-kfd-{}.img not served", bo.bo_index, file_id);
-      GPULAZY_RETURN_IF_ERROR(router.Bind(it->second, &engine, std::move(bo.dmabuf), bo.size));
-      GPULAZY_RETURN_IF_ERROR(session.Ensure(it->second, 0, bo.size, config_.resume_timeout));
-    }
+    Status copied = [&]() -> Status {
+      std::map<uint32_t, uint64_t> mine;  // session index -> size
+      for (HandedBo& bo : bos) {
+        auto it = index.find(bo.bo_index);
+        if (it == index.end())
+          return NotFound("BO {} of amdgpu-kfd-{}.img not served", bo.bo_index, file_id);
+        GPULAZY_RETURN_IF_ERROR(router.Bind(it->second, &engine, std::move(bo.dmabuf), bo.size));
+        mine.emplace(it->second, bo.size);
+      }
+      for (uint32_t i = 0; i < session.bos().size(); ++i)
+        if (!mine.count(i))
+          GPULAZY_RETURN_IF_ERROR(router.Bind(i, &sink, UniqueFd(), session.bos()[i].size));
+      for (const auto& [bo, size] : mine)
+        GPULAZY_RETURN_IF_ERROR(session.Ensure(bo, 0, size, config_.resume_timeout));
+      return Status::Ok();
+    }();
+    // Parked writes point into the session's buffers: complete them before it goes away.
     session.Cancel();
-    return Status::Ok();
+    router.FailParked(Aborted("eager restore abandoned"));
+    return copied;
   }
   // No server: read the pages files here, as upstream CRIU does.
   GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint cp, image::CriuCheckpoint::Open(image_dir));

@@ -1,0 +1,428 @@
+// gpulazy_criu_host_sim: a stand-in for CRIU's restore that dlopens the real gpulazy_plugin.so
+// and drives it in CRIU's order (design.md 6) with real forked processes as restored tasks:
+//
+//   master: dlopen, check CR_PLUGIN_DESC, init(RESTORE), fork the task tree
+//   tasks:  RESTORE_EXT_FILE(id), UPDATE_VMA_MAP for their BOs, then wait to be checked
+//   master: POST_FORKING, RESUME_DEVICES_LATE(pid) per task, exit(RESTORE, ret)
+//   tasks:  compare every restored BO (the fake KFD's memfds) with the checkpoint's pages files
+//
+// It deliberately links none of our libraries: the plugin carries its own copy of the generated
+// protobuf code registered into the shared libprotobuf, and a second copy in the host would
+// register the same .proto files twice (a fatal error in libprotobuf). What the tasks compare
+// against comes from an --expect file the test writes (plain text, one BO per line).
+//
+// The host exports CRIU's plugin-facing functions (the plugin resolves them with
+// dlsym(RTLD_DEFAULT); the executable is linked with -rdynamic). Output: one line per hook call
+// and a final "sim: ok" or "sim: FAIL <why>"; exit status 0 only on ok. Every wait is bounded.
+#include <dirent.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "plugin/criu_abi.h"
+
+namespace {
+
+constexpr int kTaskTimeoutS = 120;  // a task never outlives this, whatever the master does
+constexpr int kMasterTimeoutS = 150;
+constexpr int kReportTimeoutMs = 90'000;
+
+struct ExpectedBo {
+  uint32_t file_id = 0;
+  uint32_t bo_index = 0;
+  uint64_t size = 0;
+  uint64_t mmap_offset = 0;
+  std::string pages_path;
+  uint64_t pages_offset = 0;  // absolute, header included
+};
+
+struct Task {
+  int file_id = 0;           // 0: a task without GPU state
+  int report[2] = {-1, -1};  // task -> master
+  int go[2] = {-1, -1};      // master -> task
+  pid_t pid = -1;
+};
+
+int g_image_dir_fd = -1;
+std::vector<int> g_fdstore;
+std::vector<std::string> g_claimed;
+
+void Say(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::vfprintf(stdout, fmt, ap);
+  va_end(ap);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+}
+
+bool WriteAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = ::write(fd, c, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// Reads exactly n bytes within timeout_ms; false on EOF, error or timeout.
+bool ReadAll(int fd, void* p, size_t n, int timeout_ms) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    pollfd pfd{fd, POLLIN, 0};
+    int r = ::poll(&pfd, 1, timeout_ms);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    ssize_t got = ::read(fd, c, n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    c += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+bool ReadFileAt(int fd, uint64_t off, std::vector<uint8_t>& buf) {
+  size_t done = 0;
+  while (done < buf.size()) {
+    ssize_t r = ::pread(fd, buf.data() + done, buf.size() - done, static_cast<off_t>(off + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    done += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+}  // namespace
+
+// ---- what CRIU exports to plugins (criu_abi.h) ----
+extern "C" {
+__attribute__((visibility("default"))) int criu_get_image_dir(void) {
+  return g_image_dir_fd;
+}
+__attribute__((visibility("default"))) bool check_and_remove_inventory_plugin(const char* name,
+                                                                              size_t len) {
+  g_claimed.emplace_back(name, len);
+  return true;
+}
+// CRIU's fdstore keeps fds in the master for restored tasks, which lose inherited fds; here a
+// task inherits the table by fork and gets a fresh dup, as from CRIU's store.
+__attribute__((visibility("default"))) int fdstore_add(int fd) {
+  int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 100);
+  if (copy < 0) return -1;
+  g_fdstore.push_back(copy);
+  return static_cast<int>(g_fdstore.size()) - 1;
+}
+__attribute__((visibility("default"))) int fdstore_get(int id) {
+  if (id < 0 || static_cast<size_t>(id) >= g_fdstore.size()) return -1;
+  return ::fcntl(g_fdstore[static_cast<size_t>(id)], F_DUPFD_CLOEXEC, 0);
+}
+}
+
+namespace {
+
+gpulazy_criu_plugin_desc* g_desc = nullptr;
+
+// When the tasks restore their files relative to POST_FORKING. CRIU runs POST_FORKING once the
+// tree is forked and only then lets tasks restore files; the others check that the plugin does
+// not depend on that.
+enum class Order { kCriu, kTasksFirst, kConcurrent };
+Order g_order = Order::kCriu;
+
+template <typename F>
+F Hook(int index) {
+  return reinterpret_cast<F>(g_desc->hooks[index]);
+}
+
+// The fake KFD's BOs are memfds named gpulazy-bo-<bo index> (kfd_fake.cc); the restored task
+// holds them through its KFD object. Map bo index -> fd.
+std::map<uint32_t, int> FindBoMemfds() {
+  std::map<uint32_t, int> out;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (d == nullptr) return out;
+  const std::string prefix = "/memfd:gpulazy-bo-";
+  while (dirent* e = ::readdir(d)) {
+    char target[256];
+    std::string link = std::string("/proc/self/fd/") + e->d_name;
+    ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    std::string t(target, static_cast<size_t>(n));
+    if (t.rfind(prefix, 0) != 0) continue;
+    out[static_cast<uint32_t>(std::strtoul(t.c_str() + prefix.size(), nullptr, 10))] =
+        std::atoi(e->d_name);
+  }
+  ::closedir(d);
+  return out;
+}
+
+// Compares this task's BOs with the pages files; "" when every byte matches.
+std::string CheckContents(const std::vector<ExpectedBo>& expected, int file_id) {
+  std::map<uint32_t, int> memfds = FindBoMemfds();
+  size_t mine = 0;
+  std::vector<uint8_t> want, got;
+  for (const ExpectedBo& bo : expected) {
+    if (static_cast<int>(bo.file_id) != file_id) continue;
+    ++mine;
+    auto it = memfds.find(bo.bo_index);
+    if (it == memfds.end()) return "BO " + std::to_string(bo.bo_index) + ": no restored memfd";
+    int pages = ::open(bo.pages_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (pages < 0) return "cannot open " + bo.pages_path;
+    want.resize(bo.size);
+    got.resize(bo.size);
+    bool read = ReadFileAt(pages, bo.pages_offset, want) && ReadFileAt(it->second, 0, got);
+    ::close(pages);
+    if (!read) return "BO " + std::to_string(bo.bo_index) + ": short read";
+    if (want != got) {
+      size_t at = 0;
+      while (at < want.size() && want[at] == got[at])
+        ++at;
+      return "BO " + std::to_string(bo.bo_index) + " differs at byte " + std::to_string(at);
+    }
+  }
+  if (mine != memfds.size())
+    return std::to_string(memfds.size()) + " BO memfds but " + std::to_string(mine) + " expected";
+  return "";
+}
+
+struct Report {
+  int32_t pid = 0;
+  int32_t rc = 0;  // RESTORE_EXT_FILE's answer (or, for a plain task, 0 when its hooks said no)
+};
+
+// One restored task: what CRIU's restorer runs of ours in it. Returns the exit status.
+int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  ::alarm(kTaskTimeoutS);
+  Report report{static_cast<int32_t>(::getpid()), 0};
+  auto restore = Hook<gpulazy_restore_ext_file_t>(GPULAZY_HOOK_RESTORE_EXT_FILE);
+  auto update = Hook<gpulazy_update_vma_map_t>(GPULAZY_HOOK_UPDATE_VMA_MAP);
+  bool retry = false;
+  if (g_order == Order::kCriu) {
+    char stage = 0;
+    if (!ReadAll(task.go[0], &stage, 1, kTaskTimeoutS * 1000) || stage != 's') return 2;
+  }
+  if (task.file_id > 0) {
+    report.rc = restore(task.file_id, &retry);
+    std::string why;
+    if (report.rc >= 0) {
+      // Every BO's mapping moves to the restored KFD file at the driver's new offset.
+      for (const ExpectedBo& bo : expected) {
+        if (static_cast<int>(bo.file_id) != task.file_id) continue;
+        uint64_t new_pgoff = 0;
+        int plugin_fd = -1;
+        int rc = update("/dev/kfd", 0, bo.mmap_offset, &new_pgoff, &plugin_fd);
+        if (rc != 0 || plugin_fd != report.rc || new_pgoff == bo.mmap_offset) {
+          why = "UPDATE_VMA_MAP(bo " + std::to_string(bo.bo_index) + ") = " + std::to_string(rc);
+          report.rc = -EPROTO;
+          break;
+        }
+      }
+    }
+    if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
+  } else {
+    // Nothing of ours in this task: every hook must pass (-ENOTSUP).
+    int file = restore(4242, &retry);
+    uint64_t pgoff = 0;
+    int fd = -1;
+    int vma = update("/dev/zero", 0, 0, &pgoff, &fd);
+    Say("task %d (no GPU): RESTORE_EXT_FILE = %d, UPDATE_VMA_MAP = %d", report.pid, file, vma);
+    report.rc = (file == -ENOTSUP && vma == -ENOTSUP) ? 0 : -EPROTO;
+  }
+  if (!WriteAll(task.report[1], &report, sizeof(report))) return 3;
+  char go = 0;
+  if (!ReadAll(task.go[0], &go, 1, kTaskTimeoutS * 1000) || go != 'c') return 2;
+  std::string why = task.file_id > 0 ? CheckContents(expected, task.file_id) : "";
+  if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
+  char verdict = why.empty() ? 1 : 0;
+  (void)WriteAll(task.report[1], &verdict, 1);
+  return verdict ? 0 : 1;
+}
+
+bool ParseExpect(const std::string& path, std::vector<ExpectedBo>& out) {
+  std::ifstream in(path);
+  if (!in) return false;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    std::istringstream s(line);
+    ExpectedBo bo;
+    if (!(s >> bo.file_id >> bo.bo_index >> bo.size >> bo.mmap_offset >> bo.pages_path >>
+          bo.pages_offset))
+      return false;
+    out.push_back(bo);
+  }
+  return true;
+}
+
+int Fail(const char* fmt, ...) {
+  std::fputs("sim: FAIL ", stdout);
+  va_list ap;
+  va_start(ap, fmt);
+  std::vfprintf(stdout, fmt, ap);
+  va_end(ap);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::alarm(kMasterTimeoutS);
+  std::string plugin, images, expect_path;
+  std::vector<Task> tasks;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--plugin")
+      plugin = value;
+    else if (flag == "--images")
+      images = value;
+    else if (flag == "--order")
+      g_order = value == "tasks-first"  ? Order::kTasksFirst
+                : value == "concurrent" ? Order::kConcurrent
+                                        : Order::kCriu;
+    else if (flag == "--expect")
+      expect_path = value;
+    else if (flag == "--task")
+      tasks.push_back(Task{value == "none" ? 0 : std::atoi(value.c_str())});
+    else
+      return Fail("unknown flag %s", flag.c_str());
+  }
+  if (plugin.empty() || images.empty() || tasks.empty())
+    return Fail("usage: --plugin SO --images DIR [--expect FILE] --task ID|none ...");
+  std::vector<ExpectedBo> expected;
+  if (!expect_path.empty() && !ParseExpect(expect_path, expected))
+    return Fail("cannot parse %s", expect_path.c_str());
+
+  // ---- load and check the descriptor as CRIU does ----
+  void* so = ::dlopen(plugin.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (so == nullptr) return Fail("dlopen: %s", ::dlerror());
+  g_desc = static_cast<gpulazy_criu_plugin_desc*>(::dlsym(so, "CR_PLUGIN_DESC"));
+  if (g_desc == nullptr) return Fail("no CR_PLUGIN_DESC");
+  Say("desc: name=%s version=%#x max_hooks=%u", g_desc->name, g_desc->version, g_desc->max_hooks);
+  if (std::strcmp(g_desc->name, "gpulazy_plugin") != 0 || g_desc->version != 0x200 ||
+      g_desc->max_hooks != GPULAZY_HOOK_COUNT_CRIU_4_2)
+    return Fail("unexpected descriptor");
+  // criu-dev NULLs the slots between the plugin's max_hooks and its own count.
+  for (int h = static_cast<int>(g_desc->max_hooks); h < GPULAZY_HOOK_COUNT_CRIU_DEV; ++h)
+    g_desc->hooks[h] = nullptr;
+  for (int h : {GPULAZY_HOOK_RESTORE_EXT_FILE, GPULAZY_HOOK_UPDATE_VMA_MAP,
+                GPULAZY_HOOK_RESUME_DEVICES_LATE, GPULAZY_HOOK_POST_FORKING})
+    if (g_desc->hooks[h] == nullptr) return Fail("hook %d missing", h);
+
+  g_image_dir_fd = ::open(images.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (g_image_dir_fd < 0) return Fail("open %s: %s", images.c_str(), std::strerror(errno));
+
+  int rc = g_desc->init(GPULAZY_CRIU_STAGE_RESTORE);
+  Say("init(RESTORE) = %d", rc);
+  if (rc != 0) return Fail("init(RESTORE) = %d", rc);
+
+  // ---- fork the tree: the first task is the root, the others its children (as CRIU's root
+  // task forks its children before any of them restores files) ----
+  for (Task& t : tasks)
+    if (::pipe2(t.report, O_CLOEXEC) != 0 || ::pipe2(t.go, O_CLOEXEC) != 0)
+      return Fail("pipe: %s", std::strerror(errno));
+  std::fflush(stdout);
+  pid_t root = ::fork();
+  if (root < 0) return Fail("fork: %s", std::strerror(errno));
+  if (root == 0) {
+    for (size_t i = 1; i < tasks.size(); ++i)
+      if (::fork() == 0) ::_exit(TaskMain(tasks[i], expected));
+    int worst = TaskMain(tasks[0], expected);
+    int status = 0;
+    while (::wait(&status) > 0)  // bounded: the children's alarms
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) worst = worst ? worst : 1;
+    ::_exit(worst);
+  }
+
+  auto post_forking = Hook<gpulazy_void_hook_t>(GPULAZY_HOOK_POST_FORKING);
+  auto resume = Hook<gpulazy_pid_hook_t>(GPULAZY_HOOK_RESUME_DEVICES_LATE);
+  // Tell every task to stop (failure) or check, then tear down like CRIU.
+  auto finish = [&](int ret, const std::string& why) {
+    char quit = 'q';
+    for (Task& t : tasks)
+      (void)WriteAll(t.go[1], &quit, 1);
+    g_desc->exit(GPULAZY_CRIU_STAGE_RESTORE, ret);
+    int status = 0;
+    (void)::waitpid(root, &status, 0);
+    return Fail("%s", why.c_str());
+  };
+
+  auto collect = [&]() -> int {
+    for (Task& t : tasks) {
+      Report r;
+      if (!ReadAll(t.report[0], &r, sizeof(r), kReportTimeoutMs))
+        return finish(-ETIMEDOUT, "a task never reported");
+      t.pid = r.pid;
+      Say("task %d: RESTORE_EXT_FILE(%d) = %d", r.pid, t.file_id, r.rc);
+      if (r.rc < 0)
+        return finish(r.rc, "task " + std::to_string(r.pid) +
+                                " failed its restore hooks: " + std::to_string(r.rc));
+    }
+    return 0;
+  };
+  if (g_order == Order::kTasksFirst && collect() != 0) return 1;
+  rc = post_forking();
+  Say("POST_FORKING = %d", rc);
+  if (rc != 0) return finish(rc, "POST_FORKING = " + std::to_string(rc));
+  if (g_order == Order::kCriu) {
+    char stage = 's';
+    for (Task& t : tasks)
+      (void)WriteAll(t.go[1], &stage, 1);
+  }
+  if (g_order != Order::kTasksFirst && collect() != 0) return 1;
+
+  const char* mode = std::getenv("GPULAZY_MODE");
+  const bool lazy = mode != nullptr && std::strcmp(mode, "lazy") == 0;
+  char check = 'c';
+  for (Task& t : tasks) {
+    rc = resume(t.pid);
+    Say("RESUME_DEVICES_LATE(%d) = %d", t.pid, rc);
+    const int want = t.file_id > 0 ? 0 : -ENOTSUP;
+    if (rc != want)
+      return finish(rc,
+                    "RESUME_DEVICES_LATE(" + std::to_string(t.pid) + ") = " + std::to_string(rc));
+    // Eager and parallel promise a task's contents by its resume; lazy only by exit.
+    if (!lazy) (void)WriteAll(t.go[1], &check, 1);
+  }
+  g_desc->exit(GPULAZY_CRIU_STAGE_RESTORE, 0);
+  Say("exit(RESTORE, 0)");
+  if (lazy)
+    for (Task& t : tasks)
+      (void)WriteAll(t.go[1], &check, 1);
+
+  std::string bad;
+  for (Task& t : tasks) {
+    char verdict = 0;
+    if (!ReadAll(t.report[0], &verdict, 1, kReportTimeoutMs) || verdict != 1)
+      bad += " " + std::to_string(t.pid);
+  }
+  int status = 0;
+  (void)::waitpid(root, &status, 0);
+  if (!bad.empty()) return Fail("contents wrong in task(s)%s", bad.c_str());
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return Fail("a task exited badly");
+  std::string claimed;
+  for (const std::string& c : g_claimed)
+    claimed += " " + c;
+  Say("claimed:%s", claimed.c_str());
+  Say("sim: ok");
+  return 0;
+}

@@ -1,0 +1,275 @@
+// The plugin-host test: runs gpulazy_criu_host_sim (criu_host_sim.cc), which dlopens the real
+// gpulazy_plugin.so and drives it in CRIU's restore order with forked processes as restored
+// tasks, against synthetic checkpoints, the fake KFD and the host engine. The simulator runs
+// as a separate process: this binary links our protobuf code, and so does the plugin.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/synth.h"
+#include "plugin/topology.h"
+#include "proto/criu_file.h"
+#include "tests/support/temp_dir.h"
+
+namespace gpulazy::plugin {
+namespace {
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+struct Outcome {
+  int exit_code = -1;  // -1: killed (timeout or signal)
+  std::string output;
+};
+
+// Runs argv with exactly `env`, stdout and stderr into `log`; kills it after `timeout`.
+pid_t Spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+            const fs::path& log) {
+  pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) {
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+  }
+  std::vector<std::string> envs;
+  for (const auto& [k, v] : env)
+    envs.push_back(k + "=" + v);
+  std::vector<char*> a, e;
+  for (const std::string& s : argv)
+    a.push_back(const_cast<char*>(s.c_str()));
+  for (const std::string& s : envs)
+    e.push_back(const_cast<char*>(s.c_str()));
+  a.push_back(nullptr);
+  e.push_back(nullptr);
+  ::execve(a[0], a.data(), e.data());
+  ::_exit(127);
+}
+
+int WaitBounded(pid_t pid, std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class PluginHostTest : public ::testing::Test {
+ protected:
+  // A checkpoint of `processes` processes at dir/ckpt, a fake KFD at dir/kfd whose topology
+  // matches it, and the --expect file the simulator's tasks compare against.
+  void Make(uint32_t processes) {
+    image::SynthOptions o;
+    o.out = images_;
+    o.gpus = 2;
+    o.bos = 8;
+    o.total_bytes = processes * (4u << 20);
+    o.seed = 7;
+    o.processes = processes;
+    auto report = image::SynthesizeCheckpoint(o);
+    ASSERT_TRUE(report.ok()) << report.status().ToString();
+    auto cp = image::CriuCheckpoint::Open(images_);
+    ASSERT_TRUE(cp.ok()) << cp.status().ToString();
+    const criu::KfdProcess& first = cp->processes().front().message;
+    devices_.assign(first.devices().begin(), first.devices().end());
+    ASSERT_TRUE(WriteFakeTopology(dir_ / "kfd" / "topology", devices_).ok());
+    std::map<uint32_t, const criu::KfdProcess*> by_file;
+    for (const auto& p : cp->processes())
+      by_file[p.file_id] = &p.message;
+    std::ofstream expect(dir_ / "expect");
+    for (const image::ContentBo& bo : cp->content_bos())
+      expect << bo.process_id << " " << bo.bo_index << " " << bo.size << " "
+             << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).mmap_offset() << " "
+             << (images_ / bo.pages_file).string() << " "
+             << criu_format::kHeaderSize + bo.pages_offset << "\n";
+    ASSERT_TRUE(expect.good());
+    ASSERT_GT(cp->content_bos().size(), 0u);
+  }
+
+  Outcome Sim(const std::vector<std::string>& tasks, std::map<std::string, std::string> env,
+              const std::string& order = "criu") {
+    std::ofstream(dir_ / "empty.conf").flush();  // no /etc/gpulazy/plugin.conf leaks in
+    std::map<std::string, std::string> full = {
+        {"PATH", "/usr/bin:/bin"},
+        {"GPULAZY_CONFIG", (dir_ / "empty.conf").string()},
+        {"GPULAZY_FAKE_KFD", (dir_ / "kfd").string()},
+        {"GPULAZY_TOPOLOGY", (dir_ / "kfd" / "topology").string()},
+        {"GPULAZY_FAULT_SOCKET", (dir_ / "fault.sock").string()},
+        {"GPULAZY_RESUME_TIMEOUT_MS", "60000"},
+    };
+    for (auto& [k, v] : env)
+      full[k] = v;
+    std::vector<std::string> argv = {GPULAZY_CRIU_HOST_SIM,
+                                     "--plugin",
+                                     GPULAZY_PLUGIN_SO,
+                                     "--images",
+                                     images_.string(),
+                                     "--order",
+                                     order};
+    if (fs::exists(dir_ / "expect")) {
+      argv.push_back("--expect");
+      argv.push_back((dir_ / "expect").string());
+    }
+    for (const std::string& t : tasks) {
+      argv.push_back("--task");
+      argv.push_back(t);
+    }
+    fs::path log = dir_ / "sim.log";
+    Outcome out;
+    out.exit_code = WaitBounded(Spawn(argv, full, log), 200s);
+    out.output = Slurp(log);
+    return out;
+  }
+
+  gpulazy::testing::TempDir dir_;
+  fs::path images_ = dir_ / "ckpt";
+  std::vector<criu::KfdDevice> devices_;
+};
+
+// ---- byte-exact contents: mode x {one process, a two-process tree} ----
+
+struct Case {
+  const char* mode;
+  uint32_t processes;
+  const char* order;  // the simulator's --order: when tasks restore files vs. POST_FORKING
+};
+
+class ContentsTest : public PluginHostTest, public ::testing::WithParamInterface<Case> {};
+
+TEST_P(ContentsTest, BosMatchThePagesFiles) {
+  ASSERT_NO_FATAL_FAILURE(Make(GetParam().processes));
+  std::vector<std::string> tasks;
+  for (uint32_t i = 1; i <= GetParam().processes; ++i)
+    tasks.push_back(std::to_string(i));
+  Outcome out = Sim(tasks, {{"GPULAZY_MODE", GetParam().mode}}, GetParam().order);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("claimed: amdgpu_plugin gpulazy_plugin"), std::string::npos)
+      << out.output;
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  for (const char* mode : {"eager", "parallel", "lazy"}) {
+    cases.push_back({mode, 1, "criu"});
+    for (const char* order : {"criu", "tasks-first", "concurrent"})
+      cases.push_back({mode, 2, order});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ContentsTest, ::testing::ValuesIn(AllCases()),
+                         [](const auto& info) {
+                           std::string name = std::string(info.param.mode) + "_" +
+                                              std::to_string(info.param.processes) + "proc_" +
+                                              info.param.order;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// The same against a real gpulazy-server process instead of the in-process one.
+class RealServerTest : public PluginHostTest, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(RealServerTest, TreeRestoresFromGpulazyServer) {
+  ASSERT_NO_FATAL_FAILURE(Make(2));
+  const fs::path ready = dir_ / "ready";
+  const std::string socket = (dir_ / "srv.sock").string();
+  pid_t server =
+      Spawn({std::string(GPULAZY_BIN_DIR) + "/gpulazy-server", "--images", dir_.path().string(),
+             "--listen", "unix:" + socket, "--ready-file", ready.string()},
+            {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(20ms);
+  ASSERT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
+  Outcome out =
+      Sim({"1", "2"}, {{"GPULAZY_MODE", GetParam()}, {"GPULAZY_SERVER", "unix:" + socket}});
+  ::kill(server, SIGTERM);
+  EXPECT_GE(WaitBounded(server, 20s), 0);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, RealServerTest, ::testing::Values("eager", "parallel", "lazy"));
+
+// ---- failures name their reason ----
+
+TEST_F(PluginHostTest, ServerDownFailsEagerInTheTask) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  const std::string nowhere = "unix:" + (dir_ / "nobody.sock").string();
+  Outcome out = Sim({"1"}, {{"GPULAZY_MODE", "eager"}, {"GPULAZY_SERVER", nowhere}});
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: FAIL task"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("eager restore: page server " + nowhere), std::string::npos)
+      << out.output;
+}
+
+TEST_F(PluginHostTest, ServerDownFailsParallelAtPostForking) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  const std::string nowhere = "unix:" + (dir_ / "nobody.sock").string();
+  Outcome out = Sim({"1"}, {{"GPULAZY_MODE", "parallel"}, {"GPULAZY_SERVER", nowhere}});
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: FAIL POST_FORKING"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("parallel restore: page server " + nowhere), std::string::npos)
+      << out.output;
+}
+
+TEST_F(PluginHostTest, WrongTopologyFailsRestoreExtFileNamingDeviceId) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  std::vector<criu::KfdDevice> other = devices_;
+  for (criu::KfdDevice& d : other)
+    d.set_device_id(d.device_id() ^ 0x1);
+  ASSERT_TRUE(WriteFakeTopology(dir_ / "other-topology", other).ok());
+  Outcome out = Sim({"1"}, {{"GPULAZY_MODE", "parallel"},
+                            {"GPULAZY_TOPOLOGY", (dir_ / "other-topology").string()}});
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: FAIL task"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("RESTORE_EXT_FILE"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("device_id"), std::string::npos) << out.output;
+}
+
+// ---- processes without GPU state: every hook passes ----
+
+TEST_F(PluginHostTest, RestoreWithoutGpuStateStaysOutOfTheWay) {
+  fs::create_directories(images_);
+  std::ofstream(images_ / "inventory.img") << "not ours";
+  Outcome out = Sim({"none", "none"}, {{"GPULAZY_MODE", "parallel"}});
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("POST_FORKING = 0"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+}
+
+TEST_F(PluginHostTest, TaskWithoutGpuStateInAGpuRestorePasses) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  Outcome out = Sim({"1", "none"}, {{"GPULAZY_MODE", "parallel"}});
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+}
+
+}  // namespace
+}  // namespace gpulazy::plugin
