@@ -45,14 +45,7 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
   const uint64_t cs = raw_chunk_size;
   for (const ContentBo& content : checkpoint.content_bos()) {
     manifest::Bo* bo = m.add_bos();
-    bo->set_process_id(content.process_id);
-    bo->set_bo_index(content.bo_index);
-    bo->set_gpu_id(content.gpu_id);
-    bo->set_gpu_va(content.gpu_va);
-    bo->set_size(content.size);
-    bo->set_alloc_flags(content.alloc_flags);
-    bo->set_source_file(content.pages_file);
-    bo->set_source_offset(content.pages_offset);
+    DescribeContentBo(content, bo);
     // CriuCheckpoint::Open proved 8 + pages_offset + size fits in the pages file's real size.
     const uint64_t base = criu_format::kHeaderSize + content.pages_offset;
     for (uint64_t begin = 0; begin < content.size; begin += cs) {

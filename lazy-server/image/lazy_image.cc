@@ -350,14 +350,7 @@ Result<ConvertStats> ConvertToLazyImage(const CriuCheckpoint& checkpoint,
 
   for (const ContentBo& content : checkpoint.content_bos()) {
     manifest::Bo* bo = m.add_bos();
-    bo->set_process_id(content.process_id);
-    bo->set_bo_index(content.bo_index);
-    bo->set_gpu_id(content.gpu_id);
-    bo->set_gpu_va(content.gpu_va);
-    bo->set_size(content.size);
-    bo->set_alloc_flags(content.alloc_flags);
-    bo->set_source_file(content.pages_file);
-    bo->set_source_offset(content.pages_offset);
+    DescribeContentBo(content, bo);
     if (content.size == 0) continue;
 
     GPULAZY_ASSIGN_OR_RETURN(int fd, SourceFd(&sources, dir, content.pages_file));
@@ -439,6 +432,17 @@ Result<ConvertStats> ConvertToLazyImage(const CriuCheckpoint& checkpoint,
 }
 
 // --- Decoding --------------------------------------------------------------------------------
+
+void DescribeContentBo(const ContentBo& content, manifest::Bo* bo) {
+  bo->set_process_id(content.process_id);
+  bo->set_bo_index(content.bo_index);
+  bo->set_gpu_id(content.gpu_id);
+  bo->set_gpu_va(content.gpu_va);
+  bo->set_size(content.size);
+  bo->set_alloc_flags(content.alloc_flags);
+  bo->set_source_file(content.pages_file);
+  bo->set_source_offset(content.pages_offset);
+}
 
 Status DecodeChunk(const manifest::Chunk& chunk, std::span<const uint8_t> stored,
                    std::span<uint8_t> raw, std::string_view what) {

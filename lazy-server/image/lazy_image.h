@@ -44,6 +44,9 @@ struct ConvertStats {
 Result<ConvertStats> ConvertToLazyImage(const CriuCheckpoint& checkpoint,
                                         const ConvertOptions& options);
 
+// Fills a manifest BO entry (everything but its chunk table) from a CRIU content BO.
+void DescribeContentBo(const ContentBo& content, manifest::Bo* bo);
+
 // Decodes one chunk's stored bytes into raw (raw.size() must equal chunk.raw_length()) and
 // verifies the checksum. Never writes past raw. Errors say what was wrong; `what` names the
 // chunk ("image x, BO 3, chunk 7").

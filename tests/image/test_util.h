@@ -17,32 +17,9 @@
 #include "lazy-server/image/criu_checkpoint.h"
 #include "proto/criu_file.h"
 #include "proto/endian.h"
+#include "tests/support/temp_dir.h"
 
 namespace gpulazy::testing {
-
-// A directory under $TMPDIR (or /tmp), removed with everything in it when the object dies.
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/gpulazy-test-XXXXXX";
-    std::vector<char> name(tmpl.begin(), tmpl.end());
-    name.push_back('\0');
-    if (::mkdtemp(name.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = name.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  std::filesystem::path path_;
-};
 
 // Protobuf wire format, by hand: tags are (field << 3) | wire type.
 class PbWriter {

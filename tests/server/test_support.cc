@@ -20,18 +20,6 @@ namespace gpulazy::server::testing {
 namespace fs = std::filesystem;
 namespace asio = boost::asio;
 
-TempDir::TempDir() {
-  // Short, because Unix socket paths live inside and are limited to 107 bytes.
-  char pattern[] = "/tmp/gls-XXXXXX";
-  char* made = ::mkdtemp(pattern);
-  path_ = made ? fs::path(made) : fs::temp_directory_path() / "gls-fallback";
-}
-
-TempDir::~TempDir() {
-  std::error_code ec;
-  fs::remove_all(path_, ec);
-}
-
 ServerProcess::ServerProcess(const fs::path& dir, const fs::path& root,
                              std::vector<std::string> extra_args) {
   const fs::path ready = dir / "ready";

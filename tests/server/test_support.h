@@ -18,20 +18,13 @@
 #include "proto/manifest.pb.h"
 #include "proto/status.h"
 #include "proto/wire.pb.h"
+#include "tests/support/temp_dir.h"
 
 namespace gpulazy::server::testing {
 
 using namespace std::chrono_literals;
 
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using ::gpulazy::testing::TempDir;
 
 class ServerProcess {
  public:

@@ -16,30 +16,14 @@
 #include "lazy-server/image/io.h"
 #include "proto/checksum.h"
 #include "proto/criu_file.h"
+#include "tests/support/temp_dir.h"
 
 namespace gpulazy::image {
 namespace {
 
 namespace cf = criu_format;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "gpulazy-synth.XXXXXX").string();
-    char* made = ::mkdtemp(pattern.data());
-    if (made == nullptr) std::abort();
-    path_ = made;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using ::gpulazy::testing::TempDir;
 
 std::string ReadFile(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
