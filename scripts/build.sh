@@ -8,7 +8,11 @@ shift || true
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 launcher=()
-command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+  # Hash paths relative to the checkout, so a fresh clone elsewhere reuses earlier objects.
+  export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=true
+fi
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S "$root" -B "$build" "${generator[@]}" "${launcher[@]}" "$@" >/dev/null
 else

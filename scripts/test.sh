@@ -8,7 +8,9 @@ if [ "${1:-}" = "--sanitize" ]; then sanitize=${2:?--sanitize needs a value}; fi
 "$root/scripts/install-deps.sh"
 if [ -n "$sanitize" ]; then
   build="$root/build-${sanitize//,/-}"
-  "$root/scripts/build.sh" "$build" -DCMAKE_BUILD_TYPE=Debug -DGPULAZY_SANITIZE="$sanitize"
+  # Benchmarks are not tests: the sanitizer build leaves them out.
+  "$root/scripts/build.sh" "$build" -DCMAKE_BUILD_TYPE=Debug -DGPULAZY_SANITIZE="$sanitize" \
+    -DGPULAZY_BUILD_BENCH=OFF
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
   export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 else
