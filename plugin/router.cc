@@ -24,6 +24,7 @@ Status Router::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
     if (it != bound_.end()) {
       engine = it->second;
     } else if (!discard_unbound_) {
+      if (!closed_.ok()) return closed_;  // the caller keeps `done`; it is never called
       parked_[bo].push_back(Parked{offset, raw, std::move(done)});
       return Status::Ok();
     }
@@ -82,6 +83,7 @@ void Router::FailParked(const Status& why) {
   std::map<uint32_t, std::vector<Parked>> parked;
   {
     std::lock_guard lock(mutex_);
+    closed_ = why.ok() ? Aborted("restore abandoned") : why;
     parked.swap(parked_);
   }
   for (auto& [bo, list] : parked)

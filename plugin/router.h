@@ -26,7 +26,9 @@ class Router : public client::CopyEngine {
 
   // Binds BO `bo` (the session's index) to `engine` with its dmabuf and replays parked writes.
   Status Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t size);
-  // Completes every parked write with `why` (a task died; the restore is being abandoned).
+  // Completes every parked write with `why` (a task died; the restore is being abandoned) and
+  // closes the router to unbound BOs: later writes to them fail at once instead of parking, so
+  // no callback can outlive the session that owns it.
   void FailParked(const Status& why);
   size_t parked() const;
 
@@ -38,6 +40,7 @@ class Router : public client::CopyEngine {
   };
   mutable std::mutex mutex_;
   bool discard_unbound_;
+  Status closed_;  // not ok once FailParked ran
   std::map<uint32_t, uint64_t> sizes_;
   std::map<uint32_t, DeviceEngine*> bound_;
   std::map<uint32_t, std::vector<Parked>> parked_;

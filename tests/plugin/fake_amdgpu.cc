@@ -16,6 +16,7 @@ FakeAmdgpuDevice::~FakeAmdgpuDevice() {
   }
   cv_.notify_all();
   gpu_.join();
+  live_at_exit_->store(bos_.size());
   for (auto& [h, bo] : bos_)
     if (bo.mapped_fd) ::munmap(bo.host, bo.size);
 }

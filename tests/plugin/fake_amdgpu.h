@@ -3,9 +3,12 @@
 // performs the copies on host memory after a delay, so fences complete asynchronously.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -28,6 +31,9 @@ class FakeAmdgpuDevice : public AmdgpuDevice {
 
   uint32_t max_outstanding() const;
   size_t live_bos() const;
+  // Outlives the device: the BOs still live when it was destroyed (SIZE_MAX until then), so a
+  // test can check that the engine released everything before it released the device.
+  std::shared_ptr<std::atomic<size_t>> live_bos_at_destruction() const { return live_at_exit_; }
 
  private:
   struct Bo {
@@ -44,6 +50,8 @@ class FakeAmdgpuDevice : public AmdgpuDevice {
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::map<BoHandle, Bo> bos_;
+  std::shared_ptr<std::atomic<size_t>> live_at_exit_ =
+      std::make_shared<std::atomic<size_t>>(SIZE_MAX);
   BoHandle next_ = 0;
   uint64_t next_va_ = 1ull << 32;
   std::deque<std::pair<uint64_t, std::vector<uint32_t>>> queue_;

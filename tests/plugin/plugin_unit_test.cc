@@ -361,8 +361,9 @@ TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
   // Bounds and unknown BOs fail the Write without calling `done`.
   EXPECT_FALSE((*engine)->Write(7, bo_size - 1, chunks[0], [](Status) { FAIL(); }).ok());
   EXPECT_FALSE((*engine)->Write(8, 0, chunks[0], [](Status) { FAIL(); }).ok());
-  engine->reset();
-  EXPECT_EQ(fake->live_bos(), 0u);  // staging and imported BOs released
+  auto live_at_exit = fake->live_bos_at_destruction();
+  engine->reset();                      // destroys the fake device too
+  EXPECT_EQ(live_at_exit->load(), 0u);  // staging and imported BOs released before the device
 }
 
 // ---- handoff ----
