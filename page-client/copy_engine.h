@@ -66,7 +66,9 @@ class CopyEngine {
   }
 
   // Returns once every accepted write has completed (its `done` has run); the first failure
-  // since the last Flush, if any.
+  // since the last Flush, if any. An engine that holds writes (waiting for a destination to be
+  // bound, say) must complete or refuse them before the session that issued them is destroyed:
+  // `done` callbacks own session state, and one destroyed later would touch freed memory.
   virtual Status Flush() = 0;
 };
 

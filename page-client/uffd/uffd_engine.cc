@@ -47,6 +47,8 @@ Status UffdCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
       return OutOfRange("uffd engine: write [{}, +{}) past BO {} of {} bytes", offset, raw.size(),
                         bo, it->second.size);
     if (!it->second.region) {
+      // After Abandon nothing may be held: a held callback would outlive its session.
+      if (abandoned_) return Aborted("uffd engine: BO {} will never be bound (abandoned)", bo);
       it->second.held.push_back({offset, raw, std::move(done)});
       return Status::Ok();
     }
@@ -85,6 +87,7 @@ void UffdCopyEngine::Abandon() {
   std::vector<Held> held;
   {
     std::lock_guard lock(mutex_);
+    abandoned_ = true;
     for (auto& [bo, dest] : destinations_)
       for (Held& write : dest.held)
         held.push_back(std::move(write));

@@ -40,7 +40,8 @@ class UffdCopyEngine : public client::CopyEngine {
   // Where BO `region.bo` lives in the faulting process. In MINOR mode `memfd` is the BO's
   // memfd (the engine maps it to write); ignored in MISSING mode. Applies held writes.
   Status Bind(const Region& region, int memfd = -1);
-  // Completes every held write with kAborted (the restored process will never bind).
+  // Completes every held write with kAborted (the restored process will never bind); later
+  // writes to unbound BOs fail at once instead of being held.
   void Abandon();
 
   bool target_gone() const { return target_gone_.load(); }
@@ -65,6 +66,7 @@ class UffdCopyEngine : public client::CopyEngine {
   const Userfaultfd& uffd_;
   std::mutex mutex_;  // guards destinations_' shape, bindings and held writes
   std::map<uint32_t, Destination> destinations_;
+  bool abandoned_ = false;  // guarded by mutex_
   std::atomic<bool> target_gone_{false};
   std::atomic<uint64_t> bytes_installed_{0};
   std::atomic<uint64_t> already_present_{0};
