@@ -335,6 +335,25 @@ Status RunRestoreBench(const CommonOptions& common, const RestoreOptions& option
 
 namespace {
 
+// A registered region of `bytes` and, in MINOR mode, the pager's own mapping to fill it through.
+struct MechanismTarget {
+  uffd::Userfaultfd uffd;
+  uffd::RestoredMemory memory;
+  std::optional<uffd::Mapping> filler;
+};
+
+Result<MechanismTarget> MakeMechanismTarget(uffd::FillMode mode, bool anonymous, uint64_t bytes) {
+  GPULAZY_ASSIGN_OR_RETURN(uffd::Userfaultfd uffd, uffd::Userfaultfd::Create(mode));
+  GPULAZY_ASSIGN_OR_RETURN(uffd::RestoredMemory memory,
+                           uffd::RestoredMemory::Create(uffd, {bytes}, anonymous));
+  std::optional<uffd::Mapping> filler;
+  if (mode == uffd::FillMode::kMinorContinue) {
+    GPULAZY_ASSIGN_OR_RETURN(uffd::Mapping mapped, uffd::Mapping::Map(memory.memfd(0), bytes));
+    filler.emplace(std::move(mapped));
+  }
+  return MechanismTarget{std::move(uffd), std::move(memory), std::move(filler)};
+}
+
 // MISSING + UFFDIO_COPY (anonymous and memfd) against MINOR + UFFDIO_CONTINUE (memfd): the cost
 // of one 4 KiB fault served from memory by a pager thread, and of filling 2 MiB chunks with no
 // fault pending (the background path). No server: this isolates the kernel mechanism.
@@ -347,14 +366,10 @@ Result<nlohmann::json> MeasureMechanism(uffd::FillMode mode, bool anonymous, uin
       {"mechanism", std::string(uffd::FillModeName(mode)) + (anonymous ? "/anon" : "/memfd")}};
   // (1) faults: a thread touches every page; the pager installs the page it faulted on.
   {
-    GPULAZY_ASSIGN_OR_RETURN(uffd::Userfaultfd uffd, uffd::Userfaultfd::Create(mode));
-    GPULAZY_ASSIGN_OR_RETURN(uffd::RestoredMemory memory,
-                             uffd::RestoredMemory::Create(uffd, {bytes}, anonymous));
-    std::optional<uffd::Mapping> filler;
-    if (mode == uffd::FillMode::kMinorContinue) {
-      GPULAZY_ASSIGN_OR_RETURN(uffd::Mapping mapped, uffd::Mapping::Map(memory.memfd(0), bytes));
-      filler.emplace(std::move(mapped));
-    }
+    GPULAZY_ASSIGN_OR_RETURN(MechanismTarget target, MakeMechanismTarget(mode, anonymous, bytes));
+    uffd::Userfaultfd& uffd = target.uffd;
+    uffd::RestoredMemory& memory = target.memory;
+    std::optional<uffd::Mapping>& filler = target.filler;
     const uint64_t base = memory.regions()[0].addr;
     std::atomic<bool> done{false};
     std::thread pager([&] {
@@ -398,14 +413,10 @@ Result<nlohmann::json> MeasureMechanism(uffd::FillMode mode, bool anonymous, uin
   }
   // (2) fill: install everything in 2 MiB chunks, no fault pending.
   {
-    GPULAZY_ASSIGN_OR_RETURN(uffd::Userfaultfd uffd, uffd::Userfaultfd::Create(mode));
-    GPULAZY_ASSIGN_OR_RETURN(uffd::RestoredMemory memory,
-                             uffd::RestoredMemory::Create(uffd, {bytes}, anonymous));
-    std::optional<uffd::Mapping> filler;
-    if (mode == uffd::FillMode::kMinorContinue) {
-      GPULAZY_ASSIGN_OR_RETURN(uffd::Mapping mapped, uffd::Mapping::Map(memory.memfd(0), bytes));
-      filler.emplace(std::move(mapped));
-    }
+    GPULAZY_ASSIGN_OR_RETURN(MechanismTarget target, MakeMechanismTarget(mode, anonymous, bytes));
+    uffd::Userfaultfd& uffd = target.uffd;
+    uffd::RestoredMemory& memory = target.memory;
+    std::optional<uffd::Mapping>& filler = target.filler;
     const uint64_t base = memory.regions()[0].addr;
     const uint64_t chunk = 2u << 20;
     auto t = Clock::now();

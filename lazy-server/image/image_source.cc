@@ -30,12 +30,9 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
   manifest::Manifest& m = source->manifest_;
   m.set_format_version(1);
   m.set_chunk_size(raw_chunk_size);
+  DescribeDevices(checkpoint, &m);
   for (const KfdProcessImage& process : checkpoint.processes()) {
     for (const auto& [gpu_id, pages] : process.pages_by_gpu) {
-      manifest::Device* device = m.add_devices();
-      device->set_process_id(process.file_id);
-      device->set_gpu_id(gpu_id);
-      device->set_content_bytes(pages.payload_length);
       // A GPU whose content BOs are all empty may have no pages file; there is nothing to read.
       if (pages.payload_length == 0) continue;
       GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(dir / pages.name));

@@ -329,14 +329,7 @@ Result<ConvertStats> ConvertToLazyImage(const CriuCheckpoint& checkpoint,
   m.set_chunk_file(kChunkFileName);
   m.set_created_unix_s(static_cast<uint64_t>(std::time(nullptr)));
   m.set_created_by(kCreatedBy);
-  for (const KfdProcessImage& process : checkpoint.processes()) {
-    for (const auto& [gpu_id, pages] : process.pages_by_gpu) {
-      manifest::Device* device = m.add_devices();
-      device->set_process_id(process.file_id);
-      device->set_gpu_id(gpu_id);
-      device->set_content_bytes(pages.payload_length);
-    }
-  }
+  DescribeDevices(checkpoint, &m);
 
   GPULAZY_ASSIGN_OR_RETURN(TempFile chunk_file, TempFile::Create(dir / kChunkFileName));
   StoredWriter writer(chunk_file.fd(), chunk_file.path());
@@ -432,6 +425,17 @@ Result<ConvertStats> ConvertToLazyImage(const CriuCheckpoint& checkpoint,
 }
 
 // --- Decoding --------------------------------------------------------------------------------
+
+void DescribeDevices(const CriuCheckpoint& checkpoint, manifest::Manifest* manifest) {
+  for (const KfdProcessImage& process : checkpoint.processes()) {
+    for (const auto& [gpu_id, pages] : process.pages_by_gpu) {
+      manifest::Device* device = manifest->add_devices();
+      device->set_process_id(process.file_id);
+      device->set_gpu_id(gpu_id);
+      device->set_content_bytes(pages.payload_length);
+    }
+  }
+}
 
 void DescribeContentBo(const ContentBo& content, manifest::Bo* bo) {
   bo->set_process_id(content.process_id);

@@ -44,6 +44,8 @@ struct ConvertStats {
 Result<ConvertStats> ConvertToLazyImage(const CriuCheckpoint& checkpoint,
                                         const ConvertOptions& options);
 
+// Adds one manifest Device per (process, GPU with contents) of the checkpoint.
+void DescribeDevices(const CriuCheckpoint& checkpoint, manifest::Manifest* manifest);
 // Fills a manifest BO entry (everything but its chunk table) from a CRIU content BO.
 void DescribeContentBo(const ContentBo& content, manifest::Bo* bo);
 
