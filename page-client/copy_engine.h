@@ -48,21 +48,31 @@ class CopyEngine {
   // The session then reads a RAW chunk's payload from the socket into that span, verifies the
   // checksum there, and only if it matches calls CommitReceived (which completes like Write).
   // On a mismatch or a broken connection the session zeroes the span and the chunk stays
-  // missing, so corrupt bytes are never marked resident and do not linger. An engine that cannot
-  // promise that (memory mapped into a running program without a residency gate, a DMA
-  // engine) keeps the default: nullopt, and every chunk goes through Write. Called only on the
-  // session's I/O threads, for disjoint ranges (a chunk is claimed before it is received).
+  // missing, so corrupt bytes are never marked resident and do not linger (ReleaseReceived).
+  // A DMA engine may instead lend a staging buffer of its own for the range (the CUDA engine's
+  // pinned slots): CommitReceived then queues the DMA from it. An engine that can promise
+  // neither (memory mapped into a running program without a residency gate) keeps the
+  // default: nullopt, and every chunk goes through Write. Called only on the restore's I/O or
+  // reader threads, for disjoint ranges (a chunk is claimed before it is received); it may
+  // block until a buffer is free, as Write may.
   virtual std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                           uint64_t length) {
     (void)bo, (void)offset, (void)length;
     return std::nullopt;
   }
   // The bytes of a ReceiveTarget span are verified and in place: complete the "write" (done is
-  // called exactly once, as for Write). Only called after ReceiveTarget returned a span.
+  // called exactly once, as for Write). Only called after ReceiveTarget returned a span. Whether
+  // it succeeds or fails, the span is the engine's again.
   // NOLINTNEXTLINE(performance-unnecessary-value-param): overrides take ownership of `done`.
   virtual Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
     (void)bo, (void)offset, (void)length, (void)done;
     return Unsupported("{} engine: CommitReceived without ReceiveTarget", name());
+  }
+
+  // A ReceiveTarget span that will not be committed (its bytes failed verification, or the
+  // connection broke mid-receive): the engine may reuse it. The caller has zeroed it.
+  virtual void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) {
+    (void)bo, (void)offset, (void)length;
   }
 
   // Returns once every accepted write has completed (its `done` has run); the first failure

@@ -844,6 +844,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   if (!status.ok() || XXH3_64bits_digest(hash.get()) != data.checksum()) {
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
+    engine_.ReleaseReceived(bo, offset, payload_length);
     {
       std::lock_guard lock(mutex_);
       residency_.ClearLanding(bo, chunk);

@@ -2,10 +2,13 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace gpulazy::client {
@@ -92,12 +95,17 @@ class CudaCopyEngine::Impl {
     return Status::Ok();
   }
 
-  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) {
+  Status CheckRange(uint32_t bo, uint64_t offset, uint64_t length) const {
     if (bo >= destinations_.size() || destinations_[bo] == nullptr)
       return InvalidArgument("write to BO {}, which has no destination", bo);
-    if (offset > sizes_[bo] || raw.size() > sizes_[bo] - offset)
-      return OutOfRange("write of {} bytes at {} past the end of BO {} ({} bytes)", raw.size(),
-                        offset, bo, sizes_[bo]);
+    if (offset > sizes_[bo] || length > sizes_[bo] - offset)
+      return OutOfRange("write of {} bytes at {} past the end of BO {} ({} bytes)", length, offset,
+                        bo, sizes_[bo]);
+    return Status::Ok();
+  }
+
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) {
+    GPULAZY_RETURN_IF_ERROR(CheckRange(bo, offset, raw.size()));
     if (raw.size() > options_.slot_bytes)
       return InvalidArgument("write of {} bytes exceeds the {}-byte staging slot", raw.size(),
                              options_.slot_bytes);
@@ -108,12 +116,17 @@ class CudaCopyEngine::Impl {
       index = free_.front();
       free_.pop_front();
     }
+    std::memcpy(slots_[index].pinned, raw.data(), raw.size());
+    return Queue(index, bo, offset, raw.size(), std::move(done));
+  }
+
+  // Queues the DMA of a filled staging slot; on failure the slot is free again.
+  Status Queue(uint32_t index, uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
     Slot& slot = slots_[index];
-    std::memcpy(slot.pinned, raw.data(), raw.size());
-    cudaStream_t stream = streams_[next_stream_++ % streams_.size()];
+    cudaStream_t stream =
+        streams_[next_stream_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
     auto* target = static_cast<uint8_t*>(destinations_[bo]) + offset;
-    cudaError_t e =
-        cudaMemcpyAsync(target, slot.pinned, raw.size(), cudaMemcpyHostToDevice, stream);
+    cudaError_t e = cudaMemcpyAsync(target, slot.pinned, length, cudaMemcpyHostToDevice, stream);
     if (e == cudaSuccess) e = cudaEventRecord(slot.event, stream);
     if (e != cudaSuccess) {
       std::lock_guard lock(mu_);
@@ -122,13 +135,44 @@ class CudaCopyEngine::Impl {
       return CudaError(e, fmt::format("queueing a copy into BO {}", bo));
     }
     slot.done = std::move(done);
-    slot.bytes = static_cast<uint32_t>(raw.size());
+    slot.bytes = static_cast<uint32_t>(length);
     {
       std::lock_guard lock(mu_);
       in_flight_.push_back(index);
     }
     work_.notify_one();
     return Status::Ok();
+  }
+
+  // Lends a free staging slot for [offset, offset + length) of the BO; blocks while every slot
+  // is in flight, as Write does.
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset, uint64_t length) {
+    if (!CheckRange(bo, offset, length).ok() || length == 0 || length > options_.slot_bytes)
+      return std::nullopt;  // Write will say why, or take it through its own path
+    std::unique_lock lock(mu_);
+    freed_.wait(lock, [&] { return !free_.empty(); });
+    const uint32_t index = free_.front();
+    free_.pop_front();
+    lent_[{bo, offset}] = index;
+    return std::span<uint8_t>(static_cast<uint8_t*>(slots_[index].pinned), length);
+  }
+
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+    std::optional<uint32_t> index = TakeLent(bo, offset);
+    if (!index)
+      return InvalidArgument("commit of BO {} offset {}, which was never lent a staging slot", bo,
+                             offset);
+    return Queue(*index, bo, offset, length, std::move(done));
+  }
+
+  void ReleaseReceived(uint32_t bo, uint64_t offset) {
+    std::optional<uint32_t> index = TakeLent(bo, offset);
+    if (!index) return;
+    {
+      std::lock_guard lock(mu_);
+      free_.push_back(*index);
+    }
+    freed_.notify_one();
   }
 
   Status Flush() {
@@ -159,6 +203,15 @@ class CudaCopyEngine::Impl {
   }
 
  private:
+  std::optional<uint32_t> TakeLent(uint32_t bo, uint64_t offset) {
+    std::lock_guard lock(mu_);
+    auto it = lent_.find({bo, offset});
+    if (it == lent_.end()) return std::nullopt;
+    const uint32_t index = it->second;
+    lent_.erase(it);
+    return index;
+  }
+
   // Waits for copies in submission order and completes them. In-order completion is slightly
   // conservative with several streams, but keeps the ring simple and callbacks ordered.
   void ReapLoop() {
@@ -195,7 +248,7 @@ class CudaCopyEngine::Impl {
   std::vector<Slot> slots_;
   std::vector<void*> destinations_;
   std::vector<uint64_t> sizes_;
-  uint64_t next_stream_ = 0;
+  std::atomic<uint64_t> next_stream_{0};
 
   mutable std::mutex mu_;
   std::condition_variable freed_;
@@ -203,6 +256,7 @@ class CudaCopyEngine::Impl {
   std::condition_variable idle_;
   std::deque<uint32_t> free_;
   std::deque<uint32_t> in_flight_;
+  std::map<std::pair<uint32_t, uint64_t>, uint32_t> lent_;  // (BO, offset) -> slot
   bool stopping_ = false;
   Status first_error_;
   uint64_t bytes_written_ = 0;
@@ -224,6 +278,18 @@ Status CudaCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
 Status CudaCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                              CopyDone done) {
   return impl_->Write(bo, offset, raw, std::move(done));
+}
+std::optional<std::span<uint8_t>> CudaCopyEngine::ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                                uint64_t length) {
+  return impl_->ReceiveTarget(bo, offset, length);
+}
+Status CudaCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t length,
+                                      CopyDone done) {
+  return impl_->CommitReceived(bo, offset, length, std::move(done));
+}
+void CudaCopyEngine::ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) {
+  (void)length;
+  impl_->ReleaseReceived(bo, offset);
 }
 Status CudaCopyEngine::Flush() {
   return impl_->Flush();

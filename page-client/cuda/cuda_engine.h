@@ -5,8 +5,10 @@
 // resident only once its DMA has landed. Write blocks only when every staging slot is in
 // flight, which bounds pinned memory to slots x slot_bytes whatever the image size.
 //
-// Thread-safety: AddDestination before any Write; Write and Flush from one thread at a time
-// (the session's I/O thread); done callbacks run on the reaper thread. DevicePointer and
+// Write can also be avoided: ReceiveTarget lends a staging slot to be filled in place.
+//
+// Thread-safety: AddDestination before any Write; Write, the receive calls and Flush may run on
+// several threads at once; done callbacks run on the reaper thread. DevicePointer and
 // CopyToHost may be called from any thread once the BO's writes are done.
 #pragma once
 
@@ -36,6 +38,12 @@ class CudaCopyEngine : public CopyEngine {
   std::string_view name() const override { return "cuda"; }
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override;
+  // Lends pinned staging slots: the bytes are received (or read) straight into a slot and DMA'd
+  // from there once verified, with no copy of ours in between.
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override;
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
+  void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override;
   Status Flush() override;
 
   // The BO's device buffer (nullptr for an unknown BO).
