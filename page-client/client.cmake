@@ -9,6 +9,10 @@ add_library(gpulazy_client STATIC
 target_link_libraries(gpulazy_client PUBLIC gpulazy_net gpulazy_proto spdlog::spdlog
                       PkgConfig::LZ4 Threads::Threads)
 
+# Restoring from an image directory on this host, with no server (LocalRestore).
+add_library(gpulazy_local_restore STATIC ${CMAKE_CURRENT_LIST_DIR}/local_restore.cc)
+target_link_libraries(gpulazy_local_restore PUBLIC gpulazy_client gpulazy_image)
+
 add_executable(gpulazy-client
   ${CMAKE_CURRENT_LIST_DIR}/cli/main.cc
   ${CMAKE_CURRENT_LIST_DIR}/cli/fetch.cc
