@@ -3,21 +3,31 @@
 //   ceiling   pinned host buffer -> device, cudaMemcpy, the copy engine's upper bound
 //   pipeline  gpulazy-server -> RestoreSession -> CudaCopyEngine, from the page cache, verified
 //             byte for byte against the pages files afterwards
+//   local     LocalRestore -> CudaCopyEngine: reader threads pread the pages files straight
+//             into pinned staging slots (no server, no socket), verified the same way
 //   upstream  CRIU amdgpu-style loop: one staging buffer; read a chunk from the pages file,
 //             copy it, wait, read the next (no server)
+// and, with --experiment layers, a restored "model" whose layers are BOs in device memory:
+// time to the first layer's kernel result and to full residency, eager / parallel / lazy, through
+// the server and locally, beside the upstream-style loop.
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <thread>
 
+#include "bench/cuda_layers.h"
 #include "bench/harness.h"
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
+#include "lazy-server/image/synth.h"
 #include "page-client/cuda/cuda_engine.h"
+#include "page-client/local_restore.h"
 #include "page-client/restore_session.h"
 #include "proto/size.h"
 
@@ -152,21 +162,272 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   return result;
 }
 
+// Byte-for-byte check of every BO in device memory against the checkpoint's pages files.
+Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry>& bos,
+                    const client::CudaCopyEngine& engine) {
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint,
+                           image::CriuCheckpoint::Open(image_dir));
+  std::map<std::pair<uint32_t, uint32_t>, const image::ContentBo*> by_key;
+  for (const image::ContentBo& bo : checkpoint.content_bos())
+    by_key[{bo.process_id, bo.bo_index}] = &bo;
+  std::vector<uint8_t> expected, actual;
+  for (uint32_t i = 0; i < bos.size(); ++i) {
+    auto found = by_key.find({bos[i].process_id, bos[i].bo_index});
+    if (found == by_key.end()) return Corrupt("BO {} missing from the source", i);
+    const image::ContentBo& source = *found->second;
+    expected.resize(source.size);
+    actual.resize(source.size);
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(image_dir / source.pages_file));
+    GPULAZY_RETURN_IF_ERROR(
+        ReadExactAt(fd.get(), 8 + source.pages_offset, expected, image_dir / source.pages_file));
+    GPULAZY_RETURN_IF_ERROR(engine.CopyToHost(i, 0, actual));
+    if (std::memcmp(expected.data(), actual.data(), source.size) != 0)
+      return Corrupt("BO {} in device memory differs from the source", i);
+  }
+  return Status::Ok();
+}
+
+// LocalRestore straight into device memory: readers pread into the engine's pinned slots.
+Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers, uint32_t slots,
+                                    uint32_t streams) {
+  client::CudaEngineOptions engine_options;
+  engine_options.staging_slots = slots;
+  engine_options.streams = streams;
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
+                           client::CudaCopyEngine::Create(engine_options));
+  client::LocalRestoreOptions options;
+  options.image_dir = image_dir;
+  options.readers = readers;
+  PipelineResult result;
+  client::LocalRestore restore(options, *engine);
+  auto start = Clock::now();
+  GPULAZY_RETURN_IF_ERROR(restore.Start());
+  GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
+  result.seconds = SecondsSince(start);
+  result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
+  GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
+  result.verified = true;
+  return result;
+}
+
+// ---- The layer workload -------------------------------------------------------------------
+
+struct LayerOptions {
+  uint32_t readers = 8;
+  uint32_t slots = 32;
+  uint32_t streams = 4;
+  uint64_t window = 64u << 20;
+  uint32_t startup_ms = 20;
+};
+
+// Expected kernel result per layer, keyed by (process, BO index), from the pages files.
+Result<std::map<std::pair<uint32_t, uint32_t>, uint64_t>> ExpectedLayerSums(
+    const fs::path& image_dir) {
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint,
+                           image::CriuCheckpoint::Open(image_dir));
+  std::map<std::pair<uint32_t, uint32_t>, uint64_t> sums;
+  std::vector<uint8_t> buffer(64u << 20);
+  for (const image::ContentBo& bo : checkpoint.content_bos()) {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(image_dir / bo.pages_file));
+    uint64_t sum = 0;
+    for (uint64_t at = 0; at < bo.size; at += buffer.size()) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), bo.size - at));
+      GPULAZY_RETURN_IF_ERROR(ReadExactAt(fd.get(), 8 + bo.pages_offset + at, {buffer.data(), n},
+                                          image_dir / bo.pages_file));
+      sum += HostLayerSum({buffer.data(), n});
+    }
+    sums[{bo.process_id, bo.bo_index}] = sum;
+  }
+  return sums;
+}
+
+struct LayerTimes {
+  double resume_s = 0;
+  double first_result_s = 0;
+  double all_layers_s = 0;
+  double full_s = 0;
+  bool results_ok = true;
+  uint64_t demand_chunks = 0;
+  uint64_t bytes = 0;
+};
+
+// One mode through a restore R (RestoreSession or LocalRestore): the program resumes (at once,
+// or after the whole copy), does `startup_ms` of its own start-up, then runs its layers in
+// order; in lazy mode each layer is ensured resident just before its kernel launches.
+template <typename Restore>
+Result<LayerTimes> RunLayerMode(Restore& restore, client::CudaCopyEngine& engine,
+                                const std::string& mode, const LayerOptions& options,
+                                const std::map<std::pair<uint32_t, uint32_t>, uint64_t>& expected,
+                                Clock::time_point start) {
+  GPULAZY_ASSIGN_OR_RETURN(LayerKernel kernel, LayerKernel::Create());
+  LayerTimes times;
+  GPULAZY_RETURN_IF_ERROR(restore.Start());
+  if (mode == "eager") {
+    GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
+    times.full_s = SecondsSince(start);
+  }
+  times.resume_s = SecondsSince(start);
+  std::this_thread::sleep_for(std::chrono::milliseconds(options.startup_ms));
+  if (mode == "parallel") {
+    GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
+    times.full_s = SecondsSince(start);
+  }
+  const std::vector<client::BoEntry>& bos = restore.bos();
+  for (uint32_t layer = 0; layer < bos.size(); ++layer) {
+    if (mode == "lazy")
+      GPULAZY_RETURN_IF_ERROR(
+          restore.Ensure(layer, 0, bos[layer].size, std::chrono::milliseconds(600000)));
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t sum,
+                             kernel.Run(engine.DevicePointer(layer), bos[layer].size));
+    if (layer == 0) times.first_result_s = SecondsSince(start);
+    auto want = expected.find({bos[layer].process_id, bos[layer].bo_index});
+    if (want == expected.end() || want->second != sum) times.results_ok = false;
+  }
+  times.all_layers_s = SecondsSince(start);
+  if (mode == "lazy") {
+    GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
+    times.full_s = SecondsSince(start);
+  }
+  times.demand_chunks = restore.progress().demand_chunks;
+  times.bytes = restore.progress().total_bytes;
+  return times;
+}
+
+Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& endpoint,
+                                const std::string& path, const std::string& mode,
+                                const LayerOptions& options,
+                                const std::map<std::pair<uint32_t, uint32_t>, uint64_t>& expected) {
+  client::CudaEngineOptions engine_options;
+  engine_options.staging_slots = options.slots;
+  engine_options.streams = options.streams;
+  const auto start = Clock::now();
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
+                           client::CudaCopyEngine::Create(engine_options));
+  if (path == "server") {
+    client::SessionOptions session_options;
+    session_options.endpoint = endpoint;
+    session_options.image = image_dir.filename().string();
+    session_options.window_bytes = options.window;
+    session_options.client_name = "cuda-bench-layers";
+    client::RestoreSession session(session_options, *engine);
+    return RunLayerMode(session, *engine, mode, options, expected, start);
+  }
+  client::LocalRestoreOptions local_options;
+  local_options.image_dir = image_dir;
+  local_options.readers = options.readers;
+  client::LocalRestore restore(local_options, *engine);
+  return RunLayerMode(restore, *engine, mode, options, expected, start);
+}
+
+// The upstream-style baseline for the workload: copy everything with one staging buffer, then
+// run the layers.
+Result<LayerTimes> RunUpstreamLayers(
+    const fs::path& image_dir, const LayerOptions& options,
+    const std::map<std::pair<uint32_t, uint32_t>, uint64_t>& expected) {
+  const auto start = Clock::now();
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint,
+                           image::CriuCheckpoint::Open(image_dir));
+  const uint32_t chunk_bytes = 2u << 20;
+  void* staging = nullptr;
+  GPULAZY_RETURN_IF_ERROR(Check(cudaMallocHost(&staging, chunk_bytes), "cudaMallocHost"));
+  std::vector<std::pair<void*, const image::ContentBo*>> layers;
+  LayerTimes times;
+  Status status;
+  for (const image::ContentBo& bo : checkpoint.content_bos()) {
+    void* device = nullptr;
+    status = Check(cudaMalloc(&device, std::max<uint64_t>(bo.size, 1)), "cudaMalloc");
+    if (!status.ok()) break;
+    layers.emplace_back(device, &bo);
+    Result<UniqueFd> fd = OpenForRead(image_dir / bo.pages_file);
+    if (!fd.ok()) {
+      status = fd.status();
+      break;
+    }
+    for (uint64_t at = 0; status.ok() && at < bo.size; at += chunk_bytes) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(chunk_bytes, bo.size - at));
+      status = ReadExactAt(fd->get(), 8 + bo.pages_offset + at, {static_cast<uint8_t*>(staging), n},
+                           image_dir / bo.pages_file);
+      if (status.ok())
+        status = Check(
+            cudaMemcpy(static_cast<uint8_t*>(device) + at, staging, n, cudaMemcpyHostToDevice),
+            "upstream copy");
+    }
+    times.bytes += bo.size;
+    if (!status.ok()) break;
+  }
+  if (status.ok()) {
+    times.full_s = times.resume_s = SecondsSince(start);
+    std::this_thread::sleep_for(std::chrono::milliseconds(options.startup_ms));
+    Result<LayerKernel> kernel = LayerKernel::Create();
+    if (!kernel.ok()) status = kernel.status();
+    for (size_t i = 0; status.ok() && i < layers.size(); ++i) {
+      Result<uint64_t> sum = kernel->Run(layers[i].first, layers[i].second->size);
+      if (!sum.ok()) {
+        status = sum.status();
+        break;
+      }
+      if (i == 0) times.first_result_s = SecondsSince(start);
+      auto want = expected.find({layers[i].second->process_id, layers[i].second->bo_index});
+      if (want == expected.end() || want->second != *sum) times.results_ok = false;
+    }
+    times.all_layers_s = SecondsSince(start);
+  }
+  for (auto& layer : layers)
+    cudaFree(layer.first);
+  cudaFreeHost(staging);
+  if (!status.ok()) return status;
+  return times;
+}
+
+// A model-like checkpoint: one process on one GPU, `layers` BOs of mixed contents.
+Result<fs::path> MakeModelImage(const fs::path& root, const std::string& name, uint64_t bytes,
+                                uint32_t layers) {
+  image::SynthOptions synth;
+  synth.out = root / name;
+  synth.gpus = 1;
+  synth.bos = layers;
+  synth.total_bytes = bytes;
+  synth.seed = 31;
+  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(synth).status());
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, PagesFiles(synth.out));
+  std::vector<uint8_t> buffer(8u << 20);
+  for (const fs::path& file : files) {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file));
+    while (true) {
+      ssize_t n = read(fd.get(), buffer.data(), buffer.size());
+      if (n < 0) return ErrnoError(errno, "reading {}", file.string());
+      if (n == 0) break;
+    }
+  }
+  return synth.out;
+}
+
 int Run(int argc, char** argv) {
-  CLI::App app{"gpulazy-cuda-bench: streaming into NVIDIA device memory vs cudaMemcpy"};
+  CLI::App app{"gpulazy-cuda-bench: restoring into NVIDIA device memory vs cudaMemcpy"};
   CommonOptions common;
   common.bin_dir = GPULAZY_DEFAULT_BIN_DIR;
   std::string work_dir = "/tmp", bin_dir = common.bin_dir.string(), size_text = "4G",
               window_text = "64M";
-  uint32_t slots = 16, streams = 4, repeat = 3;
+  std::vector<std::string> experiments = {"stream", "layers"};
+  std::vector<std::string> layer_sizes = {"3100M", "16G"};
+  uint32_t slots = 32, streams = 4, repeat = 3, layer_count = 36;
+  LayerOptions layer_options;
   app.add_flag("--json", common.json, "one JSON object per case");
   app.add_option("--work-dir", work_dir, "where the image and sockets go")->capture_default_str();
   app.add_option("--bin-dir", bin_dir, "where gpulazy-server is")->capture_default_str();
-  app.add_option("--size", size_text, "image content bytes")->capture_default_str();
+  app.add_option("--experiment", experiments, "stream, layers")->delimiter(',');
+  app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
   app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
   app.add_option("--streams", streams, "copy streams")->capture_default_str();
-  app.add_option("--repeat", repeat, "runs per case (median reported)")->capture_default_str();
+  app.add_option("--readers", layer_options.readers, "local restore reader threads")
+      ->capture_default_str();
+  app.add_option("--repeat", repeat, "stream: runs per case (median reported)")
+      ->capture_default_str();
+  app.add_option("--layer-sizes", layer_sizes, "layers: model sizes")->delimiter(',');
+  app.add_option("--layers", layer_count, "layers: BOs of the model")->capture_default_str();
+  app.add_option("--startup-ms", layer_options.startup_ms, "layers: the program's own start-up")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   common.work_dir = work_dir;
@@ -179,52 +440,119 @@ int Run(int argc, char** argv) {
   Result<uint64_t> window = ParseSize(window_text);
   if (!size.ok()) return fail(size.status());
   if (!window.ok()) return fail(window.status());
+  layer_options.window = *window;
+  layer_options.streams = streams;
+  layer_options.slots = slots;
+  auto wants = [&](const char* name) {
+    return std::find(experiments.begin(), experiments.end(), name) != experiments.end();
+  };
 
   Result<WorkDir> work = WorkDir::Create(common.work_dir);
   if (!work.ok()) return fail(work.status());
   const fs::path root = work->path() / "images";
   fs::create_directories(root);
-  Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
-  if (!image_dir.ok()) return fail(image_dir.status());
   Result<ServerChild> server = ServerChild::Start(common.bin_dir, root, work->path());
   if (!server.ok()) return fail(server.status());
 
-  std::vector<double> ceiling, pipeline, upstream;
-  bool verified = true;
-  for (uint32_t r = 0; r < repeat; ++r) {
-    Result<double> c = MeasurePinnedCeiling(*size);
-    if (!c.ok()) return fail(c.status());
-    ceiling.push_back(*c);
-    Result<PipelineResult> p =
-        MeasurePipeline(*image_dir, server->unix_endpoint(), *window, slots, streams);
-    if (!p.ok()) return fail(p.status());
-    pipeline.push_back(p->throughput_Bps);
-    verified = verified && p->verified;
-    Result<double> u = MeasureUpstreamLoop(*image_dir, 2u << 20);
-    if (!u.ok()) return fail(u.status());
-    upstream.push_back(*u);
+  if (wants("stream")) {
+    Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
+    if (!image_dir.ok()) return fail(image_dir.status());
+    std::vector<double> ceiling, pipeline, local, upstream;
+    bool verified = true, local_verified = true;
+    for (uint32_t r = 0; r < repeat; ++r) {
+      Result<double> c = MeasurePinnedCeiling(*size);
+      if (!c.ok()) return fail(c.status());
+      ceiling.push_back(*c);
+      Result<PipelineResult> p =
+          MeasurePipeline(*image_dir, server->unix_endpoint(), *window, slots, streams);
+      if (!p.ok()) return fail(p.status());
+      pipeline.push_back(p->throughput_Bps);
+      verified = verified && p->verified;
+      Result<PipelineResult> l =
+          MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams);
+      if (!l.ok()) return fail(l.status());
+      local.push_back(l->throughput_Bps);
+      local_verified = local_verified && l->verified;
+      Result<double> u = MeasureUpstreamLoop(*image_dir, 2u << 20);
+      if (!u.ok()) return fail(u.status());
+      upstream.push_back(*u);
+    }
+    const double ceiling_Bps = Percentile(ceiling, 0.5);
+    auto emit = [&](const std::string& name, const std::vector<double>& samples, bool checked) {
+      const double median = Percentile(samples, 0.5);
+      nlohmann::json result = {{"bench", "cuda-stream"},
+                               {"case", name},
+                               {"size_bytes", *size},
+                               {"window_bytes", *window},
+                               {"slots", slots},
+                               {"streams", streams},
+                               {"readers", layer_options.readers},
+                               {"runs", samples.size()},
+                               {"throughput_Bps", median},
+                               {"ceiling_Bps", ceiling_Bps},
+                               {"ratio", median / ceiling_Bps},
+                               {"verified", checked},
+                               {"device", DeviceDescription()},
+                               {"machine", MachineDescription()}};
+      Emit(common, result, {"case", "throughput_Bps", "ceiling_Bps", "ratio", "verified"});
+    };
+    emit("ceiling_pinned_cudaMemcpy", ceiling, false);
+    emit("gpulazy_pipeline_unix", pipeline, verified);
+    emit("gpulazy_local_direct", local, local_verified);
+    emit("upstream_style_loop", upstream, false);
+    std::error_code ignored;
+    fs::remove_all(*image_dir, ignored);
   }
-  const double ceiling_Bps = Percentile(ceiling, 0.5);
-  auto emit = [&](const std::string& name, const std::vector<double>& samples, bool checked) {
-    const double median = Percentile(samples, 0.5);
-    nlohmann::json result = {{"bench", "cuda-stream"},
-                             {"case", name},
-                             {"size_bytes", *size},
-                             {"window_bytes", *window},
-                             {"slots", slots},
-                             {"streams", streams},
-                             {"runs", samples.size()},
-                             {"throughput_Bps", median},
-                             {"ceiling_Bps", ceiling_Bps},
-                             {"ratio", median / ceiling_Bps},
-                             {"verified", checked},
-                             {"device", DeviceDescription()},
-                             {"machine", MachineDescription()}};
-    Emit(common, result, {"case", "throughput_Bps", "ceiling_Bps", "ratio", "verified"});
-  };
-  emit("ceiling_pinned_cudaMemcpy", ceiling, false);
-  emit("gpulazy_pipeline_unix", pipeline, verified);
-  emit("upstream_style_loop", upstream, false);
+
+  if (wants("layers")) {
+    for (const std::string& text : layer_sizes) {
+      Result<uint64_t> model_bytes = ParseSize(text);
+      if (!model_bytes.ok()) return fail(model_bytes.status());
+      const uint64_t bytes = *model_bytes & ~(image::kSynthPageSize - 1);
+      const std::string name = "model-" + text;
+      Result<fs::path> image_dir = MakeModelImage(root, name, bytes, layer_count);
+      if (!image_dir.ok()) return fail(image_dir.status());
+      auto expected = ExpectedLayerSums(*image_dir);
+      if (!expected.ok()) return fail(expected.status());
+      Result<double> ceiling = MeasurePinnedCeiling(bytes);
+      if (!ceiling.ok()) return fail(ceiling.status());
+      auto emit = [&](const std::string& path, const std::string& mode, const LayerTimes& t) {
+        nlohmann::json result = {{"bench", "cuda-layers"},
+                                 {"path", path},
+                                 {"mode", mode},
+                                 {"size_bytes", bytes},
+                                 {"layers", layer_count},
+                                 {"startup_ms", layer_options.startup_ms},
+                                 {"time_to_resume_s", t.resume_s},
+                                 {"time_to_first_result_s", t.first_result_s},
+                                 {"time_to_all_layers_s", t.all_layers_s},
+                                 {"time_to_full_s", t.full_s},
+                                 {"demand_chunks", t.demand_chunks},
+                                 {"bytes", t.bytes},
+                                 {"results_ok", t.results_ok},
+                                 {"ceiling_Bps", *ceiling},
+                                 {"ceiling_copy_s", static_cast<double>(bytes) / *ceiling},
+                                 {"device", DeviceDescription()},
+                                 {"machine", MachineDescription()}};
+        Emit(common, result,
+             {"path", "mode", "size_bytes", "time_to_resume_s", "time_to_first_result_s",
+              "time_to_full_s", "results_ok"});
+      };
+      Result<LayerTimes> upstream = RunUpstreamLayers(*image_dir, layer_options, *expected);
+      if (!upstream.ok()) return fail(upstream.status());
+      emit("upstream-loop", "eager", *upstream);
+      for (const char* path : {"server", "local"}) {
+        for (const char* mode : {"eager", "parallel", "lazy"}) {
+          Result<LayerTimes> t = RunLayerCase(*image_dir, server->unix_endpoint(), path, mode,
+                                              layer_options, *expected);
+          if (!t.ok()) return fail(t.status());
+          emit(path, mode, *t);
+        }
+      }
+      std::error_code ignored;
+      fs::remove_all(*image_dir, ignored);
+    }
+  }
   return 0;
 }
 

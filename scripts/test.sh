@@ -18,7 +18,8 @@ else
   # The CUDA engine is compiled wherever the CUDA toolkit is installed (its tests skip without
   # a GPU); it needs no GPU to build.
   cuda=()
-  [ -x /usr/local/cuda/bin/nvcc ] && cuda=(-DGPULAZY_WITH_CUDA=ON -DCUDAToolkit_ROOT=/usr/local/cuda)
+  [ -x /usr/local/cuda/bin/nvcc ] && cuda=(-DGPULAZY_WITH_CUDA=ON -DCUDAToolkit_ROOT=/usr/local/cuda \
+    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
   "$root/scripts/build.sh" "$build" "${cuda[@]}"
 fi
 cd "$build"
