@@ -189,7 +189,7 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 
 // LocalRestore straight into device memory: readers pread into the engine's pinned slots.
 Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers, uint32_t slots,
-                                    uint32_t streams) {
+                                    uint32_t streams, uint32_t chunk_bytes) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
   engine_options.streams = streams;
@@ -198,6 +198,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   client::LocalRestoreOptions options;
   options.image_dir = image_dir;
   options.readers = readers;
+  options.raw_chunk_size = chunk_bytes;
   PipelineResult result;
   client::LocalRestore restore(options, *engine);
   auto start = Clock::now();
@@ -411,6 +412,7 @@ int Run(int argc, char** argv) {
   std::vector<std::string> experiments = {"stream", "layers"};
   std::vector<std::string> layer_sizes = {"3100M", "16G"};
   uint32_t slots = 32, streams = 4, repeat = 3, layer_count = 36;
+  std::string local_chunk_text = "2M";
   LayerOptions layer_options;
   app.add_flag("--json", common.json, "one JSON object per case");
   app.add_option("--work-dir", work_dir, "where the image and sockets go")->capture_default_str();
@@ -421,6 +423,8 @@ int Run(int argc, char** argv) {
   app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
   app.add_option("--streams", streams, "copy streams")->capture_default_str();
   app.add_option("--readers", layer_options.readers, "local restore reader threads")
+      ->capture_default_str();
+  app.add_option("--local-chunk", local_chunk_text, "stream: local restore chunk size (<= 4M)")
       ->capture_default_str();
   app.add_option("--repeat", repeat, "stream: runs per case (median reported)")
       ->capture_default_str();
@@ -440,6 +444,8 @@ int Run(int argc, char** argv) {
   Result<uint64_t> window = ParseSize(window_text);
   if (!size.ok()) return fail(size.status());
   if (!window.ok()) return fail(window.status());
+  Result<uint64_t> local_chunk = ParseSize(local_chunk_text);
+  if (!local_chunk.ok()) return fail(local_chunk.status());
   layer_options.window = *window;
   layer_options.streams = streams;
   layer_options.slots = slots;
@@ -469,7 +475,8 @@ int Run(int argc, char** argv) {
       pipeline.push_back(p->throughput_Bps);
       verified = verified && p->verified;
       Result<PipelineResult> l =
-          MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams);
+          MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams,
+                       static_cast<uint32_t>(*local_chunk));
       if (!l.ok()) return fail(l.status());
       local.push_back(l->throughput_Bps);
       local_verified = local_verified && l->verified;
@@ -487,6 +494,7 @@ int Run(int argc, char** argv) {
                                {"slots", slots},
                                {"streams", streams},
                                {"readers", layer_options.readers},
+                               {"local_chunk_bytes", *local_chunk},
                                {"runs", samples.size()},
                                {"throughput_Bps", median},
                                {"ceiling_Bps", ceiling_Bps},
