@@ -122,6 +122,16 @@ TEST(ChunkCodecTest, Lz4TruncatedOrEmptyBlocksAreRefused) {
   }
 }
 
+// Found by fuzz_chunk_codec (corpus/chunk_codec/crash-zero-codec-empty-raw): a ZERO chunk of
+// raw length 0 decoded into an empty vector passed memset a null pointer (UBSan: nonnull).
+TEST(ChunkCodecTest, EmptyZeroChunkIntoAnEmptyBuffer) {
+  std::vector<uint8_t> empty;
+  EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_ZERO, Checksum64({}), {}, empty, "t").ok());
+  EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_RAW, Checksum64({}), {}, empty, "t").ok());
+  EXPECT_EQ(DecodeChunkBytes(manifest::CODEC_LZ4, Checksum64({}), {}, empty, "t").code(),
+            Code::kCorrupt);
+}
+
 // --- Frames --------------------------------------------------------------------------------
 
 TEST(FrameTest, RoundTrip) {
