@@ -248,11 +248,11 @@ TEST_F(CorruptChunkTest, LazyImageFlippedByteIsDetectedRefetchedAndFailsLoudly) 
       << run.out;
   EXPECT_NE(run.out.find("chunk " + std::to_string(target.chunk) + ":"), std::string::npos)
       << run.out;
-  std::vector<std::string> left;
+  std::string left;
   if (fs::exists(out))
     for (const fs::directory_entry& entry : fs::directory_iterator(out))
-      left.push_back(entry.path().filename().string());
-  EXPECT_TRUE(left.empty()) << "fetch left " << left.size() << " files, first " << left.front();
+      left += entry.path().filename().string() + " ";
+  EXPECT_TRUE(left.empty()) << "fetch left files behind: " << left;
   EXPECT_EQ(server.Terminate(), 0) << server.Log();
 }
 

@@ -16,7 +16,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-TEST(FuzzCorpusReplay, EveryInputPasses) {
+// The suite is named per target (FrameFuzzCorpus, ...), so ctest tells the four apart.
+TEST(GPULAZY_FUZZ_SUITE, EveryInputPasses) {
   const fs::path corpus = fs::path(GPULAZY_SOURCE_DIR) / "tests/fuzz/corpus" / GPULAZY_FUZZ_TARGET;
   std::vector<fs::path> inputs;
   for (const fs::directory_entry& entry : fs::directory_iterator(corpus))
