@@ -15,7 +15,8 @@ Status DecodeChunkBytes(manifest::Codec codec, uint64_t checksum, std::span<cons
     case manifest::CODEC_ZERO:
       if (!stored.empty())
         return Corrupt("{}: zero chunk arrived with {} stored bytes", what, stored.size());
-      std::memset(raw.data(), 0, raw.size());
+      // An empty span may have a null data(); memset's pointer must not be null even for 0.
+      if (!raw.empty()) std::memset(raw.data(), 0, raw.size());
       break;
     case manifest::CODEC_RAW:
       if (stored.size() != raw.size())

@@ -14,6 +14,10 @@ namespace {
 
 constexpr size_t kLatencySamples = 4096;
 constexpr auto kLinger = std::chrono::seconds(1);
+// Replies wait in the control queue until the client reads them, and a request of a few bytes
+// can ask for a reply thousands of times larger (StatsRequest). Past this many queued bytes the
+// client is not reading its replies: it is cut off instead of growing the server without bound.
+constexpr size_t kMaxQueuedControlBytes = 1u << 20;
 
 // Secrets and tokens are compared without an early exit, so timing says nothing about them.
 bool ConstantTimeEqual(std::string_view a, std::string_view b) {
@@ -546,7 +550,36 @@ void Connection::SendStreamDone(const StreamDoneInfo& info) {
 
 void Connection::Enqueue(wire::Header header) {
   if (closed_) return;
+  const size_t bytes = header.ByteSizeLong();
+  if (control_bytes_ + bytes > kMaxQueuedControlBytes) {
+    DropUnreadReplies();
+    return;
+  }
+  control_bytes_ += bytes;
   control_.push_back(std::move(header));
+  Wake();
+}
+
+void Connection::DropUnreadReplies() {
+  if (draining_) return;  // cut off already; its last word is queued
+  spdlog::warn("{}: {} bytes of replies queued that the client does not read; closing", Tag(),
+               control_bytes_);
+  control_.clear();
+  wire::Header header;
+  wire::Error* error = header.mutable_error();
+  error->set_code(wire::ERROR_LIMIT);
+  error->set_message(
+      fmt::format("client does not read its replies ({} bytes queued, limit {}); closing",
+                  control_bytes_, kMaxQueuedControlBytes));
+  ctx_.totals.errors_sent.fetch_add(1);
+  control_bytes_ = header.ByteSizeLong();
+  control_.push_back(std::move(header));
+  // Stop reading (wakes a pending read with end-of-file) and give the client the shutdown grace
+  // to read the error; the watchdog closes the socket if it does not.
+  draining_ = true;
+  error_code ec;
+  socket_.shutdown(asio::socket_base::shutdown_receive, ec);
+  SetDeadline(std::min(deadline_, Clock::now() + ctx_.config.shutdown_grace));
   Wake();
 }
 
@@ -632,6 +665,7 @@ net::Awaitable<void> Connection::WriteLoop() {
     if (!control_.empty()) {
       wire::Header header = std::move(control_.front());
       control_.pop_front();
+      control_bytes_ -= std::min(control_bytes_, header.ByteSizeLong());
       Status status = co_await net::WriteFrame(socket_, header, {}, ctx_.limits);
       if (!status.ok()) {
         Close(fmt::format("write failed: {}", status.ToString()));
@@ -790,6 +824,7 @@ void Connection::Close(std::string_view why) {
     ctx_.dispatcher.Done(ready.item, std::nullopt);
   chunks_.clear();
   control_.clear();
+  control_bytes_ = 0;
   if (session_) {
     if (role_ == Role::kStream) {
       session_->Close();

@@ -120,6 +120,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void SendStreamDone(const StreamDoneInfo& info);
 
   void Enqueue(wire::Header header);
+  // The client lets replies pile up past kMaxQueuedControlBytes: drop them, queue one
+  // ERROR_LIMIT, stop reading and close after the shutdown grace.
+  void DropUnreadReplies();
   void SendError(wire::ErrorCode code, std::string message, uint64_t in_reply_to);
   // Frame-level error: answer, then close after the answer is written.
   void Fail(wire::ErrorCode code, std::string message, uint64_t in_reply_to = 0);
@@ -149,6 +152,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::shared_ptr<Session> session_;
 
   std::deque<wire::Header> control_;
+  size_t control_bytes_ = 0;  // serialized size of control_'s headers
   std::deque<ReadyChunk> chunks_;
   uint64_t next_stream_seq_ = 0;
   std::set<uint64_t> stream_seq_done_;     // finished out of order (demand chunks)

@@ -1,9 +1,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <lz4.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "proto/checksum.h"
+#include "proto/chunk_codec.h"
 #include "proto/criu_file.h"
 #include "proto/endian.h"
 #include "proto/file_header.h"
@@ -29,6 +33,103 @@ wire::Header ChunkHeader() {
   chunk->set_raw_length(4096);
   chunk->set_checksum(0x0123456789abcdefull);
   return header;
+}
+
+// --- Chunk decoding: never past the declared raw length --------------------------------------
+// Output buffers are heap blocks of exactly the declared length, so under ASan a single byte
+// written past one is a reported overflow, not a silent scribble.
+
+std::vector<uint8_t> Lz4Block(const std::vector<uint8_t>& raw) {
+  std::vector<uint8_t> block(static_cast<size_t>(LZ4_compressBound(static_cast<int>(raw.size()))));
+  const int n = LZ4_compress_default(reinterpret_cast<const char*>(raw.data()),
+                                     reinterpret_cast<char*>(block.data()),
+                                     static_cast<int>(raw.size()), static_cast<int>(block.size()));
+  EXPECT_GT(n, 0);
+  block.resize(static_cast<size_t>(n));
+  return block;
+}
+
+std::vector<uint8_t> Pattern(size_t n) {
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i)
+    out[i] = static_cast<uint8_t>((i / 97) * 13 + (i % 7));
+  return out;
+}
+
+Status DecodeInto(size_t declared, const std::vector<uint8_t>& block, uint64_t checksum,
+                  std::vector<uint8_t>* out = nullptr) {
+  auto exact = std::make_unique<uint8_t[]>(declared == 0 ? 1 : declared);
+  Status status = DecodeChunkBytes(manifest::CODEC_LZ4, checksum, block, {exact.get(), declared},
+                                   "image x, BO 2, chunk 5");
+  if (out != nullptr) out->assign(exact.get(), exact.get() + declared);
+  return status;
+}
+
+TEST(ChunkCodecTest, Lz4DecodesExactlyToTheDeclaredLength) {
+  for (size_t n : {size_t{1}, size_t{4095}, size_t{4096}, size_t{65539}, size_t{4} << 20}) {
+    SCOPED_TRACE(n);
+    const std::vector<uint8_t> raw = Pattern(n);
+    const std::vector<uint8_t> block = Lz4Block(raw);
+    std::vector<uint8_t> out;
+    ASSERT_TRUE(DecodeInto(n, block, Checksum64(raw), &out).ok());
+    EXPECT_EQ(out, raw);
+  }
+}
+
+TEST(ChunkCodecTest, Lz4DecodingToMoreThanDeclaredIsRefusedWithoutOverrun) {
+  for (size_t n : {size_t{2}, size_t{4096}, size_t{65539}}) {
+    SCOPED_TRACE(n);
+    const std::vector<uint8_t> raw = Pattern(n);
+    const std::vector<uint8_t> block = Lz4Block(raw);
+    // One byte short, and far short: the decoder stops at the buffer's end.
+    for (size_t declared : {n - 1, n / 2}) {
+      Status status = DecodeInto(declared, block, Checksum64(raw));
+      EXPECT_EQ(status.code(), Code::kCorrupt) << declared;
+      EXPECT_THAT(status.message(), HasSubstr("image x, BO 2, chunk 5"));
+    }
+  }
+  // A block that expands 4 MiB of zeros from a few kilobytes, declared as one page.
+  const std::vector<uint8_t> zeros(4u << 20, 0);
+  const std::vector<uint8_t> bomb = Lz4Block(zeros);
+  ASSERT_LT(bomb.size(), 32u * 1024);
+  EXPECT_EQ(DecodeInto(4096, bomb, Checksum64(zeros)).code(), Code::kCorrupt);
+}
+
+TEST(ChunkCodecTest, Lz4DecodingToLessThanDeclaredIsRefused) {
+  const std::vector<uint8_t> raw = Pattern(4096);
+  const std::vector<uint8_t> block = Lz4Block(raw);
+  for (size_t declared : {size_t{4097}, size_t{8192}}) {
+    Status status = DecodeInto(declared, block, Checksum64(raw));
+    EXPECT_EQ(status.code(), Code::kCorrupt);
+    EXPECT_THAT(status.message(), HasSubstr("decodes to 4096 bytes"));
+  }
+  // A hand-made block of five literals only ("token 0x50"), declared as 4 and as 6 bytes.
+  const std::vector<uint8_t> literals = {0x50, 'h', 'e', 'l', 'l', 'o'};
+  const std::vector<uint8_t> hello = {'h', 'e', 'l', 'l', 'o'};
+  std::vector<uint8_t> out;
+  ASSERT_TRUE(DecodeInto(5, literals, Checksum64(hello), &out).ok());
+  EXPECT_EQ(out, hello);
+  EXPECT_EQ(DecodeInto(4, literals, Checksum64(hello)).code(), Code::kCorrupt);
+  EXPECT_EQ(DecodeInto(6, literals, Checksum64(hello)).code(), Code::kCorrupt);
+}
+
+TEST(ChunkCodecTest, Lz4TruncatedOrEmptyBlocksAreRefused) {
+  const std::vector<uint8_t> raw = Pattern(4096);
+  const std::vector<uint8_t> block = Lz4Block(raw);
+  for (size_t keep : {size_t{0}, size_t{1}, block.size() / 2, block.size() - 1}) {
+    const std::vector<uint8_t> cut(block.begin(), block.begin() + static_cast<long>(keep));
+    EXPECT_EQ(DecodeInto(4096, cut, Checksum64(raw)).code(), Code::kCorrupt) << keep;
+  }
+}
+
+// Found by fuzz_chunk_codec (corpus/chunk_codec/crash-zero-codec-empty-raw): a ZERO chunk of
+// raw length 0 decoded into an empty vector passed memset a null pointer (UBSan: nonnull).
+TEST(ChunkCodecTest, EmptyZeroChunkIntoAnEmptyBuffer) {
+  std::vector<uint8_t> empty;
+  EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_ZERO, Checksum64({}), {}, empty, "t").ok());
+  EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_RAW, Checksum64({}), {}, empty, "t").ok());
+  EXPECT_EQ(DecodeChunkBytes(manifest::CODEC_LZ4, Checksum64({}), {}, empty, "t").code(),
+            Code::kCorrupt);
 }
 
 // --- Frames --------------------------------------------------------------------------------

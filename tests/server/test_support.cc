@@ -137,6 +137,13 @@ Status TestClient::SendRaw(std::span<const uint8_t> bytes) {
   return Status::Ok();
 }
 
+Status TestClient::CloseWrite() {
+  boost::system::error_code ec;
+  socket_.shutdown(asio::socket_base::shutdown_send, ec);
+  if (ec) return IoError("shutdown: {}", ec.message());
+  return Status::Ok();
+}
+
 Result<Frame> TestClient::Read(std::chrono::milliseconds timeout) {
   pollfd pfd{socket_.native_handle(), POLLIN, 0};
   int ready = ::poll(&pfd, 1, static_cast<int>(timeout.count()));
@@ -321,6 +328,20 @@ Status VerifyStream(const wire::OpenImageReply& reply, const std::vector<Frame>&
   for (size_t bo = 0; bo < seen.size(); ++bo)
     for (size_t c = 0; c < seen[bo].size(); ++c)
       if (!seen[bo][c]) return NotFound("BO {} chunk {} never arrived", bo, c);
+  return Status::Ok();
+}
+
+Status StreamWholeImage(const net::Endpoint& endpoint, const std::string& image,
+                        const std::map<BoKey, std::vector<uint8_t>>& expected, uint64_t window) {
+  TestClient client(endpoint);
+  if (!client.connected()) return Unavailable("cannot connect to {}", endpoint.ToString());
+  GPULAZY_RETURN_IF_ERROR(client.Hello().status());
+  GPULAZY_ASSIGN_OR_RETURN(wire::OpenImageReply reply, client.Open(image));
+  GPULAZY_ASSIGN_OR_RETURN(Received received, ReceiveStream(client, window));
+  GPULAZY_RETURN_IF_ERROR(VerifyStream(reply, received.chunks, expected));
+  if (received.done.chunks() != received.chunks.size())
+    return Internal("StreamDone counts {} chunks, {} arrived", received.done.chunks(),
+                    received.chunks.size());
   return Status::Ok();
 }
 

@@ -62,6 +62,8 @@ class TestClient {
 
   Status Send(const wire::Header& header);
   Status SendRaw(std::span<const uint8_t> bytes);
+  // Half-closes: the server sees end of stream, replies can still be read.
+  Status CloseWrite();
   // Next frame, or kTimeout after `timeout` with nothing to read.
   Result<Frame> Read(std::chrono::milliseconds timeout = 10s);
   // True when the server closed the connection (EOF / reset) within `timeout`.
@@ -104,5 +106,10 @@ Result<Received> ReceiveStream(TestClient& client, uint64_t window,
 // Checks every chunk of the image arrived exactly once and matches the CRIU bytes.
 Status VerifyStream(const wire::OpenImageReply& reply, const std::vector<Frame>& chunks,
                     const std::map<BoKey, std::vector<uint8_t>>& expected);
+
+// A fresh client: Hello, OpenImage, stream everything with `window` bytes of credit, and
+// VerifyStream against `expected`.
+Status StreamWholeImage(const net::Endpoint& endpoint, const std::string& image,
+                        const std::map<BoKey, std::vector<uint8_t>>& expected, uint64_t window);
 
 }  // namespace gpulazy::server::testing

@@ -1,0 +1,296 @@
+// Writes the seed corpus of the fuzz targets (docs/hostile-input.md): small valid inputs made
+// with the real encoders from the tiny seed checkpoint (fuzz_support.h), plus edge cases that
+// sit right at a limit. Deterministic: rerunning it rewrites the same bytes.
+// Usage: fuzz_make_corpus OUT_DIR   (OUT_DIR/<target>/<name> per input; the committed corpus
+// is tests/fuzz/corpus)
+#include <lz4.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/io.h"
+#include "lazy-server/image/lazy_image.h"
+#include "proto/checksum.h"
+#include "proto/criu_file.h"
+#include "proto/endian.h"
+#include "proto/file_header.h"
+#include "proto/frame.h"
+#include "tests/fuzz/fuzz_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace gpulazy;
+using Bytes = std::vector<uint8_t>;
+
+class Corpus {
+ public:
+  explicit Corpus(fs::path root) : root_(std::move(root)) {}
+  void Add(const std::string& target, const std::string& name, const Bytes& bytes) {
+    fs::create_directories(root_ / target);
+    fuzz::WriteFileOrDie(root_ / target / name, bytes);
+    ++count_;
+  }
+  int count() const { return count_; }
+
+ private:
+  fs::path root_;
+  int count_ = 0;
+};
+
+Bytes Concat(std::initializer_list<Bytes> parts) {
+  Bytes out;
+  for (const Bytes& part : parts)
+    out.insert(out.end(), part.begin(), part.end());
+  return out;
+}
+
+Bytes FromString(const std::string& s) {
+  return Bytes(s.begin(), s.end());
+}
+
+Bytes Frame(const wire::Header& header, const Bytes& payload = {}) {
+  Result<std::string> head =
+      EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), FrameLimits{});
+  if (!head.ok()) {
+    std::fprintf(stderr, "fuzz_make_corpus: %s\n", head.status().ToString().c_str());
+    std::exit(1);
+  }
+  return Concat({FromString(*head), payload});
+}
+
+Bytes Prefix(uint32_t header_length, uint32_t payload_length) {
+  Bytes out(8);
+  StoreLe32(out.data(), header_length);
+  StoreLe32(out.data() + 4, payload_length);
+  return out;
+}
+
+void FrameCorpus(Corpus& corpus, const manifest::Manifest& m, const image::LazyImage& lazy) {
+  wire::Header hello;
+  hello.set_request_id(1);
+  hello.mutable_hello()->set_min_version(1);
+  hello.mutable_hello()->set_max_version(1);
+  hello.mutable_hello()->set_client_name("fuzz");
+  wire::Header open;
+  open.set_request_id(2);
+  open.mutable_open_image()->set_image("ckpt");
+  wire::Header credit;
+  credit.mutable_credit()->set_bytes(16u << 20);
+  wire::Header stream;
+  stream.set_request_id(3);
+  stream.mutable_request()->set_stream_all(true);
+  wire::Header demand;
+  demand.set_request_id(4);
+  demand.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+  wire::ChunkRange* range = demand.mutable_request()->add_ranges();
+  range->set_bo(1);
+  range->set_first_chunk(2);
+  range->set_chunk_count(3);
+  wire::Header have;
+  *have.mutable_have()->add_ranges() = *range;
+  wire::Header stats;
+  stats.mutable_stats_request();
+  wire::Header bye;
+  bye.mutable_goodbye();
+
+  corpus.Add("frame", "hello", Frame(hello));
+  corpus.Add("frame", "client-session",
+             Concat({Frame(hello), Frame(open), Frame(credit), Frame(have), Frame(stream),
+                     Frame(demand), Frame(stats), Frame(bye)}));
+
+  // Server to client: replies and a chunk with its payload.
+  wire::Header reply;
+  wire::OpenImageReply* body = reply.mutable_open_image_reply();
+  body->set_session(1);
+  body->set_session_secret(std::string(16, 's'));
+  body->set_chunk_size(m.chunk_size());
+  body->set_lazy_image(true);
+  for (const manifest::Bo& bo : m.bos()) {
+    wire::BoInfo* info = body->add_bos();
+    info->set_size(bo.size());
+    info->set_chunk_count(static_cast<uint32_t>(bo.chunks_size()));
+  }
+  std::vector<uint8_t> stored;
+  (void)lazy.ReadStoredChunk(0, 0, &stored);
+  wire::Header chunk;
+  chunk.set_request_id(4);
+  wire::ChunkData* data = chunk.mutable_chunk();
+  data->set_codec(m.bos(0).chunks(0).codec());
+  data->set_raw_length(m.bos(0).chunks(0).raw_length());
+  data->set_checksum(m.bos(0).chunks(0).checksum());
+  data->set_priority(wire::PRIORITY_DEMAND);
+  wire::Header done;
+  done.mutable_stream_done()->set_chunks(1);
+  wire::Header error;
+  error.mutable_error()->set_code(wire::ERROR_OUT_OF_RANGE);
+  error.mutable_error()->set_message("BO 9 out of range");
+  corpus.Add("frame", "server-session", Concat({Frame(reply), Frame(chunk, stored), Frame(done)}));
+  corpus.Add("frame", "error", Frame(error));
+
+  // Edges: at the limits, one byte past them, truncated, unknown and empty bodies.
+  const FrameLimits limits;
+  corpus.Add("frame", "edge-empty-header", Prefix(0, 0));
+  corpus.Add("frame", "edge-header-past-limit", Prefix(limits.max_header + 1, 0));
+  corpus.Add("frame", "edge-payload-past-limit", Prefix(4, limits.max_payload + 1));
+  corpus.Add("frame", "edge-payload-at-limit-truncated",
+             Concat({Prefix(2, limits.max_payload), {0xba, 0x01}}));  // Goodbye (field 22)
+  Bytes full = Frame(chunk, stored);
+  corpus.Add("frame", "edge-truncated-payload", Bytes(full.begin(), full.end() - 1));
+  corpus.Add("frame", "edge-truncated-prefix", Bytes(full.begin(), full.begin() + 5));
+  corpus.Add("frame", "edge-unknown-field",
+             Concat({Prefix(3, 0), {0xf8, 0x07, 0x01}}));  // field 127, no known body
+  corpus.Add("frame", "edge-tag-zero", Concat({Prefix(4, 0), {0xba, 0x01, 0x00, 0x00}}));
+}
+
+void ManifestCorpus(Corpus& corpus, manifest::Manifest m) {
+  m.set_created_unix_s(0);  // the only field that changes between runs
+  auto payload = [](const manifest::Manifest& message) {
+    Bytes out{0};  // mode 0: the harness writes the header
+    std::string bytes = message.SerializeAsString();
+    out.insert(out.end(), bytes.begin(), bytes.end());
+    return out;
+  };
+  corpus.Add("manifest", "tiny", payload(m));
+
+  manifest::Manifest profiled = m;
+  manifest::AccessProfile* profile = profiled.mutable_profile();
+  for (int b = profiled.bos_size() - 1; b >= 0; --b) {
+    if (profiled.bos(b).chunks_size() == 0) continue;
+    manifest::ChunkRef* ref = profile->add_order();
+    ref->set_bo(static_cast<uint32_t>(b));
+    ref->set_chunk(0);
+  }
+  profile->set_hot_count(static_cast<uint32_t>(profile->order_size() / 2));
+  corpus.Add("manifest", "profiled", payload(profiled));
+
+  // Mode 1: the whole file, header and checksum included, as WriteManifest lays it out.
+  const std::string message = m.SerializeAsString();
+  FileHeader header;
+  header.magic = kManifestMagic;
+  header.payload_length = message.size();
+  header.payload_checksum = Checksum64(AsBytes(message));
+  const auto head = EncodeFileHeader(header);
+  Bytes whole{1};
+  whole.insert(whole.end(), head.begin(), head.end());
+  whole.insert(whole.end(), message.begin(), message.end());
+  corpus.Add("manifest", "whole-file", whole);
+
+  manifest::Manifest edge = m;
+  edge.set_chunk_size(image::kMaxChunkSize * 2);
+  corpus.Add("manifest", "edge-chunk-size-past-limit", payload(edge));
+  edge = m;
+  edge.mutable_bos(0)->mutable_chunks(0)->set_stored_offset(m.chunk_file_bytes());
+  corpus.Add("manifest", "edge-stored-past-end", payload(edge));
+  edge = m;
+  edge.mutable_bos(0)->set_source_file("../../etc/passwd");
+  corpus.Add("manifest", "edge-source-escapes", payload(edge));
+  edge = m;
+  edge.mutable_profile()->add_order()->set_bo(static_cast<uint32_t>(m.bos_size()));
+  corpus.Add("manifest", "edge-profile-past-table", payload(edge));
+}
+
+void CriuCorpus(Corpus& corpus, const fs::path& dir) {
+  Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dir);
+  if (!checkpoint.ok() || checkpoint->processes().empty()) {
+    std::fprintf(stderr, "fuzz_make_corpus: tiny checkpoint does not open\n");
+    std::exit(1);
+  }
+  const criu::KfdProcess& process = checkpoint->processes()[0].message;
+  auto input = [](uint8_t mode, const criu::KfdProcess& message) {
+    Bytes out{mode};
+    std::string bytes = message.SerializeAsString();
+    out.insert(out.end(), bytes.begin(), bytes.end());
+    return out;
+  };
+  corpus.Add("criu", "tiny-without-pages", input(0, process));
+  corpus.Add("criu", "tiny-with-pages", input(2, process));
+  Bytes whole{3};
+  Bytes header(criu_format::kHeaderSize);
+  const std::string message = process.SerializeAsString();
+  criu_format::EncodeHeader(message.size(), header.data());
+  whole.insert(whole.end(), header.begin(), header.end());
+  whole.insert(whole.end(), message.begin(), message.end());
+  corpus.Add("criu", "whole-file-with-pages", whole);
+
+  criu::KfdProcess edge = process;
+  edge.set_bo_count(edge.bo_count() + 1);
+  corpus.Add("criu", "edge-bo-count-lies", input(2, edge));
+  edge = process;
+  if (edge.devices_size() > 0) *edge.add_devices() = edge.devices(0);
+  edge.set_gpu_count(static_cast<uint32_t>(edge.devices_size()));
+  corpus.Add("criu", "edge-gpu-listed-twice", input(2, edge));
+  edge = process;
+  if (edge.bos_size() > 1) {
+    edge.mutable_bos(0)->set_size(UINT64_MAX - 4095);
+    edge.mutable_bos(0)->set_alloc_flags(criu_format::kAllocVram);
+  }
+  corpus.Add("criu", "edge-bo-size-overflows", input(2, edge));
+  edge = process;
+  if (edge.bos_size() > 0) edge.mutable_bos(0)->set_gpu_id(0xdead);
+  corpus.Add("criu", "edge-bo-on-unknown-gpu", input(2, edge));
+  corpus.Add("criu", "edge-empty", Bytes{0});
+}
+
+void ChunkCodecCorpus(Corpus& corpus) {
+  auto input = [](manifest::Codec codec, uint32_t raw_length, const Bytes& stored) {
+    Bytes out{static_cast<uint8_t>(codec), static_cast<uint8_t>(raw_length),
+              static_cast<uint8_t>(raw_length >> 8), static_cast<uint8_t>(raw_length >> 16)};
+    out.insert(out.end(), stored.begin(), stored.end());
+    return out;
+  };
+  Bytes content(4096);
+  for (size_t i = 0; i < content.size(); ++i)
+    content[i] = static_cast<uint8_t>((i / 64) * 7);
+  Bytes block(static_cast<size_t>(LZ4_compressBound(static_cast<int>(content.size()))));
+  const int n = LZ4_compress_default(
+      reinterpret_cast<const char*>(content.data()), reinterpret_cast<char*>(block.data()),
+      static_cast<int>(content.size()), static_cast<int>(block.size()));
+  block.resize(static_cast<size_t>(n));
+  const uint32_t size = static_cast<uint32_t>(content.size());
+  corpus.Add("chunk_codec", "raw", input(manifest::CODEC_RAW, size, content));
+  corpus.Add("chunk_codec", "zero", input(manifest::CODEC_ZERO, size, {}));
+  corpus.Add("chunk_codec", "lz4", input(manifest::CODEC_LZ4, size, block));
+  corpus.Add("chunk_codec", "edge-lz4-decodes-to-more",
+             input(manifest::CODEC_LZ4, size - 1, block));
+  corpus.Add("chunk_codec", "edge-lz4-decodes-to-less",
+             input(manifest::CODEC_LZ4, size + 1, block));
+  corpus.Add("chunk_codec", "edge-lz4-truncated",
+             input(manifest::CODEC_LZ4, size, Bytes(block.begin(), block.end() - 3)));
+  corpus.Add("chunk_codec", "edge-raw-short", input(manifest::CODEC_RAW, size + 1, content));
+  corpus.Add("chunk_codec", "edge-zero-with-bytes", input(manifest::CODEC_ZERO, 16, {1, 2, 3}));
+  corpus.Add("chunk_codec", "edge-unknown-codec", input(static_cast<manifest::Codec>(3), 4, {0}));
+  // Reproducers of bugs the fuzzers found (docs/hostile-input.md), kept here so a regenerated
+  // corpus still has them.
+  corpus.Add("chunk_codec", "crash-zero-codec-empty-raw", input(manifest::CODEC_ZERO, 0, {}));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: fuzz_make_corpus OUT_DIR\n");
+    return 2;
+  }
+  Corpus corpus{fs::path(argv[1])};
+  const fs::path dir = fuzz::ScratchDir() / "image";
+  Status made = fuzz::MakeTinyCheckpoint(dir, /*lazy=*/true);
+  if (!made.ok()) {
+    std::fprintf(stderr, "fuzz_make_corpus: %s\n", made.ToString().c_str());
+    return 1;
+  }
+  Result<image::LazyImage> lazy = image::LazyImage::Open(dir);
+  if (!lazy.ok()) {
+    std::fprintf(stderr, "fuzz_make_corpus: %s\n", lazy.status().ToString().c_str());
+    return 1;
+  }
+  FrameCorpus(corpus, lazy->manifest(), *lazy);
+  ManifestCorpus(corpus, lazy->manifest());
+  CriuCorpus(corpus, dir);
+  ChunkCodecCorpus(corpus);
+  std::printf("fuzz_make_corpus: wrote %d inputs under %s\n", corpus.count(), argv[1]);
+  return 0;
+}
