@@ -12,6 +12,8 @@ packages=(
   libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   liburing-dev libssl-dev
+  # scripts/lint.sh
+  clang-format clang-tidy
   # scripts/fuzz.sh: clang 14 and its runtimes (libFuzzer, ASan, UBSan: libclang-rt-14-dev)
   clang libclang-rt-14-dev
 )
