@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "plugin/dump.h"
+#include "plugin/handoff.h"
 #include "plugin/sdma_engine.h"
 #include "proto/criu_file.h"
 
@@ -45,6 +46,7 @@ Status PluginContext::Init(int stage) {
     return ErrnoError(errno, "socketpair for the BO handoff");
   handoff_master_.reset(fds[0]);
   UniqueFd task_end(fds[1]);
+  GPULAZY_RETURN_IF_ERROR(EnableSenderCredentials(handoff_master_.get()));
   int bytes = 4 << 20;
   (void)::setsockopt(task_end.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
   (void)::setsockopt(handoff_master_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));

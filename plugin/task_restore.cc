@@ -2,7 +2,10 @@
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include "lazy-server/image/criu_checkpoint.h"
 #include "page-client/restore_session.h"
@@ -100,7 +103,15 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
     handed.clear();  // closes the dmabufs; the driver keeps the BOs
   }
   if (handoff < 0) return Internal("no handoff socket to CRIU's master");
-  GPULAZY_RETURN_IF_ERROR(SendHandoff(handoff, static_cast<uint32_t>(::getpid()), file_id, handed));
+  // The master watches this pidfd to notice the task dying mid-restore (coordinator.h). Without
+  // pidfds (kernel < 5.3) the handoff still works; the master then learns of a death from CRIU.
+  // glibc 2.36 declares pidfd_open without C linkage for C++: call the syscall.
+  UniqueFd self(static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0)));
+  if (!self.valid())
+    spdlog::warn("gpulazy: pidfd_open: {}; the master cannot watch this task",
+                 std::strerror(errno));
+  GPULAZY_RETURN_IF_ERROR(
+      SendHandoff(handoff, static_cast<uint32_t>(::getpid()), file_id, handed, self.get()));
   spdlog::info("gpulazy: {} restored ({} BOs, {} with contents, {} mode)",
                image.filename().string(), process.bos_size(), handed.size(),
                ModeName(config_.mode));

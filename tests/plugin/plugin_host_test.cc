@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -83,12 +85,12 @@ class PluginHostTest : public ::testing::Test {
  protected:
   // A checkpoint of `processes` processes at dir/ckpt, a fake KFD at dir/kfd whose topology
   // matches it, and the --expect file the simulator's tasks compare against.
-  void Make(uint32_t processes) {
+  void Make(uint32_t processes, uint64_t bytes_per_process = 4u << 20) {
     image::SynthOptions o;
     o.out = images_;
     o.gpus = 2;
     o.bos = 8;
-    o.total_bytes = processes * (4u << 20);
+    o.total_bytes = processes * bytes_per_process;
     o.seed = 7;
     o.processes = processes;
     auto report = image::SynthesizeCheckpoint(o);
@@ -106,13 +108,14 @@ class PluginHostTest : public ::testing::Test {
       expect << bo.process_id << " " << bo.bo_index << " " << bo.size << " "
              << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).mmap_offset() << " "
              << (images_ / bo.pages_file).string() << " "
-             << criu_format::kHeaderSize + bo.pages_offset << "\n";
+             << criu_format::kHeaderSize + bo.pages_offset << " "
+             << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).gpu_va() << "\n";
     ASSERT_TRUE(expect.good());
     ASSERT_GT(cp->content_bos().size(), 0u);
   }
 
   Outcome Sim(const std::vector<std::string>& tasks, std::map<std::string, std::string> env,
-              const std::string& order = "criu") {
+              const std::string& order = "criu", const std::vector<std::string>& extra = {}) {
     std::ofstream(dir_ / "empty.conf").flush();  // no /etc/gpulazy/plugin.conf leaks in
     std::map<std::string, std::string> full = {
         {"PATH", "/usr/bin:/bin"},
@@ -139,12 +142,34 @@ class PluginHostTest : public ::testing::Test {
       argv.push_back("--task");
       argv.push_back(t);
     }
+    argv.insert(argv.end(), extra.begin(), extra.end());
     fs::path log = dir_ / "sim.log";
     Outcome out;
     out.exit_code = WaitBounded(Spawn(argv, full, log), 200s);
     out.output = Slurp(log);
+    if (std::getenv("GPULAZY_SIM_LOG") != nullptr) std::cerr << out.output;  // debugging aid
     return out;
   }
+
+  // A gpulazy-server process serving dir_ on a Unix socket; its pid, or -1 with a failure.
+  pid_t StartServer() {
+    const fs::path ready = dir_ / "ready";
+    pid_t server =
+        Spawn({std::string(GPULAZY_BIN_DIR) + "/gpulazy-server", "--images", dir_.path().string(),
+               "--listen", "unix:" + server_socket(), "--ready-file", ready.string()},
+              {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(20ms);  // the server offers no event to wait on but this file
+    EXPECT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
+    return fs::exists(ready) ? server : -1;
+  }
+  void StopServer(pid_t server) {
+    ::kill(server, SIGCONT);  // in case a failing simulator left it stopped
+    ::kill(server, SIGTERM);
+    EXPECT_GE(WaitBounded(server, 20s), 0);
+  }
+  std::string server_socket() const { return (dir_ / "srv.sock").string(); }
 
   gpulazy::testing::TempDir dir_;
   fs::path images_ = dir_ / "ckpt";
@@ -171,6 +196,8 @@ TEST_P(ContentsTest, BosMatchThePagesFiles) {
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("claimed: amdgpu_plugin gpulazy_plugin"), std::string::npos)
       << out.output;
+  // The in-process server runs inside the host: its handlers stay, our threads block signals.
+  EXPECT_NE(out.output.find("signals: host handlers untouched"), std::string::npos) << out.output;
 }
 
 std::vector<Case> AllCases() {
@@ -197,25 +224,94 @@ class RealServerTest : public PluginHostTest, public ::testing::WithParamInterfa
 
 TEST_P(RealServerTest, TreeRestoresFromGpulazyServer) {
   ASSERT_NO_FATAL_FAILURE(Make(2));
-  const fs::path ready = dir_ / "ready";
-  const std::string socket = (dir_ / "srv.sock").string();
-  pid_t server =
-      Spawn({std::string(GPULAZY_BIN_DIR) + "/gpulazy-server", "--images", dir_.path().string(),
-             "--listen", "unix:" + socket, "--ready-file", ready.string()},
-            {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(20ms);
-  ASSERT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
-  Outcome out =
-      Sim({"1", "2"}, {{"GPULAZY_MODE", GetParam()}, {"GPULAZY_SERVER", "unix:" + socket}});
-  ::kill(server, SIGTERM);
-  EXPECT_GE(WaitBounded(server, 20s), 0);
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out = Sim({"1", "2"},
+                    {{"GPULAZY_MODE", GetParam()}, {"GPULAZY_SERVER", "unix:" + server_socket()}});
+  StopServer(server);
   EXPECT_EQ(out.exit_code, 0) << out.output;
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, RealServerTest, ::testing::Values("eager", "parallel", "lazy"));
+
+// ---- a task dying mid-restore ----
+//
+// The server is stopped right after POST_FORKING, so with a 2 MiB credit window at most a few
+// MiB of the 32 MiB image have arrived when the second task is SIGKILLed (after it handed its
+// BOs over). Upstream CRIU fails the whole restore on such a death (its SIGCHLD handler aborts,
+// then exit(RESTORE, -1)); the plugin must then return from exit at once. Should the host go
+// on regardless, RESUME_DEVICES_LATE of the dead task fails naming it, and the other task
+// still resumes with byte-exact contents: the dead task's BOs leave the stream.
+
+class TaskDeathTest : public PluginHostTest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  Outcome KillSecondTask(const std::string& on_death) {
+    Make(2, 16u << 20);
+    pid_t server = StartServer();
+    if (server <= 0) return {};
+    Outcome out =
+        Sim({"1", "2"},
+            {{"GPULAZY_MODE", GetParam()},
+             {"GPULAZY_SERVER", "unix:" + server_socket()},
+             {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
+            "criu", {"--stop-pid", std::to_string(server), "--kill", "1", "--on-death", on_death});
+    StopServer(server);
+    return out;
+  }
+};
+
+TEST_P(TaskDeathTest, OtherTaskFinishesByteExactAndTheDeadOneFailsItsResume) {
+  Outcome out = KillSecondTask("continue");
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  // The master noticed by itself (pidfd) and named the task; its resume fails with -ECANCELED.
+  EXPECT_NE(out.output.find("(amdgpu-kfd-2.img) died during restore"), std::string::npos)
+      << out.output;
+  EXPECT_NE(out.output.find(" = " + std::to_string(-ECANCELED) + " (killed task)"),
+            std::string::npos)
+      << out.output;
+}
+
+TEST_P(TaskDeathTest, CriuAbortsAndExitReturnsPromptly) {
+  Outcome out = KillSecondTask("abort");
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  const size_t at = out.output.find("exit(RESTORE, -1) returned after ");
+  ASSERT_NE(at, std::string::npos) << out.output;
+  // Generous for a loaded machine; a hang would be the resume timeout (60 s) or the alarm.
+  EXPECT_LT(std::stoll(out.output.substr(at + 33)), 20'000) << out.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TaskDeathTest, ::testing::Values("parallel", "lazy"));
+
+// ---- the fault channel, end to end ----
+
+// Lazy mode, server stopped: the tasks resume without their contents, then each asks the fault
+// channel (the C library) for the last page of its last BO; ensure returns only once those
+// bytes are in the BO (checked at once), errors come back as -errno, and after exit the
+// channel is closed.
+TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
+  ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out = Sim({"1", "2"},
+                    {{"GPULAZY_MODE", "lazy"},
+                     {"GPULAZY_SERVER", "unix:" + server_socket()},
+                     {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
+                    "criu", {"--stop-pid", std::to_string(server), "--fault-check", "1"});
+  StopServer(server);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  size_t checked = 0;
+  for (size_t at = 0; (at = out.output.find("byte-exact after ensure", at)) != std::string::npos;
+       ++at)
+    ++checked;
+  EXPECT_EQ(checked, 2u) << out.output;
+  // At least the first ensure found its range missing (the server was stopped until then).
+  EXPECT_NE(out.output.find("fault channel: pid"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("waits for"), std::string::npos) << out.output;
+}
 
 // ---- failures name their reason ----
 

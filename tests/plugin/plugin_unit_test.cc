@@ -2,20 +2,24 @@
 // contract, the SDMA engine's pipelining (fake libdrm device), the BO handoff.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
 #include "plugin/handoff.h"
 #include "plugin/kfd.h"
+#include "plugin/router.h"
 #include "plugin/sdma_engine.h"
 #include "plugin/sdma_packets.h"
 #include "plugin/topology.h"
@@ -374,19 +378,28 @@ TEST(Handoff, RecordsCarryFdsInBatches) {
   UniqueFd a(sv[0]), b(sv[1]);
   int sndbuf = 4 << 20;
   ::setsockopt(a.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+  ASSERT_TRUE(EnableSenderCredentials(b.get()).ok());
+  UniqueFd self(static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0)));
+  ASSERT_TRUE(self.valid());
   std::vector<HandedBo> bos;
   for (uint32_t i = 0; i < 150; ++i) {
     int fd = ::memfd_create("bo", MFD_CLOEXEC);
     ASSERT_EQ(::ftruncate(fd, 4096 * (i + 1)), 0);
     bos.push_back(HandedBo{i * 2, 0x1234, 4096ull * (i + 1), UniqueFd(fd)});
   }
-  ASSERT_TRUE(SendHandoff(a.get(), 42, 3, bos).ok());
+  ASSERT_TRUE(SendHandoff(a.get(), 42, 3, bos, self.get()).ok());
   uint32_t seen = 0;
   bool last = false;
   while (!last) {
     auto r = ReceiveHandoff(b.get(), true);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->pid, 42u);
+    EXPECT_EQ(r->sender_pid, static_cast<uint32_t>(::getpid()));  // the kernel's word
+    EXPECT_EQ(r->pidfd.valid(), seen == 0);                       // with the first record only
+    if (r->pidfd.valid()) {
+      pollfd alive{r->pidfd.get(), POLLIN, 0};
+      EXPECT_EQ(::poll(&alive, 1, 0), 0);  // this process is alive
+    }
     EXPECT_EQ(r->file_id, 3u);
     for (auto& bo : r->bos) {
       EXPECT_EQ(bo.bo_index, seen * 2);
@@ -403,6 +416,62 @@ TEST(Handoff, RecordsCarryFdsInBatches) {
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE(r->last);
   EXPECT_TRUE(r->bos.empty());
+}
+
+// ---- router: a dead task's BOs leave the stream ----
+
+// Records every write it receives.
+class RecordingEngine : public DeviceEngine {
+ public:
+  std::string_view name() const override { return "recording"; }
+  Status Bind(uint32_t bo, UniqueFd, uint64_t) override {
+    bound.insert(bo);
+    return Status::Ok();
+  }
+  void Release(uint32_t bo) override { released.insert(bo); }
+  Status Write(uint32_t bo, uint64_t, std::span<const uint8_t>, client::CopyDone done) override {
+    ++writes[bo];
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  Status Flush() override { return Status::Ok(); }
+  std::set<uint32_t> bound, released;
+  std::map<uint32_t, int> writes;
+};
+
+TEST(Router, DropCompletesParkedAndLaterWritesAndReleasesTheBo) {
+  Router router(/*discard_unbound=*/false);
+  RecordingEngine engine;
+  std::vector<uint8_t> bytes(4096, 7);
+  for (uint32_t bo : {0u, 1u, 2u})
+    ASSERT_TRUE(router.AddDestination(bo, 1 << 20).ok());
+  std::vector<Status> done;
+  auto record = [&](Status s) { done.push_back(std::move(s)); };
+  ASSERT_TRUE(router.Write(1, 0, bytes, record).ok());  // parked: BO 1 not bound yet
+  ASSERT_TRUE(router.Bind(0, &engine, UniqueFd(), 1 << 20).ok());
+  EXPECT_EQ(router.parked(), 1u);
+  EXPECT_TRUE(done.empty());
+
+  EXPECT_EQ(router.Drop({0, 1}), 1u);  // BO 0 bound, BO 1 parked: both belong to a dead task
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].ok());  // resident as far as the session cares: never fetched again
+  EXPECT_EQ(router.parked(), 0u);
+  EXPECT_EQ(engine.released, std::set<uint32_t>{0});
+
+  ASSERT_TRUE(router.Write(0, 4096, bytes, record).ok());
+  ASSERT_TRUE(router.Write(1, 4096, bytes, record).ok());
+  EXPECT_EQ(done.size(), 3u);
+  EXPECT_TRUE(engine.writes.empty());  // nothing reached the engine
+
+  // A handoff that arrives after the death binds nothing.
+  int fd = ::memfd_create("late-bo", MFD_CLOEXEC);
+  ASSERT_TRUE(router.Bind(1, &engine, UniqueFd(fd), 1 << 20).ok());
+  EXPECT_EQ(engine.bound.count(1), 0u);
+
+  // Other BOs are untouched.
+  ASSERT_TRUE(router.Bind(2, &engine, UniqueFd(), 1 << 20).ok());
+  ASSERT_TRUE(router.Write(2, 0, bytes, record).ok());
+  EXPECT_EQ(engine.writes[2], 1);
 }
 
 }  // namespace
