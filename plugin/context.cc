@@ -82,10 +82,10 @@ Result<int> PluginContext::RestoreExtFile(int id) {
   return task_->RestoreFile(image_dir_, id, owned.get());
 }
 
-Status PluginContext::UpdateVmaMap(const char* path, uint64_t old_pgoff, uint64_t* new_pgoff,
-                                   int* plugin_fd) {
+Result<int> PluginContext::UpdateVmaMap(const char* path, uint64_t addr, uint64_t old_pgoff,
+                                        uint64_t* new_pgoff, int* plugin_fd) {
   if (!task_ || path == nullptr) return NotFound("not a GPU mapping");
-  return task_->UpdateVmaMap(path, old_pgoff, new_pgoff, plugin_fd);
+  return task_->UpdateVmaMap(path, addr, old_pgoff, new_pgoff, plugin_fd);
 }
 
 Result<std::unique_ptr<DeviceEngine>> PluginContext::MakeEngine(uint32_t local_gpu_id) {

@@ -27,7 +27,9 @@ class PluginContext {
   void Exit(int stage, int ret);
   // kNotFound from these means "not ours": the hook answers -ENOTSUP.
   Result<int> RestoreExtFile(int id);
-  Status UpdateVmaMap(const char* path, uint64_t old_pgoff, uint64_t* new_pgoff, int* plugin_fd);
+  // 1: adjusted, 0: a GPU mapping left as it is (task_restore.h).
+  Result<int> UpdateVmaMap(const char* path, uint64_t addr, uint64_t old_pgoff, uint64_t* new_pgoff,
+                           int* plugin_fd);
   Status PostForking();
   Status ResumeDevicesLate(int pid);
   Status DumpExtFile(int fd, int id);

@@ -172,7 +172,12 @@ class FakeKfd : public Kfd {
     }
     bos_ = std::move(made);
     restored_ = true;
-    std::ofstream(state_ / ("restored-" + std::to_string(::getpid()))) << a.num_bos << "\n";
+    // What RESUME checks for, and what a test compares UPDATE_VMA_MAP's answers with: one line
+    // per BO, "gpu_va old_offset restored_offset" in hex.
+    std::ofstream out(state_ / ("restored-" + std::to_string(::getpid())));
+    for (uint32_t i = 0; i < a.num_bos; ++i)
+      out << std::hex << bos[i].addr << " " << bos[i].offset << " " << bos[i].restored_offset
+          << "\n";
     return 0;
   }
 

@@ -329,6 +329,49 @@ std::string ClosedChannelCheck(const ExpectedBo& any, int conn) {
   return "";
 }
 
+// UPDATE_VMA_MAP as CRIU calls it in the restored task, against what the fake KFD's RESTORE
+// returned (its restored-<pid> file: "va old_offset restored_offset" per BO). "" when right.
+std::string CheckVmaMaps(const std::vector<ExpectedBo>& expected, int file_id) {
+  auto update = Hook<gpulazy_update_vma_map_t>(GPULAZY_HOOK_UPDATE_VMA_MAP);
+  const char* kfd_state = std::getenv("GPULAZY_FAKE_KFD");
+  std::ifstream restored(std::string(kfd_state ? kfd_state : "") + "/restored-" +
+                         std::to_string(::getpid()));
+  std::map<std::pair<uint64_t, uint64_t>, uint64_t> driver;  // (va, old) -> restored offset
+  uint64_t va = 0, old_offset = 0, new_offset = 0;
+  while (restored >> std::hex >> va >> old_offset >> new_offset)
+    driver[{va, old_offset}] = new_offset;
+  for (const ExpectedBo& bo : expected) {
+    if (static_cast<int>(bo.file_id) != file_id) continue;
+    const std::string which = "BO " + std::to_string(bo.bo_index);
+    auto it = driver.find({bo.gpu_va, bo.mmap_offset});
+    if (it == driver.end()) return which + ": the fake KFD did not restore it";
+    // Through the render node: CRIU gets the driver's new offset and a render node fd to mmap.
+    uint64_t pgoff = 0;
+    int fd = -1;
+    int rc = update("/dev/dri/renderD128", bo.gpu_va, bo.mmap_offset, &pgoff, &fd);
+    if (rc != 1 || pgoff != it->second || fd < 0)
+      return which + ": UPDATE_VMA_MAP(renderD) = " + std::to_string(rc);
+    char target[256] = {};
+    ssize_t n =
+        ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof(target) - 1);
+    ::close(fd);  // CRIU closes it after the mmap
+    if (n <= 0 || std::strstr(target, "renderD") == nullptr)
+      return which + ": UPDATE_VMA_MAP gave an fd that is no render node";
+    // Through /dev/kfd (a doubled slash as CRIU sometimes has it): no fd, CRIU opens the path.
+    pgoff = 0;
+    fd = 7;
+    rc = update("//dev/kfd", bo.gpu_va, bo.mmap_offset, &pgoff, &fd);
+    if (rc != 1 || pgoff != it->second || fd != -1)
+      return which + ": UPDATE_VMA_MAP(/dev/kfd) = " + std::to_string(rc);
+    // A device mapping that is no BO stays as it is; a foreign file is another plugin's.
+    if ((rc = update("/dev/kfd", bo.gpu_va + 4096, bo.mmap_offset, &pgoff, &fd)) != 0)
+      return which + ": UPDATE_VMA_MAP(no such BO) = " + std::to_string(rc);
+    if ((rc = update("/dev/zero", bo.gpu_va, bo.mmap_offset, &pgoff, &fd)) != -ENOTSUP)
+      return which + ": UPDATE_VMA_MAP(/dev/zero) = " + std::to_string(rc);
+  }
+  return "";
+}
+
 struct Report {
   int32_t pid = 0;
   int32_t rc = 0;  // RESTORE_EXT_FILE's answer (or, for a plain task, 0 when its hooks said no)
@@ -350,18 +393,8 @@ int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
     report.rc = restore(task.file_id, &retry);
     std::string why;
     if (report.rc >= 0) {
-      // Every BO's mapping moves to the restored KFD file at the driver's new offset.
-      for (const ExpectedBo& bo : expected) {
-        if (static_cast<int>(bo.file_id) != task.file_id) continue;
-        uint64_t new_pgoff = 0;
-        int plugin_fd = -1;
-        int rc = update("/dev/kfd", 0, bo.mmap_offset, &new_pgoff, &plugin_fd);
-        if (rc != 0 || plugin_fd != report.rc || new_pgoff == bo.mmap_offset) {
-          why = "UPDATE_VMA_MAP(bo " + std::to_string(bo.bo_index) + ") = " + std::to_string(rc);
-          report.rc = -EPROTO;
-          break;
-        }
-      }
+      why = CheckVmaMaps(expected, task.file_id);
+      if (!why.empty()) report.rc = -EPROTO;
     }
     if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
   } else {
