@@ -171,6 +171,50 @@ TEST(Topology, VramTooSmallAndTooFewGpus) {
   EXPECT_EQ(ReadTopology(dir.path / "missing").status().code(), Code::kNotFound);
 }
 
+// VRAM as real sysfs keeps it: not a node property but the frame-buffer heaps among
+// nodes/N/mem_banks/*/properties (heap_type 1 public, 2 private; others are not VRAM).
+TEST(Topology, VramComesFromTheFrameBufferMemBanks) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFakeTopology(dir.path, {Device(0x1111, 0x740f, 1)}).ok());
+  const fs::path banks = dir.path / "nodes" / "1" / "mem_banks";
+  fs::remove_all(banks);
+  auto bank = [&](int n, uint64_t heap, uint64_t bytes) {
+    fs::create_directories(banks / std::to_string(n));
+    std::ofstream(banks / std::to_string(n) / "properties")
+        << "heap_type " << heap << "\nsize_in_bytes " << bytes << "\nflags 0\nwidth 4096\n";
+  };
+  bank(0, 2, 16ull << 30);   // private frame buffer
+  bank(1, 1, 256ull << 20);  // public frame buffer (the BAR)
+  bank(2, 0, 512ull << 30);  // system memory: not VRAM
+  bank(3, 4, 64ull << 10);   // LDS: not VRAM
+  auto gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok()) << gpus.status().ToString();
+  ASSERT_EQ(gpus->size(), 1u);
+  const uint64_t vram = (16ull << 30) + (256ull << 20);
+  EXPECT_EQ(gpus->front().vram_size, vram);
+  EXPECT_TRUE(gpus->front().vram_public);
+
+  EXPECT_TRUE(MapGpus({Device(0xaaaa, 0x740f, vram)}, *gpus, {}).ok());
+  auto too_big = MapGpus({Device(0xaaaa, 0x740f, vram + 4096)}, *gpus, {});
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_NE(too_big.status().message().find(fmt::format("vram_size {} < {}", vram, vram + 4096)),
+            std::string::npos)
+      << too_big.status().message();
+  TopologyChecks lax;
+  lax.vram = false;
+  EXPECT_TRUE(MapGpus({Device(0xaaaa, 0x740f, vram + 4096)}, *gpus, lax).ok());
+
+  // No banks at all (an odd tree): no VRAM, which the check reports instead of guessing.
+  fs::remove_all(banks);
+  gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok());
+  EXPECT_EQ(gpus->front().vram_size, 0u);
+  EXPECT_FALSE(MapGpus({Device(0xaaaa, 0x740f, 4096)}, *gpus, {}).ok());
+  // A bank without a readable properties file is a broken tree, said so.
+  fs::create_directories(banks / "0");
+  EXPECT_EQ(ReadTopology(dir.path).status().code(), Code::kCorrupt);
+}
+
 TEST(Topology, BacktracksPastAGreedyChoice) {
   TempDir dir;
   // Local 1 fits both checkpointed GPUs, local 2 only the first: greedy would fail.
