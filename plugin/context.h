@@ -39,6 +39,7 @@ class PluginContext {
   Status EnsureConfig();
   Result<std::unique_ptr<DeviceEngine>> MakeEngine(uint32_t local_gpu_id);
   Result<int> TaskHandoffFd();
+  void WriteLazyImage();  // of dumped_dir_, at exit(DUMP) with config lazy_image
 
   CriuHost host_;
   std::optional<PluginConfig> config_;
@@ -50,6 +51,7 @@ class PluginContext {
   int handoff_store_id_ = -1;  // tasks' end in CRIU's fdstore
   std::unique_ptr<TaskRestorer> task_;
   std::unique_ptr<RestoreCoordinator> coordinator_;
+  std::filesystem::path dumped_dir_;  // where DUMP_EXT_FILE wrote KFD images, if it did
 };
 
 }  // namespace gpulazy::plugin

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "lazy-server/server/server.h"
+#include "plugin/criu_host.h"
 #include "plugin/handoff.h"
 
 namespace gpulazy::plugin {
@@ -312,7 +313,10 @@ Status RestoreCoordinator::ResumeTask(uint32_t pid) {
   }
   if (Died(pid)) return DeathError(pid, file_id);
   if (!master_kfd_) {
-    GPULAZY_ASSIGN_OR_RETURN(master_kfd_, kfd_.Open());
+    Result<std::unique_ptr<Kfd>> opened = kfd_.Open();
+    if (!opened.ok())
+      return OursFailed(opened.status().Context("RESUME of pid " + std::to_string(pid)));
+    master_kfd_ = std::move(*opened);
   }
   kfd_ioctl_criu_args args{};
   args.op = KFD_CRIU_OP_RESUME;

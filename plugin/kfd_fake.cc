@@ -52,6 +52,9 @@ class FakeKfd : public Kfd {
   int fd() const override { return fd_.get(); }
 
   int CriuOp(kfd_ioctl_criu_args& a) override {
+    // The order of calls, for tests: one op name per line in ops-<pid>.
+    std::ofstream(state_ / ("ops-" + std::to_string(::getpid())), std::ios::app)
+        << CriuOpName(a.op) << "\n";
     switch (a.op) {
       case KFD_CRIU_OP_PROCESS_INFO:
         return ProcessInfo(a);

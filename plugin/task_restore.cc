@@ -9,6 +9,7 @@
 
 #include "lazy-server/image/criu_checkpoint.h"
 #include "page-client/restore_session.h"
+#include "plugin/criu_host.h"
 #include "plugin/device_engine.h"
 #include "plugin/handoff.h"
 #include "plugin/router.h"
@@ -38,6 +39,13 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
   fs::path image = image_dir / criu_format::KfdImageName(file_id);
   std::error_code ec;
   if (!fs::exists(image, ec)) return NotFound("{} does not exist: not a KFD file", image.string());
+  Result<int> fd = RestoreKfdImage(image_dir, file_id, image, handoff);
+  if (!fd.ok()) return OursFailed(fd.status());
+  return fd;
+}
+
+Result<int> TaskRestorer::RestoreKfdImage(const fs::path& image_dir, uint32_t file_id,
+                                          const fs::path& image, int handoff) {
   GPULAZY_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(image, 1ull << 30));
   if (bytes.size() < criu_format::kHeaderSize)
     return Corrupt("{}: shorter than its header", image.string());

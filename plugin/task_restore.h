@@ -33,6 +33,8 @@ class TaskRestorer {
                            uint64_t* new_pgoff, int* plugin_fd) const;
 
  private:
+  Result<int> RestoreKfdImage(const std::filesystem::path& image_dir, uint32_t file_id,
+                              const std::filesystem::path& image, int handoff);
   Status CopyEager(const std::filesystem::path& image_dir, uint32_t file_id,
                    std::vector<struct HandedBo>& bos);
 

@@ -200,16 +200,21 @@ Status WriteFakeTopology(const fs::path& root, const std::vector<criu::KfdDevice
     fs::create_directories(node, ec);
     if (ec) return IoError("creating {}: {}", node.string(), ec.message());
     std::ofstream(node / "gpu_id") << d.gpu_id() << "\n";
+    // Every scalar of the device entry that sysfs has as a node property, by the same name.
     std::ofstream p(node / "properties");
-    p << "simd_count " << d.simd_count() << "\narray_count " << d.array_count()
-      << "\ncu_per_simd_array " << d.cu_per_simd_array() << "\nsimd_per_cu " << d.simd_per_cu()
-      << "\nmax_waves_per_simd " << d.max_waves_per_simd() << "\nwave_front_size "
-      << d.wave_front_size() << "\nlds_size_in_kb " << d.lds_size_in_kb() << "\nvendor_id "
-      << d.vendor_id() << "\ndevice_id " << d.device_id() << "\nnum_sdma_engines "
-      << d.num_sdma_engines() << "\nnum_sdma_xgmi_engines " << d.num_sdma_xgmi_engines()
-      << "\nnum_sdma_queues_per_engine " << d.num_sdma_queues_per_engine() << "\nnum_cp_queues "
-      << d.num_cp_queues() << "\nfw_version " << d.fw_version() << "\nsdma_fw_version "
-      << d.sdma_fw_version() << "\ndrm_render_minor " << d.drm_render_minor() << "\n";
+    const auto* r = d.GetReflection();
+    const auto* desc = d.GetDescriptor();
+    for (int f = 0; f < desc->field_count(); ++f) {
+      const auto* field = desc->field(f);
+      const std::string& name = field->name();
+      if (field->is_repeated() || name == "node_id" || name == "gpu_id" || name == "vram_size" ||
+          name == "vram_public")
+        continue;
+      const uint64_t value = field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64
+                                 ? r->GetUInt64(d, field)
+                                 : r->GetUInt32(d, field);
+      p << name << " " << value << "\n";
+    }
     if (!p) return IoError("writing {}/properties", node.string());
     const std::pair<uint64_t, uint64_t> banks[] = {{kHeapFrameBufferPublic, d.vram_size()},
                                                    {0, 64ull << 30}};  // system memory

@@ -19,7 +19,11 @@
 // SIGTERM/SIGINT/SIGCHLD handlers first and compares after POST_FORKING and after exit), and
 // every thread it starts blocks asynchronous signals, so they reach CRIU's own thread.
 //
-// Optional scenarios:
+// --dump ID instead drives a dump: init(DUMP), DUMP_EXT_FILE on a file that is no KFD (must
+// pass, -ENOTSUP) and on a fake KFD file with CRIU file id ID (must succeed), exit(DUMP, 0);
+// the images land in --images.
+//
+// Optional restore scenarios:
 //   --stop-pid PID   SIGSTOP that process (a gpulazy-server) right after POST_FORKING, so the
 //                    stream is known to be incomplete, and SIGCONT it at the scenario's point.
 //   --kill N         SIGKILL task N (index in --task order, not the root) once every task has
@@ -37,6 +41,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -459,12 +464,38 @@ int Fail(const char* fmt, ...) {
   return 1;
 }
 
+// --dump: what CRIU's dump runs of ours for one KFD file.
+int DumpMain(int dump_id) {
+  int rc = g_desc->init(GPULAZY_CRIU_STAGE_DUMP);
+  Say("init(DUMP) = %d", rc);
+  if (rc != 0) return Fail("init(DUMP) = %d", rc);
+  auto dump = Hook<gpulazy_dump_ext_file_t>(GPULAZY_HOOK_DUMP_EXT_FILE);
+  int other = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  rc = dump(other, dump_id + 1);
+  ::close(other);
+  Say("DUMP_EXT_FILE(/dev/null) = %d", rc);
+  if (rc != -ENOTSUP) return Fail("DUMP_EXT_FILE of a file that is not ours = %d", rc);
+  // The fake KFD recognises its files by this memfd name (kfd_fake.cc).
+  int kfd = ::memfd_create("gpulazy-fake-kfd", MFD_CLOEXEC);
+  rc = dump(kfd, dump_id);
+  ::close(kfd);
+  Say("DUMP_EXT_FILE(kfd, %d) = %d", dump_id, rc);
+  g_desc->exit(GPULAZY_CRIU_STAGE_DUMP, rc);
+  Say("exit(DUMP, %d)", rc);
+  if (rc != 0) return Fail("DUMP_EXT_FILE = %d", rc);
+  if (std::string changed = HandlersChanged(); !changed.empty())
+    return Fail("the plugin changed the host's handlers of%s", changed.c_str());
+  Say("sim: ok");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ::alarm(kMasterTimeoutS);
   std::string plugin, images, expect_path;
   std::vector<Task> tasks;
+  int dump_id = 0;
   pid_t stop_pid = -1;
   bool abort_on_death = false;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -481,6 +512,8 @@ int main(int argc, char** argv) {
       expect_path = value;
     else if (flag == "--task")
       tasks.push_back(Task{value == "none" ? 0 : std::atoi(value.c_str())});
+    else if (flag == "--dump")
+      dump_id = std::atoi(value.c_str());
     else if (flag == "--stop-pid")
       stop_pid = std::atoi(value.c_str());
     else if (flag == "--kill")
@@ -492,8 +525,8 @@ int main(int argc, char** argv) {
     else
       return Fail("unknown flag %s", flag.c_str());
   }
-  if (plugin.empty() || images.empty() || tasks.empty())
-    return Fail("usage: --plugin SO --images DIR [--expect FILE] --task ID|none ...");
+  if (plugin.empty() || images.empty() || (tasks.empty() && dump_id <= 0))
+    return Fail("usage: --plugin SO --images DIR [--expect FILE] --task ID|none ... | --dump ID");
   if (g_kill_index == 0 || g_kill_index >= static_cast<int>(tasks.size()))
     return Fail("--kill takes the index of a task other than the root");
   InstallHostHandlers();
@@ -519,6 +552,7 @@ int main(int argc, char** argv) {
 
   g_image_dir_fd = ::open(images.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (g_image_dir_fd < 0) return Fail("open %s: %s", images.c_str(), std::strerror(errno));
+  if (dump_id > 0) return DumpMain(dump_id);
 
   int rc = g_desc->init(GPULAZY_CRIU_STAGE_RESTORE);
   Say("init(RESTORE) = %d", rc);

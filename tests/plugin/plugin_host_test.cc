@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "plugin/topology.h"
 #include "proto/criu_file.h"
@@ -85,9 +86,12 @@ class PluginHostTest : public ::testing::Test {
  protected:
   // A checkpoint of `processes` processes at dir/ckpt, a fake KFD at dir/kfd whose topology
   // matches it, and the --expect file the simulator's tasks compare against.
-  void Make(uint32_t processes, uint64_t bytes_per_process = 4u << 20) {
+  // `where` defaults to the image directory; the dump test puts it where the fake KFD keeps
+  // the "live" process state.
+  void Make(uint32_t processes, uint64_t bytes_per_process = 4u << 20, fs::path where = {}) {
+    if (where.empty()) where = images_;
     image::SynthOptions o;
-    o.out = images_;
+    o.out = where;
     o.gpus = 2;
     o.bos = 8;
     o.total_bytes = processes * bytes_per_process;
@@ -95,7 +99,7 @@ class PluginHostTest : public ::testing::Test {
     o.processes = processes;
     auto report = image::SynthesizeCheckpoint(o);
     ASSERT_TRUE(report.ok()) << report.status().ToString();
-    auto cp = image::CriuCheckpoint::Open(images_);
+    auto cp = image::CriuCheckpoint::Open(where);
     ASSERT_TRUE(cp.ok()) << cp.status().ToString();
     const criu::KfdProcess& first = cp->processes().front().message;
     devices_.assign(first.devices().begin(), first.devices().end());
@@ -107,7 +111,7 @@ class PluginHostTest : public ::testing::Test {
     for (const image::ContentBo& bo : cp->content_bos())
       expect << bo.process_id << " " << bo.bo_index << " " << bo.size << " "
              << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).mmap_offset() << " "
-             << (images_ / bo.pages_file).string() << " "
+             << (where / bo.pages_file).string() << " "
              << criu_format::kHeaderSize + bo.pages_offset << " "
              << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).gpu_va() << "\n";
     ASSERT_TRUE(expect.good());
@@ -313,7 +317,85 @@ TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
   EXPECT_NE(out.output.find("waits for"), std::string::npos) << out.output;
 }
 
+// ---- dump, then restore what was dumped ----
+
+// DUMP_EXT_FILE against the fake KFD, whose "live" process state is a known checkpoint: the
+// driver sees PROCESS_INFO -> CHECKPOINT -> UNPAUSE, the images carry the same BO table and
+// driver blob, the device entries describe the (fake) sysfs topology, a lazy image is written
+// at exit, and restoring the dumped images gives the live contents back byte for byte.
+TEST_F(PluginHostTest, DumpThenRestoreIsByteExact) {
+  const fs::path live = dir_ / "kfd" / "live";
+  ASSERT_NO_FATAL_FAILURE(Make(1, 4u << 20, live));
+  fs::create_directories(images_);
+  Outcome dump = Sim({}, {{"GPULAZY_LAZY_IMAGE", "1"}}, "criu", {"--dump", "5"});
+  ASSERT_EQ(dump.exit_code, 0) << dump.output;
+  EXPECT_NE(dump.output.find("DUMP_EXT_FILE(/dev/null) = " + std::to_string(-ENOTSUP)),
+            std::string::npos)
+      << dump.output;
+
+  std::vector<std::string> op_logs;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_ / "kfd"))
+    if (e.path().filename().string().starts_with("ops-")) op_logs.push_back(Slurp(e.path()));
+  ASSERT_EQ(op_logs.size(), 1u);
+  EXPECT_EQ(op_logs[0], "PROCESS_INFO\nCHECKPOINT\nUNPAUSE\n");
+
+  auto original = image::CriuCheckpoint::Open(live);
+  auto dumped = image::CriuCheckpoint::Open(images_);
+  ASSERT_TRUE(original.ok() && dumped.ok()) << dumped.status().ToString();
+  ASSERT_EQ(dumped->processes().size(), 1u);
+  EXPECT_EQ(dumped->processes()[0].file_id, 5u);
+  const criu::KfdProcess& was = original->processes()[0].message;
+  const criu::KfdProcess& now = dumped->processes()[0].message;
+  EXPECT_EQ(now.driver_private(), was.driver_private());
+  EXPECT_EQ(now.object_count(), was.object_count());
+  ASSERT_EQ(now.bos_size(), was.bos_size());
+  for (int i = 0; i < now.bos_size(); ++i) {
+    EXPECT_EQ(now.bos(i).gpu_va(), was.bos(i).gpu_va()) << i;
+    EXPECT_EQ(now.bos(i).size(), was.bos(i).size()) << i;
+    EXPECT_EQ(now.bos(i).mmap_offset(), was.bos(i).mmap_offset()) << i;
+    EXPECT_EQ(now.bos(i).alloc_flags(), was.bos(i).alloc_flags()) << i;
+    EXPECT_EQ(now.bos(i).gpu_id(), was.bos(i).gpu_id()) << i;
+  }
+  ASSERT_EQ(now.devices_size(), was.devices_size());
+  for (int i = 0; i < now.devices_size(); ++i) {
+    // Every field as sysfs describes the GPU; node numbering and io links are the host's.
+    criu::KfdDevice device = now.devices(i);
+    device.set_node_id(was.devices(i).node_id());
+    device.set_vram_public(was.devices(i).vram_public());
+    *device.mutable_links() = was.devices(i).links();
+    EXPECT_EQ(device.SerializeAsString(), was.devices(i).SerializeAsString())
+        << device.ShortDebugString() << "\nvs\n"
+        << was.devices(i).ShortDebugString();
+  }
+  EXPECT_TRUE(image::LazyImage::Exists(images_)) << dump.output;
+
+  // The restored tasks compare with the live contents (the expect file points there), as file 5.
+  std::ifstream in(dir_ / "expect");
+  std::string line, rewritten;
+  while (std::getline(in, line))
+    rewritten += "5" + line.substr(line.find(' ')) + "\n";
+  in.close();
+  std::ofstream(dir_ / "expect") << rewritten;
+  for (const char* mode : {"eager", "parallel", "lazy"}) {
+    Outcome out = Sim({"5"}, {{"GPULAZY_MODE", mode}});
+    EXPECT_EQ(out.exit_code, 0) << mode << "\n" << out.output;
+    EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << mode << "\n" << out.output;
+  }
+}
+
 // ---- failures name their reason ----
+
+// Past "is this ours?", a missing piece is a failure, not -ENOTSUP (which would send CRIU to
+// the next plugin and hide the reason).
+TEST_F(PluginHostTest, MissingTopologyFailsRestoreExtFileWithEio) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  Outcome out = Sim({"1"}, {{"GPULAZY_MODE", "parallel"},
+                            {"GPULAZY_TOPOLOGY", (dir_ / "no-such-topology").string()}});
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("RESTORE_EXT_FILE(1) = " + std::to_string(-EIO)), std::string::npos)
+      << out.output;
+  EXPECT_NE(out.output.find("no KFD topology at"), std::string::npos) << out.output;
+}
 
 TEST_F(PluginHostTest, ServerDownFailsEagerInTheTask) {
   ASSERT_NO_FATAL_FAILURE(Make(1));
