@@ -375,14 +375,16 @@ Status RestoreCoordinator::Finish(bool success) {
     if (result.ok() && !handoff.ok()) result = handoff;
   }
   if (faults_) faults_->Stop();
-  if (session_) session_->Cancel();
-  router_.FailParked(Aborted("restore abandoned"));
-  session_.reset();  // joins the session's I/O thread and flushes the router
+  // The receiver uses the session (Absorb binds BOs, a task's death drops them): it ends
+  // first. It never waits for the session, so this join is prompt.
   if (wake_.valid()) {
     uint64_t one = 1;
     (void)!::write(wake_.get(), &one, sizeof(one));
   }
   if (receiver_.joinable()) receiver_.join();
+  if (session_) session_->Cancel();
+  router_.FailParked(Aborted("restore abandoned"));
+  session_.reset();  // joins the session's I/O thread and flushes the router
   {
     std::lock_guard lock(mutex_);
     engines_.clear();

@@ -31,7 +31,10 @@
 //                      continue: RESUME_DEVICES_LATE the dead task first (must fail), SIGCONT,
 //                                resume the others, whose contents must still be byte-exact;
 //                      abort:    as CRIU does on a restored task's SIGCHLD: exit(RESTORE, -1)
-//                                at once, which must return (no RESUME_DEVICES_LATE).
+//                                at once, which must return (no RESUME_DEVICES_LATE);
+//                      after-resume: (lazy) kill it only after every task resumed, while the
+//                                server is still stopped; exit(RESTORE, 0) and the others'
+//                                contents must be as usual.
 //   --fault-check    lazy mode: after resume and before exit, each task asks the fault channel
 //                    (libgpulazy_fault) for the last page of its last BO, checks those bytes,
 //                    and the error cases (a range outside every BO, a zero length); after exit
@@ -498,6 +501,7 @@ int main(int argc, char** argv) {
   int dump_id = 0;
   pid_t stop_pid = -1;
   bool abort_on_death = false;
+  bool kill_after_resume = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--plugin")
@@ -518,8 +522,10 @@ int main(int argc, char** argv) {
       stop_pid = std::atoi(value.c_str());
     else if (flag == "--kill")
       g_kill_index = std::atoi(value.c_str());
-    else if (flag == "--on-death")
+    else if (flag == "--on-death" && (value == "continue" || value == "abort"))
       abort_on_death = value == "abort";
+    else if (flag == "--on-death" && value == "after-resume")
+      kill_after_resume = true;
     else if (flag == "--fault-check" && (value == "1" || value == "0"))
       g_fault_check = value == "1";
     else
@@ -638,18 +644,23 @@ int main(int argc, char** argv) {
   if (g_fault_check && !lazy) return finish(-EINVAL, "--fault-check needs GPULAZY_MODE=lazy");
 
   pid_t victim = -1;
-  if (g_kill_index > 0) {
-    // Killed while the master still streams (the server is stopped): wait until it is dead.
+  // SIGKILLs the --kill task and waits until it is dead; "" or why it could not.
+  auto kill_victim = [&]() -> std::string {
     Task& v = tasks[static_cast<size_t>(g_kill_index)];
     int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, v.pid, 0));
-    if (pidfd < 0) return finish(-errno, "pidfd_open of the task to kill");
+    if (pidfd < 0) return "pidfd_open of the task to kill";
     ::kill(v.pid, SIGKILL);
     pollfd p{pidfd, POLLIN, 0};
     const bool dead = ::poll(&p, 1, kReportTimeoutMs) == 1;
     ::close(pidfd);
-    if (!dead) return finish(-ETIMEDOUT, "the killed task did not die");
+    if (!dead) return "the killed task did not die";
     victim = v.pid;
     Say("task %d: killed", victim);
+    return "";
+  };
+  if (g_kill_index > 0 && !kill_after_resume) {
+    // Killed while the master still streams (the server is stopped).
+    if (std::string why = kill_victim(); !why.empty()) return finish(-EPROTO, why);
     if (abort_on_death) {
       // CRIU's SIGCHLD handler aborts the restore: no RESUME_DEVICES_LATE, exit with an error.
       const auto start = std::chrono::steady_clock::now();
@@ -674,8 +685,9 @@ int main(int argc, char** argv) {
     if (rc == 0 || rc == -ENOTSUP)
       return finish(-EPROTO, "RESUME_DEVICES_LATE of a dead task = " + std::to_string(rc));
   }
-  // Lazy resumes without the stream (no hot set here); the fault check needs it stopped.
-  if (!(lazy && g_fault_check)) continue_server();
+  // Lazy resumes without the stream (no hot set here); the fault check and a death after
+  // resume need it stopped.
+  if (!(lazy && (g_fault_check || kill_after_resume))) continue_server();
 
   char check = 'c';
   for (Task& t : tasks) {
@@ -688,6 +700,10 @@ int main(int argc, char** argv) {
                     "RESUME_DEVICES_LATE(" + std::to_string(t.pid) + ") = " + std::to_string(rc));
     // Eager and parallel promise a task's contents by its resume; lazy only by exit.
     if (!lazy) (void)WriteAll(t.go[1], &check, 1);
+  }
+  if (g_kill_index > 0 && kill_after_resume) {
+    // The program exits while its BOs still stream (lazy): its own business, no failure.
+    if (std::string why = kill_victim(); !why.empty()) return finish(-EPROTO, why);
   }
   if (g_fault_check) {
     for (Task& t : tasks) {

@@ -289,6 +289,25 @@ TEST_P(TaskDeathTest, CriuAbortsAndExitReturnsPromptly) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, TaskDeathTest, ::testing::Values("parallel", "lazy"));
 
+// Lazy: a program that exits after its resume, while its BOs still stream, is no failure; its
+// remaining BOs leave the stream and exit(RESTORE, 0) completes with the other task byte-exact.
+TEST_F(PluginHostTest, LazyTaskExitingAfterResumeStopsItsStreamOnly) {
+  ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out = Sim(
+      {"1", "2"},
+      {{"GPULAZY_MODE", "lazy"},
+       {"GPULAZY_SERVER", "unix:" + server_socket()},
+       {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
+      "criu", {"--stop-pid", std::to_string(server), "--kill", "1", "--on-death", "after-resume"});
+  StopServer(server);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("(amdgpu-kfd-2.img) exited;"), std::string::npos) << out.output;
+  EXPECT_EQ(out.output.find("died during restore"), std::string::npos) << out.output;
+}
+
 // ---- the fault channel, end to end ----
 
 // Lazy mode, server stopped: the tasks resume without their contents, then each asks the fault
