@@ -365,6 +365,16 @@ Status RestoreCoordinator::Finish(bool success) {
   finished_ = true;
   Status result;
   if (success && session_) {
+    // A task that is gone by now needs none of its chunks: do not wait for them (the receiver
+    // may not have seen its pidfd yet).
+    std::vector<uint32_t> pids;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& [pid, task] : tasks_)
+        pids.push_back(pid);
+    }
+    for (uint32_t pid : pids)
+      (void)Died(pid);
     result = session_->WaitComplete();
     if (result.ok()) result = router_.Flush();
     Status handoff;

@@ -283,8 +283,10 @@ std::string CheckContents(const std::vector<ExpectedBo>& expected, int file_id) 
 
 // --fault-check, in a task after its resume: the last page of its last BO through the fault
 // channel, then the error cases. `conn` stays open for the after-exit check. "" when all held.
+// With `server_held` (the server is still SIGSTOPped, so the page cannot have arrived) the
+// first ensure must time out (the test sets a short resume timeout) rather than answer early.
 std::string FaultCheck(const std::vector<ExpectedBo>& expected, int file_id, int report_fd,
-                       int& conn) {
+                       bool server_held, int& conn) {
   const ExpectedBo* last = nullptr;
   uint64_t end_of_all = 0;
   for (const ExpectedBo& bo : expected) {
@@ -295,11 +297,14 @@ std::string FaultCheck(const std::vector<ExpectedBo>& expected, int file_id, int
   const char* path = std::getenv("GPULAZY_FAULT_SOCKET");
   conn = gpulazy_fault_connect(path);
   if (conn < 0) return std::string("fault channel connect: ") + std::strerror(-conn);
-  const char ensuring = 'e';  // the master lets the server go on now
-  if (!WriteAll(report_fd, &ensuring, 1)) return "report pipe";
   const uint64_t len = 4096;
   const uint64_t off = last->size - len;
-  int rc = gpulazy_ensure(conn, last->gpu_va + off, len);
+  int rc = 0;
+  if (server_held && (rc = gpulazy_ensure(conn, last->gpu_va + off, len)) != -ETIMEDOUT)
+    return "ensure with the server stopped = " + std::to_string(rc) + ", not -ETIMEDOUT";
+  const char ensuring = 'e';  // the master lets the server go on now
+  if (!WriteAll(report_fd, &ensuring, 1)) return "report pipe";
+  rc = gpulazy_ensure(conn, last->gpu_va + off, len);
   if (rc != 0) return "ensure(last page) = " + std::to_string(rc);
   // Resident means resident: the bytes must be there the moment ensure returns.
   std::map<uint32_t, int> memfds = FindBoMemfds();
@@ -419,8 +424,9 @@ int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
   int fault_conn = -1;
   std::string why;
   if (g_fault_check && task.file_id > 0) {
-    if (!ReadAll(task.go[0], &go, 1, kTaskTimeoutS * 1000) || go != 'e') return 2;
-    why = FaultCheck(expected, task.file_id, task.report[1], fault_conn);
+    // 'E': the server is still stopped; 'e': it runs.
+    if (!ReadAll(task.go[0], &go, 1, kTaskTimeoutS * 1000) || (go != 'e' && go != 'E')) return 2;
+    why = FaultCheck(expected, task.file_id, task.report[1], go == 'E', fault_conn);
     if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
     char verdict = why.empty() ? 1 : 0;
     if (!WriteAll(task.report[1], &verdict, 1)) return 3;
@@ -708,7 +714,7 @@ int main(int argc, char** argv) {
   if (g_fault_check) {
     for (Task& t : tasks) {
       if (t.pid == victim || t.file_id == 0) continue;
-      char step = 'e';
+      char step = stop_pid > 0 && !continued ? 'E' : 'e';
       (void)WriteAll(t.go[1], &step, 1);
       char ensuring = 0;
       if (!ReadAll(t.report[0], &ensuring, 1, kReportTimeoutMs) || ensuring != 'e')

@@ -311,9 +311,10 @@ TEST_F(PluginHostTest, LazyTaskExitingAfterResumeStopsItsStreamOnly) {
 // ---- the fault channel, end to end ----
 
 // Lazy mode, server stopped: the tasks resume without their contents, then each asks the fault
-// channel (the C library) for the last page of its last BO; ensure returns only once those
-// bytes are in the BO (checked at once), errors come back as -errno, and after exit the
-// channel is closed.
+// channel (the C library) for the last page of its last BO. While the server is stopped the
+// first task's ensure times out (resume timeout 1.5 s) instead of answering; once the server
+// goes on, ensure returns only when those bytes are in the BO (checked at once). Errors come
+// back as -errno, and after exit the channel is closed.
 TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
   ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
   pid_t server = StartServer();
@@ -321,7 +322,8 @@ TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
   Outcome out = Sim({"1", "2"},
                     {{"GPULAZY_MODE", "lazy"},
                      {"GPULAZY_SERVER", "unix:" + server_socket()},
-                     {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
+                     {"GPULAZY_WINDOW", std::to_string(2u << 20)},
+                     {"GPULAZY_RESUME_TIMEOUT_MS", "1500"}},
                     "criu", {"--stop-pid", std::to_string(server), "--fault-check", "1"});
   StopServer(server);
   EXPECT_EQ(out.exit_code, 0) << out.output;
@@ -331,9 +333,10 @@ TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
        ++at)
     ++checked;
   EXPECT_EQ(checked, 2u) << out.output;
-  // At least the first ensure found its range missing (the server was stopped until then).
+  // The first ensure found its range missing (the server was stopped until then).
   EXPECT_NE(out.output.find("fault channel: pid"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("waits for"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("timed out"), std::string::npos) << out.output;
 }
 
 // ---- dump, then restore what was dumped ----
