@@ -67,6 +67,8 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
     c.resume_timeout = std::chrono::milliseconds(ms);
   } else if (key == "log_level") {
     c.log_level = value;
+  } else if (key == "lazy_image") {
+    GPULAZY_ASSIGN_OR_RETURN(c.lazy_image, ParseBool(key, value));
   } else if (key.starts_with("check_")) {
     GPULAZY_ASSIGN_OR_RETURN(bool on, ParseBool(key, value));
     bool* flag = c.checks.Find(key.substr(6));
@@ -78,9 +80,10 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
   return Status::Ok();
 }
 
-const char* const kKeys[] = {"mode",     "server",   "image",        "token",  "engine",
-                             "fake_kfd", "topology", "fault_socket", "window", "resume_timeout_ms",
-                             "log_level"};
+const char* const kKeys[] = {
+    "mode",      "server",    "image",        "token",  "engine",
+    "fake_kfd",  "topology",  "fault_socket", "window", "resume_timeout_ms",
+    "log_level", "lazy_image"};
 
 }  // namespace
 

@@ -15,6 +15,7 @@
 //   channel (lazy mode) window            GPULAZY_WINDOW            client credit window in bytes
 //   resume_timeout_ms GPULAZY_RESUME_TIMEOUT_MS most a RESUME_DEVICES_LATE waits for contents
 //   check_*           GPULAZY_CHECK_*           topology checks (topology.h), 0 disables one
+//   lazy_image        GPULAZY_LAZY_IMAGE        dump: also write the lazy image (0 | 1)
 //   log_level         GPULAZY_LOG_LEVEL         spdlog level
 // The file is GPULAZY_CONFIG, else /etc/gpulazy/plugin.conf when present: `key = value` lines,
 // `#` comments.
@@ -49,6 +50,7 @@ struct PluginConfig {
   uint64_t window_bytes = 16u << 20;
   std::chrono::milliseconds resume_timeout{600'000};
   TopologyChecks checks;
+  bool lazy_image = false;  // dump: convert the finished checkpoint into a lazy image too
   std::string log_level = "info";
 };
 

@@ -5,7 +5,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/lazy_image.h"
 #include "plugin/dump.h"
+#include "plugin/handoff.h"
 #include "plugin/sdma_engine.h"
 #include "proto/criu_file.h"
 
@@ -45,6 +48,7 @@ Status PluginContext::Init(int stage) {
     return ErrnoError(errno, "socketpair for the BO handoff");
   handoff_master_.reset(fds[0]);
   UniqueFd task_end(fds[1]);
+  GPULAZY_RETURN_IF_ERROR(EnableSenderCredentials(handoff_master_.get()));
   int bytes = 4 << 20;
   (void)::setsockopt(task_end.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
   (void)::setsockopt(handoff_master_.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
@@ -80,10 +84,10 @@ Result<int> PluginContext::RestoreExtFile(int id) {
   return task_->RestoreFile(image_dir_, id, owned.get());
 }
 
-Status PluginContext::UpdateVmaMap(const char* path, uint64_t old_pgoff, uint64_t* new_pgoff,
-                                   int* plugin_fd) {
+Result<int> PluginContext::UpdateVmaMap(const char* path, uint64_t addr, uint64_t old_pgoff,
+                                        uint64_t* new_pgoff, int* plugin_fd) {
   if (!task_ || path == nullptr) return NotFound("not a GPU mapping");
-  return task_->UpdateVmaMap(path, old_pgoff, new_pgoff, plugin_fd);
+  return task_->UpdateVmaMap(path, addr, old_pgoff, new_pgoff, plugin_fd);
 }
 
 Result<std::unique_ptr<DeviceEngine>> PluginContext::MakeEngine(uint32_t local_gpu_id) {
@@ -119,6 +123,9 @@ Status PluginContext::ResumeDevicesLate(int pid) {
 }
 
 void PluginContext::Exit(int stage, int ret) {
+  if (stage == GPULAZY_CRIU_STAGE_DUMP && ret == 0 && config_ && config_->lazy_image &&
+      !dumped_dir_.empty())
+    WriteLazyImage();
   if (coordinator_) {
     Status s = coordinator_->Finish(ret == 0);
     if (!s.ok()) spdlog::error("gpulazy: finishing the restore: {}", s.ToString());
@@ -130,8 +137,30 @@ Status PluginContext::DumpExtFile(int fd, int id) {
   GPULAZY_RETURN_IF_ERROR(EnsureConfig());
   if (!kfd_->IsKfd(fd)) return NotFound("fd {} is not a KFD file", fd);
   GPULAZY_ASSIGN_OR_RETURN(fs::path dir, host_.ImageDir());
+  // The device entries describe this host's GPUs (sysfs), as restore will compare them.
+  Result<std::vector<LocalGpu>> topology = ReadTopology(config_->topology_root);
+  if (!topology.ok())
+    return OursFailed(topology.status().Context("dump of KFD file " + std::to_string(id)));
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<Kfd> kfd, kfd_->Attach(fd));
-  return DumpKfdFile(*kfd, id, dir);
+  GPULAZY_RETURN_IF_ERROR(OursFailed(DumpKfdFile(*kfd, id, dir, *topology)));
+  dumped_dir_ = dir;
+  return Status::Ok();
+}
+
+void PluginContext::WriteLazyImage() {
+  // exit() cannot fail the dump: the CRIU images are complete and served as they are; a lazy
+  // image that could not be written is only a missed optimisation, said loudly.
+  Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dumped_dir_);
+  Result<image::ConvertStats> stats =
+      checkpoint.ok() ? image::ConvertToLazyImage(*checkpoint, image::ConvertOptions{})
+                      : Result<image::ConvertStats>(checkpoint.status());
+  if (!stats.ok()) {
+    spdlog::error("gpulazy: no lazy image in {}: {}", dumped_dir_.string(),
+                  stats.status().ToString());
+    return;
+  }
+  spdlog::info("gpulazy: lazy image of {}: {} chunks, {} of {} bytes stored", dumped_dir_.string(),
+               stats->chunks, stats->stored_bytes, stats->raw_bytes);
 }
 
 Status PluginContext::HandleDeviceVma(int fd) {

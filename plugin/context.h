@@ -27,7 +27,9 @@ class PluginContext {
   void Exit(int stage, int ret);
   // kNotFound from these means "not ours": the hook answers -ENOTSUP.
   Result<int> RestoreExtFile(int id);
-  Status UpdateVmaMap(const char* path, uint64_t old_pgoff, uint64_t* new_pgoff, int* plugin_fd);
+  // 1: adjusted, 0: a GPU mapping left as it is (task_restore.h).
+  Result<int> UpdateVmaMap(const char* path, uint64_t addr, uint64_t old_pgoff, uint64_t* new_pgoff,
+                           int* plugin_fd);
   Status PostForking();
   Status ResumeDevicesLate(int pid);
   Status DumpExtFile(int fd, int id);
@@ -37,6 +39,7 @@ class PluginContext {
   Status EnsureConfig();
   Result<std::unique_ptr<DeviceEngine>> MakeEngine(uint32_t local_gpu_id);
   Result<int> TaskHandoffFd();
+  void WriteLazyImage();  // of dumped_dir_, at exit(DUMP) with config lazy_image
 
   CriuHost host_;
   std::optional<PluginConfig> config_;
@@ -48,6 +51,7 @@ class PluginContext {
   int handoff_store_id_ = -1;  // tasks' end in CRIU's fdstore
   std::unique_ptr<TaskRestorer> task_;
   std::unique_ptr<RestoreCoordinator> coordinator_;
+  std::filesystem::path dumped_dir_;  // where DUMP_EXT_FILE wrote KFD images, if it did
 };
 
 }  // namespace gpulazy::plugin

@@ -1,15 +1,44 @@
 #include "plugin/coordinator.h"
 
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "lazy-server/server/server.h"
+#include "plugin/criu_host.h"
 #include "plugin/handoff.h"
 
 namespace gpulazy::plugin {
 namespace fs = std::filesystem;
+namespace {
+
+// Threads started while this lives inherit a mask that blocks every asynchronous signal, so
+// process-directed signals (SIGCHLD of a restored task, SIGTERM) reach CRIU's own thread and
+// its handlers run where CRIU expects them. Synchronous signals stay deliverable.
+class BlockSignalsForNewThreads {
+ public:
+  BlockSignalsForNewThreads() {
+    sigset_t all;
+    ::sigfillset(&all);
+    for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGSYS})
+      ::sigdelset(&all, sig);
+    ::pthread_sigmask(SIG_BLOCK, &all, &saved_);
+  }
+  ~BlockSignalsForNewThreads() { ::pthread_sigmask(SIG_SETMASK, &saved_, nullptr); }
+  BlockSignalsForNewThreads(const BlockSignalsForNewThreads&) = delete;
+  BlockSignalsForNewThreads& operator=(const BlockSignalsForNewThreads&) = delete;
+
+ private:
+  sigset_t saved_{};
+};
+
+}  // namespace
 
 RestoreCoordinator::RestoreCoordinator(PluginConfig config, fs::path image_dir, UniqueFd handoff,
                                        KfdProvider& kfd, EngineFactory engines)
@@ -36,6 +65,7 @@ Status RestoreCoordinator::StartServer() {
   sc.io_threads = 1;
   sc.disk_threads = 2;
   sc.server_name = "gpulazy-plugin";
+  sc.handle_signals = false;  // CRIU's SIGTERM/SIGINT handlers are not ours to replace
   server_ = std::make_unique<server::Server>(sc);
   GPULAZY_RETURN_IF_ERROR(server_->Listen().Context("in-process page server"));
   server_thread_ = std::thread([this] { (void)server_->Run(); });
@@ -46,6 +76,7 @@ Status RestoreCoordinator::StartServer() {
 }
 
 Status RestoreCoordinator::Start() {
+  BlockSignalsForNewThreads block;  // the server's, the session's, ours
   int wake = ::eventfd(0, EFD_CLOEXEC);
   if (wake < 0) return ErrnoError(errno, "eventfd");
   wake_.reset(wake);
@@ -86,38 +117,62 @@ Status RestoreCoordinator::Start() {
 }
 
 void RestoreCoordinator::ReceiveLoop() {
+  bool handoff_open = true;
   for (;;) {
-    pollfd fds[2] = {{handoff_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
+    // The handoff socket, the stop signal, and the pidfd of every task still alive.
+    std::vector<pollfd> fds = {{wake_.get(), POLLIN, 0},
+                               {handoff_open ? handoff_.get() : -1, POLLIN, 0}};
+    std::vector<uint32_t> watched;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& [pid, task] : tasks_) {
+        if (task.dead || !task.pidfd.valid()) continue;
+        fds.push_back({task.pidfd.get(), POLLIN, 0});
+        watched.push_back(pid);
+      }
+    }
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
       if (errno == EINTR) continue;
+      spdlog::error("gpulazy: handoff receiver: poll: {}", std::strerror(errno));
       return;
     }
-    if (fds[1].revents != 0) return;
-    std::lock_guard lock(receive_mutex_);
-    Result<HandoffRecord> record = ReceiveHandoff(handoff_.get(), true);
-    if (!record.ok()) {
-      if (record.status().code() == Code::kTimeout) continue;
-      std::lock_guard l(mutex_);
-      if (handoff_error_.ok()) handoff_error_ = record.status();
-      if (record.status().code() == Code::kUnavailable) return;
-      continue;
+    if (fds[0].revents != 0) return;
+    if (fds[1].revents != 0) {
+      std::lock_guard lock(receive_mutex_);
+      Result<HandoffRecord> record = ReceiveHandoff(handoff_.get(), true);
+      if (record.ok()) {
+        Status absorbed = Absorb(std::move(*record));
+        if (!absorbed.ok()) {
+          spdlog::error("gpulazy: {}", absorbed.ToString());
+          std::lock_guard l(mutex_);
+          if (handoff_error_.ok()) handoff_error_ = absorbed;
+        }
+      } else if (record.status().code() != Code::kTimeout) {
+        std::lock_guard l(mutex_);
+        if (handoff_error_.ok()) handoff_error_ = record.status();
+        // EOF: every task's end is closed. Keep watching the tasks that handed over.
+        if (record.status().code() == Code::kUnavailable) handoff_open = false;
+      }
     }
-    Status absorbed = Absorb(std::move(*record));
-    if (!absorbed.ok()) {
-      spdlog::error("gpulazy: {}", absorbed.ToString());
-      std::lock_guard l(mutex_);
-      if (handoff_error_.ok()) handoff_error_ = absorbed;
-    }
+    for (size_t i = 0; i < watched.size(); ++i)
+      if (fds[i + 2].revents != 0) OnTaskDied(watched[i]);
   }
 }
 
 Status RestoreCoordinator::Absorb(HandoffRecord record) {
+  // The kernel's view of the sender is the pid CRIU's master passes to RESUME_DEVICES_LATE.
+  if (record.sender_pid != 0) record.pid = record.sender_pid;
+  bool dead = false;
   {
     std::lock_guard lock(mutex_);
     Task& task = tasks_[record.pid];
     task.file_id = record.file_id;
     if (record.last) task.complete = true;
+    if (record.pidfd.valid()) task.pidfd = std::move(record.pidfd);
+    dead = task.dead;
   }
+  // Records of a task already seen dead: Router::Bind closes the dmabufs of dropped BOs.
+  if (dead) spdlog::debug("gpulazy: record of pid {} arrived after its death", record.pid);
   for (HandedBo& bo : record.bos) {
     if (!session_) continue;  // eager: the task copied it; the fd just closes
     auto it = session_index_.find({record.file_id, bo.bo_index});
@@ -129,6 +184,7 @@ Status RestoreCoordinator::Absorb(HandoffRecord record) {
       std::lock_guard lock(mutex_);
       auto& slot = engines_[bo.local_gpu_id];
       if (!slot) {
+        BlockSignalsForNewThreads block;  // an SDMA engine starts its reaper thread
         auto made = make_engine_(bo.local_gpu_id);
         if (!made.ok())
           return made.status().Context(fmt::format("engine for gpu {:#x}", bo.local_gpu_id));
@@ -158,24 +214,93 @@ Status RestoreCoordinator::DrainPending() {
   }
 }
 
+bool RestoreCoordinator::Died(uint32_t pid) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = tasks_.find(pid);
+    if (it == tasks_.end()) return false;
+    if (it->second.dead) return true;
+    if (!it->second.pidfd.valid()) return false;
+    pollfd p{it->second.pidfd.get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) return false;
+  }
+  OnTaskDied(pid);  // the receiver thread may not have seen it yet
+  return true;
+}
+
+void RestoreCoordinator::OnTaskDied(uint32_t pid) {
+  uint32_t file_id = 0;
+  bool resumed = false;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = tasks_.find(pid);
+    if (it == tasks_.end() || it->second.dead) return;
+    it->second.dead = true;
+    it->second.pidfd.reset();
+    file_id = it->second.file_id;
+    resumed = it->second.resumed;
+  }
+  if (!session_) {  // eager: its contents were copied by the task itself
+    if (!resumed) spdlog::error("gpulazy: {}", DeathError(pid, file_id).message());
+    return;
+  }
+  // Every BO of its image, handed over or not: chunks of BOs it never handed over would
+  // otherwise stay parked forever and hold the credit window shut for the other tasks.
+  std::vector<uint32_t> bos;
+  for (const auto& [key, index] : session_index_)
+    if (key.first == file_id) bos.push_back(index);
+  uint64_t total = 0;
+  uint64_t resident = 0;
+  const uint64_t chunk = std::max<uint64_t>(session_->chunk_size(), 1);
+  for (uint32_t bo : bos) {
+    const uint64_t size = session_->bos()[bo].size;
+    total += size;
+    for (uint64_t off = 0; off < size; off += chunk) {
+      const uint64_t len = std::min(chunk, size - off);
+      if (session_->IsResident(bo, off, len)) resident += len;
+    }
+  }
+  const size_t discarded = router_.Drop(bos);
+  if (resumed) {
+    spdlog::info(
+        "gpulazy: pid {} (amdgpu-kfd-{}.img) exited; {} of its {} bytes were resident, the rest "
+        "is no longer streamed",
+        pid, file_id, resident, total);
+  } else {
+    spdlog::error(
+        "gpulazy: {}: {} of its {} bytes were resident; dropped its {} BOs from the stream "
+        "({} parked chunks discarded)",
+        DeathError(pid, file_id).message(), resident, total, bos.size(), discarded);
+  }
+}
+
+Status RestoreCoordinator::DeathError(uint32_t pid, uint32_t file_id) const {
+  return Aborted("pid {} (amdgpu-kfd-{}.img) died during restore", pid, file_id);
+}
+
 Status RestoreCoordinator::ResumeTask(uint32_t pid) {
   GPULAZY_RETURN_IF_ERROR(DrainPending());
-  Task task;
+  uint32_t file_id = 0;
+  bool complete = false;
+  std::vector<uint32_t> task_bos;
   {
     std::lock_guard lock(mutex_);
     if (!handoff_error_.ok()) return handoff_error_;
     auto it = tasks_.find(pid);
     if (it == tasks_.end()) return NotFound("pid {} handed over no KFD state", pid);
-    task = it->second;
+    file_id = it->second.file_id;
+    complete = it->second.complete;
+    task_bos = it->second.bos;
   }
-  if (!task.complete)
-    return Aborted("pid {} (amdgpu-kfd-{}.img) did not finish handing over its BOs", pid,
-                   task.file_id);
+  if (Died(pid)) return DeathError(pid, file_id);
+  if (!complete)
+    return Aborted("pid {} (amdgpu-kfd-{}.img) did not finish handing over its BOs", pid, file_id);
   if (session_) {
     auto timeout = config_.resume_timeout;
     if (config_.mode == Mode::kParallel) {
       // Ensure() asks for what is missing at demand priority: this task's BOs jump the queue.
-      for (uint32_t bo : task.bos) {
+      // Should the task die meanwhile, its BOs are dropped, count as resident, and this ends.
+      for (uint32_t bo : task_bos) {
         Status s = session_->Ensure(bo, 0, session_->bos()[bo].size, timeout);
         if (!s.ok()) return s.Context(fmt::format("pid {}: waiting for BO {}", pid, bo));
       }
@@ -186,19 +311,29 @@ Status RestoreCoordinator::ResumeTask(uint32_t pid) {
             fmt::format("pid {}: lazy restore refuses to resume without the hot set", pid));
     }
   }
+  if (Died(pid)) return DeathError(pid, file_id);
   if (!master_kfd_) {
-    GPULAZY_ASSIGN_OR_RETURN(master_kfd_, kfd_.Open());
+    Result<std::unique_ptr<Kfd>> opened = kfd_.Open();
+    if (!opened.ok())
+      return OursFailed(opened.status().Context("RESUME of pid " + std::to_string(pid)));
+    master_kfd_ = std::move(*opened);
   }
   kfd_ioctl_criu_args args{};
   args.op = KFD_CRIU_OP_RESUME;
   args.pid = pid;
   int rc = master_kfd_->CriuOp(args);
   if (rc != 0) return ErrnoError(-rc, "KFD CRIU_OP RESUME for pid {}", pid);
+  {
+    std::lock_guard lock(mutex_);
+    tasks_[pid].resumed = true;
+  }
   spdlog::info("gpulazy: pid {} resumed ({} mode)", pid, ModeName(config_.mode));
   return Status::Ok();
 }
 
 Status RestoreCoordinator::Ensure(uint32_t pid, uint64_t va, uint64_t len) {
+  if (len == 0 || va + len < va)
+    return InvalidArgument("pid {}: ensure of [{:#x}, +{}) is not a range", pid, va, len);
   std::vector<uint32_t> bos;
   {
     std::lock_guard lock(mutex_);
@@ -206,12 +341,17 @@ Status RestoreCoordinator::Ensure(uint32_t pid, uint64_t va, uint64_t len) {
     if (it == tasks_.end()) return NotFound("pid {} has no GPU state here", pid);
     bos = it->second.bos;
   }
+  // Bytes of the range outside every BO are not ours to provide; a range with none inside a
+  // BO is a caller's mistake worth an error.
   uint64_t covered = 0;
   for (uint32_t bo : bos) {
     const client::BoEntry& e = session_->bos()[bo];
     uint64_t begin = std::max(va, e.gpu_va);
     uint64_t end = std::min(va + len, e.gpu_va + e.size);
     if (begin >= end) continue;
+    if (!session_->IsResident(bo, begin - e.gpu_va, end - begin))
+      spdlog::info("gpulazy: fault channel: pid {} waits for [{:#x}, +{}) of BO {}", pid, begin,
+                   end - begin, bo);
     GPULAZY_RETURN_IF_ERROR(
         session_->Ensure(bo, begin - e.gpu_va, end - begin, config_.resume_timeout));
     covered += end - begin;
@@ -225,6 +365,16 @@ Status RestoreCoordinator::Finish(bool success) {
   finished_ = true;
   Status result;
   if (success && session_) {
+    // A task that is gone by now needs none of its chunks: do not wait for them (the receiver
+    // may not have seen its pidfd yet).
+    std::vector<uint32_t> pids;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& [pid, task] : tasks_)
+        pids.push_back(pid);
+    }
+    for (uint32_t pid : pids)
+      (void)Died(pid);
     result = session_->WaitComplete();
     if (result.ok()) result = router_.Flush();
     Status handoff;
@@ -235,14 +385,16 @@ Status RestoreCoordinator::Finish(bool success) {
     if (result.ok() && !handoff.ok()) result = handoff;
   }
   if (faults_) faults_->Stop();
-  if (session_) session_->Cancel();
-  router_.FailParked(Aborted("restore abandoned"));
-  session_.reset();  // joins the session's I/O thread and flushes the router
+  // The receiver uses the session (Absorb binds BOs, a task's death drops them): it ends
+  // first. It never waits for the session, so this join is prompt.
   if (wake_.valid()) {
     uint64_t one = 1;
     (void)!::write(wake_.get(), &one, sizeof(one));
   }
   if (receiver_.joinable()) receiver_.join();
+  if (session_) session_->Cancel();
+  router_.FailParked(Aborted("restore abandoned"));
+  session_.reset();  // joins the session's I/O thread and flushes the router
   {
     std::lock_guard lock(mutex_);
     engines_.clear();

@@ -5,6 +5,14 @@
 // (parallel: all of the task's BOs, pre-empting the stream; lazy: the hot set) before
 // CRIU_OP RESUME. Finish() (plugin exit) waits for completion on success, cancels otherwise,
 // and joins every thread.
+//
+// A task that dies (its pidfd, handed over with its BOs, becomes readable): the coordinator
+// drops every BO of its KFD image from the stream (parked and later chunks are discarded, the
+// dmabufs released), so the other tasks' contents and the session still complete. Before its
+// resume that is a failed restore of that task: RESUME_DEVICES_LATE for it answers kAborted
+// naming it (upstream CRIU aborts the whole restore on a task's SIGCHLD anyway and then calls
+// exit with an error, which must not hang). After its resume (lazy mode) it is the program's
+// own exit: its remaining BOs are dropped and nothing fails.
 // Thread-safety: Start, ResumeTask and Finish from CRIU's master thread; internal threads
 // (receiver, session I/O, engines, fault channel) are joined by Finish.
 #pragma once
@@ -48,14 +56,20 @@ class RestoreCoordinator {
   struct Task {
     uint32_t file_id = 0;
     bool complete = false;
+    bool resumed = false;
+    bool dead = false;
     std::vector<uint32_t> bos;  // session BO indices
+    UniqueFd pidfd;             // readable once the task has exited
   };
   Status StartServer();
   void ReceiveLoop();
   Status Absorb(HandoffRecord record);  // caller holds receive_mutex_
   Status DrainPending();
   Status Ensure(uint32_t pid, uint64_t va, uint64_t len);
-
+  // True when `pid` has died (noticed now or earlier); drops its BOs the first time.
+  bool Died(uint32_t pid);
+  void OnTaskDied(uint32_t pid);
+  Status DeathError(uint32_t pid, uint32_t file_id) const;
   PluginConfig config_;
   std::filesystem::path image_dir_;
   UniqueFd handoff_;

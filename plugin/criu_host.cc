@@ -42,4 +42,9 @@ Result<std::filesystem::path> CriuHost::ImageDir() const {
       "no image directory: CRIU's criu_get_image_dir is missing and GPULAZY_IMAGE_DIR unset");
 }
 
+Status OursFailed(Status status) {
+  if (status.code() != Code::kNotFound) return status;
+  return Status(Code::kIoError, status.message());
+}
+
 }  // namespace gpulazy::plugin

@@ -24,4 +24,9 @@ struct CriuHost {
   Result<std::filesystem::path> ImageDir() const;
 };
 
+// The hooks answer kNotFound with -ENOTSUP: "not ours, ask the next plugin". Once a hook knows
+// the object is ours, a kNotFound from below (no /dev/kfd, no topology, a missing pages file)
+// is our failure and must reach CRIU as one: kIoError with the same message.
+Status OursFailed(Status status);
+
 }  // namespace gpulazy::plugin

@@ -12,6 +12,12 @@ Status HostDmabufEngine::Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) {
   return Status::Ok();
 }
 
+void HostDmabufEngine::Release(uint32_t bo) {
+  // A Write in progress holds its own reference to the target; the fd closes after it.
+  std::lock_guard lock(mutex_);
+  targets_.erase(bo);
+}
+
 Status HostDmabufEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                                client::CopyDone done) {
   std::shared_ptr<Target> target;

@@ -19,6 +19,10 @@ class DeviceEngine : public client::CopyEngine {
   // Takes ownership of `dmabuf`. AddDestination is not used by device engines: a destination
   // exists once bound.
   virtual Status Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) = 0;
+  // Lets go of BO `bo` (its task died): once writes to it already accepted have completed, the
+  // dmabuf is closed, so the driver can free the memory. Called after the last Write to `bo`
+  // was issued. The default keeps the BO until the engine goes away.
+  virtual void Release(uint32_t bo) { (void)bo; }
   Status AddDestination(uint32_t bo, uint64_t size) override { return Status::Ok(); }
 };
 
@@ -26,6 +30,7 @@ class HostDmabufEngine : public DeviceEngine {
  public:
   std::string_view name() const override { return "host-dmabuf"; }
   Status Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) override;
+  void Release(uint32_t bo) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
   Status Flush() override { return Status::Ok(); }

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <map>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -9,7 +10,26 @@
 
 namespace gpulazy::plugin {
 
-Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir) {
+void DescribeDevice(const LocalGpu& gpu, criu::KfdDevice* device) {
+  const auto* r = device->GetReflection();
+  const auto* desc = device->GetDescriptor();
+  for (int f = 0; f < desc->field_count(); ++f) {
+    const auto* field = desc->field(f);
+    if (field->is_repeated()) continue;  // io links: not described yet (docs/criu.md)
+    const uint64_t value = gpu.Get(field->name());
+    if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT32)
+      r->SetUInt32(device, field, static_cast<uint32_t>(value));
+    else if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64)
+      r->SetUInt64(device, field, value);
+  }
+  device->set_node_id(gpu.node_id);
+  device->set_gpu_id(gpu.gpu_id);
+  device->set_vram_size(gpu.vram_size);
+  device->set_vram_public(gpu.vram_public ? 1 : 0);
+}
+
+Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
+                   const std::vector<LocalGpu>& topology) {
   kfd_ioctl_criu_args info{};
   info.op = KFD_CRIU_OP_PROCESS_INFO;
   int rc = kfd.CriuOp(info);
@@ -48,20 +68,15 @@ Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir) {
   m.set_shared_mem_magic(0);
   m.set_driver_private(priv);
   for (const auto& d : devices) {
-    criu::KfdDevice* dev = m.add_devices();
-    // Topology fields come from sysfs on hardware; the fake fills gpu ids only. Every field is
-    // `required`, so set them all.
-    const auto* r = dev->GetReflection();
-    const auto* desc = dev->GetDescriptor();
-    for (int f = 0; f < desc->field_count(); ++f) {
-      const auto* field = desc->field(f);
-      if (field->is_repeated()) continue;
-      if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT32)
-        r->SetUInt32(dev, field, 0);
-      if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64)
-        r->SetUInt64(dev, field, 0);
-    }
-    dev->set_gpu_id(d.user_gpu_id);
+    // CHECKPOINT reports the GPUs by their ids on this host; sysfs describes them.
+    auto local = std::find_if(topology.begin(), topology.end(),
+                              [&](const LocalGpu& g) { return g.gpu_id == d.actual_gpu_id; });
+    if (local == topology.end())
+      return NotFound("gpu {:#x} of the dumped process is not in the KFD topology",
+                      d.actual_gpu_id);
+    criu::KfdDevice* device = m.add_devices();
+    DescribeDevice(*local, device);
+    device->set_gpu_id(d.user_gpu_id);  // the id the BO entries use (a restored process's)
   }
   std::map<uint32_t, uint64_t> per_gpu;
   for (const auto& b : bos) {

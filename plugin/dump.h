@@ -1,5 +1,7 @@
 // Dump of one KFD file (DUMP_EXT_FILE): PROCESS_INFO -> CHECKPOINT -> contents -> UNPAUSE, then
-// amdgpu-kfd-<id>.img and amdgpu-pages-<id>-<gpu>.img exactly as upstream CRIU writes them.
+// amdgpu-kfd-<id>.img and amdgpu-pages-<id>-<gpu>.img exactly as upstream CRIU writes them. The
+// device entries describe the dumping host's GPUs from the KFD topology (sysfs), which restore
+// compares with the target host's (topology.h).
 // Contents are read through the BO's dmabuf with pread (the fake KFD's memfds; on hardware this
 // needs an SDMA read-back, which is not written yet: docs/criu.md).
 #pragma once
@@ -7,9 +9,15 @@
 #include <filesystem>
 
 #include "plugin/kfd.h"
+#include "plugin/topology.h"
 
 namespace gpulazy::plugin {
 
-Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir);
+Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
+                   const std::vector<LocalGpu>& topology);
+
+// Fills every scalar field of `device` from `gpu`: the sysfs property of the same name (the
+// image's field names are sysfs's), node and gpu ids, VRAM from the memory banks.
+void DescribeDevice(const LocalGpu& gpu, criu::KfdDevice* device);
 
 }  // namespace gpulazy::plugin

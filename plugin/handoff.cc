@@ -12,7 +12,7 @@ struct WireHeader {
   uint32_t magic;
   uint32_t pid;
   uint32_t file_id;
-  uint32_t flags;  // bit 0: last record of this task
+  uint32_t flags;  // kFlagLast, kFlagPidfd
   uint32_t count;
   uint32_t pad;
 };
@@ -21,7 +21,10 @@ struct WireBo {
   uint32_t local_gpu_id;
   uint64_t size;
 };
+constexpr uint32_t kFlagLast = 1u;   // the last record of this task
+constexpr uint32_t kFlagPidfd = 2u;  // one more fd than BOs: the task's pidfd, last
 constexpr size_t kMaxRecord = sizeof(WireHeader) + kMaxFdsPerRecord * sizeof(WireBo);
+constexpr size_t kMaxFds = kMaxFdsPerRecord + 1;
 
 Status SendRecord(int socket, const WireHeader& header, const std::vector<WireBo>& bos,
                   const std::vector<int>& fds) {
@@ -33,7 +36,7 @@ Status SendRecord(int socket, const WireHeader& header, const std::vector<WireBo
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * kMaxFdsPerRecord));
+  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * kMaxFds));
   if (!fds.empty()) {
     msg.msg_control = control.data();
     msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
@@ -53,18 +56,21 @@ Status SendRecord(int socket, const WireHeader& header, const std::vector<WireBo
 
 }  // namespace
 
-Status SendHandoff(int socket, uint32_t pid, uint32_t file_id, const std::vector<HandedBo>& bos) {
+Status SendHandoff(int socket, uint32_t pid, uint32_t file_id, const std::vector<HandedBo>& bos,
+                   int pidfd) {
   size_t i = 0;
   do {
     size_t n = std::min<size_t>(kMaxFdsPerRecord, bos.size() - i);
-    WireHeader h{
-        kHandoffMagic, pid, file_id, i + n == bos.size() ? 1u : 0u, static_cast<uint32_t>(n), 0};
+    uint32_t flags = i + n == bos.size() ? kFlagLast : 0u;
+    if (i == 0 && pidfd >= 0) flags |= kFlagPidfd;
+    WireHeader h{kHandoffMagic, pid, file_id, flags, static_cast<uint32_t>(n), 0};
     std::vector<WireBo> wire;
     std::vector<int> fds;
     for (size_t k = i; k < i + n; ++k) {
       wire.push_back({bos[k].bo_index, bos[k].local_gpu_id, bos[k].size});
       fds.push_back(bos[k].dmabuf.get());
     }
+    if ((flags & kFlagPidfd) != 0) fds.push_back(pidfd);
     GPULAZY_RETURN_IF_ERROR(SendRecord(socket, h, wire, fds));
     i += n;
   } while (i < bos.size());
@@ -77,7 +83,7 @@ Result<HandoffRecord> ReceiveHandoff(int socket, bool nonblocking) {
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * kMaxFdsPerRecord));
+  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * kMaxFds) + CMSG_SPACE(sizeof(ucred)));
   msg.msg_control = control.data();
   msg.msg_controllen = control.size();
   ssize_t n;
@@ -89,7 +95,15 @@ Result<HandoffRecord> ReceiveHandoff(int socket, bool nonblocking) {
   if (n == 0) return Unavailable("handoff socket closed");
   // Take ownership of every fd first, so none leaks whatever the record says.
   std::vector<UniqueFd> fds;
+  uint32_t sender_pid = 0;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS &&
+        c->cmsg_len >= CMSG_LEN(sizeof(ucred))) {
+      ucred cred{};
+      std::memcpy(&cred, CMSG_DATA(c), sizeof(cred));
+      sender_pid = static_cast<uint32_t>(cred.pid);
+      continue;
+    }
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t k = 0; k < count; ++k) {
@@ -102,19 +116,29 @@ Result<HandoffRecord> ReceiveHandoff(int socket, bool nonblocking) {
   WireHeader h{};
   if (static_cast<size_t>(n) < sizeof(h)) return Corrupt("handoff record of {} bytes", n);
   std::memcpy(&h, bytes.data(), sizeof(h));
+  const size_t want_fds = h.count + ((h.flags & kFlagPidfd) != 0 ? 1u : 0u);
   if (h.magic != kHandoffMagic || h.count > kMaxFdsPerRecord ||
-      static_cast<size_t>(n) != sizeof(h) + h.count * sizeof(WireBo) || fds.size() != h.count)
+      static_cast<size_t>(n) != sizeof(h) + h.count * sizeof(WireBo) || fds.size() != want_fds)
     return Corrupt("malformed handoff record ({} bytes, {} BOs, {} fds)", n, h.count, fds.size());
   HandoffRecord r;
   r.pid = h.pid;
+  r.sender_pid = sender_pid;
   r.file_id = h.file_id;
-  r.last = (h.flags & 1u) != 0;
+  r.last = (h.flags & kFlagLast) != 0;
+  if ((h.flags & kFlagPidfd) != 0) r.pidfd = std::move(fds.back());
   for (uint32_t k = 0; k < h.count; ++k) {
     WireBo w{};
     std::memcpy(&w, bytes.data() + sizeof(h) + k * sizeof(WireBo), sizeof(w));
     r.bos.push_back(HandedBo{w.bo_index, w.local_gpu_id, w.size, std::move(fds[k])});
   }
   return r;
+}
+
+Status EnableSenderCredentials(int socket) {
+  int on = 1;
+  if (::setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &on, sizeof(on)) != 0)
+    return ErrnoError(errno, "SO_PASSCRED on the handoff socket");
+  return Status::Ok();
 }
 
 }  // namespace gpulazy::plugin

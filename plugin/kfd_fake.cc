@@ -52,6 +52,9 @@ class FakeKfd : public Kfd {
   int fd() const override { return fd_.get(); }
 
   int CriuOp(kfd_ioctl_criu_args& a) override {
+    // The order of calls, for tests: one op name per line in ops-<pid>.
+    std::ofstream(state_ / ("ops-" + std::to_string(::getpid())), std::ios::app)
+        << CriuOpName(a.op) << "\n";
     switch (a.op) {
       case KFD_CRIU_OP_PROCESS_INFO:
         return ProcessInfo(a);
@@ -172,7 +175,12 @@ class FakeKfd : public Kfd {
     }
     bos_ = std::move(made);
     restored_ = true;
-    std::ofstream(state_ / ("restored-" + std::to_string(::getpid()))) << a.num_bos << "\n";
+    // What RESUME checks for, and what a test compares UPDATE_VMA_MAP's answers with: one line
+    // per BO, "gpu_va old_offset restored_offset" in hex.
+    std::ofstream out(state_ / ("restored-" + std::to_string(::getpid())));
+    for (uint32_t i = 0; i < a.num_bos; ++i)
+      out << std::hex << bos[i].addr << " " << bos[i].offset << " " << bos[i].restored_offset
+          << "\n";
     return 0;
   }
 

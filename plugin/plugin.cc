@@ -69,11 +69,14 @@ static int gpulazy_handle_device_vma(int fd, const struct stat* /*st*/) {
   });
 }
 
-static int gpulazy_update_vma_map(const char* path, uint64_t /*addr*/, uint64_t old_pgoff,
+// CRIU applies *new_pgoff only when the hook answers 1 (files-reg.c), and dups *plugin_fd
+// when it is >= 0.
+static int gpulazy_update_vma_map(const char* path, uint64_t addr, uint64_t old_pgoff,
                                   uint64_t* new_pgoff, int* plugin_fd) {
   return Guard("UPDATE_VMA_MAP", [&] {
-    return ToErrno(PluginContext::Get().UpdateVmaMap(path, old_pgoff, new_pgoff, plugin_fd),
-                   "UPDATE_VMA_MAP");
+    gpulazy::Result<int> adjusted =
+        PluginContext::Get().UpdateVmaMap(path, addr, old_pgoff, new_pgoff, plugin_fd);
+    return adjusted.ok() ? *adjusted : ToErrno(adjusted.status(), "UPDATE_VMA_MAP");
   });
 }
 

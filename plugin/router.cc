@@ -20,8 +20,9 @@ Status Router::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
     if (offset > size->second || raw.size() > size->second - offset)
       return OutOfRange("write [{}, +{}) past BO {} of {} bytes", offset, raw.size(), bo,
                         size->second);
-    auto it = bound_.find(bo);
-    if (it != bound_.end()) {
+    if (dropped_.count(bo) != 0) {
+      engine = nullptr;  // its task is gone: nobody will read these bytes
+    } else if (auto it = bound_.find(bo); it != bound_.end()) {
       engine = it->second;
     } else if (!discard_unbound_) {
       if (!closed_.ok()) return closed_;  // the caller keeps `done`; it is never called
@@ -29,11 +30,21 @@ Status Router::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
       return Status::Ok();
     }
   }
-  if (engine == nullptr) {  // another task's BO, in a restored task
+  if (engine == nullptr) {  // another task's BO (in a restored task) or a dead task's
     done(Status::Ok());
     return Status::Ok();
   }
-  return engine->Write(bo, offset, raw, std::move(done));
+  client::CopyDone keep = done;  // Write keeps no callback when it fails
+  Status written = engine->Write(bo, offset, raw, std::move(done));
+  if (!written.ok()) {
+    // Drop() may have released the BO between the lookup and the write: not an error.
+    std::lock_guard lock(mutex_);
+    if (dropped_.count(bo) == 0) return written;
+  } else {
+    return written;
+  }
+  keep(Status::Ok());
+  return Status::Ok();
 }
 
 Status Router::Flush() {
@@ -59,10 +70,18 @@ Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t
       return InvalidArgument("BO {}: restored with {} bytes, image has {}", bo, size, it->second);
     if (bound_.count(bo)) return InvalidArgument("BO {} handed over twice", bo);
   }
+  {
+    std::lock_guard lock(mutex_);
+    if (dropped_.count(bo) != 0) return Status::Ok();  // its task died meanwhile; fd closes
+  }
   GPULAZY_RETURN_IF_ERROR(engine->Bind(bo, std::move(dmabuf), size));
   std::vector<Parked> replay;
   {
     std::lock_guard lock(mutex_);
+    if (dropped_.count(bo) != 0) {  // dropped while binding: Drop saw no binding to release
+      engine->Release(bo);
+      return Status::Ok();
+    }
     bound_[bo] = engine;
     if (std::find(engines_.begin(), engines_.end(), engine) == engines_.end())
       engines_.push_back(engine);
@@ -77,6 +96,31 @@ Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t
     if (!s.ok()) done(s);
   }
   return Status::Ok();
+}
+
+size_t Router::Drop(const std::vector<uint32_t>& bos) {
+  std::vector<Parked> discarded;
+  std::vector<std::pair<uint32_t, DeviceEngine*>> release;
+  {
+    std::lock_guard lock(mutex_);
+    for (uint32_t bo : bos) {
+      if (!dropped_.insert(bo).second) continue;
+      if (auto it = bound_.find(bo); it != bound_.end()) {
+        release.emplace_back(bo, it->second);
+        bound_.erase(it);
+      }
+      if (auto it = parked_.find(bo); it != parked_.end()) {
+        for (Parked& p : it->second)
+          discarded.push_back(std::move(p));
+        parked_.erase(it);
+      }
+    }
+  }
+  for (Parked& p : discarded)
+    p.done(Status::Ok());
+  for (auto& [bo, engine] : release)
+    engine->Release(bo);
+  return discarded.size();
 }
 
 void Router::FailParked(const Status& why) {

@@ -9,6 +9,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <vector>
 
 #include "plugin/device_engine.h"
@@ -26,7 +27,12 @@ class Router : public client::CopyEngine {
 
   // Binds BO `bo` (the session's index) to `engine` with its dmabuf and replays parked writes.
   Status Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t size);
-  // Completes every parked write with `why` (a task died; the restore is being abandoned) and
+  // Stops delivering to `bos` (their task died): parked and later writes to them complete at
+  // once as if they had landed, so the session counts them resident and never fetches them
+  // again, and their engines release the dmabufs. A later Bind of one of them just closes the
+  // dmabuf. Returns how many parked writes were discarded.
+  size_t Drop(const std::vector<uint32_t>& bos);
+  // Completes every parked write with `why` (the restore is being abandoned) and
   // closes the router to unbound BOs: later writes to them fail at once instead of parking, so
   // no callback can outlive the session that owns it.
   void FailParked(const Status& why);
@@ -43,6 +49,7 @@ class Router : public client::CopyEngine {
   Status closed_;  // not ok once FailParked ran
   std::map<uint32_t, uint64_t> sizes_;
   std::map<uint32_t, DeviceEngine*> bound_;
+  std::set<uint32_t> dropped_;
   std::map<uint32_t, std::vector<Parked>> parked_;
   std::vector<DeviceEngine*> engines_;
 };

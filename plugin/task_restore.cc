@@ -2,10 +2,14 @@
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include "lazy-server/image/criu_checkpoint.h"
 #include "page-client/restore_session.h"
+#include "plugin/criu_host.h"
 #include "plugin/device_engine.h"
 #include "plugin/handoff.h"
 #include "plugin/router.h"
@@ -35,6 +39,13 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
   fs::path image = image_dir / criu_format::KfdImageName(file_id);
   std::error_code ec;
   if (!fs::exists(image, ec)) return NotFound("{} does not exist: not a KFD file", image.string());
+  Result<int> fd = RestoreKfdImage(image_dir, file_id, image, handoff);
+  if (!fd.ok()) return OursFailed(fd.status());
+  return fd;
+}
+
+Result<int> TaskRestorer::RestoreKfdImage(const fs::path& image_dir, uint32_t file_id,
+                                          const fs::path& image, int handoff) {
   GPULAZY_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(image, 1ull << 30));
   if (bytes.size() < criu_format::kHeaderSize)
     return Corrupt("{}: shorter than its header", image.string());
@@ -49,14 +60,17 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
 
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<Kfd> kfd, kfd_.Open());
   std::vector<kfd_criu_device_bucket> device_buckets(devices.size());
-  std::vector<UniqueFd> render_fds;
   for (size_t i = 0; i < devices.size(); ++i) {
     uint32_t local_id = mapping.checkpoint_to_local.at(devices[i].gpu_id());
-    GPULAZY_ASSIGN_OR_RETURN(UniqueFd drm, kfd_.OpenRenderNode(mapping.render_minor.at(local_id)));
+    auto open = render_fds_.find(local_id);
+    if (open == render_fds_.end()) {
+      GPULAZY_ASSIGN_OR_RETURN(UniqueFd drm,
+                               kfd_.OpenRenderNode(mapping.render_minor.at(local_id)));
+      open = render_fds_.emplace(local_id, std::move(drm)).first;
+    }
     device_buckets[i].user_gpu_id = devices[i].gpu_id();
     device_buckets[i].actual_gpu_id = local_id;
-    device_buckets[i].drm_fd = static_cast<uint32_t>(drm.get());
-    render_fds.push_back(std::move(drm));
+    device_buckets[i].drm_fd = static_cast<uint32_t>(open->second.get());
   }
   std::vector<kfd_criu_bo_bucket> bo_buckets(process.bos_size());
   for (int i = 0; i < process.bos_size(); ++i) {
@@ -88,9 +102,14 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
   std::map<uint32_t, uint32_t> gpu_of_user;
   for (const auto& d : device_buckets)
     gpu_of_user[d.user_gpu_id] = d.actual_gpu_id;
+  // The BOs a process maps through a device file; userptr BOs are ordinary memory.
+  constexpr uint32_t kMappable = KFD_IOC_ALLOC_MEM_FLAGS_VRAM | KFD_IOC_ALLOC_MEM_FLAGS_GTT |
+                                 KFD_IOC_ALLOC_MEM_FLAGS_DOORBELL |
+                                 KFD_IOC_ALLOC_MEM_FLAGS_MMIO_REMAP;
   for (int i = 0; i < process.bos_size(); ++i) {
     const kfd_criu_bo_bucket& b = bo_buckets[i];
-    remaps_[b.offset] = Remap{b.restored_offset, kfd->fd()};  // CRIU keeps pgoff in bytes
+    if ((b.alloc_flags & kMappable) != 0)
+      remaps_[{b.addr, b.offset}] = Remap{b.restored_offset, gpu_of_user[b.gpu_id]};
     if (b.dmabuf_fd == kKfdInvalidFd) continue;
     handed.push_back(HandedBo{static_cast<uint32_t>(i), gpu_of_user[b.gpu_id], b.size,
                               UniqueFd(static_cast<int>(b.dmabuf_fd))});
@@ -100,7 +119,15 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
     handed.clear();  // closes the dmabufs; the driver keeps the BOs
   }
   if (handoff < 0) return Internal("no handoff socket to CRIU's master");
-  GPULAZY_RETURN_IF_ERROR(SendHandoff(handoff, static_cast<uint32_t>(::getpid()), file_id, handed));
+  // The master watches this pidfd to notice the task dying mid-restore (coordinator.h). Without
+  // pidfds (kernel < 5.3) the handoff still works; the master then learns of a death from CRIU.
+  // glibc 2.36 declares pidfd_open without C linkage for C++: call the syscall.
+  UniqueFd self(static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0)));
+  if (!self.valid())
+    spdlog::warn("gpulazy: pidfd_open: {}; the master cannot watch this task",
+                 std::strerror(errno));
+  GPULAZY_RETURN_IF_ERROR(
+      SendHandoff(handoff, static_cast<uint32_t>(::getpid()), file_id, handed, self.get()));
   spdlog::info("gpulazy: {} restored ({} BOs, {} with contents, {} mode)",
                image.filename().string(), process.bos_size(), handed.size(),
                ModeName(config_.mode));
@@ -178,14 +205,31 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
   return Status::Ok();
 }
 
-Status TaskRestorer::UpdateVmaMap(const std::string& path, uint64_t old_pgoff, uint64_t* new_pgoff,
-                                  int* plugin_fd) const {
-  if (!kfd_.IsKfdPath(path)) return NotFound("{} is not a KFD mapping", path);
-  auto it = remaps_.find(old_pgoff);
-  if (it == remaps_.end()) return NotFound("{}: no BO had page offset {:#x}", path, old_pgoff);
+Result<int> TaskRestorer::UpdateVmaMap(const std::string& path, uint64_t addr, uint64_t old_pgoff,
+                                       uint64_t* new_pgoff, int* plugin_fd) const {
+  // CRIU's paths sometimes carry doubled slashes (//dev/dri/renderD128).
+  std::string clean;
+  for (char c : path)
+    if (c != '/' || clean.empty() || clean.back() != '/') clean += c;
+  const bool render = clean.starts_with("/dev/dri/renderD");
+  if (!render && !kfd_.IsKfdPath(clean)) return NotFound("{} is not a GPU device mapping", path);
+  auto it = remaps_.find({addr, old_pgoff});
+  if (it == remaps_.end()) {
+    spdlog::info("gpulazy: {} at {:#x} offset {:#x} is no restored BO; left as it is", path, addr,
+                 old_pgoff);
+    return 0;
+  }
+  int fd = -1;
+  if (render) {
+    auto drm = render_fds_.find(it->second.local_gpu_id);
+    if (drm == render_fds_.end())
+      return Internal("no render node open for local gpu {:#x}", it->second.local_gpu_id);
+    fd = ::fcntl(drm->second.get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ErrnoError(errno, "dup of the render node for {}", path);
+  }
   *new_pgoff = it->second.new_pgoff;
-  *plugin_fd = it->second.fd;
-  return Status::Ok();
+  *plugin_fd = fd;
+  return 1;
 }
 
 }  // namespace gpulazy::plugin

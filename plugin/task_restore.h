@@ -23,11 +23,18 @@ class TaskRestorer {
   // `image_dir` is a path that opens the image directory; `handoff` the task's end of the
   // master's socket (-1 in eager mode is fine).
   Result<int> RestoreFile(const std::filesystem::path& image_dir, int id, int handoff);
-  // UPDATE_VMA_MAP: kNotFound when the mapping is not one of ours.
-  Status UpdateVmaMap(const std::string& path, uint64_t old_pgoff, uint64_t* new_pgoff,
-                      int* plugin_fd) const;
+  // UPDATE_VMA_MAP, CRIU's contract (files-reg.c open_filemap, as upstream's amdgpu plugin
+  // answers it): a mapping of /dev/kfd or /dev/dri/renderD* at (addr, old_pgoff) of a BO this
+  // task restored gets the driver's new offset and answers 1; `plugin_fd` is then a dup of the
+  // render node the BO was restored through (DRM only mmaps through that file; CRIU closes it)
+  // or -1 for /dev/kfd (any KFD file of the process will do). 0: a KFD/DRM mapping that is no
+  // restored BO (left as it is). kNotFound (-ENOTSUP): not a GPU device path.
+  Result<int> UpdateVmaMap(const std::string& path, uint64_t addr, uint64_t old_pgoff,
+                           uint64_t* new_pgoff, int* plugin_fd) const;
 
  private:
+  Result<int> RestoreKfdImage(const std::filesystem::path& image_dir, uint32_t file_id,
+                              const std::filesystem::path& image, int handoff);
   Status CopyEager(const std::filesystem::path& image_dir, uint32_t file_id,
                    std::vector<struct HandedBo>& bos);
 
@@ -36,9 +43,12 @@ class TaskRestorer {
   std::vector<std::unique_ptr<Kfd>> files_;  // the driver's process state lives as long as these
   struct Remap {
     uint64_t new_pgoff;
-    int fd;
+    uint32_t local_gpu_id;
   };
-  std::map<uint64_t, Remap> remaps_;  // by old mmap offset (bytes)
+  // By (VA, old mmap offset), both in bytes as CRIU keeps them; mappable BOs only.
+  std::map<std::pair<uint64_t, uint64_t>, Remap> remaps_;
+  // The render nodes the BOs were restored through, by local gpu id, open for UPDATE_VMA_MAP.
+  std::map<uint32_t, UniqueFd> render_fds_;
 };
 
 }  // namespace gpulazy::plugin

@@ -14,6 +14,44 @@ uint64_t LocalGpu::Get(const std::string& key) const {
   return it == properties.end() ? 0 : it->second;
 }
 
+namespace {
+
+constexpr uint64_t kHeapFrameBufferPublic = 1;
+constexpr uint64_t kHeapFrameBufferPrivate = 2;
+
+// A sysfs `properties` file: "key value" lines.
+Result<std::map<std::string, uint64_t>> ReadProperties(const fs::path& file) {
+  std::ifstream in(file);
+  if (!in) return Corrupt("{}: cannot read", file.string());
+  std::map<std::string, uint64_t> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string key;
+    uint64_t value = 0;
+    if (words >> key >> value) out[key] = value;
+  }
+  return out;
+}
+
+// Sums the frame-buffer banks under node/mem_banks; a node without banks has no VRAM.
+Status ReadVram(const fs::path& node, LocalGpu& gpu) {
+  std::error_code ec;
+  const fs::path banks = node / "mem_banks";
+  if (!fs::is_directory(banks, ec)) return Status::Ok();
+  for (const fs::directory_entry& bank : fs::directory_iterator(banks, ec)) {
+    GPULAZY_ASSIGN_OR_RETURN(auto p, ReadProperties(bank.path() / "properties"));
+    const uint64_t heap = p.count("heap_type") ? p["heap_type"] : 0;
+    if (heap != kHeapFrameBufferPublic && heap != kHeapFrameBufferPrivate) continue;
+    gpu.vram_size += p.count("size_in_bytes") ? p["size_in_bytes"] : 0;
+    gpu.vram_public = gpu.vram_public || heap == kHeapFrameBufferPublic;
+  }
+  if (ec) return IoError("listing {}: {}", banks.string(), ec.message());
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::vector<LocalGpu>> ReadTopology(const fs::path& root) {
   std::error_code ec;
   fs::path nodes = root / "nodes";
@@ -29,15 +67,8 @@ Result<std::vector<LocalGpu>> ReadTopology(const fs::path& root) {
     if (!(id_file >> id)) return Corrupt("{}: unreadable gpu_id", entry.path().string());
     if (id == 0) continue;  // a CPU node
     gpu.gpu_id = static_cast<uint32_t>(id);
-    std::ifstream props(entry.path() / "properties");
-    if (!props) return Corrupt("{}: no properties file", entry.path().string());
-    std::string line;
-    while (std::getline(props, line)) {
-      std::istringstream words(line);
-      std::string key;
-      uint64_t value = 0;
-      if (words >> key >> value) gpu.properties[key] = value;
-    }
+    GPULAZY_ASSIGN_OR_RETURN(gpu.properties, ReadProperties(entry.path() / "properties"));
+    GPULAZY_RETURN_IF_ERROR(ReadVram(entry.path(), gpu));
     gpus.push_back(std::move(gpu));
   }
   if (ec) return IoError("listing {}: {}", nodes.string(), ec.message());
@@ -90,7 +121,8 @@ std::string Incompatibility(const criu::KfdDevice& d, const LocalGpu& l,
     equal("num_sdma_queues_per_engine", d.num_sdma_queues_per_engine());
   }
   if (checks.queues) equal("num_cp_queues", d.num_cp_queues());
-  if (checks.vram) at_least("vram_size", d.vram_size());
+  if (checks.vram && l.vram_size < d.vram_size())
+    why.push_back(fmt::format("vram_size {} < {}", l.vram_size, d.vram_size()));
   if (checks.firmware) {
     at_least("fw_version", d.fw_version());
     at_least("sdma_fw_version", d.sdma_fw_version());
@@ -168,18 +200,32 @@ Status WriteFakeTopology(const fs::path& root, const std::vector<criu::KfdDevice
     fs::create_directories(node, ec);
     if (ec) return IoError("creating {}: {}", node.string(), ec.message());
     std::ofstream(node / "gpu_id") << d.gpu_id() << "\n";
+    // Every scalar of the device entry that sysfs has as a node property, by the same name.
     std::ofstream p(node / "properties");
-    p << "simd_count " << d.simd_count() << "\narray_count " << d.array_count()
-      << "\ncu_per_simd_array " << d.cu_per_simd_array() << "\nsimd_per_cu " << d.simd_per_cu()
-      << "\nmax_waves_per_simd " << d.max_waves_per_simd() << "\nwave_front_size "
-      << d.wave_front_size() << "\nlds_size_in_kb " << d.lds_size_in_kb() << "\nvendor_id "
-      << d.vendor_id() << "\ndevice_id " << d.device_id() << "\nnum_sdma_engines "
-      << d.num_sdma_engines() << "\nnum_sdma_xgmi_engines " << d.num_sdma_xgmi_engines()
-      << "\nnum_sdma_queues_per_engine " << d.num_sdma_queues_per_engine() << "\nnum_cp_queues "
-      << d.num_cp_queues() << "\nfw_version " << d.fw_version() << "\nsdma_fw_version "
-      << d.sdma_fw_version() << "\nvram_size " << d.vram_size() << "\ndrm_render_minor "
-      << d.drm_render_minor() << "\n";
+    const auto* r = d.GetReflection();
+    const auto* desc = d.GetDescriptor();
+    for (int f = 0; f < desc->field_count(); ++f) {
+      const auto* field = desc->field(f);
+      const std::string& name = field->name();
+      if (field->is_repeated() || name == "node_id" || name == "gpu_id" || name == "vram_size" ||
+          name == "vram_public")
+        continue;
+      const uint64_t value = field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64
+                                 ? r->GetUInt64(d, field)
+                                 : r->GetUInt32(d, field);
+      p << name << " " << value << "\n";
+    }
     if (!p) return IoError("writing {}/properties", node.string());
+    const std::pair<uint64_t, uint64_t> banks[] = {{kHeapFrameBufferPublic, d.vram_size()},
+                                                   {0, 64ull << 30}};  // system memory
+    for (size_t b = 0; b < std::size(banks); ++b) {
+      fs::path bank = node / "mem_banks" / std::to_string(b);
+      fs::create_directories(bank, ec);
+      if (ec) return IoError("creating {}: {}", bank.string(), ec.message());
+      std::ofstream(bank / "properties")
+          << "heap_type " << banks[b].first << "\nsize_in_bytes " << banks[b].second
+          << "\nflags 0\nwidth 4096\nmem_clk_max 1600\n";
+    }
   }
   // A CPU node, as every real tree has one.
   fs::create_directories(root / "nodes" / "0", ec);

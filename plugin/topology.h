@@ -19,11 +19,15 @@ struct LocalGpu {
   uint32_t node_id = 0;
   uint32_t gpu_id = 0;
   std::map<std::string, uint64_t> properties;  // the node's `properties` file, key -> value
+  // From mem_banks/*/properties: the frame-buffer heaps (heap_type 1 public, 2 private), as
+  // the thunk counts VRAM; the node's properties file has no VRAM size.
+  uint64_t vram_size = 0;
+  bool vram_public = false;                    // a public (CPU-visible) frame-buffer heap exists
   uint64_t Get(const std::string& key) const;  // 0 when absent
 };
 
-// Reads root/nodes/<n>/{gpu_id,properties}; nodes whose gpu_id is 0 are CPUs and skipped.
-// A missing root is kNotFound ("no KFD topology at ...").
+// Reads root/nodes/<n>/{gpu_id,properties,mem_banks/<m>/properties}; nodes whose gpu_id is 0
+// are CPUs and skipped. A missing root is kNotFound ("no KFD topology at ...").
 Result<std::vector<LocalGpu>> ReadTopology(const std::filesystem::path& root);
 
 // Which properties must agree. Names are the config keys (check_<name>).
@@ -33,7 +37,7 @@ struct TopologyChecks {
                           // wave_front_size, lds
   bool sdma = true;       // num_sdma_engines, num_sdma_xgmi_engines, num_sdma_queues_per_engine
   bool queues = true;     // num_cp_queues
-  bool vram = true;       // local vram_size >= checkpointed
+  bool vram = true;       // local VRAM (frame-buffer mem_banks) >= checkpointed vram_size
   bool firmware = true;   // local fw_version, sdma_fw_version >= checkpointed
 
   static const std::vector<std::string>& Names();
@@ -55,7 +59,8 @@ Result<GpuMapping> MapGpus(const std::vector<criu::KfdDevice>& checkpointed,
 std::string Incompatibility(const criu::KfdDevice& device, const LocalGpu& local,
                             const TopologyChecks& checks);
 
-// Writes a fake topology tree describing `devices` (tests and demos): one node per device.
+// Writes a fake topology tree describing `devices` (tests and demos): one node per device, its
+// VRAM as one public frame-buffer bank plus a system-memory bank (which is not VRAM).
 Status WriteFakeTopology(const std::filesystem::path& root,
                          const std::vector<criu::KfdDevice>& devices);
 

@@ -40,6 +40,10 @@ struct ServerConfig {
 
   std::filesystem::path ready_file;  // written with the bound endpoints once listening
   std::string server_name = "gpulazy-server";
+  // SIGTERM/SIGINT start a graceful shutdown. Off for a server embedded in someone else's
+  // process (the CRIU plugin serves images inside CRIU, whose handlers must stay): only Stop()
+  // ends it then, and the server installs no signal handler at all.
+  bool handle_signals = true;
 };
 
 // Parses argv (and --config FILE). On --help or a usage error, exit_code says how main should

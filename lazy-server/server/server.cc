@@ -46,8 +46,9 @@ Server::Server(const ServerConfig& config)
     : ctx_(std::make_unique<ServerContext>(config)),
       io_(static_cast<int>(config.io_threads)),
       strand_(asio::make_strand(io_)),
-      signals_(strand_, SIGTERM, SIGINT),
-      stats_timer_(strand_) {}
+      stats_timer_(strand_) {
+  if (config.handle_signals) signals_.emplace(strand_, SIGTERM, SIGINT);
+}
 
 Server::~Server() {
   listeners_.clear();
@@ -178,7 +179,7 @@ void Server::BeginShutdown(std::string_view why) {
   for (const std::string& path : unix_paths_)
     ::unlink(path.c_str());
   unix_paths_.clear();
-  signals_.cancel(ec);
+  if (signals_) signals_->cancel(ec);
   stats_timer_.cancel();
   for (const std::shared_ptr<Connection>& connection : ctx_->Connections())
     connection->Shutdown(wire::ERROR_SHUTTING_DOWN, "server is shutting down");
@@ -189,9 +190,10 @@ void Server::Stop() {
 }
 
 int Server::Run() {
-  signals_.async_wait(asio::bind_executor(strand_, [this](const error_code& ec, int signal) {
-    if (!ec) BeginShutdown(signal == SIGTERM ? "SIGTERM" : "SIGINT");
-  }));
+  if (signals_)
+    signals_->async_wait(asio::bind_executor(strand_, [this](const error_code& ec, int signal) {
+      if (!ec) BeginShutdown(signal == SIGTERM ? "SIGTERM" : "SIGINT");
+    }));
   for (Listener& listener : listeners_)
     asio::co_spawn(strand_, AcceptLoop(listener), asio::detached);
   if (ctx_->config.stats_interval.count() > 0) asio::co_spawn(strand_, StatsLoop(), asio::detached);

@@ -2,14 +2,16 @@
 // handling and graceful shutdown. Connections and sessions live in session.h; scheduling in
 // scheduler.h and dispatcher.h.
 //
-// Shutdown (SIGTERM, SIGINT or Stop()): stop accepting, remove Unix socket files, tell every
-// connection to finish the write in flight, send ERROR_SHUTTING_DOWN and close (each within
-// --shutdown-grace); Run() returns 0 once all are closed.
+// Shutdown (SIGTERM, SIGINT or Stop(); the signals only with config.handle_signals): stop
+// accepting, remove Unix socket files, tell every connection to finish the write in flight,
+// send ERROR_SHUTTING_DOWN and close (each within --shutdown-grace); Run() returns 0 once all
+// are closed.
 //
 // Thread-safety: Listen and Run from one thread; Stop from any thread.
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,7 +57,9 @@ class Server {
   std::vector<Listener> listeners_;
   std::vector<net::Endpoint> bound_;
   std::vector<std::string> unix_paths_;  // removed at shutdown
-  boost::asio::signal_set signals_;
+  // Only with config.handle_signals: even an empty signal_set registers Asio's process-wide
+  // signal state.
+  std::optional<boost::asio::signal_set> signals_;
   boost::asio::steady_timer stats_timer_;
 };
 

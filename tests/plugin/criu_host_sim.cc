@@ -14,16 +14,45 @@
 // The host exports CRIU's plugin-facing functions (the plugin resolves them with
 // dlsym(RTLD_DEFAULT); the executable is linked with -rdynamic). Output: one line per hook call
 // and a final "sim: ok" or "sim: FAIL <why>"; exit status 0 only on ok. Every wait is bounded.
+//
+// Always checked: the plugin leaves CRIU's signal dispositions alone (the host installs its own
+// SIGTERM/SIGINT/SIGCHLD handlers first and compares after POST_FORKING and after exit), and
+// every thread it starts blocks asynchronous signals, so they reach CRIU's own thread.
+//
+// --dump ID instead drives a dump: init(DUMP), DUMP_EXT_FILE on a file that is no KFD (must
+// pass, -ENOTSUP) and on a fake KFD file with CRIU file id ID (must succeed), exit(DUMP, 0);
+// the images land in --images.
+//
+// Optional restore scenarios:
+//   --stop-pid PID   SIGSTOP that process (a gpulazy-server) right after POST_FORKING, so the
+//                    stream is known to be incomplete, and SIGCONT it at the scenario's point.
+//   --kill N         SIGKILL task N (index in --task order, not the root) once every task has
+//                    handed its BOs over, and wait until it is dead. Then --on-death:
+//                      continue: RESUME_DEVICES_LATE the dead task first (must fail), SIGCONT,
+//                                resume the others, whose contents must still be byte-exact;
+//                      abort:    as CRIU does on a restored task's SIGCHLD: exit(RESTORE, -1)
+//                                at once, which must return (no RESUME_DEVICES_LATE);
+//                      after-resume: (lazy) kill it only after every task resumed, while the
+//                                server is still stopped; exit(RESTORE, 0) and the others'
+//                                contents must be as usual.
+//   --fault-check    lazy mode: after resume and before exit, each task asks the fault channel
+//                    (libgpulazy_fault) for the last page of its last BO, checks those bytes,
+//                    and the error cases (a range outside every BO, a zero length); after exit
+//                    it checks that the closed channel answers with an error.
 #include <dirent.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -35,6 +64,7 @@
 #include <vector>
 
 #include "plugin/criu_abi.h"
+#include "plugin/fault/gpulazy_fault.h"
 
 namespace {
 
@@ -49,6 +79,7 @@ struct ExpectedBo {
   uint64_t mmap_offset = 0;
   std::string pages_path;
   uint64_t pages_offset = 0;  // absolute, header included
+  uint64_t gpu_va = 0;
 };
 
 struct Task {
@@ -61,6 +92,54 @@ struct Task {
 int g_image_dir_fd = -1;
 std::vector<int> g_fdstore;
 std::vector<std::string> g_claimed;
+int g_kill_index = -1;  // --kill
+bool g_fault_check = false;
+
+// CRIU's master has its own handlers; the plugin must leave them as they are.
+constexpr int kWatchedSignals[] = {SIGTERM, SIGINT, SIGCHLD};
+void HostSignalHandler(int) {}
+
+void InstallHostHandlers() {
+  for (int sig : kWatchedSignals) {
+    struct sigaction sa {};
+    sa.sa_handler = HostSignalHandler;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(sig, &sa, nullptr);
+  }
+}
+
+// "" when every watched signal still has the host's handler.
+std::string HandlersChanged() {
+  std::string changed;
+  for (int sig : kWatchedSignals) {
+    struct sigaction now {};
+    ::sigaction(sig, nullptr, &now);
+    if (now.sa_handler != HostSignalHandler) changed += " " + std::string(strsignal(sig));
+  }
+  return changed;
+}
+
+// Threads of this process other than the main one that do not block SIGTERM, SIGINT and
+// SIGCHLD ("" when none).
+std::string ThreadsTakingSignals() {
+  const uint64_t want = (1ull << (SIGTERM - 1)) | (1ull << (SIGINT - 1)) | (1ull << (SIGCHLD - 1));
+  std::string bad;
+  DIR* d = ::opendir("/proc/self/task");
+  if (d == nullptr) return "cannot list /proc/self/task";
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.' || std::atoi(e->d_name) == ::getpid()) continue;
+    std::ifstream status(std::string("/proc/self/task/") + e->d_name + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("SigBlk:", 0) != 0) continue;
+      uint64_t blocked = std::strtoull(line.c_str() + 7, nullptr, 16);
+      if ((blocked & want) != want) bad += std::string(" ") + e->d_name;
+    }
+  }
+  ::closedir(d);
+  return bad;
+}
 
 void Say(const char* fmt, ...) {
   va_list ap;
@@ -202,6 +281,110 @@ std::string CheckContents(const std::vector<ExpectedBo>& expected, int file_id) 
   return "";
 }
 
+// --fault-check, in a task after its resume: the last page of its last BO through the fault
+// channel, then the error cases. `conn` stays open for the after-exit check. "" when all held.
+// With `server_held` (the server is still SIGSTOPped, so the page cannot have arrived) the
+// first ensure must time out (the test sets a short resume timeout) rather than answer early.
+std::string FaultCheck(const std::vector<ExpectedBo>& expected, int file_id, int report_fd,
+                       bool server_held, int& conn) {
+  const ExpectedBo* last = nullptr;
+  uint64_t end_of_all = 0;
+  for (const ExpectedBo& bo : expected) {
+    end_of_all = std::max(end_of_all, bo.gpu_va + bo.size);
+    if (static_cast<int>(bo.file_id) == file_id) last = &bo;
+  }
+  if (last == nullptr) return "no BO to fault on";
+  const char* path = std::getenv("GPULAZY_FAULT_SOCKET");
+  conn = gpulazy_fault_connect(path);
+  if (conn < 0) return std::string("fault channel connect: ") + std::strerror(-conn);
+  const uint64_t len = 4096;
+  const uint64_t off = last->size - len;
+  int rc = 0;
+  if (server_held && (rc = gpulazy_ensure(conn, last->gpu_va + off, len)) != -ETIMEDOUT)
+    return "ensure with the server stopped = " + std::to_string(rc) + ", not -ETIMEDOUT";
+  const char ensuring = 'e';  // the master lets the server go on now
+  if (!WriteAll(report_fd, &ensuring, 1)) return "report pipe";
+  rc = gpulazy_ensure(conn, last->gpu_va + off, len);
+  if (rc != 0) return "ensure(last page) = " + std::to_string(rc);
+  // Resident means resident: the bytes must be there the moment ensure returns.
+  std::map<uint32_t, int> memfds = FindBoMemfds();
+  auto it = memfds.find(last->bo_index);
+  if (it == memfds.end()) return "no memfd for the faulted BO";
+  std::vector<uint8_t> want(len), got(len);
+  int pages = ::open(last->pages_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (pages < 0) return "cannot open " + last->pages_path;
+  bool read = ReadFileAt(pages, last->pages_offset + off, want) && ReadFileAt(it->second, off, got);
+  ::close(pages);
+  if (!read) return "short read after ensure";
+  if (want != got) return "BO " + std::to_string(last->bo_index) + ": wrong bytes after ensure";
+  rc = gpulazy_ensure(conn, end_of_all + (1ull << 30), len);
+  if (rc != -ENOENT) return "ensure(outside every BO) = " + std::to_string(rc);
+  rc = gpulazy_ensure(conn, last->gpu_va, 0);
+  if (rc != -EINVAL) return "ensure(length 0) = " + std::to_string(rc);
+  rc = gpulazy_ensure(conn, ~0ull - 100, len);
+  if (rc != -EINVAL) return "ensure(range wrapping around) = " + std::to_string(rc);
+  Say("task %d: fault channel: last page of BO %u byte-exact after ensure; errors as expected",
+      ::getpid(), last->bo_index);
+  return "";
+}
+
+// After the master's exit the fault channel is gone: a held connection and a new one fail.
+std::string ClosedChannelCheck(const ExpectedBo& any, int conn) {
+  int rc = gpulazy_ensure(conn, any.gpu_va, 4096);
+  gpulazy_fault_close(conn);
+  if (rc != -ECONNRESET && rc != -EPIPE)
+    return "ensure on the closed channel = " + std::to_string(rc);
+  int again = gpulazy_fault_connect(std::getenv("GPULAZY_FAULT_SOCKET"));
+  if (again >= 0) {
+    gpulazy_fault_close(again);
+    return "the fault channel still accepts connections after exit";
+  }
+  return "";
+}
+
+// UPDATE_VMA_MAP as CRIU calls it in the restored task, against what the fake KFD's RESTORE
+// returned (its restored-<pid> file: "va old_offset restored_offset" per BO). "" when right.
+std::string CheckVmaMaps(const std::vector<ExpectedBo>& expected, int file_id) {
+  auto update = Hook<gpulazy_update_vma_map_t>(GPULAZY_HOOK_UPDATE_VMA_MAP);
+  const char* kfd_state = std::getenv("GPULAZY_FAKE_KFD");
+  std::ifstream restored(std::string(kfd_state ? kfd_state : "") + "/restored-" +
+                         std::to_string(::getpid()));
+  std::map<std::pair<uint64_t, uint64_t>, uint64_t> driver;  // (va, old) -> restored offset
+  uint64_t va = 0, old_offset = 0, new_offset = 0;
+  while (restored >> std::hex >> va >> old_offset >> new_offset)
+    driver[{va, old_offset}] = new_offset;
+  for (const ExpectedBo& bo : expected) {
+    if (static_cast<int>(bo.file_id) != file_id) continue;
+    const std::string which = "BO " + std::to_string(bo.bo_index);
+    auto it = driver.find({bo.gpu_va, bo.mmap_offset});
+    if (it == driver.end()) return which + ": the fake KFD did not restore it";
+    // Through the render node: CRIU gets the driver's new offset and a render node fd to mmap.
+    uint64_t pgoff = 0;
+    int fd = -1;
+    int rc = update("/dev/dri/renderD128", bo.gpu_va, bo.mmap_offset, &pgoff, &fd);
+    if (rc != 1 || pgoff != it->second || fd < 0)
+      return which + ": UPDATE_VMA_MAP(renderD) = " + std::to_string(rc);
+    char target[256] = {};
+    ssize_t n =
+        ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof(target) - 1);
+    ::close(fd);  // CRIU closes it after the mmap
+    if (n <= 0 || std::strstr(target, "renderD") == nullptr)
+      return which + ": UPDATE_VMA_MAP gave an fd that is no render node";
+    // Through /dev/kfd (a doubled slash as CRIU sometimes has it): no fd, CRIU opens the path.
+    pgoff = 0;
+    fd = 7;
+    rc = update("//dev/kfd", bo.gpu_va, bo.mmap_offset, &pgoff, &fd);
+    if (rc != 1 || pgoff != it->second || fd != -1)
+      return which + ": UPDATE_VMA_MAP(/dev/kfd) = " + std::to_string(rc);
+    // A device mapping that is no BO stays as it is; a foreign file is another plugin's.
+    if ((rc = update("/dev/kfd", bo.gpu_va + 4096, bo.mmap_offset, &pgoff, &fd)) != 0)
+      return which + ": UPDATE_VMA_MAP(no such BO) = " + std::to_string(rc);
+    if ((rc = update("/dev/zero", bo.gpu_va, bo.mmap_offset, &pgoff, &fd)) != -ENOTSUP)
+      return which + ": UPDATE_VMA_MAP(/dev/zero) = " + std::to_string(rc);
+  }
+  return "";
+}
+
 struct Report {
   int32_t pid = 0;
   int32_t rc = 0;  // RESTORE_EXT_FILE's answer (or, for a plain task, 0 when its hooks said no)
@@ -223,18 +406,8 @@ int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
     report.rc = restore(task.file_id, &retry);
     std::string why;
     if (report.rc >= 0) {
-      // Every BO's mapping moves to the restored KFD file at the driver's new offset.
-      for (const ExpectedBo& bo : expected) {
-        if (static_cast<int>(bo.file_id) != task.file_id) continue;
-        uint64_t new_pgoff = 0;
-        int plugin_fd = -1;
-        int rc = update("/dev/kfd", 0, bo.mmap_offset, &new_pgoff, &plugin_fd);
-        if (rc != 0 || plugin_fd != report.rc || new_pgoff == bo.mmap_offset) {
-          why = "UPDATE_VMA_MAP(bo " + std::to_string(bo.bo_index) + ") = " + std::to_string(rc);
-          report.rc = -EPROTO;
-          break;
-        }
-      }
+      why = CheckVmaMaps(expected, task.file_id);
+      if (!why.empty()) report.rc = -EPROTO;
     }
     if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
   } else {
@@ -248,8 +421,25 @@ int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
   }
   if (!WriteAll(task.report[1], &report, sizeof(report))) return 3;
   char go = 0;
+  int fault_conn = -1;
+  std::string why;
+  if (g_fault_check && task.file_id > 0) {
+    // 'E': the server is still stopped; 'e': it runs.
+    if (!ReadAll(task.go[0], &go, 1, kTaskTimeoutS * 1000) || (go != 'e' && go != 'E')) return 2;
+    why = FaultCheck(expected, task.file_id, task.report[1], go == 'E', fault_conn);
+    if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
+    char verdict = why.empty() ? 1 : 0;
+    if (!WriteAll(task.report[1], &verdict, 1)) return 3;
+  }
   if (!ReadAll(task.go[0], &go, 1, kTaskTimeoutS * 1000) || go != 'c') return 2;
-  std::string why = task.file_id > 0 ? CheckContents(expected, task.file_id) : "";
+  if (why.empty() && fault_conn >= 0) {
+    for (const ExpectedBo& bo : expected)
+      if (static_cast<int>(bo.file_id) == task.file_id) {
+        why = ClosedChannelCheck(bo, fault_conn);
+        break;
+      }
+  }
+  if (why.empty() && task.file_id > 0) why = CheckContents(expected, task.file_id);
   if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
   char verdict = why.empty() ? 1 : 0;
   (void)WriteAll(task.report[1], &verdict, 1);
@@ -265,7 +455,7 @@ bool ParseExpect(const std::string& path, std::vector<ExpectedBo>& out) {
     std::istringstream s(line);
     ExpectedBo bo;
     if (!(s >> bo.file_id >> bo.bo_index >> bo.size >> bo.mmap_offset >> bo.pages_path >>
-          bo.pages_offset))
+          bo.pages_offset >> bo.gpu_va))
       return false;
     out.push_back(bo);
   }
@@ -283,12 +473,41 @@ int Fail(const char* fmt, ...) {
   return 1;
 }
 
+// --dump: what CRIU's dump runs of ours for one KFD file.
+int DumpMain(int dump_id) {
+  int rc = g_desc->init(GPULAZY_CRIU_STAGE_DUMP);
+  Say("init(DUMP) = %d", rc);
+  if (rc != 0) return Fail("init(DUMP) = %d", rc);
+  auto dump = Hook<gpulazy_dump_ext_file_t>(GPULAZY_HOOK_DUMP_EXT_FILE);
+  int other = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  rc = dump(other, dump_id + 1);
+  ::close(other);
+  Say("DUMP_EXT_FILE(/dev/null) = %d", rc);
+  if (rc != -ENOTSUP) return Fail("DUMP_EXT_FILE of a file that is not ours = %d", rc);
+  // The fake KFD recognises its files by this memfd name (kfd_fake.cc).
+  int kfd = ::memfd_create("gpulazy-fake-kfd", MFD_CLOEXEC);
+  rc = dump(kfd, dump_id);
+  ::close(kfd);
+  Say("DUMP_EXT_FILE(kfd, %d) = %d", dump_id, rc);
+  g_desc->exit(GPULAZY_CRIU_STAGE_DUMP, rc);
+  Say("exit(DUMP, %d)", rc);
+  if (rc != 0) return Fail("DUMP_EXT_FILE = %d", rc);
+  if (std::string changed = HandlersChanged(); !changed.empty())
+    return Fail("the plugin changed the host's handlers of%s", changed.c_str());
+  Say("sim: ok");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ::alarm(kMasterTimeoutS);
   std::string plugin, images, expect_path;
   std::vector<Task> tasks;
+  int dump_id = 0;
+  pid_t stop_pid = -1;
+  bool abort_on_death = false;
+  bool kill_after_resume = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--plugin")
@@ -303,11 +522,26 @@ int main(int argc, char** argv) {
       expect_path = value;
     else if (flag == "--task")
       tasks.push_back(Task{value == "none" ? 0 : std::atoi(value.c_str())});
+    else if (flag == "--dump")
+      dump_id = std::atoi(value.c_str());
+    else if (flag == "--stop-pid")
+      stop_pid = std::atoi(value.c_str());
+    else if (flag == "--kill")
+      g_kill_index = std::atoi(value.c_str());
+    else if (flag == "--on-death" && (value == "continue" || value == "abort"))
+      abort_on_death = value == "abort";
+    else if (flag == "--on-death" && value == "after-resume")
+      kill_after_resume = true;
+    else if (flag == "--fault-check" && (value == "1" || value == "0"))
+      g_fault_check = value == "1";
     else
       return Fail("unknown flag %s", flag.c_str());
   }
-  if (plugin.empty() || images.empty() || tasks.empty())
-    return Fail("usage: --plugin SO --images DIR [--expect FILE] --task ID|none ...");
+  if (plugin.empty() || images.empty() || (tasks.empty() && dump_id <= 0))
+    return Fail("usage: --plugin SO --images DIR [--expect FILE] --task ID|none ... | --dump ID");
+  if (g_kill_index == 0 || g_kill_index >= static_cast<int>(tasks.size()))
+    return Fail("--kill takes the index of a task other than the root");
+  InstallHostHandlers();
   std::vector<ExpectedBo> expected;
   if (!expect_path.empty() && !ParseExpect(expect_path, expected))
     return Fail("cannot parse %s", expect_path.c_str());
@@ -330,6 +564,7 @@ int main(int argc, char** argv) {
 
   g_image_dir_fd = ::open(images.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (g_image_dir_fd < 0) return Fail("open %s: %s", images.c_str(), std::strerror(errno));
+  if (dump_id > 0) return DumpMain(dump_id);
 
   int rc = g_desc->init(GPULAZY_CRIU_STAGE_RESTORE);
   Say("init(RESTORE) = %d", rc);
@@ -348,15 +583,25 @@ int main(int argc, char** argv) {
       if (::fork() == 0) ::_exit(TaskMain(tasks[i], expected));
     int worst = TaskMain(tasks[0], expected);
     int status = 0;
-    while (::wait(&status) > 0)  // bounded: the children's alarms
+    while (::wait(&status) > 0) {  // bounded: the children's alarms
+      if (g_kill_index > 0 && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) continue;
       if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) worst = worst ? worst : 1;
+    }
     ::_exit(worst);
   }
 
   auto post_forking = Hook<gpulazy_void_hook_t>(GPULAZY_HOOK_POST_FORKING);
   auto resume = Hook<gpulazy_pid_hook_t>(GPULAZY_HOOK_RESUME_DEVICES_LATE);
+  bool continued = false;
+  auto continue_server = [&] {
+    if (stop_pid <= 0 || continued) return;
+    ::kill(stop_pid, SIGCONT);
+    continued = true;
+    Say("server continued");
+  };
   // Tell every task to stop (failure) or check, then tear down like CRIU.
   auto finish = [&](int ret, const std::string& why) {
+    continue_server();
     char quit = 'q';
     for (Task& t : tasks)
       (void)WriteAll(t.go[1], &quit, 1);
@@ -383,6 +628,10 @@ int main(int argc, char** argv) {
   rc = post_forking();
   Say("POST_FORKING = %d", rc);
   if (rc != 0) return finish(rc, "POST_FORKING = " + std::to_string(rc));
+  if (stop_pid > 0) {
+    ::kill(stop_pid, SIGSTOP);
+    Say("server stopped");
+  }
   if (g_order == Order::kCriu) {
     char stage = 's';
     for (Task& t : tasks)
@@ -390,10 +639,65 @@ int main(int argc, char** argv) {
   }
   if (g_order != Order::kTasksFirst && collect() != 0) return 1;
 
+  if (std::string changed = HandlersChanged(); !changed.empty())
+    return finish(-EPERM, "the plugin changed the host's handlers of" + changed);
+  if (std::string bad = ThreadsTakingSignals(); !bad.empty())
+    return finish(-EPERM, "plugin threads not blocking SIGTERM/SIGINT/SIGCHLD:" + bad);
+  Say("signals: host handlers untouched; plugin threads block them");
+
   const char* mode = std::getenv("GPULAZY_MODE");
   const bool lazy = mode != nullptr && std::strcmp(mode, "lazy") == 0;
+  if (g_fault_check && !lazy) return finish(-EINVAL, "--fault-check needs GPULAZY_MODE=lazy");
+
+  pid_t victim = -1;
+  // SIGKILLs the --kill task and waits until it is dead; "" or why it could not.
+  auto kill_victim = [&]() -> std::string {
+    Task& v = tasks[static_cast<size_t>(g_kill_index)];
+    int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, v.pid, 0));
+    if (pidfd < 0) return "pidfd_open of the task to kill";
+    ::kill(v.pid, SIGKILL);
+    pollfd p{pidfd, POLLIN, 0};
+    const bool dead = ::poll(&p, 1, kReportTimeoutMs) == 1;
+    ::close(pidfd);
+    if (!dead) return "the killed task did not die";
+    victim = v.pid;
+    Say("task %d: killed", victim);
+    return "";
+  };
+  if (g_kill_index > 0 && !kill_after_resume) {
+    // Killed while the master still streams (the server is stopped).
+    if (std::string why = kill_victim(); !why.empty()) return finish(-EPROTO, why);
+    if (abort_on_death) {
+      // CRIU's SIGCHLD handler aborts the restore: no RESUME_DEVICES_LATE, exit with an error.
+      const auto start = std::chrono::steady_clock::now();
+      g_desc->exit(GPULAZY_CRIU_STAGE_RESTORE, -1);
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+      Say("exit(RESTORE, -1) returned after %lld ms", static_cast<long long>(ms));
+      continue_server();
+      char quit = 'q';
+      for (Task& t : tasks)
+        (void)WriteAll(t.go[1], &quit, 1);
+      int status = 0;
+      (void)::waitpid(root, &status, 0);
+      if (std::string changed = HandlersChanged(); !changed.empty())
+        return Fail("exit changed the host's handlers of%s", changed.c_str());
+      Say("sim: ok");
+      return 0;
+    }
+    rc = resume(victim);
+    Say("RESUME_DEVICES_LATE(%d) = %d (killed task)", victim, rc);
+    if (rc == 0 || rc == -ENOTSUP)
+      return finish(-EPROTO, "RESUME_DEVICES_LATE of a dead task = " + std::to_string(rc));
+  }
+  // Lazy resumes without the stream (no hot set here); the fault check and a death after
+  // resume need it stopped.
+  if (!(lazy && (g_fault_check || kill_after_resume))) continue_server();
+
   char check = 'c';
   for (Task& t : tasks) {
+    if (t.pid == victim) continue;
     rc = resume(t.pid);
     Say("RESUME_DEVICES_LATE(%d) = %d", t.pid, rc);
     const int want = t.file_id > 0 ? 0 : -ENOTSUP;
@@ -403,14 +707,36 @@ int main(int argc, char** argv) {
     // Eager and parallel promise a task's contents by its resume; lazy only by exit.
     if (!lazy) (void)WriteAll(t.go[1], &check, 1);
   }
+  if (g_kill_index > 0 && kill_after_resume) {
+    // The program exits while its BOs still stream (lazy): its own business, no failure.
+    if (std::string why = kill_victim(); !why.empty()) return finish(-EPROTO, why);
+  }
+  if (g_fault_check) {
+    for (Task& t : tasks) {
+      if (t.pid == victim || t.file_id == 0) continue;
+      char step = stop_pid > 0 && !continued ? 'E' : 'e';
+      (void)WriteAll(t.go[1], &step, 1);
+      char ensuring = 0;
+      if (!ReadAll(t.report[0], &ensuring, 1, kReportTimeoutMs) || ensuring != 'e')
+        return finish(-EPROTO, "task " + std::to_string(t.pid) + " did not reach its ensure");
+      continue_server();
+      char verdict = 0;
+      if (!ReadAll(t.report[0], &verdict, 1, kReportTimeoutMs) || verdict != 1)
+        return finish(-EPROTO, "task " + std::to_string(t.pid) + " failed the fault check");
+    }
+  }
+  continue_server();
   g_desc->exit(GPULAZY_CRIU_STAGE_RESTORE, 0);
   Say("exit(RESTORE, 0)");
+  if (std::string changed = HandlersChanged(); !changed.empty())
+    return finish(-EPERM, "exit changed the host's handlers of" + changed);
   if (lazy)
     for (Task& t : tasks)
-      (void)WriteAll(t.go[1], &check, 1);
+      if (t.pid != victim) (void)WriteAll(t.go[1], &check, 1);
 
   std::string bad;
   for (Task& t : tasks) {
+    if (t.pid == victim) continue;
     char verdict = 0;
     if (!ReadAll(t.report[0], &verdict, 1, kReportTimeoutMs) || verdict != 1)
       bad += " " + std::to_string(t.pid);

@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "plugin/topology.h"
 #include "proto/criu_file.h"
@@ -83,17 +86,20 @@ class PluginHostTest : public ::testing::Test {
  protected:
   // A checkpoint of `processes` processes at dir/ckpt, a fake KFD at dir/kfd whose topology
   // matches it, and the --expect file the simulator's tasks compare against.
-  void Make(uint32_t processes) {
+  // `where` defaults to the image directory; the dump test puts it where the fake KFD keeps
+  // the "live" process state.
+  void Make(uint32_t processes, uint64_t bytes_per_process = 4u << 20, fs::path where = {}) {
+    if (where.empty()) where = images_;
     image::SynthOptions o;
-    o.out = images_;
+    o.out = where;
     o.gpus = 2;
     o.bos = 8;
-    o.total_bytes = processes * (4u << 20);
+    o.total_bytes = processes * bytes_per_process;
     o.seed = 7;
     o.processes = processes;
     auto report = image::SynthesizeCheckpoint(o);
     ASSERT_TRUE(report.ok()) << report.status().ToString();
-    auto cp = image::CriuCheckpoint::Open(images_);
+    auto cp = image::CriuCheckpoint::Open(where);
     ASSERT_TRUE(cp.ok()) << cp.status().ToString();
     const criu::KfdProcess& first = cp->processes().front().message;
     devices_.assign(first.devices().begin(), first.devices().end());
@@ -105,14 +111,15 @@ class PluginHostTest : public ::testing::Test {
     for (const image::ContentBo& bo : cp->content_bos())
       expect << bo.process_id << " " << bo.bo_index << " " << bo.size << " "
              << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).mmap_offset() << " "
-             << (images_ / bo.pages_file).string() << " "
-             << criu_format::kHeaderSize + bo.pages_offset << "\n";
+             << (where / bo.pages_file).string() << " "
+             << criu_format::kHeaderSize + bo.pages_offset << " "
+             << by_file.at(bo.process_id)->bos(static_cast<int>(bo.bo_index)).gpu_va() << "\n";
     ASSERT_TRUE(expect.good());
     ASSERT_GT(cp->content_bos().size(), 0u);
   }
 
   Outcome Sim(const std::vector<std::string>& tasks, std::map<std::string, std::string> env,
-              const std::string& order = "criu") {
+              const std::string& order = "criu", const std::vector<std::string>& extra = {}) {
     std::ofstream(dir_ / "empty.conf").flush();  // no /etc/gpulazy/plugin.conf leaks in
     std::map<std::string, std::string> full = {
         {"PATH", "/usr/bin:/bin"},
@@ -139,12 +146,34 @@ class PluginHostTest : public ::testing::Test {
       argv.push_back("--task");
       argv.push_back(t);
     }
+    argv.insert(argv.end(), extra.begin(), extra.end());
     fs::path log = dir_ / "sim.log";
     Outcome out;
     out.exit_code = WaitBounded(Spawn(argv, full, log), 200s);
     out.output = Slurp(log);
+    if (std::getenv("GPULAZY_SIM_LOG") != nullptr) std::cerr << out.output;  // debugging aid
     return out;
   }
+
+  // A gpulazy-server process serving dir_ on a Unix socket; its pid, or -1 with a failure.
+  pid_t StartServer() {
+    const fs::path ready = dir_ / "ready";
+    pid_t server =
+        Spawn({std::string(GPULAZY_BIN_DIR) + "/gpulazy-server", "--images", dir_.path().string(),
+               "--listen", "unix:" + server_socket(), "--ready-file", ready.string()},
+              {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(20ms);  // the server offers no event to wait on but this file
+    EXPECT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
+    return fs::exists(ready) ? server : -1;
+  }
+  void StopServer(pid_t server) {
+    ::kill(server, SIGCONT);  // in case a failing simulator left it stopped
+    ::kill(server, SIGTERM);
+    EXPECT_GE(WaitBounded(server, 20s), 0);
+  }
+  std::string server_socket() const { return (dir_ / "srv.sock").string(); }
 
   gpulazy::testing::TempDir dir_;
   fs::path images_ = dir_ / "ckpt";
@@ -171,6 +200,8 @@ TEST_P(ContentsTest, BosMatchThePagesFiles) {
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("claimed: amdgpu_plugin gpulazy_plugin"), std::string::npos)
       << out.output;
+  // The in-process server runs inside the host: its handlers stay, our threads block signals.
+  EXPECT_NE(out.output.find("signals: host handlers untouched"), std::string::npos) << out.output;
 }
 
 std::vector<Case> AllCases() {
@@ -197,27 +228,196 @@ class RealServerTest : public PluginHostTest, public ::testing::WithParamInterfa
 
 TEST_P(RealServerTest, TreeRestoresFromGpulazyServer) {
   ASSERT_NO_FATAL_FAILURE(Make(2));
-  const fs::path ready = dir_ / "ready";
-  const std::string socket = (dir_ / "srv.sock").string();
-  pid_t server =
-      Spawn({std::string(GPULAZY_BIN_DIR) + "/gpulazy-server", "--images", dir_.path().string(),
-             "--listen", "unix:" + socket, "--ready-file", ready.string()},
-            {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(20ms);
-  ASSERT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
-  Outcome out =
-      Sim({"1", "2"}, {{"GPULAZY_MODE", GetParam()}, {"GPULAZY_SERVER", "unix:" + socket}});
-  ::kill(server, SIGTERM);
-  EXPECT_GE(WaitBounded(server, 20s), 0);
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out = Sim({"1", "2"},
+                    {{"GPULAZY_MODE", GetParam()}, {"GPULAZY_SERVER", "unix:" + server_socket()}});
+  StopServer(server);
   EXPECT_EQ(out.exit_code, 0) << out.output;
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, RealServerTest, ::testing::Values("eager", "parallel", "lazy"));
 
+// ---- a task dying mid-restore ----
+//
+// The server is stopped right after POST_FORKING, so with a 2 MiB credit window at most a few
+// MiB of the 32 MiB image have arrived when the second task is SIGKILLed (after it handed its
+// BOs over). Upstream CRIU fails the whole restore on such a death (its SIGCHLD handler aborts,
+// then exit(RESTORE, -1)); the plugin must then return from exit at once. Should the host go
+// on regardless, RESUME_DEVICES_LATE of the dead task fails naming it, and the other task
+// still resumes with byte-exact contents: the dead task's BOs leave the stream.
+
+class TaskDeathTest : public PluginHostTest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  Outcome KillSecondTask(const std::string& on_death) {
+    Make(2, 16u << 20);
+    pid_t server = StartServer();
+    if (server <= 0) return {};
+    Outcome out =
+        Sim({"1", "2"},
+            {{"GPULAZY_MODE", GetParam()},
+             {"GPULAZY_SERVER", "unix:" + server_socket()},
+             {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
+            "criu", {"--stop-pid", std::to_string(server), "--kill", "1", "--on-death", on_death});
+    StopServer(server);
+    return out;
+  }
+};
+
+TEST_P(TaskDeathTest, OtherTaskFinishesByteExactAndTheDeadOneFailsItsResume) {
+  Outcome out = KillSecondTask("continue");
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  // The master noticed by itself (pidfd) and named the task; its resume fails with -ECANCELED.
+  EXPECT_NE(out.output.find("(amdgpu-kfd-2.img) died during restore"), std::string::npos)
+      << out.output;
+  EXPECT_NE(out.output.find(" = " + std::to_string(-ECANCELED) + " (killed task)"),
+            std::string::npos)
+      << out.output;
+}
+
+TEST_P(TaskDeathTest, CriuAbortsAndExitReturnsPromptly) {
+  Outcome out = KillSecondTask("abort");
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  const size_t at = out.output.find("exit(RESTORE, -1) returned after ");
+  ASSERT_NE(at, std::string::npos) << out.output;
+  // Generous for a loaded machine; a hang would be the resume timeout (60 s) or the alarm.
+  EXPECT_LT(std::stoll(out.output.substr(at + 33)), 20'000) << out.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TaskDeathTest, ::testing::Values("parallel", "lazy"));
+
+// Lazy: a program that exits after its resume, while its BOs still stream, is no failure; its
+// remaining BOs leave the stream and exit(RESTORE, 0) completes with the other task byte-exact.
+TEST_F(PluginHostTest, LazyTaskExitingAfterResumeStopsItsStreamOnly) {
+  ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out = Sim(
+      {"1", "2"},
+      {{"GPULAZY_MODE", "lazy"},
+       {"GPULAZY_SERVER", "unix:" + server_socket()},
+       {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
+      "criu", {"--stop-pid", std::to_string(server), "--kill", "1", "--on-death", "after-resume"});
+  StopServer(server);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("(amdgpu-kfd-2.img) exited;"), std::string::npos) << out.output;
+  EXPECT_EQ(out.output.find("died during restore"), std::string::npos) << out.output;
+}
+
+// ---- the fault channel, end to end ----
+
+// Lazy mode, server stopped: the tasks resume without their contents, then each asks the fault
+// channel (the C library) for the last page of its last BO. While the server is stopped the
+// first task's ensure times out (resume timeout 1.5 s) instead of answering; once the server
+// goes on, ensure returns only when those bytes are in the BO (checked at once). Errors come
+// back as -errno, and after exit the channel is closed.
+TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
+  ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out = Sim({"1", "2"},
+                    {{"GPULAZY_MODE", "lazy"},
+                     {"GPULAZY_SERVER", "unix:" + server_socket()},
+                     {"GPULAZY_WINDOW", std::to_string(2u << 20)},
+                     {"GPULAZY_RESUME_TIMEOUT_MS", "1500"}},
+                    "criu", {"--stop-pid", std::to_string(server), "--fault-check", "1"});
+  StopServer(server);
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  size_t checked = 0;
+  for (size_t at = 0; (at = out.output.find("byte-exact after ensure", at)) != std::string::npos;
+       ++at)
+    ++checked;
+  EXPECT_EQ(checked, 2u) << out.output;
+  // The first ensure found its range missing (the server was stopped until then).
+  EXPECT_NE(out.output.find("fault channel: pid"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("waits for"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("timed out"), std::string::npos) << out.output;
+}
+
+// ---- dump, then restore what was dumped ----
+
+// DUMP_EXT_FILE against the fake KFD, whose "live" process state is a known checkpoint: the
+// driver sees PROCESS_INFO -> CHECKPOINT -> UNPAUSE, the images carry the same BO table and
+// driver blob, the device entries describe the (fake) sysfs topology, a lazy image is written
+// at exit, and restoring the dumped images gives the live contents back byte for byte.
+TEST_F(PluginHostTest, DumpThenRestoreIsByteExact) {
+  const fs::path live = dir_ / "kfd" / "live";
+  ASSERT_NO_FATAL_FAILURE(Make(1, 4u << 20, live));
+  fs::create_directories(images_);
+  Outcome dump = Sim({}, {{"GPULAZY_LAZY_IMAGE", "1"}}, "criu", {"--dump", "5"});
+  ASSERT_EQ(dump.exit_code, 0) << dump.output;
+  EXPECT_NE(dump.output.find("DUMP_EXT_FILE(/dev/null) = " + std::to_string(-ENOTSUP)),
+            std::string::npos)
+      << dump.output;
+
+  std::vector<std::string> op_logs;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_ / "kfd"))
+    if (e.path().filename().string().starts_with("ops-")) op_logs.push_back(Slurp(e.path()));
+  ASSERT_EQ(op_logs.size(), 1u);
+  EXPECT_EQ(op_logs[0], "PROCESS_INFO\nCHECKPOINT\nUNPAUSE\n");
+
+  auto original = image::CriuCheckpoint::Open(live);
+  auto dumped = image::CriuCheckpoint::Open(images_);
+  ASSERT_TRUE(original.ok() && dumped.ok()) << dumped.status().ToString();
+  ASSERT_EQ(dumped->processes().size(), 1u);
+  EXPECT_EQ(dumped->processes()[0].file_id, 5u);
+  const criu::KfdProcess& was = original->processes()[0].message;
+  const criu::KfdProcess& now = dumped->processes()[0].message;
+  EXPECT_EQ(now.driver_private(), was.driver_private());
+  EXPECT_EQ(now.object_count(), was.object_count());
+  ASSERT_EQ(now.bos_size(), was.bos_size());
+  for (int i = 0; i < now.bos_size(); ++i) {
+    EXPECT_EQ(now.bos(i).gpu_va(), was.bos(i).gpu_va()) << i;
+    EXPECT_EQ(now.bos(i).size(), was.bos(i).size()) << i;
+    EXPECT_EQ(now.bos(i).mmap_offset(), was.bos(i).mmap_offset()) << i;
+    EXPECT_EQ(now.bos(i).alloc_flags(), was.bos(i).alloc_flags()) << i;
+    EXPECT_EQ(now.bos(i).gpu_id(), was.bos(i).gpu_id()) << i;
+  }
+  ASSERT_EQ(now.devices_size(), was.devices_size());
+  for (int i = 0; i < now.devices_size(); ++i) {
+    // Every field as sysfs describes the GPU; node numbering and io links are the host's.
+    criu::KfdDevice device = now.devices(i);
+    device.set_node_id(was.devices(i).node_id());
+    device.set_vram_public(was.devices(i).vram_public());
+    *device.mutable_links() = was.devices(i).links();
+    EXPECT_EQ(device.SerializeAsString(), was.devices(i).SerializeAsString())
+        << device.ShortDebugString() << "\nvs\n"
+        << was.devices(i).ShortDebugString();
+  }
+  EXPECT_TRUE(image::LazyImage::Exists(images_)) << dump.output;
+
+  // The restored tasks compare with the live contents (the expect file points there), as file 5.
+  std::ifstream in(dir_ / "expect");
+  std::string line, rewritten;
+  while (std::getline(in, line))
+    rewritten += "5" + line.substr(line.find(' ')) + "\n";
+  in.close();
+  std::ofstream(dir_ / "expect") << rewritten;
+  for (const char* mode : {"eager", "parallel", "lazy"}) {
+    Outcome out = Sim({"5"}, {{"GPULAZY_MODE", mode}});
+    EXPECT_EQ(out.exit_code, 0) << mode << "\n" << out.output;
+    EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << mode << "\n" << out.output;
+  }
+}
+
 // ---- failures name their reason ----
+
+// Past "is this ours?", a missing piece is a failure, not -ENOTSUP (which would send CRIU to
+// the next plugin and hide the reason).
+TEST_F(PluginHostTest, MissingTopologyFailsRestoreExtFileWithEio) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  Outcome out = Sim({"1"}, {{"GPULAZY_MODE", "parallel"},
+                            {"GPULAZY_TOPOLOGY", (dir_ / "no-such-topology").string()}});
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("RESTORE_EXT_FILE(1) = " + std::to_string(-EIO)), std::string::npos)
+      << out.output;
+  EXPECT_NE(out.output.find("no KFD topology at"), std::string::npos) << out.output;
+}
 
 TEST_F(PluginHostTest, ServerDownFailsEagerInTheTask) {
   ASSERT_NO_FATAL_FAILURE(Make(1));

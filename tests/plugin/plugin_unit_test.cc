@@ -2,20 +2,24 @@
 // contract, the SDMA engine's pipelining (fake libdrm device), the BO handoff.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
 #include "plugin/handoff.h"
 #include "plugin/kfd.h"
+#include "plugin/router.h"
 #include "plugin/sdma_engine.h"
 #include "plugin/sdma_packets.h"
 #include "plugin/topology.h"
@@ -165,6 +169,50 @@ TEST(Topology, VramTooSmallAndTooFewGpus) {
   EXPECT_NE(m.status().message().find("vram_size"), std::string::npos);
   EXPECT_FALSE(MapGpus({Device(1, 0x740f, 1), Device(2, 0x740f, 1)}, *gpus, {}).ok());
   EXPECT_EQ(ReadTopology(dir.path / "missing").status().code(), Code::kNotFound);
+}
+
+// VRAM as real sysfs keeps it: not a node property but the frame-buffer heaps among
+// nodes/N/mem_banks/*/properties (heap_type 1 public, 2 private; others are not VRAM).
+TEST(Topology, VramComesFromTheFrameBufferMemBanks) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFakeTopology(dir.path, {Device(0x1111, 0x740f, 1)}).ok());
+  const fs::path banks = dir.path / "nodes" / "1" / "mem_banks";
+  fs::remove_all(banks);
+  auto bank = [&](int n, uint64_t heap, uint64_t bytes) {
+    fs::create_directories(banks / std::to_string(n));
+    std::ofstream(banks / std::to_string(n) / "properties")
+        << "heap_type " << heap << "\nsize_in_bytes " << bytes << "\nflags 0\nwidth 4096\n";
+  };
+  bank(0, 2, 16ull << 30);   // private frame buffer
+  bank(1, 1, 256ull << 20);  // public frame buffer (the BAR)
+  bank(2, 0, 512ull << 30);  // system memory: not VRAM
+  bank(3, 4, 64ull << 10);   // LDS: not VRAM
+  auto gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok()) << gpus.status().ToString();
+  ASSERT_EQ(gpus->size(), 1u);
+  const uint64_t vram = (16ull << 30) + (256ull << 20);
+  EXPECT_EQ(gpus->front().vram_size, vram);
+  EXPECT_TRUE(gpus->front().vram_public);
+
+  EXPECT_TRUE(MapGpus({Device(0xaaaa, 0x740f, vram)}, *gpus, {}).ok());
+  auto too_big = MapGpus({Device(0xaaaa, 0x740f, vram + 4096)}, *gpus, {});
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_NE(too_big.status().message().find(fmt::format("vram_size {} < {}", vram, vram + 4096)),
+            std::string::npos)
+      << too_big.status().message();
+  TopologyChecks lax;
+  lax.vram = false;
+  EXPECT_TRUE(MapGpus({Device(0xaaaa, 0x740f, vram + 4096)}, *gpus, lax).ok());
+
+  // No banks at all (an odd tree): no VRAM, which the check reports instead of guessing.
+  fs::remove_all(banks);
+  gpus = ReadTopology(dir.path);
+  ASSERT_TRUE(gpus.ok());
+  EXPECT_EQ(gpus->front().vram_size, 0u);
+  EXPECT_FALSE(MapGpus({Device(0xaaaa, 0x740f, 4096)}, *gpus, {}).ok());
+  // A bank without a readable properties file is a broken tree, said so.
+  fs::create_directories(banks / "0");
+  EXPECT_EQ(ReadTopology(dir.path).status().code(), Code::kCorrupt);
 }
 
 TEST(Topology, BacktracksPastAGreedyChoice) {
@@ -374,19 +422,28 @@ TEST(Handoff, RecordsCarryFdsInBatches) {
   UniqueFd a(sv[0]), b(sv[1]);
   int sndbuf = 4 << 20;
   ::setsockopt(a.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+  ASSERT_TRUE(EnableSenderCredentials(b.get()).ok());
+  UniqueFd self(static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0)));
+  ASSERT_TRUE(self.valid());
   std::vector<HandedBo> bos;
   for (uint32_t i = 0; i < 150; ++i) {
     int fd = ::memfd_create("bo", MFD_CLOEXEC);
     ASSERT_EQ(::ftruncate(fd, 4096 * (i + 1)), 0);
     bos.push_back(HandedBo{i * 2, 0x1234, 4096ull * (i + 1), UniqueFd(fd)});
   }
-  ASSERT_TRUE(SendHandoff(a.get(), 42, 3, bos).ok());
+  ASSERT_TRUE(SendHandoff(a.get(), 42, 3, bos, self.get()).ok());
   uint32_t seen = 0;
   bool last = false;
   while (!last) {
     auto r = ReceiveHandoff(b.get(), true);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->pid, 42u);
+    EXPECT_EQ(r->sender_pid, static_cast<uint32_t>(::getpid()));  // the kernel's word
+    EXPECT_EQ(r->pidfd.valid(), seen == 0);                       // with the first record only
+    if (r->pidfd.valid()) {
+      pollfd alive{r->pidfd.get(), POLLIN, 0};
+      EXPECT_EQ(::poll(&alive, 1, 0), 0);  // this process is alive
+    }
     EXPECT_EQ(r->file_id, 3u);
     for (auto& bo : r->bos) {
       EXPECT_EQ(bo.bo_index, seen * 2);
@@ -403,6 +460,62 @@ TEST(Handoff, RecordsCarryFdsInBatches) {
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE(r->last);
   EXPECT_TRUE(r->bos.empty());
+}
+
+// ---- router: a dead task's BOs leave the stream ----
+
+// Records every write it receives.
+class RecordingEngine : public DeviceEngine {
+ public:
+  std::string_view name() const override { return "recording"; }
+  Status Bind(uint32_t bo, UniqueFd, uint64_t) override {
+    bound.insert(bo);
+    return Status::Ok();
+  }
+  void Release(uint32_t bo) override { released.insert(bo); }
+  Status Write(uint32_t bo, uint64_t, std::span<const uint8_t>, client::CopyDone done) override {
+    ++writes[bo];
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  Status Flush() override { return Status::Ok(); }
+  std::set<uint32_t> bound, released;
+  std::map<uint32_t, int> writes;
+};
+
+TEST(Router, DropCompletesParkedAndLaterWritesAndReleasesTheBo) {
+  Router router(/*discard_unbound=*/false);
+  RecordingEngine engine;
+  std::vector<uint8_t> bytes(4096, 7);
+  for (uint32_t bo : {0u, 1u, 2u})
+    ASSERT_TRUE(router.AddDestination(bo, 1 << 20).ok());
+  std::vector<Status> done;
+  auto record = [&](Status s) { done.push_back(std::move(s)); };
+  ASSERT_TRUE(router.Write(1, 0, bytes, record).ok());  // parked: BO 1 not bound yet
+  ASSERT_TRUE(router.Bind(0, &engine, UniqueFd(), 1 << 20).ok());
+  EXPECT_EQ(router.parked(), 1u);
+  EXPECT_TRUE(done.empty());
+
+  EXPECT_EQ(router.Drop({0, 1}), 1u);  // BO 0 bound, BO 1 parked: both belong to a dead task
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].ok());  // resident as far as the session cares: never fetched again
+  EXPECT_EQ(router.parked(), 0u);
+  EXPECT_EQ(engine.released, std::set<uint32_t>{0});
+
+  ASSERT_TRUE(router.Write(0, 4096, bytes, record).ok());
+  ASSERT_TRUE(router.Write(1, 4096, bytes, record).ok());
+  EXPECT_EQ(done.size(), 3u);
+  EXPECT_TRUE(engine.writes.empty());  // nothing reached the engine
+
+  // A handoff that arrives after the death binds nothing.
+  int fd = ::memfd_create("late-bo", MFD_CLOEXEC);
+  ASSERT_TRUE(router.Bind(1, &engine, UniqueFd(fd), 1 << 20).ok());
+  EXPECT_EQ(engine.bound.count(1), 0u);
+
+  // Other BOs are untouched.
+  ASSERT_TRUE(router.Bind(2, &engine, UniqueFd(), 1 << 20).ok());
+  ASSERT_TRUE(router.Write(2, 0, bytes, record).ok());
+  EXPECT_EQ(engine.writes[2], 1);
 }
 
 }  // namespace
