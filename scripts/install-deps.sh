@@ -11,7 +11,7 @@ packages=(
   libdrm-dev
   libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  liburing-dev libssl-dev
+  liburing-dev libssl-dev openssl
 )
 
 missing=()
