@@ -222,6 +222,8 @@ net::Awaitable<void> Connection::Run() {
       co_return;
     }
     if (socket_.is_tls()) identity_.common_name = socket_.PeerCommonName();
+    transport_ready_ = true;
+    Wake();
     if (refuse_code_ != wire::ERROR_NONE) {
       Fail(refuse_code_, refuse_message_);
     } else {
@@ -642,6 +644,14 @@ void Connection::DeliverChunk(WorkItem item, Result<image::StoredChunk> chunk) {
 net::Awaitable<void> Connection::WriteLoop() {
   error_code ec;
   while (!closed_) {
+    if (!transport_ready_) {
+      // Nothing may be written into a TLS stream before its handshake (a shutdown notice that
+      // arrives meanwhile waits; a failed handshake closes the connection, which ends us).
+      if (draining_) break;
+      wake_.expires_at(Clock::time_point::max());
+      co_await wake_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      continue;
+    }
     if (!control_.empty()) {
       wire::Header header = std::move(control_.front());
       control_.pop_front();

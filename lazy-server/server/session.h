@@ -173,7 +173,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   static constexpr size_t kMaxQueuedControl = 64;
   boost::asio::steady_timer reader_resume_;
   bool reader_paused_ = false;
-  bool draining_ = false;  // no more requests: flush control frames, then close
+  bool transport_ready_ = false;  // TLS handshake done (at once for plain): the writer may write
+  bool draining_ = false;         // no more requests: flush control frames, then close
   bool writer_done_ = false;
   bool closed_ = false;
   uint64_t pending_credit_ = 0;   // Credit that arrived before OpenImage's session existed
