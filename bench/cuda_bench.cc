@@ -124,6 +124,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
                            client::CudaCopyEngine::Create(engine_options));
   client::SessionOptions options;
   options.endpoint = endpoint;
+  options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
   options.image = image_dir.filename().string();
   options.window_bytes = window;
   options.client_name = "cuda-bench";

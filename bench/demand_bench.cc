@@ -98,6 +98,7 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
   client::HostCopyEngine engine;
   client::SessionOptions session_options;
   session_options.endpoint = endpoint;
+  session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
   session_options.image = image;
   session_options.window_bytes = options.window;
   session_options.client_name = "bench-demand";

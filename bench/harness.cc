@@ -84,17 +84,12 @@ Result<ServerChild> ServerChild::Start(const fs::path& bin_dir, const fs::path& 
     return NotFound("{} is not an executable (pass --bin-dir)", binary.string());
   const fs::path ready = run_dir / "server.ready";
   const fs::path log = run_dir / "server.log";
-  std::vector<std::string> args = {binary.string(),
-                                   "--images",
-                                   root.string(),
-                                   "--listen",
-                                   "unix:" + (run_dir / "server.sock").string(),
-                                   "--listen",
-                                   "tcp:127.0.0.1:0",
-                                   "--ready-file",
-                                   ready.string(),
-                                   "--log-level",
-                                   "warn"};
+  std::vector<std::string> args = {
+      binary.string(), "--images", root.string(), "--listen",
+      "unix:" + (run_dir / "server.sock").string(), "--listen", "tcp:127.0.0.1:0",
+      // Loopback only; the benchmarks measure the page path, and
+      // TLS costs are not (yet) among them.
+      "--insecure-tcp", "--ready-file", ready.string(), "--log-level", "warn"};
   pid_t pid = fork();
   if (pid < 0) return ErrnoError(errno, "fork");
   if (pid == 0) {

@@ -109,6 +109,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
       options.fill_mode == "minor" ? uffd::FillMode::kMinorContinue : uffd::FillMode::kMissingCopy;
   client::SessionOptions session_options;
   session_options.endpoint = run.endpoint;
+  session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
   session_options.image = "ckpt";
   session_options.client_name = "bench-restore-" + run.mode;
   session_options.reconnect.deadline = std::chrono::milliseconds(20000);

@@ -109,6 +109,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
       engines.push_back(std::make_unique<DiscardEngine>());
     client::SessionOptions session;
     session.endpoint = endpoint;
+    session.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
     session.image = image_dir.filename().string();
     session.window_bytes = options.window;
     session.client_name = fmt::format("bench-{}", s);

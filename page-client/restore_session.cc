@@ -56,7 +56,7 @@ bool SameBo(const BoEntry& a, const BoEntry& b) {
 // One connection generation: the stream socket, the optional demand socket and their writers.
 // Shared by the coroutines serving it; dies with the last of them. I/O thread only.
 struct Link : std::enable_shared_from_this<Link> {
-  Link(net::Socket stream_socket, std::optional<net::Socket> demand_socket,
+  Link(net::Stream stream_socket, std::optional<net::Stream> demand_socket,
        FrameLimits frame_limits)
       : stream(std::move(stream_socket)),
         demand(std::move(demand_socket)),
@@ -98,8 +98,8 @@ struct Link : std::enable_shared_from_this<Link> {
     });
   }
 
-  net::Socket stream;
-  std::optional<net::Socket> demand;
+  net::Stream stream;
+  std::optional<net::Stream> demand;
   FrameLimits limits;
   FrameWriter stream_writer;
   std::optional<FrameWriter> demand_writer;
@@ -148,7 +148,7 @@ class RestoreSession::Impl {
   // chunk the engine lets us place goes straight into its destination and is verified there;
   // anything else is read into `payload` and goes through InstallChunk. *transport is set when
   // the error is the connection's (retrying may help), else the error is fatal.
-  asio::awaitable<Status> ReceiveChunk(const std::shared_ptr<Link>& link, net::Socket& socket,
+  asio::awaitable<Status> ReceiveChunk(const std::shared_ptr<Link>& link, net::Stream& socket,
                                        const wire::Header& header, uint32_t payload_length,
                                        std::vector<uint8_t>& payload, bool on_stream,
                                        bool* transport);
@@ -180,6 +180,7 @@ class RestoreSession::Impl {
   SessionOptions options_;
   CopyEngine& engine_;
   net::Endpoint endpoint_;
+  net::ClientTransport transport_;
   std::vector<ChunkId> hot_chunks_;  // immutable once opened
   uint64_t window_ = 0;
 
@@ -229,6 +230,9 @@ Status RestoreSession::Impl::Start() {
   }
   GPULAZY_ASSIGN_OR_RETURN(endpoint_, net::Endpoint::Parse(options_.endpoint));
   if (options_.image.empty()) return InvalidArgument("no image name given");
+  // Certificates are loaded once; every reconnect reuses them.
+  GPULAZY_ASSIGN_OR_RETURN(transport_,
+                           net::ClientTransport::Make(options_.tls, options_.insecure_tcp));
   {
     std::lock_guard lock(mutex_);
     started_ = true;
@@ -506,7 +510,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   hello.set_token(options_.token);
   bool refused = false;
   Result<Handshake> stream =
-      co_await ConnectAndHello(endpoint_, hello, options_.handshake_timeout, &refused);
+      co_await ConnectAndHello(endpoint_, transport_, hello, options_.handshake_timeout, &refused);
   if (!stream.ok()) {
     if (refused) Fail(stream.status());
     co_return stream.status();
@@ -546,13 +550,13 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     if (residency_.complete()) co_return Status::Ok();  // nothing (left) to stream
   }
 
-  std::optional<net::Socket> demand_socket;
+  std::optional<net::Stream> demand_socket;
   if (options_.demand_connection) {
     wire::Hello join = hello;
     join.set_join_session(reply->session());
     join.set_join_secret(reply->session_secret());
     Result<Handshake> demand =
-        co_await ConnectAndHello(endpoint_, join, options_.handshake_timeout, &refused);
+        co_await ConnectAndHello(endpoint_, transport_, join, options_.handshake_timeout, &refused);
     if (!demand.ok()) co_return demand.status().Context("opening the demand connection");
     demand_socket.emplace(std::move(demand->socket));
   }
@@ -784,7 +788,7 @@ Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
 }
 
 asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
-    const std::shared_ptr<Link>& link, net::Socket& socket, const wire::Header& header,
+    const std::shared_ptr<Link>& link, net::Stream& socket, const wire::Header& header,
     uint32_t payload_length, std::vector<uint8_t>& payload, bool on_stream, bool* transport) {
   const wire::ChunkData& data = header.chunk();
   const uint32_t bo = data.bo();

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "page-client/copy_engine.h"
+#include "page-client/net/stream.h"
 #include "proto/manifest.pb.h"
 #include "proto/status.h"
 
@@ -42,7 +43,11 @@ struct SessionOptions {
   bool demand_connection = true;
   ReconnectPolicy reconnect;
   std::string client_name = "gpulazy-client";
-  std::string token;                                   // bearer token, when the server wants one
+  std::string token;  // bearer token, when the server wants one (net::ReadTokenFile)
+  // TLS for tcp: endpoints (docs/security.md); without a CA file, tcp: is refused unless
+  // insecure_tcp says plain TCP is acceptable. Unix endpoints ignore both.
+  net::TlsClientOptions tls;
+  bool insecure_tcp = false;
   std::chrono::milliseconds handshake_timeout{10000};  // Hello and OpenImage replies
   // Most demand chunks asked for and not yet received (the server refuses past its own limit).
   uint32_t max_demand_in_flight = 128;

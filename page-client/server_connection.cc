@@ -42,7 +42,7 @@ namespace {
 // timer handler that was already queued from touching a socket the exchange has moved on with.
 class HandshakeDeadline {
  public:
-  HandshakeDeadline(const asio::any_io_executor& executor, net::Socket* socket,
+  HandshakeDeadline(const asio::any_io_executor& executor, net::Stream* socket,
                     std::chrono::milliseconds timeout)
       : timer_(std::make_shared<asio::steady_timer>(executor, timeout)),
         finished_(std::make_shared<bool>(false)) {
@@ -69,6 +69,7 @@ class HandshakeDeadline {
 }  // namespace
 
 net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
+                                                  const net::ClientTransport& transport,
                                                   const wire::Hello& hello,
                                                   std::chrono::milliseconds timeout,
                                                   bool* refused) {
@@ -76,11 +77,22 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
   auto executor = co_await asio::this_coro::executor;
   // The connect itself is bounded by the OS (Unix sockets answer at once; TCP by its SYN
   // retries); the deadline starts once there is a socket to close.
-  Result<net::Socket> connected = co_await net::Connect(endpoint);
-  if (!connected.ok()) co_return connected.status();
+  Result<net::Stream> connected = co_await net::Connect(endpoint, transport);
+  if (!connected.ok()) {
+    *refused = connected.status().code() == Code::kPermissionDenied;
+    co_return connected.status();
+  }
   Handshake handshake{std::move(connected).value(), {}};
-  net::TuneSocket(handshake.socket);
+  net::TuneSocket(handshake.socket.socket());
   HandshakeDeadline deadline(executor, &handshake.socket, timeout);
+  Status tls = co_await handshake.socket.Handshake();
+  if (!tls.ok()) {
+    if (!handshake.socket.is_open())
+      co_return TimedOut("{}: no TLS handshake within {} ms", endpoint.ToString(), timeout.count());
+    // A refused certificate stays refused; a connection dropped mid-handshake may recover.
+    *refused = tls.code() == Code::kPermissionDenied;
+    co_return tls.Context(endpoint.ToString());
+  }
 
   FrameLimits limits;
   wire::Header header;
@@ -92,6 +104,9 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
   if (!reply.ok()) {
     if (!handshake.socket.is_open())
       co_return TimedOut("{}: no HelloReply within {} ms", endpoint.ToString(), timeout.count());
+    // A TLS alert here is the server refusing our certificate (TLS 1.3 checks it after the
+    // client has finished its side of the handshake).
+    *refused = reply.status().code() == Code::kPermissionDenied;
     co_return reply.status().Context(
         fmt::format("waiting for HelloReply from {}", endpoint.ToString()));
   }
@@ -109,7 +124,7 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
   co_return std::move(handshake);
 }
 
-net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Socket& socket,
+net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
                                                        const std::string& image,
                                                        const FrameLimits& limits,
                                                        std::chrono::milliseconds timeout,
@@ -137,7 +152,7 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Socket& socket,
   co_return std::move(*reply->mutable_open_image_reply());
 }
 
-FrameWriter::FrameWriter(net::Socket& socket, FrameLimits limits)
+FrameWriter::FrameWriter(net::Stream& socket, FrameLimits limits)
     : socket_(socket), limits_(limits), wakeup_(socket.get_executor()) {
   wakeup_.expires_at(asio::steady_timer::time_point::max());
 }

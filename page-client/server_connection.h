@@ -11,6 +11,7 @@
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
+#include "page-client/net/stream.h"
 #include "proto/status.h"
 #include "proto/wire.pb.h"
 
@@ -22,19 +23,21 @@ Status ErrorFrameStatus(const wire::Error& error, std::string_view what);
 bool IsRetryableServerError(const wire::Error& error);
 
 struct Handshake {
-  net::Socket socket;
+  net::Stream socket;  // plain or TLS
   wire::HelloReply reply;
 };
 
-// Connects and exchanges Hello/HelloReply; the whole exchange must finish within `timeout`
-// (the socket is closed when it does not, so a silent peer cannot hang us). *refused is set
-// when the server answered with an Error frame that retrying will not fix.
+// Connects (TLS handshake included, over `transport`) and exchanges Hello/HelloReply; the whole
+// exchange must finish within `timeout` (the socket is closed when it does not, so a silent peer
+// cannot hang us). *refused is set when retrying will not help: the server answered with an
+// Error frame that says so, a certificate was refused, or plain TCP is not allowed.
 net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
+                                                  const net::ClientTransport& transport,
                                                   const wire::Hello& hello,
                                                   std::chrono::milliseconds timeout, bool* refused);
 
 // Sends OpenImage and reads its reply within `timeout`; *refused as for ConnectAndHello.
-net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Socket& socket,
+net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
                                                        const std::string& image,
                                                        const FrameLimits& limits,
                                                        std::chrono::milliseconds timeout,
@@ -44,14 +47,14 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Socket& socket,
 // coroutine, so a socket never has two writes in flight.
 class FrameWriter {
  public:
-  FrameWriter(net::Socket& socket, FrameLimits limits);
+  FrameWriter(net::Stream& socket, FrameLimits limits);
   void Send(wire::Header header);
   // Writes until Close() (after draining what was queued) or a write error.
   net::Awaitable<Status> Run();
   void Close();
 
  private:
-  net::Socket& socket_;
+  net::Stream& socket_;
   FrameLimits limits_;
   std::deque<wire::Header> queue_;
   boost::asio::steady_timer wakeup_;

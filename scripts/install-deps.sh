@@ -11,7 +11,7 @@ packages=(
   libdrm-dev
   libfmt-dev libspdlog-dev libcli11-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  liburing-dev libssl-dev
+  liburing-dev libssl-dev openssl
   # scripts/lint.sh
   clang-format clang-tidy
   # scripts/fuzz.sh: clang 14 and its runtimes (libFuzzer, ASan, UBSan: libclang-rt-14-dev)

@@ -73,8 +73,9 @@ Result<std::vector<KfdFile>> ListKfdImages(const std::filesystem::path& dir) {
   return files;
 }
 
-Result<criu::KfdProcess> ReadKfdImage(const std::filesystem::path& path, const std::string& name) {
-  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+Result<criu::KfdProcess> ReadKfdImage(const std::filesystem::path& dir, const std::string& name) {
+  const std::filesystem::path path = dir / name;
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenInDir(dir, name));
   GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), path));
   if (size < criu_format::kHeaderSize)
     return Corrupt("{}: {} bytes is shorter than the {}-byte CRIU image header", name, size,
@@ -96,18 +97,16 @@ Result<criu::KfdProcess> ReadKfdImage(const std::filesystem::path& path, const s
 // Checks a pages file against the sum of its GPU's BO sizes. A GPU whose content BOs are all
 // empty may have no pages file at all.
 Status CheckPagesFile(const std::filesystem::path& dir, const PagesFile& pages) {
-  const std::filesystem::path path = dir / pages.name;
-  int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (raw_fd < 0) {
-    int err = errno;
-    if (err == ENOENT) {
+  Result<UniqueFd> opened = OpenInDir(dir, pages.name);
+  if (!opened.ok()) {
+    if (opened.status().code() == Code::kNotFound) {
       if (pages.payload_length == 0) return Status::Ok();
       return NotFound("{}: missing, but the BO table needs {} bytes of GPU {:#x} contents",
                       pages.name, pages.payload_length, pages.gpu_id);
     }
-    return ErrnoError(err, "open {}", path.string());
+    return opened.status();
   }
-  UniqueFd fd(raw_fd);
+  UniqueFd fd = std::move(*opened);
   GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), pages.name));
   if (size < criu_format::kHeaderSize)
     return Corrupt("{}: {} bytes is shorter than the {}-byte CRIU image header", pages.name, size,
@@ -137,7 +136,7 @@ Result<CriuCheckpoint> CriuCheckpoint::Open(const std::filesystem::path& dir) {
     KfdProcessImage image;
     image.file_id = file.id;
     image.file_name = file.name;
-    GPULAZY_ASSIGN_OR_RETURN(image.message, ReadKfdImage(dir / file.name, file.name));
+    GPULAZY_ASSIGN_OR_RETURN(image.message, ReadKfdImage(dir, file.name));
 
     std::set<uint32_t> gpu_ids;
     for (const criu::KfdDevice& device : image.message.devices()) {

@@ -35,7 +35,7 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
     for (const auto& [gpu_id, pages] : process.pages_by_gpu) {
       // A GPU whose content BOs are all empty may have no pages file; there is nothing to read.
       if (pages.payload_length == 0) continue;
-      GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(dir / pages.name));
+      GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenInDir(dir, pages.name));
       source->pages_fds_.emplace(pages.name, std::move(fd));
     }
   }

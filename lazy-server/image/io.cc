@@ -1,7 +1,9 @@
 #include "lazy-server/image/io.h"
 
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -29,6 +31,29 @@ Result<UniqueFd> OpenForRead(const std::filesystem::path& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoError(errno, "open {}", path.string());
   return UniqueFd(fd);
+}
+
+Result<UniqueFd> OpenBeneath(int dir_fd, const std::filesystem::path& relative, int flags,
+                             std::string_view what) {
+  struct open_how how {};
+  how.flags = static_cast<uint64_t>(flags | O_CLOEXEC);
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
+  for (;;) {
+    const long fd = ::syscall(SYS_openat2, dir_fd, relative.c_str(), &how, sizeof(how));
+    if (fd >= 0) return UniqueFd(static_cast<int>(fd));
+    const int err = errno;
+    if (err == EINTR || err == EAGAIN) continue;  // EAGAIN: a rename raced the lookup
+    if (err == EXDEV) return PermissionDenied("{}: resolves outside its directory; refused", what);
+    return ErrnoError(err, "open {}", what);
+  }
+}
+
+Result<UniqueFd> OpenInDir(const std::filesystem::path& dir, const std::filesystem::path& name) {
+  const std::filesystem::path path = dir / name;
+  int raw_dir = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (raw_dir < 0) return ErrnoError(errno, "open {}", dir.string());
+  UniqueFd dir_fd(raw_dir);
+  return OpenBeneath(dir_fd.get(), name, O_RDONLY, path.string());
 }
 
 Result<uint64_t> FileSize(int fd, const std::filesystem::path& what) {
@@ -88,8 +113,10 @@ Status WriteAllAt(int fd, uint64_t offset, std::span<const uint8_t> bytes,
   return Status::Ok();
 }
 
-Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, uint64_t max_bytes) {
-  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+namespace {
+
+Result<std::vector<uint8_t>> ReadWholeFd(const UniqueFd& fd, const std::filesystem::path& path,
+                                         uint64_t max_bytes) {
   GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), path));
   // Checked before allocating: the size comes from a file we do not trust.
   if (size > max_bytes)
@@ -98,6 +125,20 @@ Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, ui
   std::vector<uint8_t> bytes(static_cast<size_t>(size));
   GPULAZY_RETURN_IF_ERROR(ReadExactAt(fd.get(), 0, bytes, path));
   return bytes;
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, uint64_t max_bytes) {
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(path));
+  return ReadWholeFd(fd, path, max_bytes);
+}
+
+Result<std::vector<uint8_t>> ReadWholeFileInDir(const std::filesystem::path& dir,
+                                                const std::filesystem::path& name,
+                                                uint64_t max_bytes) {
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenInDir(dir, name));
+  return ReadWholeFd(fd, dir / name, max_bytes);
 }
 
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes) {

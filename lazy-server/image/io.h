@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,15 @@ class UniqueFd {
 };
 
 Result<UniqueFd> OpenForRead(const std::filesystem::path& path);
+// Opens `relative` below the directory `dir_fd` with openat2(RESOLVE_BENEATH |
+// RESOLVE_NO_MAGICLINKS): absolute names, ".." and symlinks that would leave the directory
+// fail with EXDEV (kPermissionDenied), so the file opened is always beneath it. `what` names
+// the file in errors.
+Result<UniqueFd> OpenBeneath(int dir_fd, const std::filesystem::path& relative, int flags,
+                             std::string_view what);
+// A file of an image directory, opened for reading beneath `dir` (OpenBeneath): a file inside
+// an image that is a symlink out of it is refused.
+Result<UniqueFd> OpenInDir(const std::filesystem::path& dir, const std::filesystem::path& name);
 Result<uint64_t> FileSize(int fd, const std::filesystem::path& what);
 // Reads exactly out.size() bytes at offset; a short file is kCorrupt naming `what`.
 Status ReadExactAt(int fd, uint64_t offset, std::span<uint8_t> out,
@@ -41,6 +51,10 @@ Status WriteAllAt(int fd, uint64_t offset, std::span<const uint8_t> bytes,
                   const std::filesystem::path& what);
 // Reads a whole file, refusing files larger than max_bytes.
 Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, uint64_t max_bytes);
+// ReadWholeFile of dir/name, opened with OpenInDir.
+Result<std::vector<uint8_t>> ReadWholeFileInDir(const std::filesystem::path& dir,
+                                                const std::filesystem::path& name,
+                                                uint64_t max_bytes);
 // Writes to a temporary file beside `path`, fsyncs and renames, so readers never see half a file.
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes);
 

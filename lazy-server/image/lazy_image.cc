@@ -287,7 +287,7 @@ Result<int> SourceFd(std::map<std::string, UniqueFd>* fds, const std::filesystem
                      const std::string& name) {
   auto it = fds->find(name);
   if (it == fds->end()) {
-    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(dir / name));
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenInDir(dir, name));
     it = fds->emplace(name, std::move(fd)).first;
   }
   return it->second.get();
@@ -466,7 +466,7 @@ bool LazyImage::Exists(const std::filesystem::path& dir) {
 Result<LazyImage> LazyImage::Open(const std::filesystem::path& dir) {
   const std::string name = kManifestFileName;
   GPULAZY_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes,
-                           ReadWholeFile(dir / name, kMaxManifestBytes + kFileHeaderSize));
+                           ReadWholeFileInDir(dir, name, kMaxManifestBytes + kFileHeaderSize));
   GPULAZY_ASSIGN_OR_RETURN(FileHeader header, DecodeFileHeader(bytes, kManifestMagic, name));
   const uint64_t payload_size = bytes.size() - kFileHeaderSize;
   if (header.payload_length != payload_size)
@@ -485,7 +485,7 @@ Result<LazyImage> LazyImage::Open(const std::filesystem::path& dir) {
     return Corrupt("{}: chunk file name '{}' is not a plain file name", name,
                    image.manifest_.chunk_file());
   const std::string chunk_name = image.manifest_.chunk_file();
-  GPULAZY_ASSIGN_OR_RETURN(image.chunk_fd_, OpenForRead(dir / chunk_name));
+  GPULAZY_ASSIGN_OR_RETURN(image.chunk_fd_, OpenInDir(dir, chunk_name));
   GPULAZY_ASSIGN_OR_RETURN(uint64_t chunk_payload,
                            ReadChunkFileHeader(image.chunk_fd_.get(), chunk_name));
   GPULAZY_RETURN_IF_ERROR(ValidateManifest(image.manifest_, chunk_payload, name));

@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <iostream>
 #include <limits>
 
 #include "lazy-server/image/lazy_image.h"
+#include "lazy-server/server/image_store.h"
 #include "proto/size.h"
 
 namespace gpulazy::server {
@@ -27,6 +30,42 @@ Result<uint32_t> ParseSize32(const std::string& text, const char* option) {
 
 }  // namespace
 
+Result<ImageAccessRule> ImageAccessRule::Parse(std::string_view text) {
+  const size_t equals = text.find('=');
+  if (equals == std::string_view::npos)
+    return InvalidArgument("--image-access '{}': expected PRINCIPAL=PREFIX[,PREFIX...]", text);
+  ImageAccessRule rule;
+  rule.principal = std::string(text.substr(0, equals));
+  auto numeric = [](std::string_view digits) {
+    uint32_t value = 0;
+    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    return !digits.empty() && ec == std::errc() && end == digits.data() + digits.size();
+  };
+  const std::string_view principal = rule.principal;
+  const bool known = principal == "*" ||
+                     (principal.starts_with("uid:") && numeric(principal.substr(4))) ||
+                     (principal.starts_with("gid:") && numeric(principal.substr(4))) ||
+                     (principal.starts_with("cn:") && principal.size() > 3);
+  if (!known)
+    return InvalidArgument("--image-access '{}': principal must be *, uid:N, gid:N or cn:NAME",
+                           text);
+  std::string_view rest = text.substr(equals + 1);
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    std::string prefix(rest.substr(0, comma));
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    while (prefix.size() > 1 && prefix.back() == '/')
+      prefix.pop_back();
+    if (prefix != "*" && !ImageStore::ValidateName(prefix).ok())
+      return InvalidArgument("--image-access '{}': '{}' is not a relative image path", text,
+                             prefix);
+    rule.prefixes.push_back(std::move(prefix));
+  }
+  if (rule.prefixes.empty())
+    return InvalidArgument("--image-access '{}': no image prefixes after '='", text);
+  return rule;
+}
+
 ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   ServerConfig config;
   CLI::App app{"gpulazy-server: serves CRIU amdgpu checkpoints and lazy images to page clients"};
@@ -38,6 +77,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   std::string raw_chunk_size = std::to_string(config.raw_chunk_size);
   double hello_timeout = 10, idle_timeout = 600, shutdown_grace = 5, stats_interval = 0;
   std::string ready_file;
+  std::string token_file;
+  double write_timeout = 30;
+  std::vector<std::string> image_access;
 
   app.add_option("--images", roots, "image root directory (repeatable)")->required();
   app.add_option("--listen", listen, "unix:PATH or tcp:HOST:PORT (repeatable)")->required();
@@ -45,7 +87,23 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--disk-threads", config.disk_threads, "disk read threads")->capture_default_str();
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();
-  app.add_option("--token", config.token, "bearer token clients must present in Hello");
+  // No --token: a secret on the command line is readable by every user through /proc.
+  app.add_option("--token-file", token_file,
+                 "file holding the bearer token clients must present (not readable by others)");
+  app.add_option("--tls-cert", config.tls.cert_file,
+                 "PEM certificate chain: TLS on tcp: listeners");
+  app.add_option("--tls-key", config.tls.key_file, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", config.tls.client_ca_file,
+                 "PEM CA certificates: clients must present a certificate it signed (mutual TLS)");
+  app.add_flag("--insecure-tcp", config.insecure_tcp,
+               "allow tcp: listeners without TLS (pages and tokens cross the network in clear)");
+  app.add_option("--allow-uid", config.allow_uid,
+                 "Unix peers with this uid may connect (repeatable; default: ours and root)");
+  app.add_option("--allow-gid", config.allow_gid,
+                 "Unix peers with this primary gid may connect (repeatable)");
+  app.add_option("--image-access", image_access,
+                 "PRINCIPAL=PREFIX[,PREFIX...]: who may open which images (repeatable; principals "
+                 "*, uid:N, gid:N, cn:NAME; none given: everyone sees every image)");
   app.add_option("--max-sessions", config.max_sessions, "open sessions at most")
       ->capture_default_str();
   app.add_option("--max-connections", config.max_connections, "open connections at most")
@@ -70,6 +128,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--idle-timeout", idle_timeout,
                  "seconds without traffic before a connection is closed (0: never)")
+      ->capture_default_str();
+  app.add_option("--write-timeout", write_timeout,
+                 "seconds one frame's write may take before a client that stopped reading is "
+                 "dropped (0: never)")
       ->capture_default_str();
   app.add_option("--shutdown-grace", shutdown_grace,
                  "seconds in-flight writes may take after SIGTERM")
@@ -103,11 +165,22 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   Result<uint32_t> chunk = ParseSize32(raw_chunk_size, "--raw-chunk-size");
   if (!chunk.ok()) return fail(chunk.status());
   config.raw_chunk_size = *chunk;
-  for (double s : {hello_timeout, idle_timeout, shutdown_grace, stats_interval}) {
+  for (const std::string& text : image_access) {
+    Result<ImageAccessRule> rule = ImageAccessRule::Parse(text);
+    if (!rule.ok()) return fail(rule.status());
+    config.image_access.push_back(std::move(*rule));
+  }
+  if (!token_file.empty()) {
+    Result<std::string> token = net::ReadTokenFile(token_file);
+    if (!token.ok()) return fail(token.status().Context("--token-file"));
+    config.token = std::move(*token);
+  }
+  for (double s : {hello_timeout, idle_timeout, write_timeout, shutdown_grace, stats_interval}) {
     if (!(s >= 0 && s < 1e7)) return fail(InvalidArgument("timeouts must be 0..1e7 seconds"));
   }
   config.hello_timeout = Seconds(hello_timeout);
   config.idle_timeout = Seconds(idle_timeout);
+  config.write_timeout = Seconds(write_timeout);
   config.shutdown_grace = Seconds(shutdown_grace);
   config.stats_interval = Seconds(stats_interval);
   config.ready_file = ready_file;
@@ -123,6 +196,16 @@ Status ValidateConfig(const ServerConfig& config) {
     return InvalidArgument("--threads must be 1..256, not {}", config.io_threads);
   if (config.disk_threads < 1 || config.disk_threads > 256)
     return InvalidArgument("--disk-threads must be 1..256, not {}", config.disk_threads);
+  const bool has_tcp = std::any_of(config.listen.begin(), config.listen.end(), [](const auto& e) {
+    return e.kind == net::Endpoint::Kind::kTcp;
+  });
+  if (config.tls.enabled() != !config.tls.key_file.empty())
+    return InvalidArgument("--tls-cert and --tls-key go together");
+  if (!config.tls.client_ca_file.empty() && !config.tls.enabled())
+    return InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key");
+  if (has_tcp && !config.tls.enabled() && !config.insecure_tcp)
+    return InvalidArgument(
+        "tcp: listeners need TLS (--tls-cert and --tls-key) or an explicit --insecure-tcp");
   if (config.max_sessions < 1) return InvalidArgument("--max-sessions must be at least 1");
   if (config.max_connections < 1) return InvalidArgument("--max-connections must be at least 1");
   if (config.max_frame < image::kMinChunkSize)

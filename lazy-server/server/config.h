@@ -10,10 +10,20 @@
 #include <vector>
 
 #include "page-client/net/endpoint.h"
+#include "page-client/net/stream.h"
 #include "proto/frame.h"
 #include "proto/status.h"
 
 namespace gpulazy::server {
+
+// `principal=prefix[,prefix...]`: peers that are `principal` may open images whose path below
+// the root is a prefix or lies below one. Principals: `*` (everyone), `uid:N` and `gid:N` (Unix
+// peers), `cn:NAME` (TLS client certificates). Prefix `*` is every image.
+struct ImageAccessRule {
+  std::string principal;
+  std::vector<std::string> prefixes;
+  static Result<ImageAccessRule> Parse(std::string_view text);
+};
 
 struct ServerConfig {
   std::vector<std::filesystem::path> image_roots;
@@ -21,7 +31,13 @@ struct ServerConfig {
   uint32_t io_threads = 2;    // threads running the network event loop
   uint32_t disk_threads = 4;  // threads reading chunks from disk
   std::string log_level = "info";
-  std::string token;  // bearer token required in Hello when not empty
+  // Security (docs/security.md).
+  std::string token;                // bearer token required in Hello when not empty (--token-file)
+  net::TlsServerOptions tls;        // TLS on every tcp: listener when tls.enabled()
+  bool insecure_tcp = false;        // tcp: listeners without TLS are allowed (and warned about)
+  std::vector<uint32_t> allow_uid;  // Unix peers allowed by uid; both empty: ours and root
+  std::vector<uint32_t> allow_gid;  // Unix peers allowed by primary gid
+  std::vector<ImageAccessRule> image_access;  // empty: every client sees every image
 
   uint32_t max_sessions = 64;
   uint32_t max_connections = 256;
@@ -35,6 +51,7 @@ struct ServerConfig {
 
   std::chrono::milliseconds hello_timeout{10'000};  // first frame must arrive by then
   std::chrono::milliseconds idle_timeout{600'000};  // no traffic either way; 0 = never
+  std::chrono::milliseconds write_timeout{30'000};  // one frame's write may take this long
   std::chrono::milliseconds shutdown_grace{5'000};  // SIGTERM: in-flight writes may finish
   std::chrono::milliseconds stats_interval{0};      // 0 = no periodic stats log
 

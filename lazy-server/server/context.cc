@@ -95,7 +95,8 @@ nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
 
 }  // namespace
 
-std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_bytes) const {
+std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_bytes,
+                                     const ImageGrant& visible) const {
   nlohmann::json server = {
       {"name", config.server_name},
       {"uptime_s", std::chrono::duration<double>(Clock::now() - started).count()},
@@ -114,6 +115,7 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
   nlohmann::json sessions = nlohmann::json::array();
   nlohmann::json mine;
   for (const std::shared_ptr<Session>& session : Sessions()) {
+    if (!MayOpen(visible, session->image().relative)) continue;
     nlohmann::json j = SessionJson(*session, dispatcher);
     if (own && session->id() == *own) mine = j;
     sessions.push_back(std::move(j));

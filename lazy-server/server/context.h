@@ -58,8 +58,10 @@ struct ServerContext {
   SessionId NextSessionId() { return next_session_id_.fetch_add(1) + 1; }
 
   // The StatsReply document (docs/server.md lists its fields). When it would exceed max_bytes,
-  // only the asking session (own) is listed in full.
-  std::string StatsJson(std::optional<SessionId> own, size_t max_bytes) const;
+  // only the asking session (own) is listed in full. Sessions of images outside `visible` are
+  // left out (a client learns nothing of images it may not open).
+  std::string StatsJson(std::optional<SessionId> own, size_t max_bytes,
+                        const ImageGrant& visible = std::nullopt) const;
   const Clock::time_point started = Clock::now();
 
  private:

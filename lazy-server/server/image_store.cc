@@ -1,8 +1,11 @@
 #include "lazy-server/server/image_store.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
 #include <system_error>
 
 namespace gpulazy::server {
@@ -50,7 +53,13 @@ ImageStore::ImageStore(const std::vector<fs::path>& roots, uint32_t raw_chunk_si
       spdlog::warn("image root {} is not usable ({}); ignoring it", root.string(), ec.message());
       continue;
     }
-    roots_.push_back(std::move(canonical));
+    int fd = ::open(canonical.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+      spdlog::warn("image root {} cannot be opened ({}); ignoring it", root.string(),
+                   std::strerror(errno));
+      continue;
+    }
+    roots_.push_back(Root{std::move(canonical), UniqueFd(fd)});
   }
 }
 
@@ -69,26 +78,45 @@ Status ImageStore::ValidateName(std::string_view name) {
   return Status::Ok();
 }
 
-Result<fs::path> ImageStore::Resolve(std::string_view name) const {
+Result<ImageStore::Resolved> ImageStore::Resolve(std::string_view name) const {
   GPULAZY_RETURN_IF_ERROR(ValidateName(name));
-  for (const fs::path& root : roots_) {
+  for (const Root& root : roots_) {
+    // The kernel resolves the name beneath the root: an absolute symlink, or one whose ".."
+    // climbs out of it, fails with EXDEV instead of being followed.
+    Result<UniqueFd> dir =
+        OpenBeneath(root.fd.get(), std::string(name), O_PATH | O_DIRECTORY, name);
+    if (!dir.ok()) {
+      if (dir.status().code() == Code::kPermissionDenied) {
+        spdlog::warn("image '{}' resolves outside its root {}; refused", name.substr(0, 256),
+                     root.path.string());
+        return NotFoundName(name);
+      }
+      continue;  // not under this root (or not a directory): try the next
+    }
+    // Where it landed, for the cache, the grant check and the image library's file opens.
     std::error_code ec;
-    // canonical() follows every symlink; the result must still be below the root, so a link
-    // that leaves the root is refused like a missing image.
-    fs::path resolved = fs::canonical(root / fs::path(std::string(name)), ec);
-    if (ec) continue;
-    if (!IsBeneath(resolved, root)) {
-      spdlog::warn("image '{}' resolves outside its root; refused", name);
+    fs::path resolved = fs::read_symlink(fmt::format("/proc/self/fd/{}", dir->get()), ec);
+    if (ec || !IsBeneath(resolved, root.path)) {
+      spdlog::warn("image '{}': cannot confirm it lies below {}; refused", name.substr(0, 256),
+                   root.path.string());
       return NotFoundName(name);
     }
-    if (!fs::is_directory(resolved, ec)) continue;
-    return resolved;
+    std::string relative = resolved.lexically_relative(root.path).string();
+    if (relative.empty()) relative = ".";
+    return Resolved{std::move(resolved), std::move(relative)};
   }
   return NotFoundName(name);
 }
 
-Result<std::shared_ptr<const OpenedImage>> ImageStore::Open(std::string_view name) {
-  GPULAZY_ASSIGN_OR_RETURN(fs::path dir, Resolve(name));
+Result<std::shared_ptr<const OpenedImage>> ImageStore::Open(std::string_view name,
+                                                            const ImageGrant& grant) {
+  GPULAZY_ASSIGN_OR_RETURN(Resolved resolved, Resolve(name));
+  if (!MayOpen(grant, resolved.relative)) {
+    spdlog::info("image '{}' ({} below its root) is outside the client's --image-access grant",
+                 name.substr(0, 256), resolved.relative);
+    return NotFoundName(name);  // word for word what a missing image gets
+  }
+  const fs::path dir = resolved.dir;
   const std::string stamp = Stamp(dir);
   {
     std::lock_guard lock(mu_);
@@ -120,6 +148,7 @@ Result<std::shared_ptr<const OpenedImage>> ImageStore::Open(std::string_view nam
   auto opened = std::make_shared<OpenedImage>();
   opened->name = std::string(name);
   opened->dir = dir;
+  opened->relative = resolved.relative;
   opened->source = *source;
   opened->layout = std::make_shared<const ImageLayout>(
       ImageLayout::FromManifest((*source)->manifest(), (*source)->is_lazy()));

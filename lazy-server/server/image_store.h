@@ -2,10 +2,13 @@
 // configured roots, and caches opened images so sessions of the same image share one
 // ImageSource (its manifest, its open fds) and one ImageLayout.
 //
-// Confinement: a name must be relative, non-empty, free of NUL and of ".." components; the
-// resolved directory (all symlinks followed) must still lie below the root. Every refusal is
-// kNotFound with a message that names neither the roots nor the reason a path was refused
-// (logs say more).
+// Confinement: a name must be relative, non-empty, free of NUL and of ".." components, and is
+// resolved with openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS) from an fd of the root, so a
+// symlink that leads out of the root is refused by the kernel; the image library then opens
+// every file of the image beneath the image directory the same way (image/io.h OpenInDir).
+// Visibility: a grant (access.h) limits which resolved paths a client may open. Every refusal
+// is kNotFound with a message that names neither the roots nor the reason a path was refused,
+// and is the same for "forbidden" and "missing" (logs say more).
 //
 // Thread-safety: all methods may be called from any thread (one mutex guards the cache).
 #pragma once
@@ -20,6 +23,8 @@
 #include <vector>
 
 #include "lazy-server/image/image_source.h"
+#include "lazy-server/image/io.h"
+#include "lazy-server/server/access.h"
 #include "lazy-server/server/scheduler.h"
 #include "proto/status.h"
 
@@ -28,6 +33,7 @@ namespace gpulazy::server {
 struct OpenedImage {
   std::string name;           // as the client named it
   std::filesystem::path dir;  // resolved, canonical
+  std::string relative;       // dir below its root (what grants are checked against)
   std::shared_ptr<const image::ImageSource> source;
   std::shared_ptr<const ImageLayout> layout;
 };
@@ -39,11 +45,16 @@ class ImageStore {
 
   // Syntactic check of a name from the network (no disk access).
   static Status ValidateName(std::string_view name);
-  // The canonical directory of `name` below the first root that has it.
-  Result<std::filesystem::path> Resolve(std::string_view name) const;
-  // Resolves and opens (or reuses a cached, unchanged) image. Slow on a cache miss: call it
-  // off the network threads.
-  Result<std::shared_ptr<const OpenedImage>> Open(std::string_view name);
+  struct Resolved {
+    std::filesystem::path dir;  // canonical
+    std::string relative;       // below its root: what grants are checked against
+  };
+  // The directory of `name` below the first root that has it.
+  Result<Resolved> Resolve(std::string_view name) const;
+  // Resolves and opens (or reuses a cached, unchanged) image the grant allows. Slow on a cache
+  // miss: call it off the network threads.
+  Result<std::shared_ptr<const OpenedImage>> Open(std::string_view name,
+                                                  const ImageGrant& grant = std::nullopt);
 
   size_t cached() const;
 
@@ -53,7 +64,11 @@ class ImageStore {
     std::string stamp;  // changes when the image is rewritten (converted, re-profiled)
     std::shared_ptr<const OpenedImage> image;
   };
-  std::vector<std::filesystem::path> roots_;  // canonical
+  struct Root {
+    std::filesystem::path path;  // canonical
+    UniqueFd fd;                 // O_PATH: names are resolved beneath it
+  };
+  std::vector<Root> roots_;
   uint32_t raw_chunk_size_;
   size_t max_cached_;
   mutable std::mutex mu_;

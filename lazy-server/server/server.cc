@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "lazy-server/image/io.h"
+#include "lazy-server/server/access.h"
 #include "lazy-server/server/session.h"
 #include "proto/checksum.h"
 
@@ -109,13 +110,31 @@ Result<Server::Listener> Server::Bind(const net::Endpoint& endpoint) {
 }
 
 Status Server::Listen() {
-  for (const net::Endpoint& endpoint : ctx_->config.listen) {
+  const ServerConfig& config = ctx_->config;
+  if (config.tls.enabled()) {
+    GPULAZY_ASSIGN_OR_RETURN(tls_, net::MakeServerTlsContext(config.tls));
+  }
+  for (const net::Endpoint& endpoint : config.listen) {
     GPULAZY_ASSIGN_OR_RETURN(Listener listener, Bind(endpoint));
+    if (endpoint.kind == net::Endpoint::Kind::kTcp) {
+      listener.tls = tls_;
+      if (!tls_)
+        spdlog::warn(
+            "{}: plain TCP (--insecure-tcp): GPU memory and tokens cross the network "
+            "unencrypted and unauthenticated",
+            listener.endpoint.ToString());
+    }
     bound_.push_back(listener.endpoint);
     listeners_.push_back(std::move(listener));
   }
-  for (const net::Endpoint& endpoint : bound_)
-    spdlog::info("listening on {}", endpoint.ToString());
+  for (const Listener& listener : listeners_) {
+    std::string mode = "Unix socket, peer credentials checked";
+    if (listener.endpoint.kind == net::Endpoint::Kind::kTcp)
+      mode = !listener.tls                       ? "plain TCP"
+             : config.tls.client_ca_file.empty() ? "TLS"
+                                                 : "TLS, client certificates required";
+    spdlog::info("listening on {} ({})", listener.endpoint.ToString(), mode);
+  }
   if (!ctx_->config.ready_file.empty()) GPULAZY_RETURN_IF_ERROR(WriteReadyFile());
   return Status::Ok();
 }
@@ -147,7 +166,28 @@ asio::awaitable<void> Server::AcceptLoop(Listener& listener) {
     net::TuneSocket(socket);
     std::string peer = PeerName(socket);
     const uint64_t id = ctx_->NextConnectionId();
-    auto connection = std::make_shared<Connection>(*ctx_, std::move(socket), id, peer);
+    PeerIdentity identity;
+    std::string refusal;
+    if (listener.endpoint.kind == net::Endpoint::Kind::kUnix) {
+      Result<PeerIdentity> credentials = UnixPeerIdentity(socket.native_handle());
+      if (credentials.ok()) identity = *credentials;
+      if (!credentials.ok() || !UnixPeerAllowed(ctx_->config, identity)) {
+        refusal = credentials.ok() ? fmt::format("peer uid {} gid {} is not allowed to connect",
+                                                 *identity.uid, *identity.gid)
+                                   : credentials.status().message();
+      }
+    }
+    net::Stream stream =
+        listener.tls ? net::Stream(std::move(socket), listener.tls, net::Stream::Side::kServer)
+                     : net::Stream(std::move(socket));
+    auto connection = std::make_shared<Connection>(*ctx_, std::move(stream), id, peer, identity);
+    if (!refusal.empty()) {
+      ctx_->totals.connections_refused.fetch_add(1);
+      spdlog::warn("{}: refusing connection {} ({}): {} (--allow-uid / --allow-gid)", where, id,
+                   identity.ToString(), refusal);
+      connection->Start(wire::ERROR_UNAUTHENTICATED, refusal);
+      continue;
+    }
     if (ctx_->totals.connections_open.load() >= ctx_->config.max_connections) {
       ctx_->totals.connections_refused.fetch_add(1);
       spdlog::warn("{}: refusing connection {} from {}: {} connections open", where, id, peer,

@@ -28,7 +28,8 @@ class Server {
   explicit Server(const ServerConfig& config);
   ~Server();
 
-  // Binds every --listen endpoint, then writes --ready-file and logs "listening on ...".
+  // Loads the TLS certificate and key (when configured), binds every --listen endpoint, then
+  // writes --ready-file and logs "listening on ...".
   Status Listen();
   // The endpoints actually bound (a tcp port 0 replaced by the real port).
   const std::vector<net::Endpoint>& bound() const { return bound_; }
@@ -40,7 +41,8 @@ class Server {
   using Acceptor = boost::asio::basic_socket_acceptor<boost::asio::generic::stream_protocol>;
   struct Listener {
     std::unique_ptr<Acceptor> acceptor;
-    net::Endpoint endpoint;  // as bound
+    net::Endpoint endpoint;                // as bound
+    std::shared_ptr<net::TlsContext> tls;  // set: connections speak TLS
   };
   Result<Listener> Bind(const net::Endpoint& endpoint);
   boost::asio::awaitable<void> AcceptLoop(Listener& listener);
@@ -56,7 +58,8 @@ class Server {
   boost::asio::strand<boost::asio::io_context::executor_type> strand_;
   std::vector<Listener> listeners_;
   std::vector<net::Endpoint> bound_;
-  std::vector<std::string> unix_paths_;  // removed at shutdown
+  std::shared_ptr<net::TlsContext> tls_;  // loaded by Listen when --tls-cert is set
+  std::vector<std::string> unix_paths_;   // removed at shutdown
   // Only with config.handle_signals: even an empty signal_set registers Asio's process-wide
   // signal state.
   std::optional<boost::asio::signal_set> signals_;

@@ -19,15 +19,6 @@ constexpr auto kLinger = std::chrono::seconds(1);
 // client is not reading its replies: it is cut off instead of growing the server without bound.
 constexpr size_t kMaxQueuedControlBytes = 1u << 20;
 
-// Secrets and tokens are compared without an early exit, so timing says nothing about them.
-bool ConstantTimeEqual(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 std::string RandomSecret() {
   std::string secret(16, '\0');
   size_t got = 0;
@@ -183,15 +174,18 @@ void Session::OnChunkRead(const WorkItem& item, Result<image::StoredChunk> chunk
 // ---------------------------------------------------------------------------------------------
 // Connection
 
-Connection::Connection(ServerContext& ctx, net::Socket socket, uint64_t id, std::string peer)
+Connection::Connection(ServerContext& ctx, net::Stream stream, uint64_t id, std::string peer,
+                       PeerIdentity identity)
     : ctx_(ctx),
-      socket_(std::move(socket)),
+      socket_(std::move(stream)),
       id_(id),
       peer_(std::move(peer)),
+      identity_(std::move(identity)),
       wake_(socket_.get_executor()),
       writer_exit_(socket_.get_executor()),
       watchdog_(socket_.get_executor()),
-      deadline_(Clock::now() + ctx.config.hello_timeout) {}
+      deadline_(Clock::now() + ctx.config.hello_timeout),
+      reader_resume_(socket_.get_executor()) {}
 
 Connection::~Connection() = default;
 
@@ -223,6 +217,17 @@ net::Awaitable<void> Connection::Run() {
       executor, [self]() -> net::Awaitable<void> { co_await self->Watchdog(); }, asio::detached);
   spdlog::debug("{}: connected", Tag());
   try {
+    // TLS first, even for a connection about to be refused: the refusal must travel inside
+    // TLS to be readable. The Hello deadline bounds the handshake.
+    Status tls = co_await socket_.Handshake();
+    if (!tls.ok()) {
+      spdlog::info("{}: {}; closing", Tag(), tls.message());
+      Close("TLS handshake failed");
+      co_return;
+    }
+    if (socket_.is_tls()) identity_.common_name = socket_.PeerCommonName();
+    transport_ready_ = true;
+    Wake();
     if (refuse_code_ != wire::ERROR_NONE) {
       Fail(refuse_code_, refuse_message_);
     } else {
@@ -258,6 +263,14 @@ net::Awaitable<void> Connection::Run() {
 
 net::Awaitable<void> Connection::ReadLoop() {
   while (!closed_ && !draining_) {
+    error_code ec;
+    while (control_.size() >= kMaxQueuedControl && !closed_ && !draining_) {
+      reader_paused_ = true;
+      reader_resume_.expires_at(Clock::time_point::max());
+      co_await reader_resume_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    }
+    reader_paused_ = false;
+    if (closed_ || draining_) co_return;
     Result<wire::Header> frame = co_await net::ReadFrame(socket_, ctx_.limits, &payload_);
     if (!frame.ok()) {
       const Status& status = frame.status();
@@ -297,14 +310,14 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
          rid);
     co_return;
   }
-  if (!ctx_.config.token.empty() && !ConstantTimeEqual(hello.token(), ctx_.config.token)) {
+  if (!ctx_.config.token.empty() && !net::ConstantTimeEqual(hello.token(), ctx_.config.token)) {
     spdlog::warn("{}: bad token", Tag());
     Fail(wire::ERROR_UNAUTHENTICATED, "bad or missing token", rid);
     co_return;
   }
   if (hello.join_session() != 0 || !hello.join_secret().empty()) {
     std::shared_ptr<Session> session = ctx_.FindSession(hello.join_session());
-    if (!session || !ConstantTimeEqual(session->secret(), hello.join_secret())) {
+    if (!session || !net::ConstantTimeEqual(session->secret(), hello.join_secret())) {
       spdlog::warn("{}: demand connection for unknown session {} or wrong secret", Tag(),
                    hello.join_session());
       Fail(wire::ERROR_NOT_FOUND, "unknown session or wrong secret", rid);
@@ -316,6 +329,7 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   } else {
     role_ = Role::kStream;
   }
+  grant_ = GrantFor(ctx_.config.image_access, identity_);
   wire::Header reply;
   reply.set_request_id(rid);
   wire::HelloReply* body = reply.mutable_hello_reply();
@@ -324,7 +338,8 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   body->set_max_payload(ctx_.limits.max_payload);
   Enqueue(std::move(reply));
   Touch();
-  spdlog::debug("{}: hello from '{}', {}", Tag(), hello.client_name().substr(0, 64),
+  spdlog::debug("{}: hello from '{}' ({}), {}", Tag(), hello.client_name().substr(0, 64),
+                identity_.ToString(),
                 role_ == Role::kDemand ? "demand connection" : "stream connection");
   co_return;
 }
@@ -405,8 +420,8 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
   };
   auto pending = std::make_shared<Pending>(socket_.get_executor());
   ImageStore& store = ctx_.store;
-  asio::post(ctx_.dispatcher.pool(), [pending, &store, name] {
-    Result<std::shared_ptr<const OpenedImage>> result = store.Open(name);
+  asio::post(ctx_.dispatcher.pool(), [pending, &store, name, grant = grant_] {
+    Result<std::shared_ptr<const OpenedImage>> result = store.Open(name, grant);
     asio::post(pending->done.get_executor(), [pending, result = std::move(result)]() mutable {
       pending->result.emplace(std::move(result));
       pending->done.cancel();
@@ -534,7 +549,7 @@ void Connection::SendStatsReply(uint64_t request_id) {
   reply.set_request_id(request_id);
   std::optional<SessionId> own;
   if (session_) own = session_->id();
-  reply.mutable_stats_reply()->set_json(ctx_.StatsJson(own, ctx_.limits.max_header - 1024));
+  reply.mutable_stats_reply()->set_json(ctx_.StatsJson(own, ctx_.limits.max_header - 1024, grant_));
   Enqueue(std::move(reply));
 }
 
@@ -662,11 +677,22 @@ void Connection::DeliverChunk(WorkItem item, Result<image::StoredChunk> chunk) {
 net::Awaitable<void> Connection::WriteLoop() {
   error_code ec;
   while (!closed_) {
+    if (!transport_ready_) {
+      // Nothing may be written into a TLS stream before its handshake (a shutdown notice that
+      // arrives meanwhile waits; a failed handshake closes the connection, which ends us).
+      if (draining_) break;
+      wake_.expires_at(Clock::time_point::max());
+      co_await wake_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      continue;
+    }
     if (!control_.empty()) {
       wire::Header header = std::move(control_.front());
       control_.pop_front();
       control_bytes_ -= std::min(control_bytes_, header.ByteSizeLong());
+      if (reader_paused_ && control_.size() < kMaxQueuedControl) reader_resume_.cancel();
+      BeginWrite();
       Status status = co_await net::WriteFrame(socket_, header, {}, ctx_.limits);
+      EndWrite();
       if (!status.ok()) {
         Close(fmt::format("write failed: {}", status.ToString()));
         break;
@@ -755,7 +781,9 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   body->set_raw_length(chunk.raw_length);
   body->set_checksum(chunk.checksum);
   body->set_priority(item.priority);
+  BeginWrite();
   Status status = co_await net::WriteFrame(socket_, header, chunk.bytes, ctx_.limits);
+  EndWrite();
   if (!status.ok()) {
     ctx_.dispatcher.Done(item, std::nullopt);
     Close(
@@ -782,10 +810,19 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
 net::Awaitable<void> Connection::Watchdog() {
   error_code ec;
   while (!closed_) {
-    watchdog_.expires_at(deadline_);
+    watchdog_.expires_at(std::min(deadline_, write_deadline_));
     co_await watchdog_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     if (closed_) break;
-    if (Clock::now() < deadline_) continue;  // moved later meanwhile (or re-armed)
+    const Clock::time_point now = Clock::now();
+    if (now >= write_deadline_) {
+      spdlog::warn(
+          "{}: a frame write made no progress for {} ms (the client stopped reading); "
+          "closing",
+          Tag(), ctx_.config.write_timeout.count());
+      Close("write timed out");
+      break;
+    }
+    if (now < deadline_) continue;  // moved later meanwhile (or re-armed)
     if (role_ == Role::kNew && !draining_) {
       spdlog::info("{}: no Hello within {} ms; closing", Tag(), ctx_.config.hello_timeout.count());
     } else if (!draining_) {
@@ -804,6 +841,21 @@ void Connection::Touch() {
   if (draining_ || role_ == Role::kNew) return;
   deadline_ = ctx_.config.idle_timeout.count() > 0 ? Clock::now() + ctx_.config.idle_timeout
                                                    : Clock::time_point::max();
+  // The first Touch after Hello may bring the deadline before the Hello deadline the watchdog
+  // sleeps towards (an idle timeout shorter than the Hello timeout): wake it to re-arm.
+  if (deadline_ < watchdog_.expiry()) watchdog_.cancel();
+}
+
+void Connection::BeginWrite() {
+  if (ctx_.config.write_timeout.count() == 0) return;
+  write_deadline_ = Clock::now() + ctx_.config.write_timeout;
+  // The watchdog sleeps until the earlier of its deadlines; wake it only when this one is
+  // earlier than what it waits for (after the first write it rarely is).
+  if (write_deadline_ < watchdog_.expiry()) watchdog_.cancel();
+}
+
+void Connection::EndWrite() {
+  write_deadline_ = Clock::time_point::max();
 }
 
 void Connection::SetDeadline(Clock::time_point deadline) {
@@ -820,6 +872,7 @@ void Connection::Close(std::string_view why) {
   socket_.close(ec);
   wake_.cancel();
   watchdog_.cancel();
+  reader_resume_.cancel();
   for (ReadyChunk& ready : chunks_)
     ctx_.dispatcher.Done(ready.item, std::nullopt);
   chunks_.clear();

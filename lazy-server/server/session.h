@@ -25,10 +25,12 @@
 #include <string>
 #include <vector>
 
+#include "lazy-server/server/access.h"
 #include "lazy-server/server/context.h"
 #include "lazy-server/server/dispatcher.h"
 #include "lazy-server/server/image_store.h"
 #include "page-client/net/frame_stream.h"
+#include "page-client/net/stream.h"
 #include "proto/wire.pb.h"
 
 namespace gpulazy::server {
@@ -93,7 +95,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
  public:
   enum class Role { kNew, kStream, kDemand };
 
-  Connection(ServerContext& ctx, net::Socket socket, uint64_t id, std::string peer);
+  // `identity`: what the listener learned of the peer (SO_PEERCRED on Unix sockets); a TLS
+  // client certificate's name is added after the handshake.
+  Connection(ServerContext& ctx, net::Stream stream, uint64_t id, std::string peer,
+             PeerIdentity identity);
   ~Connection();
 
   uint64_t id() const { return id_; }
@@ -138,14 +143,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void MarkStreamSeq(const WorkItem& item);
   void Wake();
   void Touch();
+  void BeginWrite();
+  void EndWrite();
   void SetDeadline(Clock::time_point deadline);
   void Close(std::string_view why);
   std::string Tag() const;  // "conn 7 (session 3, image 'x')" for logs
 
   ServerContext& ctx_;
-  net::Socket socket_;
+  net::Stream socket_;  // plain or TLS
   const uint64_t id_;
   const std::string peer_;
+  PeerIdentity identity_;
+  ImageGrant grant_;  // which images this peer may open and see in stats (set at Hello)
   Role role_ = Role::kNew;
   wire::ErrorCode refuse_code_ = wire::ERROR_NONE;  // set: answer this and close
   std::string refuse_message_;
@@ -160,7 +169,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
   boost::asio::steady_timer writer_exit_;  // Run waits on it for the writer to finish
   boost::asio::steady_timer watchdog_;
   Clock::time_point deadline_;
-  bool draining_ = false;  // no more requests: flush control frames, then close
+  // Set while a frame is being written: a client that stops reading stalls the write, and the
+  // watchdog drops it when this passes (--write-timeout), so nothing piles up for it.
+  Clock::time_point write_deadline_ = Clock::time_point::max();
+  // The reader pauses while this many control frames wait for the writer: a client that sends
+  // requests but never reads replies cannot grow the queue without bound.
+  static constexpr size_t kMaxQueuedControl = 64;
+  boost::asio::steady_timer reader_resume_;
+  bool reader_paused_ = false;
+  bool transport_ready_ = false;  // TLS handshake done (at once for plain): the writer may write
+  bool draining_ = false;         // no more requests: flush control frames, then close
   bool writer_done_ = false;
   bool closed_ = false;
   uint64_t pending_credit_ = 0;   // Credit that arrived before OpenImage's session existed

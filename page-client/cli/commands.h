@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "page-client/net/stream.h"
+
 namespace gpulazy::client::cli {
 
 struct FetchOptions {
@@ -13,14 +15,18 @@ struct FetchOptions {
   uint64_t window_bytes = 16u << 20;
   bool demand_connection = true;
   bool json = false;
-  std::string token;
+  std::string token_file;
+  net::TlsClientOptions tls;
+  bool insecure = false;  // plain tcp: allowed
 };
 // Restores the image's BO contents with the host engine and writes them as CRIU pages files.
 int RunFetch(const FetchOptions& options);
 
 struct StatsOptions {
   std::string server;
-  std::string token;
+  std::string token_file;
+  net::TlsClientOptions tls;
+  bool insecure = false;
 };
 // Prints the server's stats JSON.
 int RunStats(const StatsOptions& options);

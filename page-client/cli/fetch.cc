@@ -117,7 +117,11 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
   session_options.image = options.image;
   session_options.window_bytes = options.window_bytes;
   session_options.demand_connection = options.demand_connection;
-  session_options.token = options.token;
+  if (!options.token_file.empty()) {
+    GPULAZY_ASSIGN_OR_RETURN(session_options.token, net::ReadTokenFile(options.token_file));
+  }
+  session_options.tls = options.tls;
+  session_options.insecure_tcp = options.insecure;
   RestoreSession session(session_options, engine);
 
   Clock::time_point start = Clock::now();

@@ -10,6 +10,22 @@
 #include "page-client/cli/commands.h"
 #include "proto/size.h"
 
+// Options shared by every subcommand that talks to a server (docs/security.md). No --token: a
+// secret on the command line is readable by every user through /proc.
+static void AddSecurityOptions(CLI::App& cmd, std::string* token_file,
+                               gpulazy::net::TlsClientOptions* tls, bool* insecure) {
+  cmd.add_option("--token-file", *token_file,
+                 "file holding the server's bearer token (not readable by others)");
+  cmd.add_option("--tls-ca", tls->ca_file, "PEM CA certificates: TLS for tcp: servers");
+  cmd.add_option("--tls-cert", tls->cert_file, "PEM client certificate (mutual TLS)");
+  cmd.add_option("--tls-key", tls->key_file, "PEM private key of --tls-cert");
+  cmd.add_option("--tls-server-name", tls->server_name,
+                 "name or address the server certificate must carry (default: the host of "
+                 "--server)");
+  cmd.add_flag("--insecure", *insecure,
+               "allow plain tcp: without TLS (pages and the token cross the network in clear)");
+}
+
 static int Run(int argc, char** argv) {
   using namespace gpulazy::client::cli;
   CLI::App app{"gpulazy-client: lazy GPU-memory restore client"};
@@ -29,13 +45,13 @@ static int Run(int argc, char** argv) {
   fetch_cmd->add_option("--window", window, "flow-control window (e.g. 16M)")
       ->capture_default_str();
   fetch_cmd->add_flag("--no-demand-connection", no_demand, "send everything on one connection");
-  fetch_cmd->add_option("--token", fetch.token, "bearer token for the server");
   fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
+  AddSecurityOptions(*fetch_cmd, &fetch.token_file, &fetch.tls, &fetch.insecure);
 
   StatsOptions stats;
   CLI::App* stats_cmd = app.add_subcommand("stats", "print the server's statistics (JSON)");
   stats_cmd->add_option("--server", stats.server, "unix:PATH or tcp:HOST:PORT")->required();
-  stats_cmd->add_option("--token", stats.token, "bearer token for the server");
+  AddSecurityOptions(*stats_cmd, &stats.token_file, &stats.tls, &stats.insecure);
 
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::from_str(log_level));

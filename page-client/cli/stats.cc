@@ -4,21 +4,28 @@
 #include "page-client/cli/commands.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
+#include "page-client/net/stream.h"
 
 namespace gpulazy::client::cli {
 namespace {
 
 Result<std::string> FetchStats(const StatsOptions& options) {
   GPULAZY_ASSIGN_OR_RETURN(net::Endpoint endpoint, net::Endpoint::Parse(options.server));
+  std::string token;
+  if (!options.token_file.empty()) {
+    GPULAZY_ASSIGN_OR_RETURN(token, net::ReadTokenFile(options.token_file));
+  }
+  GPULAZY_ASSIGN_OR_RETURN(net::ClientTransport transport,
+                           net::ClientTransport::Make(options.tls, options.insecure));
   boost::asio::io_context io;
-  GPULAZY_ASSIGN_OR_RETURN(net::Socket socket, net::ConnectBlocking(io, endpoint));
+  GPULAZY_ASSIGN_OR_RETURN(net::Stream socket, net::ConnectBlocking(io, endpoint, transport));
   FrameLimits limits;
   std::vector<uint8_t> payload;
   wire::Header hello;
   hello.mutable_hello()->set_min_version(kProtocolVersion);
   hello.mutable_hello()->set_max_version(kProtocolVersion);
   hello.mutable_hello()->set_client_name("gpulazy-client stats");
-  hello.mutable_hello()->set_token(options.token);
+  hello.mutable_hello()->set_token(token);
   GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(socket, hello, {}, limits));
   GPULAZY_ASSIGN_OR_RETURN(wire::Header reply, net::ReadFrameBlocking(socket, limits, &payload));
   if (reply.has_error())

@@ -10,8 +10,10 @@ using boost::system::error_code;
 namespace {
 
 Status SocketError(const error_code& ec, std::string_view what) {
+  // A TLS peer that closes without close_notify truncates the stream: to us, a close.
   if (ec == asio::error::eof || ec == asio::error::connection_reset ||
-      ec == asio::error::broken_pipe || ec == asio::error::connection_aborted)
+      ec == asio::error::broken_pipe || ec == asio::error::connection_aborted ||
+      ec == asio::ssl::error::stream_truncated)
     return Unavailable("{}: connection closed by peer ({})", what, ec.message());
   if (ec == asio::error::operation_aborted) return Aborted("{}: cancelled", what);
   // A Unix socket file that is missing is a server not (yet, or no longer) listening.
@@ -20,13 +22,16 @@ Status SocketError(const error_code& ec, std::string_view what) {
       ec == asio::error::network_unreachable || ec == asio::error::not_found)
     return Unavailable("{}: {}", what, ec.message());
   if (ec == asio::error::timed_out) return TimedOut("{}: {}", what, ec.message());
+  // A TLS alert mid-stream (the server refusing our certificate after a TLS 1.3 handshake).
+  if (ec.category() == asio::error::get_ssl_category())
+    return PermissionDenied("{}: TLS: {}", what, ec.message());
   return IoError("{}: {}", what, ec.message());
 }
 
 // Where a read failed decides the message: before a frame starts a close is ordinary; inside
 // one it means the peer sent a truncated frame.
 Status ReadError(const error_code& ec, bool inside_frame) {
-  if (inside_frame && ec == asio::error::eof)
+  if (inside_frame && (ec == asio::error::eof || ec == asio::ssl::error::stream_truncated))
     return Corrupt("truncated frame: connection closed in the middle of a frame");
   return SocketError(ec, "reading a frame");
 }
@@ -38,7 +43,8 @@ Result<wire::Header> ParseHeader(const Header& bytes) {
 
 }  // namespace
 
-Awaitable<Result<FrameHead>> ReadFrameHead(Socket& socket, const FrameLimits& limits) {
+template <typename AsyncStream>
+Awaitable<Result<FrameHead>> ReadFrameHead(AsyncStream& socket, const FrameLimits& limits) {
   std::array<uint8_t, kFramePrefixSize> prefix_bytes;
   error_code ec;
   size_t got = co_await asio::async_read(socket, asio::buffer(prefix_bytes),
@@ -56,7 +62,8 @@ Awaitable<Result<FrameHead>> ReadFrameHead(Socket& socket, const FrameLimits& li
   co_return FrameHead{std::move(*header), prefix->payload_length};
 }
 
-Awaitable<Status> ReadPayload(Socket& socket, std::span<uint8_t> into) {
+template <typename AsyncStream>
+Awaitable<Status> ReadPayload(AsyncStream& socket, std::span<uint8_t> into) {
   if (into.empty()) co_return Status::Ok();
   error_code ec;
   co_await asio::async_read(socket, asio::buffer(into.data(), into.size()),
@@ -65,7 +72,8 @@ Awaitable<Status> ReadPayload(Socket& socket, std::span<uint8_t> into) {
   co_return Status::Ok();
 }
 
-Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& limits,
+template <typename AsyncStream>
+Awaitable<Result<wire::Header>> ReadFrame(AsyncStream& socket, const FrameLimits& limits,
                                           std::vector<uint8_t>* payload) {
   Result<FrameHead> head = co_await ReadFrameHead(socket, limits);
   if (!head.ok()) co_return head.status();
@@ -75,7 +83,8 @@ Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& lim
   co_return std::move(head->header);
 }
 
-Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
+template <typename AsyncStream>
+Awaitable<Status> WriteFrame(AsyncStream& socket, const wire::Header& header,
                              std::span<const uint8_t> payload, const FrameLimits& limits) {
   Result<std::string> head = EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits);
   if (!head.ok()) co_return head.status();
@@ -128,7 +137,8 @@ Awaitable<Result<Socket>> Connect(const Endpoint& endpoint) {
                         fmt::format("connecting to {}", endpoint.ToString()));
 }
 
-Result<wire::Header> ReadFrameBlocking(Socket& socket, const FrameLimits& limits,
+template <typename SyncStream>
+Result<wire::Header> ReadFrameBlocking(SyncStream& socket, const FrameLimits& limits,
                                        std::vector<uint8_t>* payload) {
   std::array<uint8_t, kFramePrefixSize> prefix_bytes;
   error_code ec;
@@ -147,7 +157,8 @@ Result<wire::Header> ReadFrameBlocking(Socket& socket, const FrameLimits& limits
   return header;
 }
 
-Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
+template <typename SyncStream>
+Status WriteFrameBlocking(SyncStream& socket, const wire::Header& header,
                           std::span<const uint8_t> payload, const FrameLimits& limits) {
   GPULAZY_ASSIGN_OR_RETURN(std::string head,
                            EncodeFrameHead(header, static_cast<uint32_t>(payload.size()), limits));
@@ -158,6 +169,26 @@ Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
   if (ec) return SocketError(ec, "writing a frame");
   return Status::Ok();
 }
+
+// The two stream types frames travel on (frame_stream.h).
+template Awaitable<Result<FrameHead>> ReadFrameHead(Socket&, const FrameLimits&);
+template Awaitable<Status> ReadPayload(Socket&, std::span<uint8_t>);
+template Awaitable<Result<wire::Header>> ReadFrame(Socket&, const FrameLimits&,
+                                                   std::vector<uint8_t>*);
+template Awaitable<Status> WriteFrame(Socket&, const wire::Header&, std::span<const uint8_t>,
+                                      const FrameLimits&);
+template Result<wire::Header> ReadFrameBlocking(Socket&, const FrameLimits&, std::vector<uint8_t>*);
+template Status WriteFrameBlocking(Socket&, const wire::Header&, std::span<const uint8_t>,
+                                   const FrameLimits&);
+template Awaitable<Result<FrameHead>> ReadFrameHead(Stream&, const FrameLimits&);
+template Awaitable<Status> ReadPayload(Stream&, std::span<uint8_t>);
+template Awaitable<Result<wire::Header>> ReadFrame(Stream&, const FrameLimits&,
+                                                   std::vector<uint8_t>*);
+template Awaitable<Status> WriteFrame(Stream&, const wire::Header&, std::span<const uint8_t>,
+                                      const FrameLimits&);
+template Result<wire::Header> ReadFrameBlocking(Stream&, const FrameLimits&, std::vector<uint8_t>*);
+template Status WriteFrameBlocking(Stream&, const wire::Header&, std::span<const uint8_t>,
+                                   const FrameLimits&);
 
 Result<Socket> ConnectBlocking(asio::io_context& io, const Endpoint& endpoint) {
   Socket socket(io);

@@ -3,6 +3,10 @@
 // Every length read from the socket is checked against FrameLimits before anything is
 // allocated. A socket is used by one reader and one writer at a time (a strand or a single
 // io_context thread per connection serializes them).
+//
+// The frame functions are templates over the stream, instantiated for net::Stream (plain or
+// TLS, what servers and clients use) and the bare net::Socket (tests and tools speaking to a
+// Unix socket or an --insecure-tcp server); the framing exists once.
 #pragma once
 
 #include <span>
@@ -10,16 +14,12 @@
 
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
+#include "page-client/net/stream.h"
 #include "proto/frame.h"
 #include "proto/status.h"
 #include "proto/wire.pb.h"
 
 namespace gpulazy::net {
-
-// One socket type for Unix and TCP connections alike.
-using Socket = boost::asio::generic::stream_protocol::socket;
-template <typename T>
-using Awaitable = boost::asio::awaitable<T>;
 
 // A frame whose header has been read and whose payload (payload_length bytes, already checked
 // against the limits) is still in the socket: the caller decides where it lands.
@@ -28,24 +28,32 @@ struct FrameHead {
   uint32_t payload_length = 0;
 };
 // Reads a frame's prefix and header only. Errors as ReadFrame.
-Awaitable<Result<FrameHead>> ReadFrameHead(Socket& socket, const FrameLimits& limits);
+template <typename AsyncStream>
+Awaitable<Result<FrameHead>> ReadFrameHead(AsyncStream& socket, const FrameLimits& limits);
 // Reads exactly into.size() payload bytes (after ReadFrameHead). A close is kCorrupt
 // ("truncated frame").
-Awaitable<Status> ReadPayload(Socket& socket, std::span<uint8_t> into);
+template <typename AsyncStream>
+Awaitable<Status> ReadPayload(AsyncStream& socket, std::span<uint8_t> into);
 
 // Reads one frame; the payload lands in *payload (resized, capacity reused between calls).
 // A clean close before a frame starts is kUnavailable("connection closed"); a close inside a
 // frame is kCorrupt("truncated frame").
-Awaitable<Result<wire::Header>> ReadFrame(Socket& socket, const FrameLimits& limits,
+template <typename AsyncStream>
+Awaitable<Result<wire::Header>> ReadFrame(AsyncStream& socket, const FrameLimits& limits,
                                           std::vector<uint8_t>* payload);
 // Writes header + payload with one gathered write.
-Awaitable<Status> WriteFrame(Socket& socket, const wire::Header& header,
+template <typename AsyncStream>
+Awaitable<Status> WriteFrame(AsyncStream& socket, const wire::Header& header,
                              std::span<const uint8_t> payload, const FrameLimits& limits);
+// Plain connection, no TLS and no policy: Connect(endpoint, transport) in stream.h is what
+// clients use.
 Awaitable<Result<Socket>> Connect(const Endpoint& endpoint);
 
-Result<wire::Header> ReadFrameBlocking(Socket& socket, const FrameLimits& limits,
+template <typename SyncStream>
+Result<wire::Header> ReadFrameBlocking(SyncStream& socket, const FrameLimits& limits,
                                        std::vector<uint8_t>* payload);
-Status WriteFrameBlocking(Socket& socket, const wire::Header& header,
+template <typename SyncStream>
+Status WriteFrameBlocking(SyncStream& socket, const wire::Header& header,
                           std::span<const uint8_t> payload, const FrameLimits& limits);
 Result<Socket> ConnectBlocking(boost::asio::io_context& io, const Endpoint& endpoint);
 

@@ -114,7 +114,7 @@ TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
       SCOPED_TRACE(endpoint->ToString() + " " + name);
       const fs::path out = run_dir.path() / ("out" + std::to_string(n++));
       const ClientRun run = RunClient("fetch --server " + endpoint->ToString() + " --image " +
-                                      name + " --out " + out.string() + " --json");
+                                      name + " --out " + out.string() + " --json --insecure");
       ASSERT_EQ(run.exit_code, 0) << run.out << "\n" << server.Log();
       const auto fetched = PagesFiles(out);
       ASSERT_EQ(fetched.size(), source->size());

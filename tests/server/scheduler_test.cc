@@ -338,12 +338,13 @@ TEST_F(ImageStoreTest, ValidateNameRejectsDangerousNames) {
 
 TEST_F(ImageStoreTest, ResolveStaysBeneathTheRoot) {
   ImageStore store({root_}, 1 << 20, 4);
-  Result<std::filesystem::path> ok = store.Resolve("a/img");
+  Result<ImageStore::Resolved> ok = store.Resolve("a/img");
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
-  EXPECT_EQ(*ok, std::filesystem::canonical(root_ / "a" / "img"));
+  EXPECT_EQ(ok->dir, std::filesystem::canonical(root_ / "a" / "img"));
+  EXPECT_EQ(ok->relative, "a/img");
   // A symlink that stays inside is fine; one that leaves is not found.
   EXPECT_TRUE(store.Resolve("inside").ok());
-  Result<std::filesystem::path> escape = store.Resolve("escape/img");
+  Result<ImageStore::Resolved> escape = store.Resolve("escape/img");
   EXPECT_EQ(escape.status().code(), Code::kNotFound);
   EXPECT_EQ(escape.status().message().find(base_.string()), std::string::npos);
   EXPECT_EQ(store.Resolve("missing").status().code(), Code::kNotFound);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -500,9 +501,12 @@ TEST(ServerLimitsTest, TokenSessionAndDemandLimits) {
   const fs::path root = dir.path() / "images";
   fs::create_directories(root);
   ASSERT_TRUE(MakeImage(root / "img", 2ull << 20, 5, false).ok());
-  ServerProcess server(
-      dir.path(), root,
-      {"--raw-chunk-size", "64K", "--token", "s3cret", "--max-sessions", "1", "--max-demand", "4"});
+  const fs::path token = dir.path() / "token";
+  std::ofstream(token) << "s3cret\n";  // the newline is not part of the token
+  fs::permissions(token, fs::perms::owner_read | fs::perms::owner_write);
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "64K", "--token-file", token.string(), "--max-sessions",
+                        "1", "--max-demand", "4"});
   ASSERT_TRUE(server.ready()) << server.Log();
   {
     TestClient client(server.unix_endpoint());

@@ -32,6 +32,7 @@ ServerProcess::ServerProcess(const fs::path& dir, const fs::path& root,
                                    "unix:" + socket,
                                    "--listen",
                                    "tcp:127.0.0.1:0",
+                                   "--insecure-tcp",  // loopback; TLS has its own tests
                                    "--ready-file",
                                    ready.string(),
                                    "--log-level",

@@ -1,0 +1,68 @@
+#include "lazy-server/server/access.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+namespace gpulazy::server {
+
+std::string PeerIdentity::ToString() const {
+  std::string text;
+  if (uid) text += fmt::format("uid {} ", *uid);
+  if (gid) text += fmt::format("gid {} ", *gid);
+  if (pid) text += fmt::format("pid {} ", *pid);
+  if (!common_name.empty()) text += fmt::format("cn '{}' ", common_name.substr(0, 128));
+  if (text.empty()) return "anonymous";
+  text.pop_back();
+  return text;
+}
+
+Result<PeerIdentity> UnixPeerIdentity(int fd) {
+  struct ucred credentials {};
+  socklen_t length = sizeof(credentials);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0)
+    return ErrnoError(errno, "SO_PEERCRED");
+  PeerIdentity peer;
+  peer.uid = credentials.uid;
+  peer.gid = credentials.gid;
+  peer.pid = credentials.pid;
+  return peer;
+}
+
+bool UnixPeerAllowed(const ServerConfig& config, const PeerIdentity& peer) {
+  if (!peer.uid || !peer.gid) return false;
+  auto contains = [](const std::vector<uint32_t>& list, uint32_t id) {
+    return std::find(list.begin(), list.end(), id) != list.end();
+  };
+  if (config.allow_uid.empty() && config.allow_gid.empty())
+    return *peer.uid == ::geteuid() || *peer.uid == 0;
+  return contains(config.allow_uid, *peer.uid) || contains(config.allow_gid, *peer.gid);
+}
+
+ImageGrant GrantFor(const std::vector<ImageAccessRule>& rules, const PeerIdentity& peer) {
+  if (rules.empty()) return std::nullopt;
+  std::vector<std::string> principals = {"*"};
+  if (peer.uid) principals.push_back(fmt::format("uid:{}", *peer.uid));
+  if (peer.gid) principals.push_back(fmt::format("gid:{}", *peer.gid));
+  if (!peer.common_name.empty()) principals.push_back("cn:" + peer.common_name);
+  std::vector<std::string> prefixes;
+  for (const ImageAccessRule& rule : rules) {
+    if (std::find(principals.begin(), principals.end(), rule.principal) == principals.end())
+      continue;
+    prefixes.insert(prefixes.end(), rule.prefixes.begin(), rule.prefixes.end());
+  }
+  return prefixes;
+}
+
+bool MayOpen(const ImageGrant& grant, std::string_view relative) {
+  if (!grant) return true;
+  return std::any_of(grant->begin(), grant->end(), [&](const std::string& prefix) {
+    if (prefix == "*") return true;
+    if (!relative.starts_with(prefix)) return false;
+    return relative.size() == prefix.size() || relative[prefix.size()] == '/';
+  });
+}
+
+}  // namespace gpulazy::server

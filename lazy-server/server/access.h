@@ -1,0 +1,42 @@
+// Access: who is on the other end of a connection, whether a Unix peer may connect at all, and
+// which images a peer may see (docs/security.md, "Image visibility").
+// Plain data and pure functions; thread-safe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lazy-server/server/config.h"
+
+namespace gpulazy::server {
+
+struct PeerIdentity {
+  std::optional<uid_t> uid;  // Unix peers (SO_PEERCRED)
+  std::optional<gid_t> gid;
+  std::optional<pid_t> pid;
+  std::string common_name;  // TCP peers with a verified TLS client certificate
+
+  // "uid 1000 gid 1000 pid 42", "cn 'node7'", "anonymous": for logs.
+  std::string ToString() const;
+};
+
+// Reads SO_PEERCRED of a connected Unix socket.
+Result<PeerIdentity> UnixPeerIdentity(int fd);
+
+// Whether a Unix peer may connect: its uid is in allow_uid or its primary gid in allow_gid;
+// with both lists empty, our own uid and root.
+bool UnixPeerAllowed(const ServerConfig& config, const PeerIdentity& peer);
+
+// Image-name prefixes a peer may open; nullopt when no --image-access rule is configured
+// (everything is visible). An empty list sees nothing.
+using ImageGrant = std::optional<std::vector<std::string>>;
+ImageGrant GrantFor(const std::vector<ImageAccessRule>& rules, const PeerIdentity& peer);
+// `relative` is the image's resolved path below its root. A prefix matches itself and what lies
+// below it, component-wise ("a/b" matches "a/b" and "a/b/c", not "a/bc").
+bool MayOpen(const ImageGrant& grant, std::string_view relative);
+
+}  // namespace gpulazy::server

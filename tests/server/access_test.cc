@@ -1,0 +1,92 @@
+// Unit tests of the security helpers: image grants (access.h), --image-access parsing and
+// token files (net/stream.h).
+#include "lazy-server/server/access.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "lazy-server/server/config.h"
+#include "page-client/net/stream.h"
+#include "tests/support/temp_dir.h"
+
+namespace gpulazy::server {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(ImageGrantTest, PrefixesMatchWholeComponents) {
+  const ImageGrant grant = std::vector<std::string>{"teamA", "shared/models"};
+  EXPECT_TRUE(MayOpen(grant, "teamA"));
+  EXPECT_TRUE(MayOpen(grant, "teamA/job/ckpt"));
+  EXPECT_TRUE(MayOpen(grant, "shared/models/x"));
+  EXPECT_FALSE(MayOpen(grant, "teamA-old/ckpt"));
+  EXPECT_FALSE(MayOpen(grant, "shared"));
+  EXPECT_FALSE(MayOpen(grant, "teamB/ckpt"));
+  EXPECT_TRUE(MayOpen(std::nullopt, "anything"));
+  EXPECT_FALSE(MayOpen(std::vector<std::string>{}, "teamA"));
+  EXPECT_TRUE(MayOpen(std::vector<std::string>{"*"}, "any/thing"));
+}
+
+TEST(ImageGrantTest, GrantIsTheUnionOfTheRulesNamingThePeer) {
+  std::vector<ImageAccessRule> rules;
+  for (const char* text : {"uid:1000=teamA", "gid:50=teamB,teamC", "cn:node7=shared", "*=public"}) {
+    Result<ImageAccessRule> rule = ImageAccessRule::Parse(text);
+    ASSERT_TRUE(rule.ok()) << rule.status().ToString();
+    rules.push_back(*rule);
+  }
+  PeerIdentity unix_peer;
+  unix_peer.uid = 1000;
+  unix_peer.gid = 50;
+  EXPECT_EQ(*GrantFor(rules, unix_peer),
+            (std::vector<std::string>{"teamA", "teamB", "teamC", "public"}));
+  PeerIdentity tls_peer;
+  tls_peer.common_name = "node7";
+  EXPECT_EQ(*GrantFor(rules, tls_peer), (std::vector<std::string>{"shared", "public"}));
+  EXPECT_EQ(*GrantFor(rules, PeerIdentity{}), (std::vector<std::string>{"public"}));
+  EXPECT_FALSE(GrantFor({}, unix_peer).has_value());
+}
+
+TEST(ImageGrantTest, RulesAreParsedStrictly) {
+  Result<ImageAccessRule> rule = ImageAccessRule::Parse("uid:7=a/b/,c");
+  ASSERT_TRUE(rule.ok());
+  EXPECT_EQ(rule->prefixes, (std::vector<std::string>{"a/b", "c"}));  // trailing '/' dropped
+  for (const char* bad : {"uid:7", "user:7=a", "uid:x=a", "cn:=a", "uid:7=", "uid:7=../a",
+                          "uid:7=/abs", "uid:7=a/../b"})
+    EXPECT_FALSE(ImageAccessRule::Parse(bad).ok()) << bad;
+}
+
+TEST(TokenFileTest, ReadOnceStrippedAndPrivate) {
+  gpulazy::testing::TempDir dir;
+  auto write = [&](const std::string& name, const std::string& text, fs::perms perms) {
+    const fs::path path = dir.path() / name;
+    std::ofstream(path) << text;
+    fs::permissions(path, perms);
+    return path.string();
+  };
+  const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
+  Result<std::string> crlf = net::ReadTokenFile(write("crlf", "abc def\r\n", owner));
+  ASSERT_TRUE(crlf.ok()) << crlf.status().ToString();
+  EXPECT_EQ(*crlf, "abc def");
+  EXPECT_TRUE(net::ReadTokenFile(write("group", "t\n", owner | fs::perms::group_read)).ok());
+  Result<std::string> world =
+      net::ReadTokenFile(write("world", "t\n", owner | fs::perms::others_read));
+  EXPECT_EQ(world.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(world.status().message().find("chmod o-rwx"), std::string::npos);
+  EXPECT_FALSE(net::ReadTokenFile(write("empty", "\n\n", owner)).ok());
+  EXPECT_FALSE(net::ReadTokenFile(write("huge", std::string(5000, 'x'), owner)).ok());
+  EXPECT_FALSE(net::ReadTokenFile(dir.path().string()).ok());  // not a regular file
+  EXPECT_EQ(net::ReadTokenFile((dir.path() / "missing").string()).status().code(), Code::kNotFound);
+}
+
+TEST(TokenFileTest, ConstantTimeEqualCompares) {
+  EXPECT_TRUE(net::ConstantTimeEqual("s3cret", "s3cret"));
+  EXPECT_FALSE(net::ConstantTimeEqual("s3cret", "s3creT"));
+  EXPECT_FALSE(net::ConstantTimeEqual("s3cret", "s3cret2"));
+  EXPECT_FALSE(net::ConstantTimeEqual("", "x"));
+  EXPECT_TRUE(net::ConstantTimeEqual("", ""));
+}
+
+}  // namespace
+}  // namespace gpulazy::server

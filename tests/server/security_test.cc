@@ -1,0 +1,499 @@
+// Security of gpulazy-server and gpulazy-client against real processes (docs/security.md): TLS
+// with certificates the test makes with the openssl CLI (right CA, wrong CA, expired, other
+// host, mutual TLS), bearer token files, plain TCP refused unless allowed, Unix peer
+// credentials, image visibility, confinement beneath the image root, and the write timeout
+// for a client that stops reading.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lazy-server/image/synth.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::server::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ProcessRun {
+  int exit_code = -1;
+  std::string out;
+};
+
+// Runs a shell command (stdout and stderr together) under `timeout`, so a hung child never
+// hangs the suite.
+ProcessRun Shell(const std::string& command) {
+  ProcessRun run;
+  FILE* pipe = ::popen(("timeout 120 " + command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return run;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
+    run.out.append(buffer, n);
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+ProcessRun Client(const std::string& args) {
+  return Shell(std::string(GPULAZY_BIN_DIR) + "/gpulazy-client " + args);
+}
+
+std::vector<uint8_t> ReadBytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
+}
+
+std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {
+  std::map<std::string, std::vector<uint8_t>> files;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("amdgpu-pages-")) files[name] = ReadBytes(entry.path());
+  }
+  return files;
+}
+
+void WriteText(const fs::path& path, const std::string& text, fs::perms perms) {
+  std::ofstream(path) << text;
+  fs::permissions(path, perms);
+}
+
+// A small raw CRIU checkpoint: 1 process, 1 GPU, a few BOs.
+void MakeCheckpoint(const fs::path& dir, uint64_t bytes, uint64_t seed) {
+  image::SynthOptions options;
+  options.out = dir;
+  options.gpus = 1;
+  options.processes = 1;
+  options.bos = 4;
+  options.total_bytes = bytes;
+  options.seed = seed;
+  Result<image::SynthReport> report = image::SynthesizeCheckpoint(options);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+}
+
+// Certificates for the whole suite: two CAs, and leaf certificates signed by the first.
+class Pki {
+ public:
+  explicit Pki(const fs::path& dir) : dir_(dir) {
+    ok_ = MakeCa("ca") && MakeCa("other-ca") &&
+          MakeLeaf("server", "ca", "localhost", "IP:127.0.0.1,DNS:localhost", 2) &&
+          MakeLeaf("expired", "ca", "localhost", "IP:127.0.0.1,DNS:localhost", -1) &&
+          MakeLeaf("elsewhere", "ca", "elsewhere.example", "DNS:elsewhere.example", 2) &&
+          MakeLeaf("node7", "ca", "node7", "DNS:node7", 2) &&
+          MakeLeaf("rogue", "other-ca", "node7", "DNS:node7", 2);
+  }
+  bool ok() const { return ok_; }
+  const std::string& log() const { return log_; }
+  std::string pem(const std::string& name) const { return (dir_ / (name + ".pem")).string(); }
+  std::string key(const std::string& name) const { return (dir_ / (name + ".key")).string(); }
+
+ private:
+  bool Openssl(const std::string& args) {
+    ProcessRun run = Shell("openssl " + args);
+    log_ += run.out;
+    return run.exit_code == 0;
+  }
+  bool MakeCa(const std::string& name) {
+    return Openssl("req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
+                   key(name) + " -out " + pem(name) + " -days 2 -subj /CN=gpulazy-test-" + name);
+  }
+  // days < 0 makes a certificate that expired before it was issued.
+  bool MakeLeaf(const std::string& name, const std::string& ca, const std::string& cn,
+                const std::string& san, int days) {
+    const fs::path csr = dir_ / (name + ".csr");
+    const fs::path ext = dir_ / (name + ".ext");
+    std::ofstream(ext) << "subjectAltName=" << san << "\n";
+    return Openssl("req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
+                   key(name) + " -out " + csr.string() + " -subj /CN=" + cn) &&
+           Openssl("x509 -req -in " + csr.string() + " -CA " + pem(ca) + " -CAkey " + key(ca) +
+                   " -CAcreateserial -out " + pem(name) + " -days " + std::to_string(days) +
+                   " -extfile " + ext.string());
+  }
+
+  fs::path dir_;
+  bool ok_ = false;
+  std::string log_;
+};
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();  // NOLINT: suite-wide fixture, freed in TearDownTestSuite
+    fs::create_directories(dir_->path() / "images");
+    MakeCheckpoint(dir_->path() / "images" / "ckpt", 4ull << 20, 7);
+    pki_ = new Pki(dir_->path());  // NOLINT: as above
+  }
+  static void TearDownTestSuite() {
+    delete pki_;  // NOLINT
+    delete dir_;  // NOLINT
+  }
+  void SetUp() override { ASSERT_TRUE(pki_->ok()) << pki_->log(); }
+
+  static fs::path root() { return dir_->path() / "images"; }
+  static const Pki& pki() { return *pki_; }
+
+  // A server whose TCP listener speaks TLS with `cert`; extra arguments appended.
+  std::unique_ptr<ServerProcess> TlsServer(const std::string& cert,
+                                           std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--tls-cert", pki().pem(cert), "--tls-key", pki().key(cert)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto server = std::make_unique<ServerProcess>(run_.path(), root(), args);
+    EXPECT_TRUE(server->ready()) << server->Log();
+    return server;
+  }
+
+  // `fetch` of "ckpt" from `endpoint` with extra client arguments, into a fresh directory.
+  ProcessRun Fetch(const net::Endpoint& endpoint, const std::string& args) {
+    out_ = run_.path() / ("out" + std::to_string(fetches_++));
+    return Client("fetch --server " + endpoint.ToString() + " --image ckpt --out " + out_.string() +
+                  " " + args);
+  }
+  void ExpectFetchedBytesMatch() {
+    const auto expected = PagesFiles(root() / "ckpt");
+    const auto fetched = PagesFiles(out_);
+    ASSERT_FALSE(expected.empty());
+    ASSERT_EQ(fetched.size(), expected.size());
+    for (const auto& [name, bytes] : expected) {
+      auto it = fetched.find(name);
+      ASSERT_NE(it, fetched.end()) << name;
+      EXPECT_TRUE(it->second == bytes) << name << " differs";
+    }
+  }
+
+  static TempDir* dir_;
+  static Pki* pki_;
+  TempDir run_;
+  fs::path out_;
+  int fetches_ = 0;
+};
+
+TempDir* SecurityTest::dir_ = nullptr;
+Pki* SecurityTest::pki_ = nullptr;
+
+TEST_F(SecurityTest, TlsFetchIsByteExact) {
+  auto server = TlsServer("server");
+  ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
+  ASSERT_EQ(run.exit_code, 0) << run.out << server->Log();
+  ExpectFetchedBytesMatch();
+  EXPECT_NE(server->Log().find("(TLS)"), std::string::npos);
+  // Stats over TLS too.
+  ProcessRun stats = Client("stats --server " + server->tcp_endpoint().ToString() + " --tls-ca " +
+                            pki().pem("ca"));
+  ASSERT_EQ(stats.exit_code, 0) << stats.out;
+  EXPECT_NE(stats.out.find("\"sessions_opened\":1"), std::string::npos) << stats.out;
+}
+
+TEST_F(SecurityTest, ServerCertificateFromAnotherCaIsRefused) {
+  auto server = TlsServer("server");
+  ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("other-ca"));
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("server certificate refused"), std::string::npos) << run.out;
+  // A plain client cannot talk to the TLS listener either.
+  ProcessRun plain = Fetch(server->tcp_endpoint(), "--insecure");
+  EXPECT_NE(plain.exit_code, 0) << plain.out;
+}
+
+TEST_F(SecurityTest, ExpiredServerCertificateIsRefused) {
+  auto server = TlsServer("expired");
+  ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("certificate has expired"), std::string::npos) << run.out;
+}
+
+TEST_F(SecurityTest, CertificateForAnotherHostIsRefusedUnlessNamed) {
+  auto server = TlsServer("elsewhere");
+  ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.out.find("mismatch"), std::string::npos) << run.out;
+  ProcessRun named = Fetch(server->tcp_endpoint(),
+                           "--tls-ca " + pki().pem("ca") + " --tls-server-name elsewhere.example");
+  ASSERT_EQ(named.exit_code, 0) << named.out << server->Log();
+  ExpectFetchedBytesMatch();
+}
+
+TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
+  auto server = TlsServer("server", {"--tls-client-ca", pki().pem("ca")});
+  const std::string ca = "--tls-ca " + pki().pem("ca");
+  ProcessRun without = Fetch(server->tcp_endpoint(), ca);
+  EXPECT_NE(without.exit_code, 0) << without.out;
+  ProcessRun rogue = Fetch(server->tcp_endpoint(), ca + " --tls-cert " + pki().pem("rogue") +
+                                                       " --tls-key " + pki().key("rogue"));
+  EXPECT_NE(rogue.exit_code, 0) << rogue.out;
+  ProcessRun with = Fetch(server->tcp_endpoint(), ca + " --tls-cert " + pki().pem("node7") +
+                                                      " --tls-key " + pki().key("node7"));
+  ASSERT_EQ(with.exit_code, 0) << with.out << server->Log();
+  ExpectFetchedBytesMatch();
+  EXPECT_NE(server->Log().find("cn 'node7'"), std::string::npos) << server->Log();
+}
+
+TEST_F(SecurityTest, TokenFilesAreCheckedAndMustNotBeWorldReadable) {
+  const fs::path good = run_.path() / "token";
+  const fs::path wrong = run_.path() / "wrong";
+  const fs::path leaky = run_.path() / "leaky";
+  WriteText(good, "s3cret-token\n", fs::perms::owner_read | fs::perms::owner_write);
+  WriteText(wrong, "not-the-token\n", fs::perms::owner_read);
+  WriteText(leaky, "s3cret-token\n", fs::perms::owner_read | fs::perms::others_read);
+
+  ProcessRun refused = Shell(
+      std::string(GPULAZY_BIN_DIR) + "/gpulazy-server --images " + root().string() +
+      " --listen unix:" + (run_.path() / "x.sock").string() + " --token-file " + leaky.string());
+  EXPECT_EQ(refused.exit_code, 2);
+  EXPECT_NE(refused.out.find("accessible to other users"), std::string::npos) << refused.out;
+
+  auto server = TlsServer("server", {"--token-file", good.string()});
+  const std::string tls = "--tls-ca " + pki().pem("ca");
+  ProcessRun none = Fetch(server->tcp_endpoint(), tls);
+  EXPECT_NE(none.exit_code, 0);
+  EXPECT_NE(none.out.find("ERROR_UNAUTHENTICATED"), std::string::npos) << none.out;
+  ProcessRun bad = Fetch(server->tcp_endpoint(), tls + " --token-file " + wrong.string());
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("ERROR_UNAUTHENTICATED"), std::string::npos) << bad.out;
+  ProcessRun leaked = Fetch(server->tcp_endpoint(), tls + " --token-file " + leaky.string());
+  EXPECT_NE(leaked.exit_code, 0);
+  EXPECT_NE(leaked.out.find("accessible to other users"), std::string::npos) << leaked.out;
+  ProcessRun right = Fetch(server->unix_endpoint(), "--token-file " + good.string());
+  ASSERT_EQ(right.exit_code, 0) << right.out << server->Log();
+  ExpectFetchedBytesMatch();
+}
+
+TEST_F(SecurityTest, PlainTcpNeedsExplicitFlagsOnBothEnds) {
+  ProcessRun server = Shell(std::string(GPULAZY_BIN_DIR) + "/gpulazy-server --images " +
+                            root().string() + " --listen tcp:127.0.0.1:0");
+  EXPECT_EQ(server.exit_code, 2);
+  EXPECT_NE(server.out.find("--insecure-tcp"), std::string::npos) << server.out;
+
+  ServerProcess insecure(run_.path(), root());  // test_support passes --insecure-tcp
+  ASSERT_TRUE(insecure.ready()) << insecure.Log();
+  EXPECT_NE(insecure.Log().find("plain TCP (--insecure-tcp)"), std::string::npos);
+  ProcessRun refused = Fetch(insecure.tcp_endpoint(), "");
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.out.find("--insecure"), std::string::npos) << refused.out;
+  EXPECT_EQ(insecure.Log().find("hello from"), std::string::npos) << "the client connected";
+  ProcessRun allowed = Fetch(insecure.tcp_endpoint(), "--insecure");
+  ASSERT_EQ(allowed.exit_code, 0) << allowed.out;
+  ExpectFetchedBytesMatch();
+}
+
+// Forks a child that becomes `nobody` and says Hello on the Unix socket; the child's exit code
+// is 0 when the server answered HelloReply, 1 when it refused with ERROR_UNAUTHENTICATED.
+int HelloAsNobody(const ServerProcess& server) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    TestClient client(server.unix_endpoint());
+    if (!client.connected()) ::_exit(4);
+    Result<wire::HelloReply> hello = client.Hello();
+    if (hello.ok()) ::_exit(0);
+    ::_exit(hello.status().message().find("ERROR_UNAUTHENTICATED") != std::string::npos ? 1 : 5);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST_F(SecurityTest, UnixPeersAreCheckedAgainstTheAllowList) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to become another user";
+  // The socket must be reachable by `nobody` for the server's check to be what refuses it.
+  // Each server gets its own directory (and ready file).
+  for (const char* sub : {"a", "b"})
+    fs::create_directory(run_.path() / sub);
+  fs::permissions(run_.path(), fs::perms::all);
+  fs::permissions(run_.path() / "a", fs::perms::all);
+  fs::permissions(run_.path() / "b", fs::perms::all);
+  {
+    ServerProcess server(run_.path() / "a", root());
+    ASSERT_TRUE(server.ready()) << server.Log();
+    fs::permissions(server.socket_path(), fs::perms::all);
+    EXPECT_EQ(HelloAsNobody(server), 1) << server.Log();
+    EXPECT_NE(server.Log().find("peer uid 65534 gid 65534 is not allowed"), std::string::npos)
+        << server.Log();
+    TestClient root_client(server.unix_endpoint());  // we are root: allowed by default
+    EXPECT_TRUE(root_client.Hello().ok());
+  }
+  ServerProcess server(run_.path() / "b", root(), {"--allow-uid", "65534"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  fs::permissions(server.socket_path(), fs::perms::all);
+  EXPECT_EQ(HelloAsNobody(server), 0) << server.Log();
+  TestClient root_client(server.unix_endpoint());  // an explicit list replaces the default
+  EXPECT_FALSE(root_client.Hello().ok());
+}
+
+TEST(ImageVisibilityTest, ClientsSeeOnlyTheirImagesAndCannotTellForbiddenFromMissing) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamA" / "img", 1ull << 20, 1));
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamB" / "img", 1ull << 20, 2));
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "shared" / "img", 1ull << 20, 3));
+  // Inside the root, but leading into teamB: judged by where it lands.
+  fs::create_directory_symlink("../teamB/img", root / "teamA" / "link");
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "64K", "--image-access", "uid:0=teamA,shared",
+                        "--image-access", "*=shared"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  ASSERT_EQ(::geteuid(), 0u) << "the rule above names uid 0";
+
+  TestClient unix_client(server.unix_endpoint());  // uid 0: teamA and shared
+  ASSERT_TRUE(unix_client.Hello().ok());
+  ASSERT_TRUE(unix_client.Open("teamA/img").ok());
+  TestClient tcp_client(server.tcp_endpoint());  // anonymous: shared only
+  ASSERT_TRUE(tcp_client.Hello().ok());
+  ASSERT_TRUE(tcp_client.Open("shared/img").ok());
+
+  auto refusal = [&](const std::string& image) {
+    TestClient client(server.unix_endpoint());
+    EXPECT_TRUE(client.Hello().ok());
+    Result<wire::OpenImageReply> reply = client.Open(image);
+    EXPECT_FALSE(reply.ok()) << image;
+    return reply.ok() ? std::string("opened") : reply.status().message();
+  };
+  const std::string forbidden = refusal("teamB/img");
+  const std::string missing = refusal("teamB/nothing");
+  EXPECT_NE(forbidden.find("ERROR_NOT_FOUND"), std::string::npos) << forbidden;
+  // Word for word the same, apart from the name the client itself sent.
+  std::string normalized = forbidden;
+  for (size_t at; (at = normalized.find("teamB/img")) != std::string::npos;)
+    normalized.replace(at, 9, "teamB/nothing");
+  EXPECT_EQ(normalized, missing);
+  EXPECT_NE(refusal("teamA/link").find("ERROR_NOT_FOUND"), std::string::npos);
+
+  // Stats list only sessions of images the asker may open.
+  Result<std::string> anonymous_stats = tcp_client.Stats();
+  ASSERT_TRUE(anonymous_stats.ok()) << anonymous_stats.status().ToString();
+  EXPECT_EQ(anonymous_stats->find("teamA"), std::string::npos) << *anonymous_stats;
+  EXPECT_NE(anonymous_stats->find("shared/img"), std::string::npos) << *anonymous_stats;
+  Result<std::string> root_stats = unix_client.Stats();
+  ASSERT_TRUE(root_stats.ok());
+  EXPECT_NE(root_stats->find("teamA/img"), std::string::npos) << *root_stats;
+  EXPECT_NE(root_stats->find("shared/img"), std::string::npos) << *root_stats;
+  ::alarm(0);
+}
+
+TEST(ConfinementTest, EveryFileIsResolvedBeneathTheImageRoot) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  const fs::path outside = dir.path() / "outside";
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(outside / "img", 1ull << 20, 4));
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "good", 1ull << 20, 5));
+  // Image directories that are symlinks out of the root, absolute and relative.
+  fs::create_directory_symlink(outside / "img", root / "abs-link");
+  fs::create_directory_symlink("../outside/img", root / "rel-link");
+  // A valid image whose every file is a symlink to the (identical) files outside the root:
+  // served, it would be byte-perfect, so only confinement refuses it.
+  fs::create_directory(root / "file-links");
+  for (const fs::directory_entry& entry : fs::directory_iterator(outside / "img"))
+    fs::create_symlink(entry.path(), root / "file-links" / entry.path().filename());
+  // ... and one whose files link to a sibling inside the same image, which stays allowed.
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "inner-links", 1ull << 20, 6));
+  for (const fs::directory_entry& entry : fs::directory_iterator(root / "inner-links")) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("amdgpu-pages-")) continue;
+    fs::rename(entry.path(), root / "inner-links" / ("real-" + name));
+    fs::create_symlink("real-" + name, entry.path());
+  }
+
+  ServerProcess server(dir.path(), root, {"--raw-chunk-size", "64K"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  auto open = [&](const std::string& image) -> Status {
+    TestClient client(server.unix_endpoint());
+    Result<wire::HelloReply> hello = client.Hello();
+    if (!hello.ok()) return hello.status();
+    return client.Open(image).status();
+  };
+  EXPECT_TRUE(open("good").ok());
+  EXPECT_TRUE(open("inner-links").ok()) << server.Log();
+  for (const std::string& image : std::vector<std::string>{
+           "abs-link", "rel-link", "file-links", "../outside/img", "good/../../outside/img",
+           (outside / "img").string(), "/etc", "good/../good"}) {
+    Status status = open(image);
+    EXPECT_FALSE(status.ok()) << image;
+    EXPECT_NE(status.message().find("ERROR_NOT_FOUND"), std::string::npos)
+        << image << ": " << status.ToString();
+    // Nothing says where the root is, or why (beyond echoing the name the client sent).
+    EXPECT_EQ(status.message().find(root.string()), std::string::npos) << status.message();
+    if (image.find(outside.string()) == std::string::npos)
+      EXPECT_EQ(status.message().find(outside.string()), std::string::npos) << status.message();
+  }
+  EXPECT_NE(server.Log().find("resolves outside"), std::string::npos) << server.Log();
+  ::alarm(0);
+}
+
+TEST(ServerLimitsTest, AClientThatStopsReadingIsDroppedAfterTheWriteTimeout) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  // Far more than the socket buffers on both ends hold (4 MiB each way at most).
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "big", 48ull << 20, 8));
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "1M", "--write-timeout", "1", "--idle-timeout", "600"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient client(server.unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  ASSERT_TRUE(client.Open("big").ok());
+  ASSERT_TRUE(client.Credit(1ull << 40).ok());
+  ASSERT_TRUE(client.StreamAll().ok());
+  // We read nothing. The server's log line is the event; poll for it with a generous deadline.
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (server.Log().find("the client stopped reading") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_NE(server.Log().find("the client stopped reading"), std::string::npos) << server.Log();
+  // What was in flight drains, then the connection is closed.
+  EXPECT_TRUE(client.WaitClosed(30s));
+  TestClient other(server.unix_endpoint());
+  ASSERT_TRUE(other.Hello().ok());
+  Result<std::string> stats = other.Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_NE(stats->find("\"sessions_open\":0"), std::string::npos) << *stats;
+  ::alarm(0);
+}
+
+TEST(ServerLimitsTest, ConnectionsPastTheLimitAreRefused) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ServerProcess server(dir.path(), root, {"--max-connections", "1"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient first(server.unix_endpoint());
+  ASSERT_TRUE(first.Hello().ok());
+  TestClient second(server.unix_endpoint());
+  Result<Frame> refusal = second.Read();
+  ASSERT_TRUE(refusal.ok()) << refusal.status().ToString();
+  ASSERT_TRUE(refusal->header.has_error());
+  EXPECT_EQ(refusal->header.error().code(), wire::ERROR_LIMIT);
+  EXPECT_TRUE(second.WaitClosed());
+  ::alarm(0);
+}
+
+TEST(ServerLimitsTest, IdleConnectionsAreClosed) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ServerProcess server(dir.path(), root, {"--idle-timeout", "1"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient client(server.unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(client.WaitClosed(30s));
+  EXPECT_NE(server.Log().find("idle for"), std::string::npos) << server.Log();
+  // Well before the 10 s Hello timeout, which must not hold the idle deadline back.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 8s);
+  ::alarm(0);
+}
+
+}  // namespace
+}  // namespace gpulazy::server::testing
