@@ -45,6 +45,19 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
     c.image = value;
   } else if (key == "token") {
     c.token = value;
+  } else if (key == "token_file") {
+    // Read once, with the same rules as the CLIs (not readable by others, not empty).
+    GPULAZY_ASSIGN_OR_RETURN(c.token, net::ReadTokenFile(value));
+  } else if (key == "tls_ca") {
+    c.tls.ca_file = value;
+  } else if (key == "tls_cert") {
+    c.tls.cert_file = value;
+  } else if (key == "tls_key") {
+    c.tls.key_file = value;
+  } else if (key == "tls_server_name") {
+    c.tls.server_name = value;
+  } else if (key == "insecure_tcp") {
+    GPULAZY_ASSIGN_OR_RETURN(c.insecure_tcp, ParseBool(key, value));
   } else if (key == "engine") {
     if (value == "auto")
       c.engine = EngineKind::kAuto;
@@ -81,9 +94,10 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
 }
 
 const char* const kKeys[] = {
-    "mode",      "server",    "image",        "token",  "engine",
-    "fake_kfd",  "topology",  "fault_socket", "window", "resume_timeout_ms",
-    "log_level", "lazy_image"};
+    "mode",      "server",          "image",        "token",  "engine",
+    "fake_kfd",  "topology",        "fault_socket", "window", "resume_timeout_ms",
+    "log_level", "lazy_image",      "token_file",   "tls_ca", "tls_cert",
+    "tls_key",   "tls_server_name", "insecure_tcp"};
 
 }  // namespace
 

@@ -7,7 +7,12 @@
 //                                               image directory in-process
 //   image             GPULAZY_IMAGE             image name on the server (default: the image
 //                                               directory's base name)
-//   token             GPULAZY_TOKEN             bearer token for the server
+//   token             GPULAZY_TOKEN             bearer token for the server (prefer token_file)
+//   token_file        GPULAZY_TOKEN_FILE        file holding the token (not readable by others)
+//   tls_ca            GPULAZY_TLS_CA            PEM CA for a tcp: server's certificate (TLS on)
+//   tls_cert/tls_key  GPULAZY_TLS_CERT/_KEY     client certificate and key (mutual TLS)
+//   tls_server_name   GPULAZY_TLS_SERVER_NAME   name the server certificate must carry
+//   insecure_tcp      GPULAZY_INSECURE_TCP      1: plain tcp: without TLS is acceptable
 //   engine            GPULAZY_ENGINE            auto | sdma | host (auto: sdma on a real KFD)
 //   fake_kfd          GPULAZY_FAKE_KFD          state directory of the fake KFD (tests only)
 //   topology          GPULAZY_TOPOLOGY          KFD topology root (default
@@ -28,6 +33,7 @@
 #include <optional>
 #include <string>
 
+#include "page-client/net/stream.h"
 #include "plugin/topology.h"
 #include "proto/status.h"
 
@@ -43,6 +49,8 @@ struct PluginConfig {
   std::string server;
   std::string image;
   std::string token;
+  net::TlsClientOptions tls;  // for tcp: servers (docs/security.md)
+  bool insecure_tcp = false;
   EngineKind engine = EngineKind::kAuto;
   std::filesystem::path fake_kfd;
   std::filesystem::path topology_root = "/sys/class/kfd/kfd/topology";

@@ -93,6 +93,8 @@ Status RestoreCoordinator::Start() {
   options.endpoint = config_.server;
   options.image = config_.image;
   options.token = config_.token;
+  options.tls = config_.tls;
+  options.insecure_tcp = config_.insecure_tcp;
   options.window_bytes = config_.window_bytes;
   options.client_name = "gpulazy-plugin";
   session_ = std::make_unique<client::RestoreSession>(options, router_);

@@ -150,6 +150,8 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
     options.endpoint = config_.server;
     options.image = config_.image.empty() ? image_dir.filename().string() : config_.image;
     options.token = config_.token;
+    options.tls = config_.tls;
+    options.insecure_tcp = config_.insecure_tcp;
     options.window_bytes = config_.window_bytes;
     client::RestoreSession session(options, router);
     GPULAZY_RETURN_IF_ERROR(

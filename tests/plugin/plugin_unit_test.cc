@@ -249,6 +249,37 @@ TEST(Config, EnvironmentAndFile) {
   EXPECT_FALSE(LoadConfig(lookup).ok());
 }
 
+// tcp: servers need TLS settings or an explicit insecure_tcp; a token file is read at load
+// time and refused when others may read it.
+TEST(Config, TlsTokenFileAndInsecureTcp) {
+  TempDir dir;
+  const std::filesystem::path token = dir.path / "token";
+  std::ofstream(token) << "s3cret\n";
+  std::filesystem::permissions(
+      token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  std::map<std::string, std::string> env = {{"GPULAZY_TLS_CA", "/etc/ca.pem"},
+                                            {"GPULAZY_TLS_SERVER_NAME", "pages.example"},
+                                            {"GPULAZY_TOKEN_FILE", token.string()},
+                                            {"GPULAZY_INSECURE_TCP", "1"}};
+  auto lookup = [&](const std::string& k) -> std::optional<std::string> {
+    auto it = env.find(k);
+    return it == env.end() ? std::nullopt : std::optional(it->second);
+  };
+  auto c = LoadConfig(lookup);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->tls.ca_file, "/etc/ca.pem");
+  EXPECT_EQ(c->tls.server_name, "pages.example");
+  EXPECT_TRUE(c->tls.enabled());
+  EXPECT_EQ(c->token, "s3cret");
+  EXPECT_TRUE(c->insecure_tcp);
+  std::filesystem::permissions(token, std::filesystem::perms::others_read,
+                               std::filesystem::perm_options::add);
+  auto refused = LoadConfig(lookup);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("GPULAZY_TOKEN_FILE"), std::string::npos)
+      << refused.status().message();
+}
+
 // ---- fake KFD contract ----
 
 class FakeKfdTest : public ::testing::Test {
