@@ -115,54 +115,6 @@ struct PipelineResult {
   bool verified = false;
 };
 
-Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
-                                       uint64_t window, uint32_t slots, uint32_t streams) {
-  client::CudaEngineOptions engine_options;
-  engine_options.staging_slots = slots;
-  engine_options.streams = streams;
-  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
-                           client::CudaCopyEngine::Create(engine_options));
-  client::SessionOptions options;
-  options.endpoint = endpoint;
-  options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
-  options.image = image_dir.filename().string();
-  options.window_bytes = window;
-  options.client_name = "cuda-bench";
-  PipelineResult result;
-  {
-    client::RestoreSession session(options, *engine);
-    auto start = Clock::now();
-    GPULAZY_RETURN_IF_ERROR(session.Start());
-    GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
-    result.seconds = SecondsSince(start);
-    result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
-
-    // Byte-for-byte against the source.
-    GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint,
-                             image::CriuCheckpoint::Open(image_dir));
-    std::map<std::pair<uint32_t, uint32_t>, const image::ContentBo*> by_key;
-    for (const image::ContentBo& bo : checkpoint.content_bos())
-      by_key[{bo.process_id, bo.bo_index}] = &bo;
-    std::vector<uint8_t> expected, actual;
-    for (uint32_t i = 0; i < session.bos().size(); ++i) {
-      const client::BoEntry& entry = session.bos()[i];
-      auto found = by_key.find({entry.process_id, entry.bo_index});
-      if (found == by_key.end()) return Corrupt("BO {} missing from the source", i);
-      const image::ContentBo& source = *found->second;
-      expected.resize(source.size);
-      actual.resize(source.size);
-      GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(image_dir / source.pages_file));
-      GPULAZY_RETURN_IF_ERROR(
-          ReadExactAt(fd.get(), 8 + source.pages_offset, expected, image_dir / source.pages_file));
-      GPULAZY_RETURN_IF_ERROR(engine->CopyToHost(i, 0, actual));
-      if (std::memcmp(expected.data(), actual.data(), source.size) != 0)
-        return Corrupt("BO {} in device memory differs from the source", i);
-    }
-    result.verified = true;
-  }
-  return result;
-}
-
 // Byte-for-byte check of every BO in device memory against the checkpoint's pages files.
 Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry>& bos,
                     const client::CudaCopyEngine& engine) {
@@ -186,6 +138,34 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
       return Corrupt("BO {} in device memory differs from the source", i);
   }
   return Status::Ok();
+}
+
+Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
+                                       uint64_t window, uint32_t slots, uint32_t streams) {
+  client::CudaEngineOptions engine_options;
+  engine_options.staging_slots = slots;
+  engine_options.streams = streams;
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
+                           client::CudaCopyEngine::Create(engine_options));
+  client::SessionOptions options;
+  options.endpoint = endpoint;
+  options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
+  options.image = image_dir.filename().string();
+  options.window_bytes = window;
+  options.client_name = "cuda-bench";
+  PipelineResult result;
+  {
+    client::RestoreSession session(options, *engine);
+    auto start = Clock::now();
+    GPULAZY_RETURN_IF_ERROR(session.Start());
+    GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
+    result.seconds = SecondsSince(start);
+    result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
+
+    GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
+    result.verified = true;
+  }
+  return result;
 }
 
 // LocalRestore straight into device memory: readers pread into the engine's pinned slots.
@@ -381,29 +361,6 @@ Result<LayerTimes> RunUpstreamLayers(
   return times;
 }
 
-// A model-like checkpoint: one process on one GPU, `layers` BOs of mixed contents.
-Result<fs::path> MakeModelImage(const fs::path& root, const std::string& name, uint64_t bytes,
-                                uint32_t layers) {
-  image::SynthOptions synth;
-  synth.out = root / name;
-  synth.gpus = 1;
-  synth.bos = layers;
-  synth.total_bytes = bytes;
-  synth.seed = 31;
-  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(synth).status());
-  GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, PagesFiles(synth.out));
-  std::vector<uint8_t> buffer(8u << 20);
-  for (const fs::path& file : files) {
-    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file));
-    while (true) {
-      ssize_t n = read(fd.get(), buffer.data(), buffer.size());
-      if (n < 0) return ErrnoError(errno, "reading {}", file.string());
-      if (n == 0) break;
-    }
-  }
-  return synth.out;
-}
-
 int Run(int argc, char** argv) {
   CLI::App app{"gpulazy-cuda-bench: restoring into NVIDIA device memory vs cudaMemcpy"};
   CommonOptions common;
@@ -519,7 +476,8 @@ int Run(int argc, char** argv) {
       if (!model_bytes.ok()) return fail(model_bytes.status());
       const uint64_t bytes = *model_bytes & ~(image::kSynthPageSize - 1);
       const std::string name = "model-" + text;
-      Result<fs::path> image_dir = MakeModelImage(root, name, bytes, layer_count);
+      // A model-like checkpoint: one process on one GPU, `layer_count` BOs of mixed contents.
+      Result<fs::path> image_dir = MakeWarmImage(root, name, bytes, 1, 31, layer_count);
       if (!image_dir.ok()) return fail(image_dir.status());
       auto expected = ExpectedLayerSums(*image_dir);
       if (!expected.ok()) return fail(expected.status());

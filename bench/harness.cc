@@ -56,11 +56,11 @@ Result<std::vector<fs::path>> PagesFiles(const fs::path& image_dir) {
 }
 
 Result<fs::path> MakeWarmImage(const fs::path& root, const std::string& name, uint64_t bytes,
-                               uint32_t gpus, uint64_t seed) {
+                               uint32_t gpus, uint64_t seed, uint32_t bos_per_process) {
   image::SynthOptions synth;
   synth.out = root / name;
   synth.gpus = gpus;
-  synth.bos = 16;
+  synth.bos = bos_per_process;
   synth.total_bytes = bytes;
   synth.seed = seed;
   GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(synth).status());

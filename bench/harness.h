@@ -43,11 +43,12 @@ class WorkDir {
   std::filesystem::path path_;
 };
 
-// Synthesizes a CRIU checkpoint of `bytes` content bytes under root/name and reads it once so
-// it is in the page cache. Returns the image directory.
+// Synthesizes a CRIU checkpoint of `bytes` content bytes (one process, `bos_per_process` BOs on
+// `gpus` GPUs) under root/name and reads it once so it is in the page cache. Returns the image
+// directory.
 Result<std::filesystem::path> MakeWarmImage(const std::filesystem::path& root,
                                             const std::string& name, uint64_t bytes, uint32_t gpus,
-                                            uint64_t seed);
+                                            uint64_t seed, uint32_t bos_per_process = 16);
 // Paths of the checkpoint's pages files.
 Result<std::vector<std::filesystem::path>> PagesFiles(const std::filesystem::path& image_dir);
 
