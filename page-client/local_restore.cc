@@ -63,13 +63,14 @@ class LocalRestore::Impl {
       sizes.push_back(bo.size());
     }
     GPULAZY_ASSIGN_OR_RETURN(residency_, ResidencyMap::Create(m.chunk_size(), sizes));
+    uint64_t total = 0;
     for (uint32_t bo = 0; bo < bos_.size(); ++bo) {
       // ImageSource validated the table; a mismatch here would be our own bug.
       if (residency_.chunk_count(bo) != bos_[bo].chunk_count)
         return Corrupt("{}: BO {} has {} chunks, its size needs {}", Name(), bo,
                        bos_[bo].chunk_count, residency_.chunk_count(bo));
-      first_chunk_.push_back(total_chunks_);
-      total_chunks_ += bos_[bo].chunk_count;
+      first_chunk_.push_back(total);
+      total += bos_[bo].chunk_count;
     }
     for (uint32_t bo = 0; bo < bos_.size(); ++bo)
       GPULAZY_RETURN_IF_ERROR(engine_.AddDestination(bo, bos_[bo].size));
@@ -173,8 +174,8 @@ class LocalRestore::Impl {
   // chunk in table order. Profile entries are untrusted: out-of-range or repeated ones are
   // skipped.
   void BuildOrder(const manifest::Manifest& m) {
-    std::vector<uint8_t> listed(total_chunks_, 0);
-    hot_.assign(total_chunks_, 0);
+    std::vector<uint8_t> listed(residency_.total_chunks(), 0);
+    hot_.assign(residency_.total_chunks(), 0);
     const manifest::AccessProfile& profile = m.profile();
     for (int i = 0; i < profile.order_size(); ++i) {
       const manifest::ChunkRef& ref = profile.order(i);
@@ -365,9 +366,8 @@ class LocalRestore::Impl {
   std::shared_ptr<const image::ImageSource> image_;
   std::vector<BoEntry> bos_;
   std::vector<uint64_t> first_chunk_;  // global index of each BO's chunk 0
-  uint64_t total_chunks_ = 0;
-  std::vector<ChunkId> order_;  // immutable after Start
-  std::vector<uint8_t> hot_;    // by global chunk index; immutable after Start
+  std::vector<ChunkId> order_;         // immutable after Start
+  std::vector<uint8_t> hot_;           // by global chunk index; immutable after Start
   uint64_t hot_count_ = 0;
 
   // Engine calls are serialized (see Restore for why ReceiveTarget is too); reads are not.

@@ -9,7 +9,6 @@
 
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <thread>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -18,6 +17,7 @@
 #include "lazy-server/image/synth.h"
 #include "page-client/host_engine.h"
 #include "proto/file_header.h"
+#include "tests/server/test_support.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy::client {
@@ -47,26 +47,11 @@ void Convert(const fs::path& dir) {
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
 }
 
-// Each BO's bytes from the checkpoint's pages files, by (process, BO index).
-std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> Expected(const fs::path& dir) {
-  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> out;
-  Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dir);
-  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
-  if (!checkpoint.ok()) return out;
-  for (const image::ContentBo& bo : checkpoint->content_bos()) {
-    std::vector<uint8_t> bytes(bo.size);
-    Result<UniqueFd> fd = OpenForRead(dir / bo.pages_file);
-    EXPECT_TRUE(fd.ok());
-    if (!fd.ok()) continue;
-    EXPECT_TRUE(ReadExactAt(fd->get(), 8 + bo.pages_offset, bytes, bo.pages_file).ok());
-    out[{bo.process_id, bo.bo_index}] = std::move(bytes);
-  }
-  return out;
-}
-
 void ExpectRestored(const LocalRestore& restore, const HostCopyEngine& engine,
                     const fs::path& dir) {
-  auto expected = Expected(dir);
+  auto loaded = server::testing::LoadCriuContents(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const auto& expected = *loaded;
   ASSERT_EQ(restore.bos().size(), expected.size());
   for (uint32_t i = 0; i < restore.bos().size(); ++i) {
     const BoEntry& entry = restore.bos()[i];
@@ -112,7 +97,9 @@ TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
   const fs::path dir = root.path() / "img";
   ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 32ull << 20, 9));
   ASSERT_NO_FATAL_FAILURE(Convert(dir));
-  auto expected = Expected(dir);
+  auto loaded = server::testing::LoadCriuContents(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const auto& expected = *loaded;
   HostCopyEngine engine;
   LocalRestoreOptions options;
   options.image_dir = dir;

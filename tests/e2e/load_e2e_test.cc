@@ -13,8 +13,6 @@
 #include <thread>
 #include <vector>
 
-#include "lazy-server/image/criu_checkpoint.h"
-#include "lazy-server/image/io.h"
 #include "lazy-server/image/synth.h"
 #include "page-client/host_engine.h"
 #include "page-client/restore_session.h"
@@ -56,19 +54,9 @@ TEST(Load, SixtyFourSessionsByteExactFairAndBounded) {
   synth.seed = 64;
   ASSERT_TRUE(image::SynthesizeCheckpoint(synth).ok());
 
-  // The expected bytes per (process, BO index).
-  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> expected;
-  {
-    Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(img);
-    ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
-    for (const image::ContentBo& bo : checkpoint->content_bos()) {
-      std::vector<uint8_t> bytes(bo.size);
-      Result<UniqueFd> fd = OpenForRead(img / bo.pages_file);
-      ASSERT_TRUE(fd.ok());
-      ASSERT_TRUE(ReadExactAt(fd->get(), 8 + bo.pages_offset, bytes, bo.pages_file).ok());
-      expected[{bo.process_id, bo.bo_index}] = std::move(bytes);
-    }
-  }
+  auto loaded = server::testing::LoadCriuContents(img);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const auto& expected = *loaded;
 
   ServerProcess server(run_dir.path(), root.path(),
                        {"--max-sessions", "64", "--stream-window", std::to_string(kStreamWindow)});
