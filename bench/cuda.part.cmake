@@ -18,6 +18,11 @@ if(GPULAZY_WITH_CUDA)
                           spdlog::spdlog)
     target_compile_definitions(gpulazy-cuda-bench
                                PRIVATE GPULAZY_DEFAULT_BIN_DIR="${CMAKE_BINARY_DIR}/bin")
+    # Standalone probes of the host's limits (docs/benchmarks.md); CUDA runtime only.
+    add_executable(gpulazy-cuda-probes ${CMAKE_CURRENT_LIST_DIR}/cuda_probes.cu)
+    set_target_properties(gpulazy-cuda-probes PROPERTIES CUDA_ARCHITECTURES "80-real;90"
+                          CUDA_STANDARD 17 CUDA_RUNTIME_LIBRARY Static)
+    target_link_libraries(gpulazy-cuda-probes PRIVATE Threads::Threads)
   else()
     message(STATUS "gpulazy-cuda-bench: no CUDA compiler (nvcc) found, not built")
   endif()

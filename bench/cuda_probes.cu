@@ -1,0 +1,306 @@
+// gpulazy-cuda-probes: two host-side limits of streaming a page-cached file into NVIDIA device
+// memory, measured beside the pinned cudaMemcpy ceiling in the same run (docs/benchmarks.md,
+// "Where the last 10-15 % goes"). Not part of the pipeline: each probe answers one question.
+//
+//   pin-page-cache FILE   Can the DMA engine read the page cache directly? mmap the file and
+//                         cudaHostRegister it read-only (whole, then in pipelined windows),
+//                         so no CPU copy remains; reports registration cost and throughput.
+//   read-dma FILE         What do T threads reach when each preads 2 MiB chunks into its own
+//                         pinned slots, (a) without DMA, (b) with DMA on its own stream? The
+//                         best CPU-copy design this host allows, without gpulazy's machinery.
+//
+// Output: one JSON object per line. The file should be in the page cache (each probe reads it
+// once first). Written for measurement, so errors abort with a message.
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+void Check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return;
+  std::fprintf(stderr, "gpulazy-cuda-probes: %s: %s\n", what, cudaGetErrorString(error));
+  std::exit(1);
+}
+
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr size_t kCeilingCopy = 64 * kMiB;
+
+struct File {
+  int fd = -1;
+  size_t size = 0;
+  explicit File(const char* path) : fd(::open(path, O_RDONLY | O_CLOEXEC)) {
+    if (fd < 0) {
+      std::perror(path);
+      std::exit(1);
+    }
+    size = static_cast<size_t>(::lseek(fd, 0, SEEK_END));
+  }
+  ~File() { ::close(fd); }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  void ReadFully(char* into, size_t length, size_t offset) const {
+    size_t got = 0;
+    while (got < length) {
+      ssize_t n = ::pread(fd, into + got, length - got, static_cast<off_t>(offset + got));
+      if (n <= 0) {
+        std::perror("pread");
+        std::exit(1);
+      }
+      got += static_cast<size_t>(n);
+    }
+  }
+  void WarmPageCache() const {
+    std::vector<char> buffer(kCeilingCopy);
+    for (size_t offset = 0; offset < size; offset += buffer.size())
+      ReadFully(buffer.data(), std::min(buffer.size(), size - offset), offset);
+  }
+};
+
+// The pinned-buffer host-to-device rate: one 64 MiB pinned buffer copied over `size` bytes.
+double CeilingBps(void* device, size_t size) {
+  void* pinned = nullptr;
+  Check(cudaMallocHost(&pinned, kCeilingCopy), "pinning the ceiling buffer");
+  std::memset(pinned, 1, kCeilingCopy);
+  cudaStream_t stream = nullptr;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "creating a stream");
+  Check(cudaMemcpy(device, pinned, kCeilingCopy, cudaMemcpyHostToDevice), "warm-up copy");
+  const auto start = Clock::now();
+  for (size_t offset = 0; offset + kCeilingCopy <= size; offset += kCeilingCopy)
+    Check(cudaMemcpyAsync(static_cast<char*>(device) + offset, pinned, kCeilingCopy,
+                          cudaMemcpyHostToDevice, stream),
+          "ceiling copy");
+  Check(cudaStreamSynchronize(stream), "ceiling copy");
+  const double bps = static_cast<double>(size / kCeilingCopy * kCeilingCopy) / SecondsSince(start);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(pinned);
+  std::printf("{\"probe\":\"ceiling\",\"pinned_cudaMemcpy_GBps\":%.2f}\n", bps / 1e9);
+  return bps;
+}
+
+bool SampleMatches(const File& file, const void* device, size_t offset) {
+  std::vector<char> got(kMiB);
+  std::vector<char> want(kMiB);
+  Check(cudaMemcpy(got.data(), static_cast<const char*>(device) + offset, kMiB,
+                   cudaMemcpyDeviceToHost),
+        "reading a sample back");
+  file.ReadFully(want.data(), kMiB, offset);
+  return got == want;
+}
+
+void PinPageCache(const File& file, size_t window, int in_flight) {
+  const size_t size = file.size / window * window;
+  void* device = nullptr;
+  Check(cudaMalloc(&device, size), "allocating device memory");
+  const double ceiling = CeilingBps(device, size);
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, file.fd, 0);
+  if (mapped == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  char* const base = static_cast<char*>(mapped);
+  std::vector<cudaStream_t> streams(4);
+  for (cudaStream_t& s : streams)
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
+
+  // Whole file: register, copy, unregister.
+  for (int round = 0; round < 2; ++round) {
+    const auto start = Clock::now();
+    Check(cudaHostRegister(base, size, cudaHostRegisterReadOnly), "registering the mapping");
+    const double registered = SecondsSince(start);
+    const auto copy_start = Clock::now();
+    for (size_t offset = 0; offset < size; offset += kCeilingCopy)
+      Check(cudaMemcpyAsync(static_cast<char*>(device) + offset, base + offset,
+                            std::min(kCeilingCopy, size - offset), cudaMemcpyHostToDevice,
+                            streams[(offset / kCeilingCopy) % streams.size()]),
+            "copying from the registered mapping");
+    Check(cudaDeviceSynchronize(), "copying from the registered mapping");
+    const double copied = SecondsSince(copy_start);
+    Check(cudaHostUnregister(base), "unregistering the mapping");
+    const double total = SecondsSince(start);
+    std::printf(
+        "{\"probe\":\"pin-page-cache\",\"mode\":\"whole\",\"register_s\":%.3f,\"copy_GBps\":%.2f,"
+        "\"end_to_end_GBps\":%.2f,\"ratio\":%.3f,\"sample_ok\":%s}\n",
+        registered, static_cast<double>(size) / copied / 1e9,
+        static_cast<double>(size) / total / 1e9, static_cast<double>(size) / total / ceiling,
+        SampleMatches(file, device, size / 2) ? "true" : "false");
+  }
+
+  // Windows: a thread registers window i+k while window i is copied; unregister after its event.
+  for (int round = 0; round < 2; ++round) {
+    const size_t windows = size / window;
+    std::mutex mu;
+    std::condition_variable changed;
+    size_t registered = 0;  // windows [0, registered) are registered
+    size_t released = 0;    // windows [0, released) are copied and unregistered
+    const auto start = Clock::now();
+    std::thread registrar([&] {
+      for (size_t i = 0; i < windows; ++i) {
+        {
+          std::unique_lock lock(mu);
+          changed.wait(lock, [&] { return i < released + static_cast<size_t>(in_flight); });
+        }
+        Check(cudaHostRegister(base + i * window, window, cudaHostRegisterReadOnly),
+              "registering a window");
+        {
+          std::lock_guard lock(mu);
+          registered = i + 1;
+        }
+        changed.notify_all();
+      }
+    });
+    std::deque<std::pair<size_t, cudaEvent_t>> pending;
+    auto release_front = [&] {
+      Check(cudaEventSynchronize(pending.front().second), "waiting for a window's copy");
+      Check(cudaHostUnregister(base + pending.front().first * window), "unregistering a window");
+      cudaEventDestroy(pending.front().second);
+      pending.pop_front();
+      {
+        std::lock_guard lock(mu);
+        ++released;
+      }
+      changed.notify_all();
+    };
+    for (size_t i = 0; i < windows; ++i) {
+      {
+        std::unique_lock lock(mu);
+        changed.wait(lock, [&] { return i < registered; });
+      }
+      cudaEvent_t done = nullptr;
+      Check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "creating an event");
+      Check(cudaMemcpyAsync(static_cast<char*>(device) + i * window, base + i * window, window,
+                            cudaMemcpyHostToDevice, streams[i % streams.size()]),
+            "copying a window");
+      Check(cudaEventRecord(done, streams[i % streams.size()]), "recording an event");
+      pending.emplace_back(i, done);
+      while (pending.size() >= static_cast<size_t>(in_flight)) release_front();
+    }
+    while (!pending.empty()) release_front();
+    registrar.join();
+    const double seconds = SecondsSince(start);
+    std::printf(
+        "{\"probe\":\"pin-page-cache\",\"mode\":\"windows\",\"window_MiB\":%zu,\"in_flight\":%d,"
+        "\"end_to_end_GBps\":%.2f,\"ratio\":%.3f,\"sample_ok\":%s}\n",
+        window / kMiB, in_flight, static_cast<double>(size) / seconds / 1e9,
+        static_cast<double>(size) / seconds / ceiling,
+        SampleMatches(file, device, size / 3 / kMiB * kMiB) ? "true" : "false");
+  }
+  for (cudaStream_t s : streams)
+    cudaStreamDestroy(s);
+  ::munmap(mapped, size);
+  cudaFree(device);
+}
+
+void ReadDma(const File& file) {
+  constexpr size_t kChunk = 2 * kMiB;
+  const size_t chunks = file.size / kChunk;
+  const size_t size = chunks * kChunk;
+  void* device = nullptr;
+  Check(cudaMalloc(&device, size), "allocating device memory");
+  const double ceiling = CeilingBps(device, size);
+  for (int threads : {8, 16, 24, 32}) {
+    for (int slots_per_thread : {0, 2, 4}) {  // 0: read only, no DMA
+      const bool dma = slots_per_thread > 0;
+      const int slots = dma ? slots_per_thread : 1;
+      std::vector<void*> pinned(static_cast<size_t>(threads * slots));
+      for (void*& p : pinned)
+        Check(cudaMallocHost(&p, kChunk), "pinning a slot");
+      std::vector<cudaStream_t> streams(static_cast<size_t>(threads));
+      for (cudaStream_t& s : streams)
+        Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
+      std::vector<cudaEvent_t> events(pinned.size());
+      for (cudaEvent_t& ev : events)
+        Check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
+      std::atomic<size_t> next{0};
+      const auto start = Clock::now();
+      std::vector<std::thread> workers;
+      for (int t = 0; t < threads; ++t) {
+        workers.emplace_back([&, t] {
+          std::vector<bool> used(static_cast<size_t>(slots), false);
+          for (size_t turn = 0;; ++turn) {
+            const size_t chunk = next.fetch_add(1);
+            if (chunk >= chunks) break;
+            const size_t j = turn % static_cast<size_t>(slots);
+            const size_t slot = static_cast<size_t>(t * slots) + j;
+            if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
+            file.ReadFully(static_cast<char*>(pinned[slot]), kChunk, chunk * kChunk);
+            if (!dma) continue;
+            Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * kChunk, pinned[slot],
+                                  kChunk, cudaMemcpyHostToDevice, streams[static_cast<size_t>(t)]),
+                  "copying a chunk");
+            Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]),
+                  "recording an event");
+            used[j] = true;
+          }
+          Check(cudaStreamSynchronize(streams[static_cast<size_t>(t)]), "draining a stream");
+        });
+      }
+      for (std::thread& w : workers)
+        w.join();
+      const double bps = static_cast<double>(size) / SecondsSince(start);
+      std::printf(
+          "{\"probe\":\"read-dma\",\"mode\":\"%s\",\"threads\":%d,\"slots_per_thread\":%d,"
+          "\"GBps\":%.2f,\"ratio\":%.3f}\n",
+          dma ? "read+dma" : "read-only", threads, slots_per_thread, bps / 1e9, bps / ceiling);
+      for (cudaEvent_t ev : events)
+        cudaEventDestroy(ev);
+      for (cudaStream_t s : streams)
+        cudaStreamDestroy(s);
+      for (void* p : pinned)
+        cudaFreeHost(p);
+    }
+  }
+  std::printf("{\"probe\":\"read-dma\",\"sample_ok\":%s}\n",
+              SampleMatches(file, device, size / 3 / kChunk * kChunk) ? "true" : "false");
+  cudaFree(device);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr,
+                 "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE\n",
+                 argv[0]);
+    return 2;
+  }
+  const std::string probe = argv[1];
+  File file(argv[2]);
+  if (file.size < 256 * kMiB) {
+    std::fprintf(stderr, "gpulazy-cuda-probes: %s is smaller than 256 MiB\n", argv[2]);
+    return 2;
+  }
+  file.WarmPageCache();
+  if (probe == "pin-page-cache") {
+    const size_t window = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 256) * kMiB;
+    const int in_flight = argc > 4 ? std::atoi(argv[4]) : 4;
+    if (window == 0 || in_flight < 1) return 2;
+    PinPageCache(file, window, in_flight);
+  } else if (probe == "read-dma") {
+    ReadDma(file);
+  } else {
+    std::fprintf(stderr, "gpulazy-cuda-probes: unknown probe %s\n", probe.c_str());
+    return 2;
+  }
+  return 0;
+}
