@@ -18,6 +18,7 @@
 
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
+#include "plugin/dump.h"
 #include "plugin/handoff.h"
 #include "plugin/kfd.h"
 #include "plugin/router.h"
@@ -232,6 +233,59 @@ TEST(Topology, BacktracksPastAGreedyChoice) {
 }
 
 // ---- config ----
+
+// io links: read from sysfs by link number; the dump keeps those to other GPUs (upstream's
+// topology_to_devinfo), not those to CPU nodes or to nodes that are not there.
+TEST(Topology, IoLinksAreReadAndDumpedToOtherGpus) {
+  TempDir dir;
+  const fs::path nodes = dir.path / "nodes";
+  auto node = [&](int n, uint32_t gpu_id, std::vector<std::pair<int, int>> links) {
+    fs::create_directories(nodes / std::to_string(n));
+    std::ofstream(nodes / std::to_string(n) / "gpu_id") << gpu_id << "\n";
+    std::ofstream(nodes / std::to_string(n) / "properties")
+        << "device_id 29772\nio_links_count " << links.size() << "\n";
+    for (size_t l = 0; l < links.size(); ++l) {
+      const fs::path link = nodes / std::to_string(n) / "io_links" / std::to_string(l);
+      fs::create_directories(link);
+      std::ofstream(link / "properties") << "type " << links[l].first << "\nnode_from " << n
+                                         << "\nnode_to " << links[l].second << "\nweight 15\n";
+    }
+  };
+  node(0, 0, {{2, 1}, {2, 2}});                 // the CPU
+  node(1, 0x1111, {{2, 0}, {11, 2}, {11, 7}});  // PCIe to the CPU, XGMI to 2, to a gone 7
+  node(2, 0x2222, {{2, 0}, {11, 1}});
+  // Link directories are numbered; 10 sorts after 9 numerically, not as text.
+  for (int l = 3; l <= 10; ++l) {
+    const fs::path link = nodes / "2" / "io_links" / std::to_string(l);
+    fs::create_directories(link);
+    std::ofstream(link / "properties")
+        << "type " << (l == 10 ? 11 : 2) << "\nnode_to " << (l == 10 ? 1 : 0) << "\n";
+  }
+  auto topology = ReadTopology(dir.path);
+  ASSERT_TRUE(topology.ok()) << topology.status().ToString();
+  ASSERT_EQ(topology->size(), 2u);
+  ASSERT_EQ((*topology)[0].io_links.size(), 3u);
+  EXPECT_EQ((*topology)[0].io_links[1].type, 11u);
+  EXPECT_EQ((*topology)[0].io_links[1].node_to, 2u);
+  ASSERT_EQ((*topology)[1].io_links.size(), 10u);
+  EXPECT_EQ((*topology)[1].io_links[9].type, 11u);  // link 10, last
+  criu::KfdDevice first;
+  DescribeDevice((*topology)[0], *topology, &first);
+  ASSERT_EQ(first.links_size(), 1);
+  EXPECT_EQ(first.links(0).link_type(), 11u);
+  EXPECT_EQ(first.links(0).peer_node_id(), 2u);
+  EXPECT_EQ(first.io_links_count(), 3u);  // sysfs's count, as upstream keeps it
+  EXPECT_TRUE(first.IsInitialized()) << first.InitializationErrorString();
+  criu::KfdDevice second;
+  DescribeDevice((*topology)[1], *topology, &second);
+  EXPECT_EQ(second.links_size(), 2);  // links 1 and 10 lead to node 1
+  // A link without node_to is a corrupt tree, named.
+  std::ofstream(nodes / "2" / "io_links" / "3" / "properties") << "type 2\n";
+  auto bad = ReadTopology(dir.path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("io_links/3"), std::string::npos)
+      << bad.status().ToString();
+}
 
 TEST(Config, EnvironmentAndFile) {
   TempDir dir;
