@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -57,8 +58,20 @@ Result<int> TaskRestorer::RestoreFile(const fs::path& image_dir, int id, int han
 
 Result<GpuMapping> TaskRestorer::MappingFrom(const std::vector<criu::KfdDevice>& devices,
                                              const std::string& image) {
+  if (mapping_) {
+    // The same devices as the file that fixed the mapping (in any order: every KFD image of a
+    // dump lists the same GPUs, not always in the same order, and MapGpus' choice among equal
+    // GPUs follows the order): keep the mapping, already checked against the topology.
+    const bool same = std::all_of(devices.begin(), devices.end(), [&](const criu::KfdDevice& d) {
+      auto it = mapped_devices_.find(d.gpu_id());
+      return it != mapped_devices_.end() && it->second == d.SerializeAsString();
+    });
+    if (same) return *mapping_;
+  }
   GPULAZY_ASSIGN_OR_RETURN(std::vector<LocalGpu> local, ReadTopology(config_.topology_root));
   GPULAZY_ASSIGN_OR_RETURN(GpuMapping mapping, MapGpus(devices, local, config_.checks));
+  for (const criu::KfdDevice& d : devices)
+    mapped_devices_.emplace(d.gpu_id(), d.SerializeAsString());
   if (!mapping_) {
     mapping_ = mapping;
     return mapping;

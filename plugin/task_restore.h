@@ -69,7 +69,7 @@ class TaskRestorer {
   // The render nodes the BOs were restored through, by local gpu id, open for UPDATE_VMA_MAP.
   std::map<uint32_t, UniqueFd> render_fds_;
   std::optional<GpuMapping> mapping_;
-  std::vector<criu::KfdDevice> mapped_devices_;             // what mapping_ was made from
+  std::map<uint32_t, std::string> mapped_devices_;          // gpu_id -> entry mapping_ covers
   std::map<uint32_t, std::unique_ptr<DrmFile>> drm_files_;  // by local gpu id
 };
 

@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -747,6 +748,75 @@ TEST_F(RenderNodeTest, NoKfdImageToMapWith) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("no amdgpu-kfd-<id>.img"), std::string::npos)
       << r.status().ToString();
+}
+
+// The task's KFD image lists the GPUs in another order than the image the render node was
+// mapped with: MapGpus would pick differently among equal GPUs, but the task keeps one mapping.
+class RenderNodeTwoImagesTest : public RenderNodeTest {
+ protected:
+  void SetUp() override {
+    RenderNodeTest::SetUp();
+    fs::remove_all(images);
+    image::SynthOptions o;
+    o.out = images;
+    o.gpus = 2;
+    o.bos = 8;
+    o.total_bytes = 2 << 20;
+    o.processes = 2;
+    auto r = image::SynthesizeCheckpoint(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto bytes = ReadWholeFile(images / criu_format::KfdImageName(2), 1 << 30);
+    ASSERT_TRUE(bytes.ok());
+    auto m = criu_format::ParseKfdProcess(std::span(*bytes).subspan(8), "kfd");
+    ASSERT_TRUE(m.ok());
+    second = *m;
+    std::reverse(second.mutable_devices()->begin(), second.mutable_devices()->end());
+  }
+  void WriteSecond() {
+    gpulazy::testing::WriteCriuFile(images / criu_format::KfdImageName(2),
+                                    second.SerializeAsString());
+  }
+  criu::KfdProcess second;
+};
+
+TEST_F(RenderNodeTwoImagesTest, ReorderedDevicesKeepTheMapping) {
+  WriteSecond();
+  const uint32_t gpu = devices[0].gpu_id();
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(21, gpu), 10);
+  Result<int> render = Restore(21);  // maps with amdgpu-kfd-1.img's order
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd render_fd(*render);
+  Result<int> kfd = Restore(2);
+  ASSERT_TRUE(kfd.ok()) << kfd.status().ToString();
+  const criu::KfdBo* on_gpu = nullptr;
+  for (const auto& bo : second.bos())
+    if (bo.gpu_id() == gpu && criu_format::HasContents(bo.alloc_flags())) on_gpu = &bo;
+  ASSERT_NE(on_gpu, nullptr);
+  uint64_t pgoff = 0;
+  int vma_fd = -1;
+  ASSERT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD128", on_gpu->gpu_va(),
+                                           on_gpu->mmap_offset(), &pgoff, &vma_fd)),
+            1);
+  UniqueFd kfd_bo_fd(vma_fd);
+  EXPECT_TRUE(SameOpenFile(render_fd.get(), kfd_bo_fd.get()));
+}
+
+TEST_F(RenderNodeTwoImagesTest, AFileMappingAGpuElsewhereIsAnError) {
+  // Different entries (an unchecked field changed) are mapped afresh, in the reversed order.
+  for (auto& d : *second.mutable_devices())
+    d.set_capability(d.capability() ^ 1);
+  WriteSecond();
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(22, devices[0].gpu_id()), 11);
+  Result<int> render = Restore(22);
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd render_fd(*render);
+  Result<int> kfd = Restore(2);
+  ASSERT_FALSE(kfd.ok());
+  EXPECT_NE(kfd.status().message().find("an earlier file of this task mapped it"),
+            std::string::npos)
+      << kfd.status().ToString();
+  EXPECT_NE(kfd.status().message().find("amdgpu-kfd-2.img"), std::string::npos)
+      << kfd.status().ToString();
 }
 
 TEST(RealKfdProvider, OpensRenderNodesUnderTheConfiguredRoot) {
