@@ -71,6 +71,9 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
     c.fake_kfd = value;
   } else if (key == "topology") {
     c.topology_root = value;
+  } else if (key == "dri_root") {
+    if (value.empty()) return InvalidArgument("dri_root: empty path");
+    c.dri_root = value;
   } else if (key == "fault_socket") {
     c.fault_socket = value;
   } else if (key == "window") {
@@ -94,10 +97,10 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
 }
 
 const char* const kKeys[] = {
-    "mode",      "server",          "image",        "token",  "engine",
-    "fake_kfd",  "topology",        "fault_socket", "window", "resume_timeout_ms",
-    "log_level", "lazy_image",      "token_file",   "tls_ca", "tls_cert",
-    "tls_key",   "tls_server_name", "insecure_tcp"};
+    "mode",      "server",          "image",        "token",   "engine",
+    "fake_kfd",  "topology",        "fault_socket", "window",  "resume_timeout_ms",
+    "log_level", "lazy_image",      "token_file",   "tls_ca",  "tls_cert",
+    "tls_key",   "tls_server_name", "insecure_tcp", "dri_root"};
 
 }  // namespace
 

@@ -16,8 +16,11 @@
 //   engine            GPULAZY_ENGINE            auto | sdma | host (auto: sdma on a real KFD)
 //   fake_kfd          GPULAZY_FAKE_KFD          state directory of the fake KFD (tests only)
 //   topology          GPULAZY_TOPOLOGY          KFD topology root (default
-//   /sys/class/kfd/kfd/topology) fault_socket      GPULAZY_FAULT_SOCKET      path of the fault
-//   channel (lazy mode) window            GPULAZY_WINDOW            client credit window in bytes
+//                                               /sys/class/kfd/kfd/topology)
+//   dri_root          GPULAZY_DRI_ROOT          where render nodes are opened:
+//                                               <dri_root>/renderD<minor> (default /dev/dri)
+//   fault_socket      GPULAZY_FAULT_SOCKET      path of the fault channel (lazy mode)
+//   window            GPULAZY_WINDOW            client credit window in bytes
 //   resume_timeout_ms GPULAZY_RESUME_TIMEOUT_MS most a RESUME_DEVICES_LATE waits for contents
 //   check_*           GPULAZY_CHECK_*           topology checks (topology.h), 0 disables one
 //   lazy_image        GPULAZY_LAZY_IMAGE        dump: also write the lazy image (0 | 1)
@@ -54,6 +57,7 @@ struct PluginConfig {
   EngineKind engine = EngineKind::kAuto;
   std::filesystem::path fake_kfd;
   std::filesystem::path topology_root = "/sys/class/kfd/kfd/topology";
+  std::filesystem::path dri_root = "/dev/dri";
   std::filesystem::path fault_socket;
   uint64_t window_bytes = 16u << 20;
   std::chrono::milliseconds resume_timeout{600'000};

@@ -24,7 +24,8 @@ Status PluginContext::EnsureConfig() {
   if (config_) return Status::Ok();
   GPULAZY_ASSIGN_OR_RETURN(PluginConfig c, LoadConfigFromProcess());
   spdlog::set_level(spdlog::level::from_str(c.log_level));
-  kfd_ = c.fake_kfd.empty() ? MakeRealKfdProvider() : MakeFakeKfdProvider(c.fake_kfd.string());
+  kfd_ = c.fake_kfd.empty() ? MakeRealKfdProvider(c.dri_root.string())
+                            : MakeFakeKfdProvider(c.fake_kfd.string(), c.dri_root.string());
   config_ = std::move(c);
   return Status::Ok();
 }

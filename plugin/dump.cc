@@ -10,12 +10,13 @@
 
 namespace gpulazy::plugin {
 
-void DescribeDevice(const LocalGpu& gpu, criu::KfdDevice* device) {
+void DescribeDevice(const LocalGpu& gpu, const std::vector<LocalGpu>& topology,
+                    criu::KfdDevice* device) {
   const auto* r = device->GetReflection();
   const auto* desc = device->GetDescriptor();
   for (int f = 0; f < desc->field_count(); ++f) {
     const auto* field = desc->field(f);
-    if (field->is_repeated()) continue;  // io links: not described yet (docs/criu.md)
+    if (field->is_repeated()) continue;  // the io links, below
     const uint64_t value = gpu.Get(field->name());
     if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT32)
       r->SetUInt32(device, field, static_cast<uint32_t>(value));
@@ -26,6 +27,18 @@ void DescribeDevice(const LocalGpu& gpu, criu::KfdDevice* device) {
   device->set_gpu_id(gpu.gpu_id);
   device->set_vram_size(gpu.vram_size);
   device->set_vram_public(gpu.vram_public ? 1 : 0);
+  // As upstream's dump (topology_to_devinfo): the links that lead to another GPU of the
+  // topology; links to CPU nodes and to nodes that are not there are left out. io_links_count
+  // stays sysfs's count of all links, as upstream keeps it.
+  for (const IoLink& link : gpu.io_links) {
+    const bool to_gpu = std::any_of(topology.begin(), topology.end(), [&](const LocalGpu& g) {
+      return g.node_id == link.node_to && g.gpu_id != gpu.gpu_id;
+    });
+    if (!to_gpu) continue;
+    criu::TopologyLink* l = device->add_links();
+    l->set_link_type(link.type);
+    l->set_peer_node_id(link.node_to);
+  }
 }
 
 Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
@@ -75,7 +88,7 @@ Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
       return NotFound("gpu {:#x} of the dumped process is not in the KFD topology",
                       d.actual_gpu_id);
     criu::KfdDevice* device = m.add_devices();
-    DescribeDevice(*local, device);
+    DescribeDevice(*local, topology, device);
     device->set_gpu_id(d.user_gpu_id);  // the id the BO entries use (a restored process's)
   }
   std::map<uint32_t, uint64_t> per_gpu;

@@ -17,7 +17,9 @@ Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
                    const std::vector<LocalGpu>& topology);
 
 // Fills every scalar field of `device` from `gpu`: the sysfs property of the same name (the
-// image's field names are sysfs's), node and gpu ids, VRAM from the memory banks.
-void DescribeDevice(const LocalGpu& gpu, criu::KfdDevice* device);
+// image's field names are sysfs's), node and gpu ids, VRAM from the memory banks, and the io
+// links that lead to another GPU of `topology` (kfd_device_entry.iolinks, field 32).
+void DescribeDevice(const LocalGpu& gpu, const std::vector<LocalGpu>& topology,
+                    criu::KfdDevice* device);
 
 }  // namespace gpulazy::plugin

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "lazy-server/image/io.h"
+#include "plugin/drm_file.h"
 #include "proto/status.h"
 
 namespace gpulazy::plugin {
@@ -51,16 +52,24 @@ class KfdProvider {
   virtual bool IsKfd(int fd) const = 0;
   // Whether `path` (of a mapping, UPDATE_VMA_MAP) is the KFD device node.
   virtual bool IsKfdPath(const std::string& path) const = 0;
-  // Opens the DRM render node for device buckets.
+  // Opens the DRM render node <dri_root>/renderD<minor> (device buckets, render-node files).
   virtual Result<UniqueFd> OpenRenderNode(uint32_t minor) = 0;
+  // The GEM ioctls on an open render node (render-node BOs); does not own `render_fd`.
+  virtual std::unique_ptr<DrmFile> AttachDrm(int render_fd) = 0;
   virtual bool real() const = 0;
 };
 
-// /dev/kfd and /dev/dri/renderD<minor>.
-std::unique_ptr<KfdProvider> MakeRealKfdProvider();
+// /dev/kfd and <dri_root>/renderD<minor> (dri_root: /dev/dri unless configured).
+std::unique_ptr<KfdProvider> MakeRealKfdProvider(std::string dri_root = "/dev/dri");
 // The fake driver: state shared between processes lives in `state_dir` (restored pids, resumed
 // pids, and for dump a `live/` CRIU checkpoint standing for the running process's GPU state).
-std::unique_ptr<KfdProvider> MakeFakeKfdProvider(const std::string& state_dir);
+// Render nodes: <dri_root>/renderD<minor> when that exists (tests point dri_root at a
+// directory of plain files), else an anonymous memfd named after the node. Its DrmFile keeps
+// BOs as memfds and logs, per process, to drm-<pid> in `state_dir`, in hex: "bo <handle> <fd>"
+// per created BO (fd: its memfd in that process), "mv <handle> <new handle>", "close <handle>"
+// and "va <handle> <va> <offset> <size>" per VA mapping.
+std::unique_ptr<KfdProvider> MakeFakeKfdProvider(const std::string& state_dir,
+                                                 std::string dri_root = "/dev/dri");
 
 std::string_view CriuOpName(uint32_t op);
 

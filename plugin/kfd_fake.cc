@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -203,9 +204,93 @@ class FakeKfd : public Kfd {
   std::vector<UniqueFd> bos_;
 };
 
+// The fake render node's GEM objects: memfds by handle, VA ranges of this file.
+class FakeDrmFile : public DrmFile {
+ public:
+  explicit FakeDrmFile(fs::path state) : state_(std::move(state)) {}
+
+  Result<uint32_t> Create(uint64_t size, uint64_t alignment, uint32_t domains,
+                          uint64_t domain_flags) override {
+    (void)domain_flags;                     // creation flags only steer placement
+    constexpr uint32_t kAllDomains = 0x3f;  // AMDGPU_GEM_DOMAIN_MASK
+    if (size == 0 || size % 4096 != 0 || (alignment & (alignment - 1)) != 0 || domains == 0 ||
+        (domains & ~kAllDomains) != 0)
+      return ErrnoError(EINVAL, "fake GEM_CREATE: size {} alignment {} domains {:#x}", size,
+                        alignment, domains);
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd memfd,
+                             MakeMemfd("gpulazy-drm-bo-" + std::to_string(next_), size));
+    Log(fmt::format("bo {:x} {:x}", next_, memfd.get()));
+    bos_.emplace(next_, Bo{std::move(memfd), size});
+    return next_++;
+  }
+  Status ChangeHandle(uint32_t handle, uint32_t new_handle) override {
+    auto it = bos_.find(handle);
+    if (it == bos_.end() || new_handle == 0)
+      return ErrnoError(EINVAL, "fake GEM_CHANGE_HANDLE {} -> {}", handle, new_handle);
+    if (bos_.count(new_handle) != 0)
+      return ErrnoError(EEXIST, "fake GEM_CHANGE_HANDLE {} -> {}: in use", handle, new_handle);
+    Bo bo = std::move(it->second);
+    bos_.erase(it);
+    Log(fmt::format("mv {:x} {:x}", handle, new_handle));
+    bos_.emplace(new_handle, std::move(bo));
+    return Status::Ok();
+  }
+  Result<UniqueFd> Export(uint32_t handle) override {
+    GPULAZY_ASSIGN_OR_RETURN(Bo * bo, Find(handle));
+    int fd = ::fcntl(bo->memfd.get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ErrnoError(errno, "fake PRIME_HANDLE_TO_FD {}", handle);
+    return UniqueFd(fd);
+  }
+  Result<uint64_t> MmapOffset(uint32_t handle) override {
+    GPULAZY_ASSIGN_OR_RETURN(Bo * bo, Find(handle));
+    (void)bo;
+    return kRestoredOffsetBias + (static_cast<uint64_t>(handle) << 32);
+  }
+  Status MapVa(uint32_t handle, uint64_t va, uint64_t offset_in_bo, uint64_t size,
+               uint64_t flags) override {
+    (void)flags;
+    GPULAZY_ASSIGN_OR_RETURN(Bo * bo, Find(handle));
+    if (size == 0 || va % 4096 != 0 || size % 4096 != 0 || offset_in_bo % 4096 != 0 ||
+        offset_in_bo > bo->size || size > bo->size - offset_in_bo || va + size < va)
+      return ErrnoError(EINVAL, "fake GEM_VA of handle {} at {:#x}: {} bytes at offset {}", handle,
+                        va, size, offset_in_bo);
+    auto next = vas_.lower_bound(va);
+    if ((next != vas_.end() && next->first < va + size) ||
+        (next != vas_.begin() && std::prev(next)->second > va))
+      return ErrnoError(EINVAL, "fake GEM_VA of handle {} at {:#x}: overlaps a mapping", handle,
+                        va);
+    vas_[va] = va + size;
+    Log(fmt::format("va {:x} {:x} {:x} {:x}", handle, va, offset_in_bo, size));
+    return Status::Ok();
+  }
+  void Close(uint32_t handle) override {
+    if (bos_.erase(handle) != 0) Log(fmt::format("close {:x}", handle));
+  }
+
+ private:
+  struct Bo {
+    UniqueFd memfd;
+    uint64_t size = 0;
+  };
+  Result<Bo*> Find(uint32_t handle) {
+    auto it = bos_.find(handle);
+    if (it == bos_.end()) return ErrnoError(ENOENT, "fake GEM handle {} does not exist", handle);
+    return &it->second;
+  }
+  void Log(const std::string& line) {
+    std::ofstream(state_ / ("drm-" + std::to_string(::getpid())), std::ios::app) << line << "\n";
+  }
+
+  fs::path state_;
+  uint32_t next_ = 1;
+  std::map<uint32_t, Bo> bos_;
+  std::map<uint64_t, uint64_t> vas_;  // start -> end
+};
+
 class FakeKfdProvider : public KfdProvider {
  public:
-  explicit FakeKfdProvider(fs::path state) : state_(std::move(state)) {}
+  FakeKfdProvider(fs::path state, fs::path dri_root)
+      : state_(std::move(state)), dri_root_(std::move(dri_root)) {}
   std::string_view name() const override { return "fake-kfd"; }
   Result<std::unique_ptr<Kfd>> Open() override {
     GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, MakeMemfd(kFakeKfdName, 0));
@@ -220,18 +305,29 @@ class FakeKfdProvider : public KfdProvider {
     return path == "/dev/kfd" || path.find(kFakeKfdName) != std::string::npos;
   }
   Result<UniqueFd> OpenRenderNode(uint32_t minor) override {
-    return MakeMemfd("gpulazy-fake-renderD" + std::to_string(minor), 0);
+    const fs::path node = dri_root_ / ("renderD" + std::to_string(minor));
+    std::error_code ec;
+    if (!fs::exists(node, ec)) return MakeMemfd("gpulazy-fake-renderD" + std::to_string(minor), 0);
+    int fd = ::open(node.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return ErrnoError(errno, "open {}", node.string());
+    return UniqueFd(fd);
+  }
+  std::unique_ptr<DrmFile> AttachDrm(int render_fd) override {
+    (void)render_fd;
+    return std::make_unique<FakeDrmFile>(state_);
   }
   bool real() const override { return false; }
 
  private:
   fs::path state_;
+  fs::path dri_root_;
 };
 
 }  // namespace
 
-std::unique_ptr<KfdProvider> MakeFakeKfdProvider(const std::string& state_dir) {
-  return std::make_unique<FakeKfdProvider>(state_dir);
+std::unique_ptr<KfdProvider> MakeFakeKfdProvider(const std::string& state_dir,
+                                                 std::string dri_root) {
+  return std::make_unique<FakeKfdProvider>(state_dir, std::move(dri_root));
 }
 
 }  // namespace gpulazy::plugin

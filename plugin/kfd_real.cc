@@ -36,6 +36,7 @@ class RealKfd : public Kfd {
 
 class RealKfdProvider : public KfdProvider {
  public:
+  explicit RealKfdProvider(std::string dri_root) : dri_root_(std::move(dri_root)) {}
   std::string_view name() const override { return "kfd"; }
   Result<std::unique_ptr<Kfd>> Open() override {
     int fd = ::open(kKfdPath, O_RDWR | O_CLOEXEC);
@@ -53,18 +54,22 @@ class RealKfdProvider : public KfdProvider {
   }
   bool IsKfdPath(const std::string& path) const override { return path == kKfdPath; }
   Result<UniqueFd> OpenRenderNode(uint32_t minor) override {
-    std::string path = "/dev/dri/renderD" + std::to_string(minor);
+    std::string path = dri_root_ + "/renderD" + std::to_string(minor);
     int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return ErrnoError(errno, "open {}", path);
     return UniqueFd(fd);
   }
+  std::unique_ptr<DrmFile> AttachDrm(int render_fd) override { return MakeRealDrmFile(render_fd); }
   bool real() const override { return true; }
+
+ private:
+  std::string dri_root_;
 };
 
 }  // namespace
 
-std::unique_ptr<KfdProvider> MakeRealKfdProvider() {
-  return std::make_unique<RealKfdProvider>();
+std::unique_ptr<KfdProvider> MakeRealKfdProvider(std::string dri_root) {
+  return std::make_unique<RealKfdProvider>(std::move(dri_root));
 }
 
 std::string_view CriuOpName(uint32_t op) {

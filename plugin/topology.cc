@@ -52,6 +52,28 @@ Status ReadVram(const fs::path& node, LocalGpu& gpu) {
 
 }  // namespace
 
+// node/io_links/<m>/properties, by link number; a node without io_links has none.
+Status ReadIoLinks(const fs::path& node, LocalGpu& gpu) {
+  std::error_code ec;
+  const fs::path links = node / "io_links";
+  if (!fs::is_directory(links, ec)) return Status::Ok();
+  std::map<uint32_t, IoLink> by_number;
+  for (const fs::directory_entry& link : fs::directory_iterator(links, ec)) {
+    const std::string name = link.path().filename().string();
+    if (name.empty() || name.size() > 9 || !std::all_of(name.begin(), name.end(), ::isdigit))
+      continue;
+    GPULAZY_ASSIGN_OR_RETURN(auto p, ReadProperties(link.path() / "properties"));
+    if (!p.count("type") || !p.count("node_to"))
+      return Corrupt("{}/properties: an io link without type or node_to", link.path().string());
+    by_number[static_cast<uint32_t>(std::stoul(name))] =
+        IoLink{static_cast<uint32_t>(p["type"]), static_cast<uint32_t>(p["node_to"])};
+  }
+  if (ec) return IoError("listing {}: {}", links.string(), ec.message());
+  for (const auto& [number, l] : by_number)
+    gpu.io_links.push_back(l);
+  return Status::Ok();
+}
+
 Result<std::vector<LocalGpu>> ReadTopology(const fs::path& root) {
   std::error_code ec;
   fs::path nodes = root / "nodes";
@@ -69,6 +91,7 @@ Result<std::vector<LocalGpu>> ReadTopology(const fs::path& root) {
     gpu.gpu_id = static_cast<uint32_t>(id);
     GPULAZY_ASSIGN_OR_RETURN(gpu.properties, ReadProperties(entry.path() / "properties"));
     GPULAZY_RETURN_IF_ERROR(ReadVram(entry.path(), gpu));
+    GPULAZY_RETURN_IF_ERROR(ReadIoLinks(entry.path(), gpu));
     gpus.push_back(std::move(gpu));
   }
   if (ec) return IoError("listing {}: {}", nodes.string(), ec.message());
@@ -225,6 +248,14 @@ Status WriteFakeTopology(const fs::path& root, const std::vector<criu::KfdDevice
       std::ofstream(bank / "properties")
           << "heap_type " << banks[b].first << "\nsize_in_bytes " << banks[b].second
           << "\nflags 0\nwidth 4096\nmem_clk_max 1600\n";
+    }
+    for (int l = 0; l < d.links_size(); ++l) {
+      fs::path link = node / "io_links" / std::to_string(l);
+      fs::create_directories(link, ec);
+      if (ec) return IoError("creating {}: {}", link.string(), ec.message());
+      std::ofstream(link / "properties")
+          << "type " << d.links(l).link_type() << "\nversion_major 0\nversion_minor 0\nnode_from "
+          << i + 1 << "\nnode_to " << d.links(l).peer_node_id() << "\nweight 20\n";
     }
   }
   // A CPU node, as every real tree has one.

@@ -15,6 +15,13 @@
 
 namespace gpulazy::plugin {
 
+// One io link of a node (nodes/<n>/io_links/<m>/properties): its type (KFD's
+// CRAT_IOLINK_TYPE_*, e.g. 2 PCIe express, 11 XGMI) and the node it leads to.
+struct IoLink {
+  uint32_t type = 0;
+  uint32_t node_to = 0;
+};
+
 struct LocalGpu {
   uint32_t node_id = 0;
   uint32_t gpu_id = 0;
@@ -23,11 +30,13 @@ struct LocalGpu {
   // the thunk counts VRAM; the node's properties file has no VRAM size.
   uint64_t vram_size = 0;
   bool vram_public = false;                    // a public (CPU-visible) frame-buffer heap exists
+  std::vector<IoLink> io_links;                // in link-number order
   uint64_t Get(const std::string& key) const;  // 0 when absent
 };
 
-// Reads root/nodes/<n>/{gpu_id,properties,mem_banks/<m>/properties}; nodes whose gpu_id is 0
-// are CPUs and skipped. A missing root is kNotFound ("no KFD topology at ...").
+// Reads root/nodes/<n>/{gpu_id,properties,mem_banks/<m>/properties,io_links/<m>/properties};
+// nodes whose gpu_id is 0 are CPUs and skipped. A missing root is kNotFound ("no KFD topology at
+// ...").
 Result<std::vector<LocalGpu>> ReadTopology(const std::filesystem::path& root);
 
 // Which properties must agree. Names are the config keys (check_<name>).
@@ -60,7 +69,8 @@ std::string Incompatibility(const criu::KfdDevice& device, const LocalGpu& local
                             const TopologyChecks& checks);
 
 // Writes a fake topology tree describing `devices` (tests and demos): one node per device, its
-// VRAM as one public frame-buffer bank plus a system-memory bank (which is not VRAM).
+// VRAM as one public frame-buffer bank plus a system-memory bank (which is not VRAM), its
+// links as io_links as they stand (peer node ids are not renumbered).
 Status WriteFakeTopology(const std::filesystem::path& root,
                          const std::vector<criu::KfdDevice>& devices);
 

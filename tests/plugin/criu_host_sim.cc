@@ -35,6 +35,13 @@
 //                      after-resume: (lazy) kill it only after every task resumed, while the
 //                                server is still stopped; exit(RESTORE, 0) and the others'
 //                                contents must be as usual.
+//   --render F:R     the task restoring KFD file F also has render-node file R: it calls
+//                    RESTORE_EXT_FILE(R) too, before its KFD file with --render-first 1, else
+//                    after. The answer must be an fd of a render node that the task keeps (as
+//                    CRIU installs it), the same open file UPDATE_VMA_MAP hands out for the
+//                    render node's BOs, whose contents must match --expect-drm (lines
+//                    "R handle size va mmap_offset pages_path"; contents after the 8-byte
+//                    header) through the fake DRM's memfds (its drm-<pid> log, kfd.h).
 //   --fault-check    lazy mode: after resume and before exit, each task asks the fault channel
 //                    (libgpulazy_fault) for the last page of its last BO, checks those bytes,
 //                    and the error cases (a range outside every BO, a zero length); after exit
@@ -82,8 +89,18 @@ struct ExpectedBo {
   uint64_t gpu_va = 0;
 };
 
+struct ExpectedRenderBo {
+  int render_id = 0;
+  uint32_t handle = 0;
+  uint64_t size = 0;
+  uint64_t gpu_va = 0;
+  uint64_t mmap_offset = 0;
+  std::string pages_path;
+};
+
 struct Task {
   int file_id = 0;           // 0: a task without GPU state
+  int render_id = 0;         // --render: its render-node file, 0 for none
   int report[2] = {-1, -1};  // task -> master
   int go[2] = {-1, -1};      // master -> task
   pid_t pid = -1;
@@ -94,6 +111,8 @@ std::vector<int> g_fdstore;
 std::vector<std::string> g_claimed;
 int g_kill_index = -1;  // --kill
 bool g_fault_check = false;
+bool g_render_first = false;
+std::vector<ExpectedRenderBo> g_expected_drm;
 
 // CRIU's master has its own handlers; the plugin must leave them as they are.
 constexpr int kWatchedSignals[] = {SIGTERM, SIGINT, SIGCHLD};
@@ -385,6 +404,81 @@ std::string CheckVmaMaps(const std::vector<ExpectedBo>& expected, int file_id) {
   return "";
 }
 
+// Two fds share one open file description exactly when a seek on one moves the other.
+bool SameOpenFile(int a, int b) {
+  const off_t mark = 4321;
+  if (::lseek(a, mark, SEEK_SET) != mark) return false;
+  bool same = ::lseek(b, 0, SEEK_CUR) == mark;
+  (void)::lseek(a, 0, SEEK_SET);
+  return same;
+}
+
+std::string FdTarget(int fd) {
+  char target[512] = {};
+  ssize_t n =
+      ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), target, sizeof(target) - 1);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
+}
+
+// The fake DRM's live BOs in this process, handle -> memfd (its drm-<pid> log, kfd.h).
+std::map<uint32_t, int> FakeDrmBos() {
+  std::map<uint32_t, int> out;
+  const char* kfd_state = std::getenv("GPULAZY_FAKE_KFD");
+  std::ifstream log(std::string(kfd_state ? kfd_state : "") + "/drm-" + std::to_string(::getpid()));
+  std::string line;
+  while (std::getline(log, line)) {
+    std::istringstream in(line);
+    std::string kind;
+    uint64_t a = 0, b = 0;
+    in >> kind >> std::hex >> a >> b;
+    if (kind == "bo") out[static_cast<uint32_t>(a)] = static_cast<int>(b);
+    if (kind == "mv") {
+      out[static_cast<uint32_t>(b)] = out[static_cast<uint32_t>(a)];
+      out.erase(static_cast<uint32_t>(a));
+    }
+    if (kind == "close") out.erase(static_cast<uint32_t>(a));
+  }
+  return out;
+}
+
+// --render: what RESTORE_EXT_FILE answered for the render node, checked. "" when right.
+std::string CheckRenderNode(int render_id, int render_fd) {
+  if (render_fd < 0)
+    return "RESTORE_EXT_FILE(render " + std::to_string(render_id) +
+           ") = " + std::to_string(render_fd);
+  const std::string target = FdTarget(render_fd);
+  if (target.find("/renderD") == std::string::npos)
+    return "the render node's fd is " + target + ", no render node";
+  auto update = Hook<gpulazy_update_vma_map_t>(GPULAZY_HOOK_UPDATE_VMA_MAP);
+  std::map<uint32_t, int> memfds = FakeDrmBos();
+  size_t mine = 0;
+  for (const ExpectedRenderBo& bo : g_expected_drm) {
+    if (bo.render_id != render_id) continue;
+    ++mine;
+    const std::string which = "render BO " + std::to_string(bo.handle);
+    uint64_t pgoff = 0;
+    int fd = -1;
+    int rc = update("/dev/dri/renderD128", bo.gpu_va, bo.mmap_offset, &pgoff, &fd);
+    if (rc != 1 || fd < 0) return which + ": UPDATE_VMA_MAP(renderD) = " + std::to_string(rc);
+    const bool same = SameOpenFile(render_fd, fd);
+    ::close(fd);
+    if (!same) return which + ": UPDATE_VMA_MAP's fd is not the file RESTORE_EXT_FILE gave";
+    auto it = memfds.find(bo.handle);
+    if (it == memfds.end()) return which + ": no BO under its checkpointed handle";
+    std::vector<uint8_t> want(bo.size), got(bo.size);
+    int pages = ::open(bo.pages_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (pages < 0) return "cannot open " + bo.pages_path;
+    bool read = ReadFileAt(pages, 8, want) && ReadFileAt(it->second, 0, got);
+    ::close(pages);
+    if (!read) return which + ": short read";
+    if (want != got) return which + ": contents differ from " + bo.pages_path;
+  }
+  if (mine == 0) return "no render BOs expected for render file " + std::to_string(render_id);
+  Say("task %d: render node %d: %s, %zu BOs byte-exact, one open file with UPDATE_VMA_MAP's",
+      ::getpid(), render_id, target.c_str(), mine);
+  return "";
+}
+
 struct Report {
   int32_t pid = 0;
   int32_t rc = 0;  // RESTORE_EXT_FILE's answer (or, for a plain task, 0 when its hooks said no)
@@ -402,11 +496,15 @@ int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
     char stage = 0;
     if (!ReadAll(task.go[0], &stage, 1, kTaskTimeoutS * 1000) || stage != 's') return 2;
   }
+  int render_fd = -1;  // as CRIU would have installed it, kept to the end
   if (task.file_id > 0) {
+    if (task.render_id > 0 && g_render_first) render_fd = restore(task.render_id, &retry);
     report.rc = restore(task.file_id, &retry);
+    if (task.render_id > 0 && !g_render_first) render_fd = restore(task.render_id, &retry);
     std::string why;
     if (report.rc >= 0) {
       why = CheckVmaMaps(expected, task.file_id);
+      if (why.empty() && task.render_id > 0) why = CheckRenderNode(task.render_id, render_fd);
       if (!why.empty()) report.rc = -EPROTO;
     }
     if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
@@ -440,6 +538,9 @@ int TaskMain(Task& task, const std::vector<ExpectedBo>& expected) {
       }
   }
   if (why.empty() && task.file_id > 0) why = CheckContents(expected, task.file_id);
+  if (why.empty() && task.render_id > 0 &&
+      FdTarget(render_fd).find("/renderD") == std::string::npos)
+    why = "the render node's fd did not last until the end";
   if (!why.empty()) Say("task %d: %s", report.pid, why.c_str());
   char verdict = why.empty() ? 1 : 0;
   (void)WriteAll(task.report[1], &verdict, 1);
@@ -502,7 +603,8 @@ int DumpMain(int dump_id) {
 
 int main(int argc, char** argv) {
   ::alarm(kMasterTimeoutS);
-  std::string plugin, images, expect_path;
+  std::string plugin, images, expect_path, expect_drm_path;
+  std::vector<std::string> renders;
   std::vector<Task> tasks;
   int dump_id = 0;
   pid_t stop_pid = -1;
@@ -534,8 +636,34 @@ int main(int argc, char** argv) {
       kill_after_resume = true;
     else if (flag == "--fault-check" && (value == "1" || value == "0"))
       g_fault_check = value == "1";
+    else if (flag == "--render-first" && (value == "1" || value == "0"))
+      g_render_first = value == "1";
+    else if (flag == "--render")
+      renders.push_back(value);
+    else if (flag == "--expect-drm")
+      expect_drm_path = value;
     else
       return Fail("unknown flag %s", flag.c_str());
+  }
+  for (const std::string& r : renders) {
+    int file = 0, render = 0;
+    if (std::sscanf(r.c_str(), "%d:%d", &file, &render) != 2 || render <= 0)
+      return Fail("--render takes KFD_FILE:RENDER_FILE, not %s", r.c_str());
+    bool found = false;
+    for (Task& t : tasks)
+      if (t.file_id == file) {
+        t.render_id = render;
+        found = true;
+      }
+    if (!found) return Fail("--render %s: no task restores KFD file %d", r.c_str(), file);
+  }
+  if (!expect_drm_path.empty()) {
+    std::ifstream in(expect_drm_path);
+    ExpectedRenderBo bo;
+    while (in >> bo.render_id >> bo.handle >> bo.size >> bo.gpu_va >> bo.mmap_offset >>
+           bo.pages_path)
+      g_expected_drm.push_back(bo);
+    if (g_expected_drm.empty()) return Fail("cannot parse %s", expect_drm_path.c_str());
   }
   if (plugin.empty() || images.empty() || (tasks.empty() && dump_id <= 0))
     return Fail("usage: --plugin SO --images DIR [--expect FILE] --task ID|none ... | --dump ID");

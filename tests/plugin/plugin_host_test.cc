@@ -25,6 +25,7 @@
 #include "lazy-server/image/synth.h"
 #include "plugin/topology.h"
 #include "proto/criu_file.h"
+#include "tests/support/render_node_images.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy::plugin {
@@ -202,6 +203,74 @@ TEST_P(ContentsTest, BosMatchThePagesFiles) {
       << out.output;
   // The in-process server runs inside the host: its handlers stay, our threads block signals.
   EXPECT_NE(out.output.find("signals: host handlers untouched"), std::string::npos) << out.output;
+}
+
+// ---- render-node files: a task with a KFD file and a render-node file (upstream format) ----
+
+struct RenderCase {
+  const char* mode;
+  bool render_first;  // RESTORE_EXT_FILE for the render node before the task's KFD file
+};
+
+class RenderNodeHostTest : public PluginHostTest,
+                           public ::testing::WithParamInterface<RenderCase> {};
+
+TEST_P(RenderNodeHostTest, RenderNodeFdAndBosBesideByteExactKfdContents) {
+  ASSERT_NO_FATAL_FAILURE(Make(2));
+  const fs::path dri = dir_ / "dri";
+  fs::create_directories(dri);
+  for (const auto& d : devices_)
+    std::ofstream(dri / ("renderD" + std::to_string(d.drm_render_minor()))) << "node\n";
+  std::ofstream expect(dir_ / "expect-drm");
+  for (uint32_t p = 1; p <= 2; ++p) {
+    using gpulazy::testing::RenderBoSpec;
+    const uint32_t id = 100 + p;
+    const criu::RenderNode node = gpulazy::testing::MakeRenderNode(
+        id, devices_[p - 1].gpu_id(), 200 + p,
+        {RenderBoSpec{64 << 10, criu_format::kGemDomainVram, 7, 0x7f0000000000ull},
+         RenderBoSpec{8 << 10, criu_format::kGemDomainGtt, 2, 0x7f0000100000ull},
+         RenderBoSpec{4 << 10, 0x1 /* CPU: no contents */, 1, 0}});
+    gpulazy::testing::WriteRenderNodeImages(images_, node, p);
+    for (int i = 0; i < 2; ++i)
+      expect << id << " " << node.bos(i).handle() << " " << node.bos(i).size() << " "
+             << node.bos(i).gpu_va() << " " << node.bos(i).mmap_offset() << " "
+             << (images_ / criu_format::DrmPagesImageName(id, 200 + p, static_cast<uint32_t>(i)))
+                    .string()
+             << "\n";
+  }
+  expect.close();
+  Outcome out =
+      Sim({"1", "2"}, {{"GPULAZY_MODE", GetParam().mode}, {"GPULAZY_DRI_ROOT", dri}}, "criu",
+          {"--render", "1:101", "--render", "2:102", "--render-first",
+           GetParam().render_first ? "1" : "0", "--expect-drm", (dir_ / "expect-drm").string()});
+  EXPECT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  for (const char* node : {"render node 101: ", "render node 102: "})
+    EXPECT_NE(out.output.find(node), std::string::npos) << node << "\n" << out.output;
+  EXPECT_NE(out.output.find((dri / "renderD").string()), std::string::npos) << out.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, RenderNodeHostTest,
+                         ::testing::Values(RenderCase{"eager", false}, RenderCase{"eager", true},
+                                           RenderCase{"parallel", false},
+                                           RenderCase{"parallel", true}, RenderCase{"lazy", false},
+                                           RenderCase{"lazy", true}),
+                         [](const ::testing::TestParamInfo<RenderCase>& info) {
+                           return std::string(info.param.mode) +
+                                  (info.param.render_first ? "_RenderFirst" : "_KfdFirst");
+                         });
+
+// A render-node file whose GPU the checkpoint does not have fails in the task, naming it.
+TEST_F(PluginHostTest, RenderNodeOfAnUnknownGpuFailsRestoreExtFile) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  gpulazy::testing::WriteRenderNodeImages(
+      images_, gpulazy::testing::MakeRenderNode(101, 0xdead, 200, {{}}), 1);
+  std::ofstream(dir_ / "expect-drm") << "101 1 4096 0 0 /nonexistent\n";
+  Outcome out = Sim({"1"}, {{"GPULAZY_MODE", "parallel"}}, "criu",
+                    {"--render", "1:101", "--expect-drm", (dir_ / "expect-drm").string()});
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("RESTORE_EXT_FILE(render 101) = -5"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("amdgpu-renderD-101.img: gpu 0xdead"), std::string::npos) << out.output;
 }
 
 std::vector<Case> AllCases() {

@@ -8,23 +8,28 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
+#include "plugin/dump.h"
 #include "plugin/handoff.h"
 #include "plugin/kfd.h"
 #include "plugin/router.h"
 #include "plugin/sdma_engine.h"
 #include "plugin/sdma_packets.h"
+#include "plugin/task_restore.h"
 #include "plugin/topology.h"
 #include "proto/criu_file.h"
 #include "tests/plugin/fake_amdgpu.h"
+#include "tests/support/render_node_images.h"
 
 namespace gpulazy::plugin {
 namespace {
@@ -230,6 +235,59 @@ TEST(Topology, BacktracksPastAGreedyChoice) {
 
 // ---- config ----
 
+// io links: read from sysfs by link number; the dump keeps those to other GPUs (upstream's
+// topology_to_devinfo), not those to CPU nodes or to nodes that are not there.
+TEST(Topology, IoLinksAreReadAndDumpedToOtherGpus) {
+  TempDir dir;
+  const fs::path nodes = dir.path / "nodes";
+  auto node = [&](int n, uint32_t gpu_id, std::vector<std::pair<int, int>> links) {
+    fs::create_directories(nodes / std::to_string(n));
+    std::ofstream(nodes / std::to_string(n) / "gpu_id") << gpu_id << "\n";
+    std::ofstream(nodes / std::to_string(n) / "properties")
+        << "device_id 29772\nio_links_count " << links.size() << "\n";
+    for (size_t l = 0; l < links.size(); ++l) {
+      const fs::path link = nodes / std::to_string(n) / "io_links" / std::to_string(l);
+      fs::create_directories(link);
+      std::ofstream(link / "properties") << "type " << links[l].first << "\nnode_from " << n
+                                         << "\nnode_to " << links[l].second << "\nweight 15\n";
+    }
+  };
+  node(0, 0, {{2, 1}, {2, 2}});                 // the CPU
+  node(1, 0x1111, {{2, 0}, {11, 2}, {11, 7}});  // PCIe to the CPU, XGMI to 2, to a gone 7
+  node(2, 0x2222, {{2, 0}, {11, 1}});
+  // Link directories are numbered; 10 sorts after 9 numerically, not as text.
+  for (int l = 3; l <= 10; ++l) {
+    const fs::path link = nodes / "2" / "io_links" / std::to_string(l);
+    fs::create_directories(link);
+    std::ofstream(link / "properties")
+        << "type " << (l == 10 ? 11 : 2) << "\nnode_to " << (l == 10 ? 1 : 0) << "\n";
+  }
+  auto topology = ReadTopology(dir.path);
+  ASSERT_TRUE(topology.ok()) << topology.status().ToString();
+  ASSERT_EQ(topology->size(), 2u);
+  ASSERT_EQ((*topology)[0].io_links.size(), 3u);
+  EXPECT_EQ((*topology)[0].io_links[1].type, 11u);
+  EXPECT_EQ((*topology)[0].io_links[1].node_to, 2u);
+  ASSERT_EQ((*topology)[1].io_links.size(), 10u);
+  EXPECT_EQ((*topology)[1].io_links[9].type, 11u);  // link 10, last
+  criu::KfdDevice first;
+  DescribeDevice((*topology)[0], *topology, &first);
+  ASSERT_EQ(first.links_size(), 1);
+  EXPECT_EQ(first.links(0).link_type(), 11u);
+  EXPECT_EQ(first.links(0).peer_node_id(), 2u);
+  EXPECT_EQ(first.io_links_count(), 3u);  // sysfs's count, as upstream keeps it
+  EXPECT_TRUE(first.IsInitialized()) << first.InitializationErrorString();
+  criu::KfdDevice second;
+  DescribeDevice((*topology)[1], *topology, &second);
+  EXPECT_EQ(second.links_size(), 2);  // links 1 and 10 lead to node 1
+  // A link without node_to is a corrupt tree, named.
+  std::ofstream(nodes / "2" / "io_links" / "3" / "properties") << "type 2\n";
+  auto bad = ReadTopology(dir.path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("io_links/3"), std::string::npos)
+      << bad.status().ToString();
+}
+
 TEST(Config, EnvironmentAndFile) {
   TempDir dir;
   std::ofstream(dir.path / "p.conf")
@@ -390,6 +448,405 @@ TEST_F(FakeKfdTest, RestoreChecksBucketsAndResumeNeedsRestore) {
   kfd_ioctl_criu_args bad{};
   bad.op = 99;
   EXPECT_EQ((*kfd)->CriuOp(bad), -EINVAL);
+}
+
+// ---- render-node files (RESTORE_EXT_FILE of amdgpu-renderD-<id>.img) ----
+
+// A one-process checkpoint, a fake KFD whose topology matches it, a directory standing for
+// /dev/dri with a plain file per render node, and a TaskRestorer as a restored task runs it.
+class RenderNodeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    image::SynthOptions o;
+    o.out = images;
+    o.gpus = 2;
+    o.bos = 8;
+    o.total_bytes = 1 << 20;
+    ASSERT_TRUE(fs::create_directories(images));
+    auto r = image::SynthesizeCheckpoint(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto bytes = ReadWholeFile(images / criu_format::KfdImageName(1), 1 << 30);
+    ASSERT_TRUE(bytes.ok());
+    auto m = criu_format::ParseKfdProcess(std::span(*bytes).subspan(8), "kfd");
+    ASSERT_TRUE(m.ok());
+    process = *m;
+    devices.assign(process.devices().begin(), process.devices().end());
+    ASSERT_TRUE(WriteFakeTopology(kfd_state / "topology", devices).ok());
+    ASSERT_TRUE(fs::create_directories(dri));
+    for (const auto& d : devices)
+      std::ofstream(dri / ("renderD" + std::to_string(d.drm_render_minor()))) << "node\n";
+    config.mode = Mode::kEager;
+    config.topology_root = kfd_state / "topology";
+    config.fake_kfd = kfd_state;
+    config.dri_root = dri;
+    provider = MakeFakeKfdProvider(kfd_state.string(), dri.string());
+    restorer = std::make_unique<TaskRestorer>(config, *provider);
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
+    handoff_task.reset(sv[0]);
+    handoff_master.reset(sv[1]);
+  }
+
+  // Two VRAM BOs and a GTT one mapped into the GPU's VA space, a CPU-domain BO without
+  // contents, as file `id` on checkpointed GPU `gpu`.
+  criu::RenderNode RenderNode(uint32_t id, uint32_t gpu) {
+    using gpulazy::testing::RenderBoSpec;
+    return gpulazy::testing::MakeRenderNode(
+        id, gpu, 200,
+        {RenderBoSpec{64 << 10, criu_format::kGemDomainVram, 5, 0x7f0000000000ull},
+         RenderBoSpec{8 << 10, 0x1 /* CPU */, 9, 0},
+         RenderBoSpec{12 << 10, criu_format::kGemDomainGtt, 3, 0x7f0000100000ull},
+         RenderBoSpec{4 << 10, criu_format::kGemDomainVram, 2, 0x7f0000200000ull}});
+  }
+
+  Result<int> Restore(int id) { return restorer->RestoreFile(images, id, handoff_task.get()); }
+
+  // The fake DRM's log of this process (kfd.h): the live BOs, handle -> memfd.
+  std::map<uint32_t, int> DrmBos() {
+    std::map<uint32_t, int> out;
+    std::ifstream log(kfd_state / ("drm-" + std::to_string(::getpid())));
+    std::string line;
+    while (std::getline(log, line)) {
+      std::istringstream in(line);
+      std::string kind;
+      uint64_t a = 0, b = 0;
+      in >> kind >> std::hex >> a >> b;
+      if (kind == "bo") out[static_cast<uint32_t>(a)] = static_cast<int>(b);
+      if (kind == "mv") {
+        out[static_cast<uint32_t>(b)] = out[static_cast<uint32_t>(a)];
+        out.erase(static_cast<uint32_t>(a));
+      }
+      if (kind == "close") out.erase(static_cast<uint32_t>(a));
+    }
+    return out;
+  }
+
+  static int OrMinus(const Result<int>& r) { return r.ok() ? *r : -1; }
+
+  static std::string Target(int fd) {
+    char buf[512] = {};
+    ssize_t n = ::readlink(("/proc/self/fd/" + std::to_string(fd)).c_str(), buf, sizeof(buf) - 1);
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+  }
+
+  // Two fds share one open file description exactly when a seek on one moves the other.
+  static bool SameOpenFile(int a, int b) {
+    const off_t mark = 4321;
+    if (::lseek(a, mark, SEEK_SET) != mark) return false;
+    bool same = ::lseek(b, 0, SEEK_CUR) == mark;
+    (void)::lseek(a, 0, SEEK_SET);
+    return same;
+  }
+
+  TempDir dir;
+  fs::path images = dir.path / "ckpt";
+  fs::path kfd_state = dir.path / "kfd";
+  fs::path dri = dir.path / "dri";
+  criu::KfdProcess process;
+  std::vector<criu::KfdDevice> devices;
+  PluginConfig config;
+  std::unique_ptr<KfdProvider> provider;
+  std::unique_ptr<TaskRestorer> restorer;
+  UniqueFd handoff_task, handoff_master;
+};
+
+TEST_F(RenderNodeTest, RenderBeforeKfdSharesTheRenderNodeFileAndRestoresBos) {
+  const uint32_t gpu = devices[1].gpu_id();
+  const criu::RenderNode node = RenderNode(11, gpu);
+  const auto contents = gpulazy::testing::WriteRenderNodeImages(images, node, 3);
+  Result<int> render = Restore(11);
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd render_fd(*render);
+  EXPECT_EQ(Target(render_fd.get()),
+            (dri / ("renderD" + std::to_string(devices[1].drm_render_minor()))).string());
+
+  // Every mapped VRAM/GTT BO under its old handle with its bytes; the CPU BO has no contents.
+  std::map<uint32_t, int> bos = DrmBos();
+  ASSERT_EQ(bos.size(), 4u);
+  for (int i = 0; i < node.bos_size(); ++i) {
+    const criu::RenderBo& bo = node.bos(i);
+    ASSERT_TRUE(bos.count(bo.handle())) << "handle " << bo.handle();
+    std::vector<uint8_t> got(bo.size());
+    ASSERT_EQ(::pread(bos[bo.handle()], got.data(), got.size(), 0),
+              static_cast<ssize_t>(got.size()));
+    if (bo.preferred_domains() == 0x1)
+      EXPECT_EQ(got, std::vector<uint8_t>(bo.size(), 0)) << "CPU BO " << i;
+    else
+      EXPECT_EQ(got, contents[static_cast<size_t>(i)]) << "BO " << i;
+  }
+  // The task's KFD file after its render node: the driver gets the same render-node file, and
+  // a KFD BO on that GPU mmaps through it too.
+  Result<int> kfd = Restore(1);
+  ASSERT_TRUE(kfd.ok()) << kfd.status().ToString();
+  const criu::KfdBo* on_gpu = nullptr;
+  for (const auto& bo : process.bos())
+    if (bo.gpu_id() == gpu && criu_format::HasContents(bo.alloc_flags())) on_gpu = &bo;
+  ASSERT_NE(on_gpu, nullptr);
+  uint64_t pgoff = 0;
+  int vma_fd = -1;
+  ASSERT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD128", on_gpu->gpu_va(),
+                                           on_gpu->mmap_offset(), &pgoff, &vma_fd)),
+            1);
+  UniqueFd kfd_bo_fd(vma_fd);
+  EXPECT_TRUE(SameOpenFile(render_fd.get(), kfd_bo_fd.get()));
+  // A render BO mmaps at the driver's new offset through that same file.
+  const criu::RenderBo& first = node.bos(0);
+  ASSERT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD200", first.gpu_va(),
+                                           first.mmap_offset(), &pgoff, &vma_fd)),
+            1);
+  UniqueFd render_bo_fd(vma_fd);
+  EXPECT_EQ(pgoff, (1ull << 40) + (uint64_t{first.handle()} << 32));
+  EXPECT_TRUE(SameOpenFile(render_fd.get(), render_bo_fd.get()));
+}
+
+TEST_F(RenderNodeTest, KfdBeforeRenderSharesTheRenderNodeFile) {
+  Result<int> kfd = Restore(1);
+  ASSERT_TRUE(kfd.ok()) << kfd.status().ToString();
+  const uint32_t gpu = devices[0].gpu_id();
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(12, gpu), 4);
+  Result<int> render = Restore(12);
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd render_fd(*render);
+  const criu::KfdBo* on_gpu = nullptr;
+  for (const auto& bo : process.bos())
+    if (bo.gpu_id() == gpu && criu_format::HasContents(bo.alloc_flags())) on_gpu = &bo;
+  ASSERT_NE(on_gpu, nullptr);
+  uint64_t pgoff = 0;
+  int vma_fd = -1;
+  ASSERT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD128", on_gpu->gpu_va(),
+                                           on_gpu->mmap_offset(), &pgoff, &vma_fd)),
+            1);
+  UniqueFd kfd_bo_fd(vma_fd);
+  EXPECT_TRUE(SameOpenFile(render_fd.get(), kfd_bo_fd.get()));
+  EXPECT_EQ(DrmBos().size(), 4u);
+}
+
+TEST_F(RenderNodeTest, ReleaseFormatHoldsOnlyTheGpu) {
+  // CRIU 4.x: criu_render_node { gpu_id } and nothing else.
+  criu::RenderNode node;
+  node.set_gpu_id(devices[0].gpu_id());
+  gpulazy::testing::WriteCriuFile(images / criu_format::RenderNodeImageName(13),
+                                  node.SerializePartialAsString());
+  Result<int> render = Restore(13);
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd fd(*render);
+  EXPECT_EQ(Target(fd.get()),
+            (dri / ("renderD" + std::to_string(devices[0].drm_render_minor()))).string());
+  EXPECT_TRUE(DrmBos().empty());
+}
+
+TEST_F(RenderNodeTest, MissingImageIsNotOurs) {
+  Result<int> r = Restore(77);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kNotFound);  // -ENOTSUP: the next plugin's
+}
+
+TEST_F(RenderNodeTest, UnknownGpuIsAnErrorNamingFileAndGpu) {
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(14, 0xdead), 1);
+  Result<int> r = Restore(14);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kIoError);  // ours, failed: not -ENOTSUP
+  EXPECT_NE(r.status().message().find("amdgpu-renderD-14.img"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("0xdead"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(DrmBos().empty());
+}
+
+TEST_F(RenderNodeTest, TruncatedOrCorruptImagesAreErrorsNamingTheFile) {
+  const std::string good = RenderNode(15, devices[0].gpu_id()).SerializeAsString();
+  const fs::path path = images / criu_format::RenderNodeImageName(15);
+  auto expect_error = [&](const std::string& what) {
+    Result<int> r = Restore(15);
+    ASSERT_FALSE(r.ok()) << what;
+    EXPECT_NE(r.status().message().find("amdgpu-renderD-15.img"), std::string::npos)
+        << what << ": " << r.status().ToString();
+  };
+  std::ofstream(path, std::ios::binary) << "abc";  // shorter than the header
+  expect_error("short header");
+  gpulazy::testing::WriteCriuFile(path, good);
+  fs::resize_file(path, fs::file_size(path) - 10);  // header says more than follows
+  expect_error("truncated payload");
+  gpulazy::testing::WriteCriuFile(
+      path, good.substr(0, good.size() / 2));  // consistent header, cut message
+  expect_error("cut message");
+  criu::RenderNode lying = RenderNode(15, devices[0].gpu_id());
+  lying.set_bo_count(99);
+  gpulazy::testing::WriteCriuFile(path, lying.SerializeAsString());
+  expect_error("wrong BO count");
+  criu::RenderNode outside = RenderNode(15, devices[0].gpu_id());
+  outside.mutable_bos(0)->mutable_mappings(0)->set_size(1ull << 40);
+  gpulazy::testing::WriteCriuFile(path, outside.SerializeAsString());
+  expect_error("VA mapping past the BO");
+  EXPECT_TRUE(DrmBos().empty());
+}
+
+TEST_F(RenderNodeTest, BadPagesFilesInstallNothing) {
+  const criu::RenderNode node = RenderNode(16, devices[0].gpu_id());
+  gpulazy::testing::WriteRenderNodeImages(images, node, 5);
+  const fs::path pages = images / criu_format::DrmPagesImageName(16, 200, 2);
+  fs::resize_file(pages, fs::file_size(pages) - 4096);
+  Result<int> r = Restore(16);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("amdgpu-drm-pages-16-200-0002.img"), std::string::npos)
+      << r.status().ToString();
+  fs::remove(pages);
+  r = Restore(16);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("amdgpu-drm-pages-16-200-0002.img"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_TRUE(DrmBos().empty());
+  uint64_t pgoff = 0;
+  int fd = -1;
+  EXPECT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD200", node.bos(0).gpu_va(),
+                                           node.bos(0).mmap_offset(), &pgoff, &fd)),
+            0);
+}
+
+TEST_F(RenderNodeTest, ImportedBoIsUnsupportedAndInstallsNothing) {
+  criu::RenderNode node = RenderNode(17, devices[0].gpu_id());
+  node.mutable_bos(3)->set_is_import(1);
+  gpulazy::testing::WriteRenderNodeImages(images, node, 6);
+  Result<int> r = Restore(17);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("imported"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(DrmBos().empty());
+}
+
+TEST_F(RenderNodeTest, DriverRefusalUndoesTheFile) {
+  // Two BOs mapped at overlapping VAs: the driver refuses the second mapping.
+  criu::RenderNode node = RenderNode(18, devices[0].gpu_id());
+  node.mutable_bos(2)->mutable_mappings(0)->set_gpu_va(node.bos(0).gpu_va() + 4096);
+  gpulazy::testing::WriteRenderNodeImages(images, node, 7);
+  Result<int> r = Restore(18);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("overlaps"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(DrmBos().empty());  // the BOs made before the refusal are closed again
+  uint64_t pgoff = 0;
+  int fd = -1;
+  EXPECT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD200", node.bos(0).gpu_va(),
+                                           node.bos(0).mmap_offset(), &pgoff, &fd)),
+            0);
+}
+
+TEST_F(RenderNodeTest, WrongTopologyFailsTheRenderNodeRestore) {
+  fs::remove_all(kfd_state / "topology");
+  std::vector<criu::KfdDevice> other = devices;
+  for (auto& d : other)
+    d.set_device_id(0x1234);
+  ASSERT_TRUE(WriteFakeTopology(kfd_state / "topology", other).ok());
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(19, devices[0].gpu_id()), 8);
+  Result<int> r = Restore(19);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("device_id"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(DrmBos().empty());
+}
+
+TEST_F(RenderNodeTest, NoKfdImageToMapWith) {
+  fs::remove(images / criu_format::KfdImageName(1));
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(20, devices[0].gpu_id()), 9);
+  Result<int> r = Restore(20);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("no amdgpu-kfd-<id>.img"), std::string::npos)
+      << r.status().ToString();
+}
+
+// The task's KFD image lists the GPUs in another order than the image the render node was
+// mapped with: MapGpus would pick differently among equal GPUs, but the task keeps one mapping.
+class RenderNodeTwoImagesTest : public RenderNodeTest {
+ protected:
+  void SetUp() override {
+    RenderNodeTest::SetUp();
+    fs::remove_all(images);
+    image::SynthOptions o;
+    o.out = images;
+    o.gpus = 2;
+    o.bos = 8;
+    o.total_bytes = 2 << 20;
+    o.processes = 2;
+    auto r = image::SynthesizeCheckpoint(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    auto bytes = ReadWholeFile(images / criu_format::KfdImageName(2), 1 << 30);
+    ASSERT_TRUE(bytes.ok());
+    auto m = criu_format::ParseKfdProcess(std::span(*bytes).subspan(8), "kfd");
+    ASSERT_TRUE(m.ok());
+    second = *m;
+    std::reverse(second.mutable_devices()->begin(), second.mutable_devices()->end());
+  }
+  void WriteSecond() {
+    gpulazy::testing::WriteCriuFile(images / criu_format::KfdImageName(2),
+                                    second.SerializeAsString());
+  }
+  criu::KfdProcess second;
+};
+
+TEST_F(RenderNodeTwoImagesTest, ReorderedDevicesKeepTheMapping) {
+  WriteSecond();
+  const uint32_t gpu = devices[0].gpu_id();
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(21, gpu), 10);
+  Result<int> render = Restore(21);  // maps with amdgpu-kfd-1.img's order
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd render_fd(*render);
+  Result<int> kfd = Restore(2);
+  ASSERT_TRUE(kfd.ok()) << kfd.status().ToString();
+  const criu::KfdBo* on_gpu = nullptr;
+  for (const auto& bo : second.bos())
+    if (bo.gpu_id() == gpu && criu_format::HasContents(bo.alloc_flags())) on_gpu = &bo;
+  ASSERT_NE(on_gpu, nullptr);
+  uint64_t pgoff = 0;
+  int vma_fd = -1;
+  ASSERT_EQ(OrMinus(restorer->UpdateVmaMap("/dev/dri/renderD128", on_gpu->gpu_va(),
+                                           on_gpu->mmap_offset(), &pgoff, &vma_fd)),
+            1);
+  UniqueFd kfd_bo_fd(vma_fd);
+  EXPECT_TRUE(SameOpenFile(render_fd.get(), kfd_bo_fd.get()));
+}
+
+TEST_F(RenderNodeTwoImagesTest, AFileMappingAGpuElsewhereIsAnError) {
+  // Different entries (an unchecked field changed) are mapped afresh, in the reversed order.
+  for (auto& d : *second.mutable_devices())
+    d.set_capability(d.capability() ^ 1);
+  WriteSecond();
+  gpulazy::testing::WriteRenderNodeImages(images, RenderNode(22, devices[0].gpu_id()), 11);
+  Result<int> render = Restore(22);
+  ASSERT_TRUE(render.ok()) << render.status().ToString();
+  UniqueFd render_fd(*render);
+  Result<int> kfd = Restore(2);
+  ASSERT_FALSE(kfd.ok());
+  EXPECT_NE(kfd.status().message().find("an earlier file of this task mapped it"),
+            std::string::npos)
+      << kfd.status().ToString();
+  EXPECT_NE(kfd.status().message().find("amdgpu-kfd-2.img"), std::string::npos)
+      << kfd.status().ToString();
+}
+
+TEST(RealKfdProvider, OpensRenderNodesUnderTheConfiguredRoot) {
+  TempDir dir;
+  std::ofstream(dir.path / "renderD130") << "x";
+  auto provider = MakeRealKfdProvider(dir.path.string());
+  Result<UniqueFd> fd = provider->OpenRenderNode(130);
+  ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+  char buf[256] = {};
+  ASSERT_GT(::readlink(("/proc/self/fd/" + std::to_string(fd->get())).c_str(), buf, 255), 0);
+  EXPECT_EQ(std::string(buf), (dir.path / "renderD130").string());
+  Result<UniqueFd> missing = provider->OpenRenderNode(131);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find((dir.path / "renderD131").string()), std::string::npos);
+}
+
+TEST(Config, DriRoot) {
+  auto c = LoadConfig([](const std::string& k) -> std::optional<std::string> {
+    if (k == "GPULAZY_CONFIG") return "/dev/null";
+    if (k == "GPULAZY_DRI_ROOT") return "/tmp/dri";
+    return std::nullopt;
+  });
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->dri_root, "/tmp/dri");
+  auto d = LoadConfig([](const std::string& k) -> std::optional<std::string> {
+    if (k == "GPULAZY_CONFIG") return "/dev/null";
+    return std::nullopt;
+  });
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->dri_root, "/dev/dri");
 }
 
 // ---- SDMA engine pipelining ----

@@ -300,6 +300,95 @@ TEST(CriuFileTest, ParseRejectsGarbage) {
   EXPECT_EQ(criu_format::ParseKfdProcess({}, "x").status().code(), Code::kCorrupt);
 }
 
+namespace {
+std::vector<uint8_t> Bytes(const google::protobuf::MessageLite& m, bool partial = false) {
+  std::string s = partial ? m.SerializePartialAsString() : m.SerializeAsString();
+  return {s.begin(), s.end()};
+}
+criu::RenderNode OneBoNode() {
+  criu::RenderNode node;
+  node.set_gpu_id(0xc0de);
+  node.set_file_id(7);
+  node.set_drm_render_minor(128);
+  node.set_bo_count(1);
+  criu::RenderBo* bo = node.add_bos();
+  bo->set_gpu_va(0x100000);
+  bo->set_size(8192);
+  bo->set_mmap_offset(0x1000);
+  bo->set_alloc_flags(0);
+  bo->set_alignment(4096);
+  bo->set_preferred_domains(criu_format::kGemDomainVram);
+  bo->set_handle(1);
+  bo->set_is_import(0);
+  bo->set_mapping_count(1);
+  criu::RenderBoMapping* m = bo->add_mappings();
+  m->set_gpu_va(0x100000);
+  m->set_size(8192);
+  m->set_offset_in_bo(0);
+  m->set_flags(0);
+  return node;
+}
+}  // namespace
+
+TEST(CriuFileTest, RenderNodeForms) {
+  criu::RenderNode release;  // CRIU 4.x: gpu_id alone
+  release.set_gpu_id(0xc0de);
+  auto r = criu_format::ParseRenderNode(Bytes(release, true), "x");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->gpu_id(), 0xc0deu);
+  EXPECT_EQ(r->bos_size(), 0);
+  auto full = criu_format::ParseRenderNode(Bytes(OneBoNode()), "x");
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  EXPECT_EQ(full->bos(0).mappings(0).size(), 8192u);
+  // Half of criu-dev's fields: neither form.
+  criu::RenderNode half;
+  half.set_gpu_id(1);
+  half.set_file_id(2);
+  EXPECT_EQ(criu_format::ParseRenderNode(Bytes(half, true), "x").status().code(), Code::kCorrupt);
+  EXPECT_EQ(criu_format::ParseRenderNode({}, "x").status().code(), Code::kCorrupt);
+}
+
+TEST(CriuFileTest, RenderNodeBoTableIsChecked) {
+  auto expect_corrupt = [](const criu::RenderNode& node, const char* why) {
+    auto r = criu_format::ParseRenderNode(Bytes(node, true), "amdgpu-renderD-7.img");
+    ASSERT_FALSE(r.ok()) << why;
+    EXPECT_EQ(r.status().code(), Code::kCorrupt) << why;
+    EXPECT_THAT(r.status().message(), ::testing::HasSubstr("amdgpu-renderD-7.img")) << why;
+  };
+  criu::RenderNode n = OneBoNode();
+  n.set_bo_count(2);
+  expect_corrupt(n, "BO count");
+  n = OneBoNode();
+  n.mutable_bos(0)->set_size(0);
+  expect_corrupt(n, "zero size");
+  n = OneBoNode();
+  *n.add_bos() = n.bos(0);
+  n.set_bo_count(2);
+  expect_corrupt(n, "repeated handle");
+  n = OneBoNode();
+  n.mutable_bos(0)->set_mapping_count(3);
+  expect_corrupt(n, "mapping count");
+  n = OneBoNode();
+  n.mutable_bos(0)->mutable_mappings(0)->set_offset_in_bo(4096);
+  expect_corrupt(n, "mapping past the end");
+  n = OneBoNode();
+  n.mutable_bos(0)->mutable_mappings(0)->set_offset_in_bo(~0ull);
+  expect_corrupt(n, "offset overflow");
+  n = OneBoNode();
+  n.mutable_bos(0)->mutable_mappings(0)->set_gpu_va(~0ull - 100);
+  expect_corrupt(n, "VA wraps");
+}
+
+TEST(CriuFileTest, DrmPagesAndDmabufNames) {
+  EXPECT_EQ(criu_format::DrmPagesImageName(3, 128, 10), "amdgpu-drm-pages-3-128-000a.img");
+  criu::DmabufNode d;
+  d.set_gem_handle(9);
+  auto r = criu_format::ParseDmabufNode(Bytes(d), "x");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->gem_handle(), 9u);
+  EXPECT_FALSE(criu_format::ParseDmabufNode({}, "x").ok());
+}
+
 // --- Sizes ---------------------------------------------------------------------------------
 
 TEST(SizeTest, Accepts) {
