@@ -60,7 +60,8 @@ Status PluginContext::Init(int stage) {
   } else {
     handoff_task_ = std::move(task_end);
   }
-  task_ = std::make_unique<TaskRestorer>(*config_, *kfd_);
+  task_ = std::make_unique<TaskRestorer>(*config_, *kfd_,
+                                         [this](uint32_t gpu) { return MakeEngine(gpu); });
   spdlog::info("gpulazy: restoring GPU state from {} ({} mode)", image_dir_.string(),
                ModeName(config_->mode));
   return Status::Ok();

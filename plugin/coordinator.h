@@ -38,9 +38,6 @@ class Server;
 
 namespace gpulazy::plugin {
 
-// Makes the engine for a local GPU (SDMA on hardware, host in tests).
-using EngineFactory = std::function<Result<std::unique_ptr<DeviceEngine>>(uint32_t local_gpu_id)>;
-
 class RestoreCoordinator {
  public:
   RestoreCoordinator(PluginConfig config, std::filesystem::path image_dir, UniqueFd handoff,

@@ -36,4 +36,18 @@ Status HostDmabufEngine::Write(uint32_t bo, uint64_t offset, std::span<const uin
   return Status::Ok();
 }
 
+Status HostDmabufEngine::ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t> out) {
+  std::shared_ptr<Target> target;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = targets_.find(bo);
+    if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
+    target = it->second;
+  }
+  if (offset > target->size || out.size() > target->size - offset)
+    return OutOfRange("read-back [{}, +{}) past BO {} of {} bytes", offset, out.size(), bo,
+                      target->size);
+  return ReadExactAt(target->fd.get(), offset, out, fmt::format("dmabuf of BO {}", bo));
+}
+
 }  // namespace gpulazy::plugin

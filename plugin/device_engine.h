@@ -5,6 +5,7 @@
 // Thread-safety: as CopyEngine; Bind may run concurrently with Write for other BOs.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,7 +25,18 @@ class DeviceEngine : public client::CopyEngine {
   // was issued. The default keeps the BO until the engine goes away.
   virtual void Release(uint32_t bo) { (void)bo; }
   Status AddDestination(uint32_t bo, uint64_t size) override { return Status::Ok(); }
+  // Reads [offset, offset + out.size()) of a bound BO back, to check a copy that must be
+  // checked before anything runs (render-node BOs). kUnsupported where reading back needs a
+  // DMA of its own (SDMA: not implemented yet).
+  virtual Status ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t> out) {
+    (void)bo, (void)offset, (void)out;
+    return Unsupported("{} engine: no read-back", name());
+  }
 };
+
+// Makes the engine for a local GPU (SDMA on hardware, host in tests): the master's coordinator
+// and an eager task's own copy both use it, so eager mode copies the way the hardware allows.
+using EngineFactory = std::function<Result<std::unique_ptr<DeviceEngine>>(uint32_t local_gpu_id)>;
 
 class HostDmabufEngine : public DeviceEngine {
  public:
@@ -34,6 +46,7 @@ class HostDmabufEngine : public DeviceEngine {
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
   Status Flush() override { return Status::Ok(); }
+  Status ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t> out) override;
 
  private:
   struct Target {

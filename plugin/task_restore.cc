@@ -233,8 +233,10 @@ Status TaskRestorer::RestoreRenderBos(const fs::path& image_dir, uint32_t file_i
         GPULAZY_RETURN_IF_ERROR(
             drm.MapVa(bo.handle(), m.gpu_va(), m.offset_in_bo(), m.size(), m.flags()));
     }
-    // Contents: here, now, one BO after another, and read back (render-node BOs are not lazy).
-    HostDmabufEngine engine;
+    // Contents: here, now, one BO after another, and read back where the engine can (render-node
+    // BOs are not lazy).
+    GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<DeviceEngine> engine_owner, make_engine_(local_id));
+    DeviceEngine& engine = *engine_owner;
     std::vector<uint8_t> buffer, check;
     for (auto& [i, in] : pages) {
       const criu::RenderBo& bo = node.bos(i);
@@ -253,7 +255,9 @@ Status TaskRestorer::RestoreRenderBos(const fs::path& image_dir, uint32_t file_i
             ReadExactAt(in.get(), criu_format::kHeaderSize + off, buffer, file));
         GPULAZY_RETURN_IF_ERROR(engine.Write(index, off, buffer, [](const Status&) {}));
         GPULAZY_RETURN_IF_ERROR(engine.Flush());
-        GPULAZY_RETURN_IF_ERROR(ReadExactAt(out, off, check, "dmabuf of " + file));
+        Status read_back = engine.ReadBack(index, off, check);
+        if (read_back.code() == Code::kUnsupported) continue;  // SDMA: see DeviceEngine::ReadBack
+        GPULAZY_RETURN_IF_ERROR(read_back);
         if (check != buffer)
           return IoError("{}: BO {} reads back different bytes at offset {} after the copy", name,
                          i, off);
@@ -360,7 +364,17 @@ Result<int> TaskRestorer::RestoreKfdImage(const fs::path& image_dir, uint32_t fi
 
 Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
                                std::vector<HandedBo>& bos) {
-  HostDmabufEngine engine;  // eager is the baseline: plain writes from this task
+  // Eager is the baseline: this task copies its own BOs, one after another, through the engine
+  // its GPU needs (SDMA on hardware: a dmabuf of VRAM cannot simply be written).
+  std::map<uint32_t, std::unique_ptr<DeviceEngine>> engines;  // by local gpu id
+  auto engine_for = [&](uint32_t local_gpu_id) -> Result<DeviceEngine*> {
+    auto it = engines.find(local_gpu_id);
+    if (it == engines.end()) {
+      GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<DeviceEngine> made, make_engine_(local_gpu_id));
+      it = engines.emplace(local_gpu_id, std::move(made)).first;
+    }
+    return it->second.get();
+  };
   if (!config_.server.empty()) {
     // Contents from the page server: only this task's BOs, one after another. The session
     // streams from Start on, so writes to BOs not bound yet must be parked, not dropped (a
@@ -387,7 +401,8 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
         auto it = index.find(bo.bo_index);
         if (it == index.end())
           return NotFound("BO {} of amdgpu-kfd-{}.img not served", bo.bo_index, file_id);
-        GPULAZY_RETURN_IF_ERROR(router.Bind(it->second, &engine, std::move(bo.dmabuf), bo.size));
+        GPULAZY_ASSIGN_OR_RETURN(DeviceEngine * engine, engine_for(bo.local_gpu_id));
+        GPULAZY_RETURN_IF_ERROR(router.Bind(it->second, engine, std::move(bo.dmabuf), bo.size));
         mine.emplace(it->second, bo.size);
       }
       for (uint32_t i = 0; i < session.bos().size(); ++i)
@@ -413,7 +428,8 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
     if (it == content.end())
       return NotFound("BO {} of amdgpu-kfd-{}.img has no contents", bo.bo_index, file_id);
     GPULAZY_ASSIGN_OR_RETURN(UniqueFd in, OpenForRead(image_dir / it->second->pages_file));
-    GPULAZY_RETURN_IF_ERROR(engine.Bind(bo.bo_index, std::move(bo.dmabuf), bo.size));
+    GPULAZY_ASSIGN_OR_RETURN(DeviceEngine * engine, engine_for(bo.local_gpu_id));
+    GPULAZY_RETURN_IF_ERROR(engine->Bind(bo.bo_index, std::move(bo.dmabuf), bo.size));
     constexpr uint64_t kStep = 2u << 20;
     for (uint64_t off = 0; off < bo.size; off += kStep) {
       buffer.resize(std::min<uint64_t>(kStep, bo.size - off));
@@ -422,8 +438,8 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
                                           buffer, it->second->pages_file));
       // The engine may copy asynchronously (SDMA) and `buffer` is reused next round: wait for
       // this copy to land first. Eager mode is sequential by definition (upstream's baseline).
-      GPULAZY_RETURN_IF_ERROR(engine.Write(bo.bo_index, off, buffer, [](const Status&) {}));
-      GPULAZY_RETURN_IF_ERROR(engine.Flush());
+      GPULAZY_RETURN_IF_ERROR(engine->Write(bo.bo_index, off, buffer, [](const Status&) {}));
+      GPULAZY_RETURN_IF_ERROR(engine->Flush());
     }
   }
   return Status::Ok();

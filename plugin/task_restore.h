@@ -12,9 +12,11 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "plugin/config.h"
+#include "plugin/device_engine.h"
 #include "plugin/kfd.h"
 #include "plugin/topology.h"
 
@@ -22,7 +24,10 @@ namespace gpulazy::plugin {
 
 class TaskRestorer {
  public:
-  TaskRestorer(const PluginConfig& config, KfdProvider& kfd) : config_(config), kfd_(kfd) {}
+  // `engines` makes the engine an eager copy (and a render-node BO's contents) goes through,
+  // per local GPU: SDMA on hardware, where a dmabuf cannot simply be written.
+  TaskRestorer(const PluginConfig& config, KfdProvider& kfd, EngineFactory engines)
+      : config_(config), kfd_(kfd), make_engine_(std::move(engines)) {}
   // The restored KFD fd, or for a render-node image a new fd of the render node (CRIU installs
   // it and closes ours); kNotFound when `id` is neither image (-ENOTSUP).
   // `image_dir` is a path that opens the image directory; `handoff` the task's end of the
@@ -59,6 +64,9 @@ class TaskRestorer {
 
   const PluginConfig& config_;
   KfdProvider& kfd_;
+  // Engines live only as long as one copy: they hold the dmabufs and, for SDMA, a device
+  // handle, none of which may stay open in the restored task.
+  EngineFactory make_engine_;
   std::vector<std::unique_ptr<Kfd>> files_;  // the driver's process state lives as long as these
   struct Remap {
     uint64_t new_pgoff;

@@ -488,6 +488,19 @@ TEST_F(PluginHostTest, MissingTopologyFailsRestoreExtFileWithEio) {
   EXPECT_NE(out.output.find("no KFD topology at"), std::string::npos) << out.output;
 }
 
+// Eager copies go through the engine the plugin makes for the GPU, not a plain write into the
+// dmabuf (which real VRAM dmabufs refuse): asked for SDMA on the fake KFD, whose render node is
+// a memfd, the task's copy must fail in libdrm, naming it -- with the default engine it passes.
+TEST_F(PluginHostTest, EagerCopiesThroughTheConfiguredEngine) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  Outcome host = Sim({"1"}, {{"GPULAZY_MODE", "eager"}, {"GPULAZY_ENGINE", "host"}});
+  EXPECT_EQ(host.exit_code, 0) << host.output;
+  Outcome sdma = Sim({"1"}, {{"GPULAZY_MODE", "eager"}, {"GPULAZY_ENGINE", "sdma"}});
+  EXPECT_NE(sdma.exit_code, 0) << sdma.output;
+  EXPECT_NE(sdma.output.find("sim: FAIL task"), std::string::npos) << sdma.output;
+  EXPECT_NE(sdma.output.find("amdgpu_device_initialize"), std::string::npos) << sdma.output;
+}
+
 TEST_F(PluginHostTest, ServerDownFailsEagerInTheTask) {
   ASSERT_NO_FATAL_FAILURE(Make(1));
   const std::string nowhere = "unix:" + (dir_ / "nobody.sock").string();

@@ -480,7 +480,9 @@ class RenderNodeTest : public ::testing::Test {
     config.fake_kfd = kfd_state;
     config.dri_root = dri;
     provider = MakeFakeKfdProvider(kfd_state.string(), dri.string());
-    restorer = std::make_unique<TaskRestorer>(config, *provider);
+    restorer = std::make_unique<TaskRestorer>(config, *provider, [](uint32_t) {
+      return Result<std::unique_ptr<DeviceEngine>>(std::make_unique<HostDmabufEngine>());
+    });
     int sv[2];
     ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
     handoff_task.reset(sv[0]);
