@@ -144,7 +144,8 @@ Status PluginContext::DumpExtFile(int fd, int id) {
   if (!topology.ok())
     return OursFailed(topology.status().Context("dump of KFD file " + std::to_string(id)));
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<Kfd> kfd, kfd_->Attach(fd));
-  GPULAZY_RETURN_IF_ERROR(OursFailed(DumpKfdFile(*kfd, id, dir, *topology)));
+  GPULAZY_RETURN_IF_ERROR(OursFailed(
+      DumpKfdFile(*kfd, id, dir, *topology, [this](uint32_t gpu) { return MakeEngine(gpu); })));
   dumped_dir_ = dir;
   return Status::Ok();
 }

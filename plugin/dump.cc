@@ -1,8 +1,10 @@
 #include "plugin/dump.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <map>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -42,7 +44,7 @@ void DescribeDevice(const LocalGpu& gpu, const std::vector<LocalGpu>& topology,
 }
 
 Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
-                   const std::vector<LocalGpu>& topology) {
+                   const std::vector<LocalGpu>& topology, const EngineFactory& engines) {
   kfd_ioctl_criu_args info{};
   info.op = KFD_CRIU_OP_PROCESS_INFO;
   int rc = kfd.CriuOp(info);
@@ -104,19 +106,33 @@ Status DumpKfdFile(Kfd& kfd, int id, const std::filesystem::path& image_dir,
   }
   std::vector<uint8_t> buffer;
   for (const auto& [gpu, total] : per_gpu) {
+    // BO entries name GPUs by the process's ids; the engine wants this host's.
+    auto device = std::find_if(devices.begin(), devices.end(),
+                               [&, gpu = gpu](const auto& d) { return d.user_gpu_id == gpu; });
+    if (device == devices.end())
+      return Corrupt("BOs on gpu {:#x}, which CHECKPOINT did not list as a device", gpu);
+    // One engine per GPU, only for this dump: it holds device handles and dmabufs.
+    GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<DeviceEngine> engine, engines(device->actual_gpu_id));
     GPULAZY_ASSIGN_OR_RETURN(
         image::PagesFileWriter w,
         image::PagesFileWriter::Create(image_dir, static_cast<uint32_t>(id), gpu, total));
-    for (const auto& b : bos) {
+    for (size_t i = 0; i < bos.size(); ++i) {
+      const auto& b = bos[i];
       if (b.gpu_id != gpu || !criu_format::HasContents(b.alloc_flags)) continue;
       if (b.dmabuf_fd == kKfdInvalidFd)
         return Corrupt("BO at {:#x} has contents but no dmabuf", b.addr);
+      const int copy = ::fcntl(static_cast<int>(b.dmabuf_fd), F_DUPFD_CLOEXEC, 0);
+      if (copy < 0) return ErrnoError(errno, "dup of the dmabuf of the BO at {:#x}", b.addr);
+      const auto index = static_cast<uint32_t>(i);
+      GPULAZY_RETURN_IF_ERROR(engine->Bind(index, UniqueFd(copy), b.size));
       constexpr uint64_t kStep = 2u << 20;
       for (uint64_t off = 0; off < b.size; off += kStep) {
         buffer.resize(std::min<uint64_t>(kStep, b.size - off));
-        GPULAZY_RETURN_IF_ERROR(ReadExactAt(static_cast<int>(b.dmabuf_fd), off, buffer, "dmabuf"));
+        GPULAZY_RETURN_IF_ERROR(engine->ReadBack(index, off, buffer)
+                                    .Context(fmt::format("reading the BO at {:#x}", b.addr)));
         GPULAZY_RETURN_IF_ERROR(w.Append(buffer));
       }
+      engine->Release(index);
     }
     GPULAZY_RETURN_IF_ERROR(w.Finish());
   }

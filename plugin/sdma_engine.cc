@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -166,6 +167,57 @@ Status SdmaCopyEngine::Flush() {
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] { return outstanding_ == 0; });
   return std::exchange(first_error_, Status::Ok());
+}
+
+Status SdmaCopyEngine::ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t> out) {
+  GPULAZY_RETURN_IF_ERROR(Flush());
+  uint64_t done = 0;
+  while (done < out.size()) {
+    const uint64_t length = std::min<uint64_t>(options_.slot_bytes, out.size() - done);
+    size_t index = 0;
+    uint64_t source = 0;
+    BoHandle target = 0;
+    {
+      std::unique_lock lock(mutex_);
+      auto it = targets_.find(bo);
+      if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
+      if (offset > it->second.size || out.size() > it->second.size - offset)
+        return OutOfRange("read-back [{}, +{}) past BO {} of {} bytes", offset, out.size(), bo,
+                          it->second.size);
+      source = it->second.va + offset + done;
+      target = it->second.handle;
+      cv_.wait(lock, [&] { return !free_slots_.empty(); });
+      index = free_slots_.back();
+      free_slots_.pop_back();
+    }
+    // The slot is ours until it goes back on the free list, whatever happens below.
+    auto give_back = [&] {
+      {
+        std::lock_guard lock(mutex_);
+        free_slots_.push_back(index);
+      }
+      cv_.notify_all();
+    };
+    const Slot& slot = slots_[index];
+    Result<std::vector<uint32_t>> ib = BuildCopyIb(device_->generation(), source, slot.va, length);
+    if (!ib.ok()) {
+      give_back();
+      return ib.status();
+    }
+    const BoHandle resources[] = {target, slot.handle};
+    Result<uint64_t> seq = device_->Submit(*ib, resources);
+    Result<bool> signalled =
+        seq.ok() ? device_->WaitFence(*seq, options_.fence_timeout) : Result<bool>(seq.status());
+    if (signalled.ok() && *signalled) std::memcpy(out.data() + done, slot.host, length);
+    give_back();
+    if (!signalled.ok())
+      return signalled.status().Context(fmt::format("reading back BO {} at {}", bo, offset + done));
+    if (!*signalled)
+      return TimedOut("SDMA read-back of BO {} at {}: fence not signalled after {} ms", bo,
+                      offset + done, options_.fence_timeout.count());
+    done += length;
+  }
+  return Status::Ok();
 }
 
 SdmaStats SdmaCopyEngine::stats() const {

@@ -43,6 +43,10 @@ class SdmaCopyEngine : public DeviceEngine {
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
   Status Flush() override;
+  // Copies the BO back into host memory by SDMA, slot by slot (BO -> staging slot -> `out`),
+  // waiting for each copy. Flushes first, so it reads what earlier writes put there. Not for
+  // use while other threads write.
+  Status ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t> out) override;
   SdmaStats stats() const;
 
  private:

@@ -414,6 +414,23 @@ TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
 // driver sees PROCESS_INFO -> CHECKPOINT -> UNPAUSE, the images carry the same BO table and
 // driver blob, the device entries describe the (fake) sysfs topology, a lazy image is written
 // at exit, and restoring the dumped images gives the live contents back byte for byte.
+// Dump reads BO contents back through the GPU's engine (an SDMA copy on hardware, where a
+// dmabuf cannot be pread): asked for SDMA on the fake KFD, it fails in libdrm and says so,
+// and the queues are still unpaused.
+TEST_F(PluginHostTest, DumpReadsBackThroughTheConfiguredEngine) {
+  const fs::path live = dir_ / "kfd" / "live";
+  ASSERT_NO_FATAL_FAILURE(Make(1, 1u << 20, live));
+  fs::create_directories(images_);
+  Outcome dump = Sim({}, {{"GPULAZY_ENGINE", "sdma"}}, "criu", {"--dump", "5"});
+  EXPECT_NE(dump.exit_code, 0) << dump.output;
+  EXPECT_NE(dump.output.find("amdgpu_device_initialize"), std::string::npos) << dump.output;
+  std::vector<std::string> op_logs;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_ / "kfd"))
+    if (e.path().filename().string().starts_with("ops-")) op_logs.push_back(Slurp(e.path()));
+  ASSERT_EQ(op_logs.size(), 1u);
+  EXPECT_EQ(op_logs[0], "PROCESS_INFO\nCHECKPOINT\nUNPAUSE\n");
+}
+
 TEST_F(PluginHostTest, DumpThenRestoreIsByteExact) {
   const fs::path live = dir_ / "kfd" / "live";
   ASSERT_NO_FATAL_FAILURE(Make(1, 4u << 20, live));
