@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# ThreadSanitizer over the threaded parts: the restore client (RestoreSession, LocalRestore),
+# the server (scheduler, sessions, shutdown, limits) and the end-to-end tests that run them
+# together (64 concurrent sessions, kill -9 + restart, fetch over unix and tcp). Built
+# RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl) into its
+# own build dir; only the targets these tests need are built. Any race report fails the run.
+# Usage: scripts/tsan.sh [BUILD_DIR (default build-tsan)]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build-tsan}
+"$root/scripts/install-deps.sh"
+targets=(client_session_test client_local_restore_test server_unit_test server_integration_test
+  e2e_restore_test e2e_load_test gpulazy-server gpulazy-client)
+suites='RestoreSession|RestoreSessionInPlace|LocalRestore|SchedulerTest|ImageStoreTest|ServerTest'
+suites+='|ServerShutdownTest|ServerLimitsTest|E2eFetch|E2eRestore|Load'
+
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+launcher=()
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=true
+fi
+start=$(date +%s)
+cmake -S "$root" -B "$build" "${generator[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DGPULAZY_SANITIZE=thread -DGPULAZY_BUILD_BENCH=OFF >/dev/null
+cmake --build "$build" --parallel "$(nproc)" --target "${targets[@]}"
+echo "tsan: built in $(($(date +%s) - start)) s"
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+cd "$build"
+ctest --output-on-failure --parallel "$(nproc)" --timeout 600 -R "^($suites)\."
+echo "tsan: done in $(($(date +%s) - start)) s"
