@@ -12,7 +12,7 @@ ServerContext::ServerContext(const ServerConfig& config_in)
       limits(FrameLimits{FrameLimits{}.max_header, config_in.max_frame}),
       store(config_in.image_roots, config_in.raw_chunk_size, config_in.max_cached_images),
       dispatcher(SchedulerLimits{config_in.stream_window, config_in.demand_window,
-                                 config_in.max_demand, SchedulerLimits{}.max_queued},
+                                 config_in.max_demand, config_in.max_queued},
                  config_in.disk_threads, config_in.read_ahead) {}
 
 std::shared_ptr<Session> ServerContext::FindSession(SessionId id) const {
