@@ -171,6 +171,16 @@ class TwoHosts {
     }
     return counters;
   }
+  // The server namespace's TCP congestion control (the sender's decides what loss costs: BBR
+  // barely slows down at 1 % random loss, CUBIC halves its rate); set first when `wanted` is not
+  // empty.
+  std::string ServerCongestionControl(const std::string& wanted) const {
+    if (!wanted.empty()) Shell(InServer("sysctl -qw net.ipv4.tcp_congestion_control=" + wanted));
+    std::string cc = Capture(InServer("cat /proc/sys/net/ipv4/tcp_congestion_control"));
+    while (!cc.empty() && (cc.back() == '\n' || cc.back() == ' '))
+      cc.pop_back();
+    return cc;
+  }
   // The smoothed round-trip time (ms) the server's kernel measures on its established TCP
   // connections (`ss -ti`: "rtt:SRTT/RTTVAR"); the largest, 0 if none.
   double ServerTcpRttMs() const {
@@ -230,6 +240,9 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
                  (want_wire ? "GPULAZY_NETNS_LINK=wire" : "sch_netem is not in this kernel") +
                  "): delay 20ms +-2ms, loss 1%, each direction";
   }
+
+  const char* cc_env = std::getenv("GPULAZY_NETNS_CC");
+  const std::string cc = hosts.ServerCongestionControl(cc_env != nullptr ? cc_env : "");
 
   TempDir root;
   TempDir run;
@@ -358,10 +371,10 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
   const double mib = static_cast<double>(kImageBytes) / (1 << 20);
   std::printf(
       "two hosts: %.0f MiB over %s, 3 s cut: byte-exact in %.1f s (%.2f MiB/s overall, %.2f "
-      "MiB/s outside the stall); %s; server TCP: smoothed RTT %.1f ms before the cut, %llu "
+      "MiB/s outside the stall); %s; server TCP (%s): smoothed RTT %.1f ms before the cut, %llu "
       "segments out, %llu retransmitted (%.2f %%)\ntwo hosts: client summary: %s\n",
       mib, impairment.c_str(), seconds, mib / seconds, stall > 0 ? mib / (seconds - stall) : 0.0,
-      cut_cost.c_str(), rtt_ms, static_cast<unsigned long long>(out_segs),
+      cut_cost.c_str(), cc.c_str(), rtt_ms, static_cast<unsigned long long>(out_segs),
       static_cast<unsigned long long>(retrans),
       out_segs > 0 ? 100.0 * static_cast<double>(retrans) / static_cast<double>(out_segs) : 0.0,
       summary.c_str());
