@@ -139,6 +139,8 @@ class TwoHosts {
     };
     for (const std::string& step : steps) {
       if (Shell(step) != 0) {
+        // Deleting either end removes the pair, wherever it got to.
+        Shell("ip link del " + server_if_);
         Shell("ip -n " + server_ns_ + " link del " + server_if_);
         return false;
       }

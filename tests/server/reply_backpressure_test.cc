@@ -18,8 +18,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <iostream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,14 +66,20 @@ class ReplyBackpressureTest : public ::testing::Test {
     auto contents = LoadCriuContents(root_ / "img");
     ASSERT_TRUE(contents.ok()) << contents.status().ToString();
     expected_ = std::move(*contents);
-    // The default write timeout (30 s): the slow client below reads long before it.
+    // The default write timeout (30 s): the slow client below reads long before it. A client cut
+    // off for not reading gets --shutdown-grace to read what it was sent before the socket
+    // closes; 30 s, since parsing 400 large replies takes a sanitizer build several seconds.
     server_ = std::make_unique<ServerProcess>(dir_.path(), root_,
-                                              std::vector<std::string>{"--shutdown-grace", "5"});
+                                              std::vector<std::string>{"--shutdown-grace", "30"});
     ASSERT_TRUE(server_->ready()) << server_->Log();
     observer_ = std::make_unique<TestClient>(server_->unix_endpoint());
     ASSERT_TRUE(observer_->Hello().ok());
   }
   void TearDown() override {
+    if (server_ && server_->ready()) {
+      // A clean exit (LeakSanitizer checks the server here in sanitizer builds).
+      EXPECT_EQ(server_->Terminate(40s), 0);
+    }
     ::alarm(0);
     if (HasFailure() && server_) std::cerr << server_->Log().substr(0, 20000);
   }
@@ -84,14 +93,16 @@ class ReplyBackpressureTest : public ::testing::Test {
   static uint64_t Queue(const Json& stats, const char* field) {
     return stats["server"]["reply_queue"][field].get<uint64_t>();
   }
-  // Polls the stats until `done` holds (true) or 10 s pass (false).
+  // Polls the stats until `done` holds (true) or 60 s pass (false). Not too often: each
+  // StatsReply costs the server as much as one of the slow client's, and under ASan the server
+  // needs seconds to build the ~9 MB of large replies that fill its socket buffer and queue.
   template <typename Predicate>
   bool WaitForStats(Predicate done, Json* last) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < deadline) {
       *last = Stats();
       if (done(*last)) return true;
-      std::this_thread::sleep_for(20ms);
+      std::this_thread::sleep_for(100ms);
     }
     return false;
   }
