@@ -163,4 +163,14 @@ Result<PluginConfig> LoadConfigFromProcess() {
   });
 }
 
+Status CheckServerTransport(const PluginConfig& config) {
+  if (!config.server.starts_with("tcp:") || config.tls.enabled() || config.insecure_tcp)
+    return Status::Ok();
+  return PermissionDenied(
+      "server {}: plain TCP would carry GPU memory and the token unencrypted; set tls_ca "
+      "(GPULAZY_TLS_CA) to the server's CA for TLS, or insecure_tcp = 1 (GPULAZY_INSECURE_TCP) to "
+      "allow plain TCP",
+      config.server);
+}
+
 }  // namespace gpulazy::plugin

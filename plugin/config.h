@@ -71,4 +71,9 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 Result<PluginConfig> LoadConfig(const EnvLookup& env);
 Result<PluginConfig> LoadConfigFromProcess();
 
+// A tcp: server needs TLS (tls_ca) or an explicit insecure_tcp. Checked before connecting, so the
+// refusal names the plugin's settings (the client library's own message names gpulazy-client's
+// command-line flags, which a CRIU user never sees).
+Status CheckServerTransport(const PluginConfig& config);
+
 }  // namespace gpulazy::plugin

@@ -89,6 +89,8 @@ Status RestoreCoordinator::Start() {
 
   if (config_.server.empty()) GPULAZY_RETURN_IF_ERROR(StartServer());
   if (config_.image.empty()) config_.image = image_dir_.filename().string();
+  GPULAZY_RETURN_IF_ERROR(CheckServerTransport(config_).Context(
+      fmt::format("{} restore: page server {}", ModeName(config_.mode), config_.server)));
   client::SessionOptions options;
   options.endpoint = config_.server;
   options.image = config_.image;

@@ -380,6 +380,7 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
     // streams from Start on, so writes to BOs not bound yet must be parked, not dropped (a
     // dropped chunk still counts as resident and Ensure would not ask for it again): every
     // BO is bound right after Start, ours to the dmabufs, other tasks' to a sink.
+    GPULAZY_RETURN_IF_ERROR(CheckServerTransport(config_).Context("eager restore"));
     Router router(/*discard_unbound=*/false);
     DiscardEngine sink;
     client::SessionOptions options;

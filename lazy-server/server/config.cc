@@ -112,6 +112,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-demand", config.max_demand, "outstanding demand chunks per session")
       ->capture_default_str();
+  app.add_option("--max-queued", config.max_queued,
+                 "explicit prefetch/background chunks queued per session; past it a Request "
+                 "gets ERROR_LIMIT")
+      ->capture_default_str();
   app.add_option("--stream-window", config.stream_window,
                  "chunks in flight per stream connection (small keeps demand latency low)")
       ->capture_default_str();
@@ -211,6 +215,8 @@ Status ValidateConfig(const ServerConfig& config) {
   if (config.max_frame < image::kMinChunkSize)
     return InvalidArgument("--max-frame must be at least {} bytes", image::kMinChunkSize);
   if (config.max_demand < 1) return InvalidArgument("--max-demand must be at least 1");
+  if (config.max_queued < 1 || config.max_queued > (1u << 20))
+    return InvalidArgument("--max-queued must be 1..{}, not {}", 1u << 20, config.max_queued);
   if (config.stream_window < 1 || config.stream_window > 1024)
     return InvalidArgument("--stream-window must be 1..1024");
   if (config.demand_window < 1 || config.demand_window > 1024)

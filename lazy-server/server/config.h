@@ -43,6 +43,11 @@ struct ServerConfig {
   uint32_t max_connections = 256;
   uint32_t max_frame = FrameLimits{}.max_payload;  // largest payload sent or accepted
   uint32_t max_demand = 256;                       // outstanding demand chunks per session
+  // Explicit prefetch/background chunks queued per session (each ~64 bytes of WorkItem). The
+  // page client never queues any (stream_all walks the plan with a cursor); this is for callers
+  // that ask for particular chunks early: 4096 is 8 GiB of 2 MiB chunks at once, 256 KiB of
+  // queue per session, 16 MiB for 64 sessions. (It was 2^20: 64 MiB per session, 4 GiB for 64.)
+  uint32_t max_queued = 4096;
   uint32_t stream_window = 4;  // chunks in flight per stream connection past the credit check
   uint32_t demand_window = 8;  // chunks in flight per demand connection
   uint32_t read_ahead = 4;     // chunks hinted to the kernel ahead of the scheduler

@@ -1,5 +1,6 @@
 #include "lazy-server/server/context.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "lazy-server/server/session.h"
@@ -11,7 +12,7 @@ ServerContext::ServerContext(const ServerConfig& config_in)
       limits(FrameLimits{FrameLimits{}.max_header, config_in.max_frame}),
       store(config_in.image_roots, config_in.raw_chunk_size, config_in.max_cached_images),
       dispatcher(SchedulerLimits{config_in.stream_window, config_in.demand_window,
-                                 config_in.max_demand, SchedulerLimits{}.max_queued},
+                                 config_in.max_demand, config_in.max_queued},
                  config_in.disk_threads, config_in.read_ahead) {}
 
 std::shared_ptr<Session> ServerContext::FindSession(SessionId id) const {
@@ -111,6 +112,21 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"frames_received", totals.frames_received.load()},
       {"images_cached", store.cached()},
       {"shutting_down", shutting_down.load()},
+  };
+  uint64_t frames_now = 0;
+  uint64_t bytes_now = 0;
+  for (const std::shared_ptr<Connection>& connection : Connections()) {
+    frames_now = std::max(frames_now, connection->queued_reply_frames());
+    bytes_now = std::max(bytes_now, connection->queued_reply_bytes());
+  }
+  server["reply_queue"] = {
+      {"frames_limit", Connection::kMaxQueuedControl},
+      {"bytes_limit", Connection::kMaxQueuedControlBytes},
+      {"frames_max_now", frames_now},
+      {"bytes_max_now", bytes_now},
+      {"frames_peak", totals.reply_frames_queued_peak.load()},
+      {"bytes_peak", totals.reply_bytes_queued_peak.load()},
+      {"cutoffs", totals.reply_cutoffs.load()},
   };
   nlohmann::json sessions = nlohmann::json::array();
   nlohmann::json mine;

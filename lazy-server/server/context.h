@@ -34,6 +34,11 @@ struct ServerTotals {
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> frames_received{0};
+  // The most replies (control frames) and reply bytes ever queued for one connection, and how
+  // many clients were cut off for not reading theirs (Connection's reply limits).
+  std::atomic<uint64_t> reply_frames_queued_peak{0};
+  std::atomic<uint64_t> reply_bytes_queued_peak{0};
+  std::atomic<uint64_t> reply_cutoffs{0};
 };
 
 struct ServerContext {

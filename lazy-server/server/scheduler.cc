@@ -111,7 +111,7 @@ Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, 
       return ResourceExhausted("{} demand chunks requested, {} outstanding, limit {}", total,
                                s.demand_outstanding, limits_.max_demand);
   } else if (s.prefetch.size() + s.background.size() + total > limits_.max_queued) {
-    return ResourceExhausted("{} chunks requested, {} queued, limit {}", total,
+    return ResourceExhausted("{} prefetch/background chunks requested, {} queued, limit {}", total,
                              s.prefetch.size() + s.background.size(), limits_.max_queued);
   }
 

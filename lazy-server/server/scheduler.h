@@ -84,10 +84,10 @@ struct WorkItem {
 };
 
 struct SchedulerLimits {
-  uint32_t stream_in_flight = 4;   // chunks picked but not yet written, stream connection
-  uint32_t demand_in_flight = 8;   // the same for the demand connection
-  uint32_t max_demand = 256;       // demand chunks queued + in flight per session
-  uint64_t max_queued = 1u << 20;  // explicit prefetch/background chunks queued per session
+  uint32_t stream_in_flight = 4;  // chunks picked but not yet written, stream connection
+  uint32_t demand_in_flight = 8;  // the same for the demand connection
+  uint32_t max_demand = 256;      // demand chunks queued + in flight per session
+  uint64_t max_queued = 4096;     // explicit prefetch/background chunks queued per session
 };
 
 struct StreamDoneInfo {

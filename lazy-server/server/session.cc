@@ -14,10 +14,6 @@ namespace {
 
 constexpr size_t kLatencySamples = 4096;
 constexpr auto kLinger = std::chrono::seconds(1);
-// Replies wait in the control queue until the client reads them, and a request of a few bytes
-// can ask for a reply thousands of times larger (StatsRequest). Past this many queued bytes the
-// client is not reading its replies: it is cut off instead of growing the server without bound.
-constexpr size_t kMaxQueuedControlBytes = 1u << 20;
 
 std::string RandomSecret() {
   std::string secret(16, '\0');
@@ -572,7 +568,22 @@ void Connection::Enqueue(wire::Header header) {
   }
   control_bytes_ += bytes;
   control_.push_back(std::move(header));
+  NoteControlQueue();
   Wake();
+}
+
+void Connection::NoteControlQueue() {
+  const uint64_t frames = control_.size();
+  const uint64_t bytes = control_bytes_;
+  queued_reply_frames_.store(frames, std::memory_order_relaxed);
+  queued_reply_bytes_.store(bytes, std::memory_order_relaxed);
+  auto raise = [](std::atomic<uint64_t>& peak, uint64_t value) {
+    uint64_t seen = peak.load(std::memory_order_relaxed);
+    while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+    }
+  };
+  raise(ctx_.totals.reply_frames_queued_peak, frames);
+  raise(ctx_.totals.reply_bytes_queued_peak, bytes);
 }
 
 void Connection::DropUnreadReplies() {
@@ -589,6 +600,8 @@ void Connection::DropUnreadReplies() {
   ctx_.totals.errors_sent.fetch_add(1);
   control_bytes_ = header.ByteSizeLong();
   control_.push_back(std::move(header));
+  NoteControlQueue();
+  ctx_.totals.reply_cutoffs.fetch_add(1);
   // Stop reading (wakes a pending read with end-of-file) and give the client the shutdown grace
   // to read the error; the watchdog closes the socket if it does not.
   draining_ = true;
@@ -689,6 +702,7 @@ net::Awaitable<void> Connection::WriteLoop() {
       wire::Header header = std::move(control_.front());
       control_.pop_front();
       control_bytes_ -= std::min(control_bytes_, header.ByteSizeLong());
+      NoteControlQueue();
       if (reader_paused_ && control_.size() < kMaxQueuedControl) reader_resume_.cancel();
       BeginWrite();
       Status status = co_await net::WriteFrame(socket_, header, {}, ctx_.limits);
@@ -878,6 +892,7 @@ void Connection::Close(std::string_view why) {
   chunks_.clear();
   control_.clear();
   control_bytes_ = 0;
+  NoteControlQueue();
   if (session_) {
     if (role_ == Role::kStream) {
       session_->Close();

@@ -110,6 +110,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void PostChunk(WorkItem item, Result<image::StoredChunk> chunk);
   // Any thread: a control frame (StreamDone, ...).
   void PostControl(wire::Header header);
+  // Any thread: replies (control frames) queued for the client and not yet being written.
+  uint64_t queued_reply_frames() const { return queued_reply_frames_.load(); }
+  uint64_t queued_reply_bytes() const { return queued_reply_bytes_.load(); }
+
+  // The reader pauses while this many control frames wait for the writer: a client that sends
+  // requests but never reads replies cannot grow the queue without bound.
+  static constexpr size_t kMaxQueuedControl = 64;
+  // Replies wait in the control queue until the client reads them, and a request of a few
+  // bytes can ask for a reply thousands of times larger (StatsRequest): frames alone do not
+  // bound the bytes. Past this many queued bytes the client is not reading its replies: it is
+  // cut off (ERROR_LIMIT) instead of growing the server without bound.
+  static constexpr size_t kMaxQueuedControlBytes = 1u << 20;
 
  private:
   using Awaitable = net::Awaitable<void>;
@@ -125,6 +137,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void SendStreamDone(const StreamDoneInfo& info);
 
   void Enqueue(wire::Header header);
+  // control_ changed: publish its size for stats and raise the server's high-water marks.
+  void NoteControlQueue();
   // The client lets replies pile up past kMaxQueuedControlBytes: drop them, queue one
   // ERROR_LIMIT, stop reading and close after the shutdown grace.
   void DropUnreadReplies();
@@ -172,9 +186,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Set while a frame is being written: a client that stops reading stalls the write, and the
   // watchdog drops it when this passes (--write-timeout), so nothing piles up for it.
   Clock::time_point write_deadline_ = Clock::time_point::max();
-  // The reader pauses while this many control frames wait for the writer: a client that sends
-  // requests but never reads replies cannot grow the queue without bound.
-  static constexpr size_t kMaxQueuedControl = 64;
+  std::atomic<uint64_t> queued_reply_frames_{0};  // control_.size(), for other threads
+  std::atomic<uint64_t> queued_reply_bytes_{0};   // control_bytes_, for other threads
   boost::asio::steady_timer reader_resume_;
   bool reader_paused_ = false;
   bool transport_ready_ = false;  // TLS handshake done (at once for plain): the writer may write

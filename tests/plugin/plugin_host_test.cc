@@ -27,6 +27,7 @@
 #include "proto/criu_file.h"
 #include "tests/support/render_node_images.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_pki.h"
 
 namespace gpulazy::plugin {
 namespace {
@@ -157,17 +158,35 @@ class PluginHostTest : public ::testing::Test {
   }
 
   // A gpulazy-server process serving dir_ on a Unix socket; its pid, or -1 with a failure.
-  pid_t StartServer() {
+  pid_t StartServer() { return StartServerOn("unix:" + server_socket(), {}); }
+  // The same on `listen`, with extra arguments; *bound gets the first endpoint the server
+  // reports in its ready file (the port it chose for tcp:HOST:0).
+  pid_t StartServerOn(const std::string& listen, const std::vector<std::string>& extra,
+                      std::string* bound = nullptr) {
     const fs::path ready = dir_ / "ready";
-    pid_t server =
-        Spawn({std::string(GPULAZY_BIN_DIR) + "/gpulazy-server", "--images", dir_.path().string(),
-               "--listen", "unix:" + server_socket(), "--ready-file", ready.string()},
-              {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
+    fs::remove(ready);
+    std::vector<std::string> argv = {std::string(GPULAZY_BIN_DIR) + "/gpulazy-server",
+                                     "--images",
+                                     dir_.path().string(),
+                                     "--listen",
+                                     listen,
+                                     "--ready-file",
+                                     ready.string()};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    pid_t server = Spawn(argv, {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
     const auto deadline = std::chrono::steady_clock::now() + 30s;
     while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(20ms);  // the server offers no event to wait on but this file
     EXPECT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
-    return fs::exists(ready) ? server : -1;
+    if (!fs::exists(ready)) {
+      StopServer(server);
+      return -1;
+    }
+    if (bound != nullptr) {
+      std::istringstream lines(Slurp(ready));
+      std::getline(lines, *bound);
+    }
+    return server;
   }
   void StopServer(pid_t server) {
     ::kill(server, SIGCONT);  // in case a failing simulator left it stopped
@@ -550,6 +569,126 @@ TEST_F(PluginHostTest, WrongTopologyFailsRestoreExtFileNamingDeviceId) {
   EXPECT_NE(out.output.find("sim: FAIL task"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("RESTORE_EXT_FILE"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("device_id"), std::string::npos) << out.output;
+}
+
+// ---- over TCP with TLS, against a real gpulazy-server ----
+//
+// The plugin's transport settings (server = tcp:..., tls_ca, tls_cert, tls_key, token_file,
+// insecure_tcp) end to end: certificates made with the openssl CLI, a server with
+// --tls-cert/--tls-key/--tls-client-ca and --token-file on tcp:127.0.0.1 (a port it picks), a
+// lazy restore of a two-process tree byte-exact; then each thing that must stop it does, and
+// says why.
+
+class PluginTlsTest : public PluginHostTest {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(pki_.ok()) << pki_.log();
+    ASSERT_NO_FATAL_FAILURE(Make(2));
+    std::ofstream(token_) << "plugin-s3cret\n";
+    fs::permissions(token_, fs::perms::owner_read | fs::perms::owner_write);
+  }
+  // A server speaking mutual TLS and requiring the token on tcp:127.0.0.1; *endpoint gets its
+  // address.
+  pid_t StartTlsServer(std::string* endpoint) {
+    return StartServerOn(
+        "tcp:127.0.0.1:0",
+        {"--tls-cert", pki_.pem("server"), "--tls-key", pki_.key("server"), "--tls-client-ca",
+         pki_.pem("ca"), "--token-file", token_.string(), "--log-level", "debug"},
+        endpoint);
+  }
+  // Environment for a lazy restore from `endpoint` with the client certificate, CA `ca`.
+  std::map<std::string, std::string> TlsEnv(const std::string& endpoint, const std::string& ca) {
+    return {{"GPULAZY_MODE", "lazy"},
+            {"GPULAZY_SERVER", endpoint},
+            {"GPULAZY_TLS_CA", pki_.pem(ca)},
+            {"GPULAZY_TLS_CERT", pki_.pem("node7")},
+            {"GPULAZY_TLS_KEY", pki_.key("node7")},
+            {"GPULAZY_TOKEN_FILE", token_.string()}};
+  }
+
+  gpulazy::testing::TempDir pki_dir_;
+  gpulazy::testing::TestPki pki_{pki_dir_.path()};
+  fs::path token_ = dir_ / "token";
+};
+
+// Every transport setting from the plugin's config file (the keys docs/criu.md lists); the mode
+// is in the environment as well, where the simulator reads it.
+TEST_F(PluginTlsTest, LazyRestoreOverMutualTlsWithTokenIsByteExact) {
+  std::string endpoint;
+  pid_t server = StartTlsServer(&endpoint);
+  ASSERT_GT(server, 0);
+  ASSERT_TRUE(endpoint.starts_with("tcp:127.0.0.1:")) << endpoint;
+  const fs::path conf = dir_ / "tls.conf";
+  std::ofstream(conf) << "mode = lazy\nserver = " << endpoint << "\ntls_ca = " << pki_.pem("ca")
+                      << "\ntls_cert = " << pki_.pem("node7") << "\ntls_key = " << pki_.key("node7")
+                      << "\ntls_server_name = localhost\ntoken_file = " << token_.string() << "\n";
+  Outcome out = Sim({"1", "2"}, {{"GPULAZY_CONFIG", conf.string()}, {"GPULAZY_MODE", "lazy"}});
+  StopServer(server);
+  const std::string log = Slurp(dir_ / "server.log");
+  EXPECT_EQ(out.exit_code, 0) << out.output << log;
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
+  // The server saw TLS sessions from the client certificate's CN, past the token check.
+  EXPECT_NE(log.find("(TLS, client certificates required)"), std::string::npos) << log;
+  EXPECT_NE(log.find("cn 'node7'"), std::string::npos) << log;
+  EXPECT_NE(log.find("stream done"), std::string::npos) << log;
+}
+
+TEST_F(PluginTlsTest, ServerCertificateFromAnotherCaFailsNamingTheVerification) {
+  std::string endpoint;
+  pid_t server = StartTlsServer(&endpoint);
+  ASSERT_GT(server, 0);
+  Outcome out = Sim({"1", "2"}, TlsEnv(endpoint, "other-ca"));
+  StopServer(server);
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_EQ(out.output.find("sim: ok"), std::string::npos) << out.output;
+  // OpenSSL's verdict, after what failed: "TLS handshake: server certificate refused: self-signed
+  // certificate in certificate chain".
+  EXPECT_NE(out.output.find("TLS handshake: server certificate refused: "), std::string::npos)
+      << out.output;
+  EXPECT_EQ(Slurp(dir_ / "server.log").find("opened image"), std::string::npos);
+}
+
+TEST_F(PluginTlsTest, MissingTokenFailsWithAnAuthenticationError) {
+  std::string endpoint;
+  pid_t server = StartTlsServer(&endpoint);
+  ASSERT_GT(server, 0);
+  std::map<std::string, std::string> env = TlsEnv(endpoint, "ca");
+  env.erase("GPULAZY_TOKEN_FILE");
+  Outcome out = Sim({"1", "2"}, env);
+  StopServer(server);
+  EXPECT_NE(out.exit_code, 0) << out.output;
+  EXPECT_EQ(out.output.find("sim: ok"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("ERROR_UNAUTHENTICATED"), std::string::npos) << out.output;
+  EXPECT_EQ(Slurp(dir_ / "server.log").find("opened image"), std::string::npos);
+}
+
+TEST_F(PluginTlsTest, PlainTcpWithoutInsecureTcpIsRefusedSayingHowToAllowIt) {
+  std::string endpoint;
+  pid_t server =
+      StartServerOn("tcp:127.0.0.1:0", {"--insecure-tcp", "--log-level", "debug"}, &endpoint);
+  ASSERT_GT(server, 0);
+  Outcome refused = Sim({"1", "2"}, {{"GPULAZY_MODE", "lazy"}, {"GPULAZY_SERVER", endpoint}});
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_EQ(refused.output.find("sim: ok"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("plain TCP would carry GPU memory"), std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("insecure_tcp = 1 (GPULAZY_INSECURE_TCP)"), std::string::npos)
+      << refused.output;
+  // Eager mode connects from each task (task_restore.cc), and is refused the same way.
+  Outcome eager = Sim({"1"}, {{"GPULAZY_MODE", "eager"}, {"GPULAZY_SERVER", endpoint}});
+  EXPECT_NE(eager.exit_code, 0) << eager.output;
+  EXPECT_NE(eager.output.find("eager restore: server " + endpoint + ": plain TCP"),
+            std::string::npos)
+      << eager.output;
+  EXPECT_EQ(Slurp(dir_ / "server.log").find("hello from"), std::string::npos)
+      << "the plugin connected anyway";
+  // Allowed explicitly, the same restore goes through.
+  Outcome allowed =
+      Sim({"1", "2"},
+          {{"GPULAZY_MODE", "lazy"}, {"GPULAZY_SERVER", endpoint}, {"GPULAZY_INSECURE_TCP", "1"}});
+  StopServer(server);
+  EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
+  EXPECT_NE(allowed.output.find("sim: ok"), std::string::npos) << allowed.output;
 }
 
 // ---- processes without GPU state: every hook passes ----

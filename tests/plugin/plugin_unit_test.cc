@@ -338,6 +338,25 @@ TEST(Config, TlsTokenFileAndInsecureTcp) {
       << refused.status().message();
 }
 
+// A tcp: server without tls_ca or insecure_tcp is refused in the plugin's own terms; Unix
+// sockets and the in-process server need neither.
+TEST(Config, PlainTcpNeedsTlsOrInsecureTcp) {
+  PluginConfig c;
+  EXPECT_TRUE(CheckServerTransport(c).ok());
+  c.server = "unix:/run/gpulazy.sock";
+  EXPECT_TRUE(CheckServerTransport(c).ok());
+  c.server = "tcp:pages.example:7740";
+  Status refused = CheckServerTransport(c);
+  EXPECT_EQ(refused.code(), Code::kPermissionDenied);
+  EXPECT_NE(refused.message().find("tls_ca"), std::string::npos) << refused.message();
+  EXPECT_NE(refused.message().find("insecure_tcp"), std::string::npos) << refused.message();
+  c.insecure_tcp = true;
+  EXPECT_TRUE(CheckServerTransport(c).ok());
+  c.insecure_tcp = false;
+  c.tls.ca_file = "/etc/gpulazy/ca.pem";
+  EXPECT_TRUE(CheckServerTransport(c).ok());
+}
+
 // ---- fake KFD contract ----
 
 class FakeKfdTest : public ::testing::Test {

@@ -20,6 +20,7 @@
 
 #include "lazy-server/image/synth.h"
 #include "tests/server/test_support.h"
+#include "tests/support/test_pki.h"
 
 namespace gpulazy::server::testing {
 namespace {
@@ -82,49 +83,7 @@ void MakeCheckpoint(const fs::path& dir, uint64_t bytes, uint64_t seed) {
   ASSERT_TRUE(report.ok()) << report.status().ToString();
 }
 
-// Certificates for the whole suite: two CAs, and leaf certificates signed by the first.
-class Pki {
- public:
-  explicit Pki(const fs::path& dir) : dir_(dir) {
-    ok_ = MakeCa("ca") && MakeCa("other-ca") &&
-          MakeLeaf("server", "ca", "localhost", "IP:127.0.0.1,DNS:localhost", 2) &&
-          MakeLeaf("expired", "ca", "localhost", "IP:127.0.0.1,DNS:localhost", -1) &&
-          MakeLeaf("elsewhere", "ca", "elsewhere.example", "DNS:elsewhere.example", 2) &&
-          MakeLeaf("node7", "ca", "node7", "DNS:node7", 2) &&
-          MakeLeaf("rogue", "other-ca", "node7", "DNS:node7", 2);
-  }
-  bool ok() const { return ok_; }
-  const std::string& log() const { return log_; }
-  std::string pem(const std::string& name) const { return (dir_ / (name + ".pem")).string(); }
-  std::string key(const std::string& name) const { return (dir_ / (name + ".key")).string(); }
-
- private:
-  bool Openssl(const std::string& args) {
-    ProcessRun run = Shell("openssl " + args);
-    log_ += run.out;
-    return run.exit_code == 0;
-  }
-  bool MakeCa(const std::string& name) {
-    return Openssl("req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
-                   key(name) + " -out " + pem(name) + " -days 2 -subj /CN=gpulazy-test-" + name);
-  }
-  // days < 0 makes a certificate that expired before it was issued.
-  bool MakeLeaf(const std::string& name, const std::string& ca, const std::string& cn,
-                const std::string& san, int days) {
-    const fs::path csr = dir_ / (name + ".csr");
-    const fs::path ext = dir_ / (name + ".ext");
-    std::ofstream(ext) << "subjectAltName=" << san << "\n";
-    return Openssl("req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
-                   key(name) + " -out " + csr.string() + " -subj /CN=" + cn) &&
-           Openssl("x509 -req -in " + csr.string() + " -CA " + pem(ca) + " -CAkey " + key(ca) +
-                   " -CAcreateserial -out " + pem(name) + " -days " + std::to_string(days) +
-                   " -extfile " + ext.string());
-  }
-
-  fs::path dir_;
-  bool ok_ = false;
-  std::string log_;
-};
+using Pki = ::gpulazy::testing::TestPki;
 
 class SecurityTest : public ::testing::Test {
  protected:
