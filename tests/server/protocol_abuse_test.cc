@@ -8,8 +8,11 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
+#include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/lazy_image.h"
@@ -85,7 +88,7 @@ wire::Header HelloHeader(uint32_t min_version = 1, uint32_t max_version = 1) {
 class ProtocolAbuseTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new TempDir();
+    dir_ = std::make_unique<TempDir>();
     const fs::path root = dir_->path() / "images";
     fs::create_directories(root);
     ASSERT_TRUE(MakeImage(root / "raw", 2ull << 20, 21, false).ok());
@@ -93,10 +96,11 @@ class ProtocolAbuseTest : public ::testing::Test {
     for (const char* name : {"raw", "lazy"}) {
       auto contents = LoadCriuContents(root / name);
       ASSERT_TRUE(contents.ok()) << contents.status().ToString();
-      (*expected_)[name] = std::move(*contents);
+      expected_[name] = std::move(*contents);
     }
-    server_ = new ServerProcess(dir_->path(), root,
-                                {"--raw-chunk-size", "64K", "--hello-timeout", "2", "--max-demand",
+    server_ = std::make_unique<ServerProcess>(
+        dir_->path(), root,
+        std::vector<std::string>{"--raw-chunk-size", "64K", "--hello-timeout", "2", "--max-demand",
                                  std::to_string(kMaxDemand), "--shutdown-grace", "2",
                                  "--disk-threads", "2", "--threads", "2", "--write-timeout", "5"});
     ASSERT_TRUE(server_->ready()) << server_->Log();
@@ -107,10 +111,8 @@ class ProtocolAbuseTest : public ::testing::Test {
       const int status = server_->Terminate(15s);
       EXPECT_EQ(status, 0) << server_->Log().substr(0, 20000);
     }
-    delete server_;
-    delete dir_;
-    server_ = nullptr;
-    dir_ = nullptr;
+    server_.reset();
+    dir_.reset();
   }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
@@ -125,7 +127,7 @@ class ProtocolAbuseTest : public ::testing::Test {
   // After each abuse the server still serves another client, byte for byte, both formats.
   static void ExpectStillServing() {
     for (const char* name : {"raw", "lazy"}) {
-      Status status = StreamWholeImage(server_->unix_endpoint(), name, (*expected_)[name], kWindow);
+      Status status = StreamWholeImage(server_->unix_endpoint(), name, expected_[name], kWindow);
       EXPECT_TRUE(status.ok()) << name << ": " << status.ToString();
     }
   }
@@ -161,15 +163,14 @@ class ProtocolAbuseTest : public ::testing::Test {
     EXPECT_TRUE(stats.ok()) << stats.status().ToString();
   }
 
-  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>* expected_;
-  static TempDir* dir_;
-  static ServerProcess* server_;
+  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> expected_;
+  static std::unique_ptr<TempDir> dir_;
+  static std::unique_ptr<ServerProcess> server_;
   static uint64_t baseline_rss_;
 };
-std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>* ProtocolAbuseTest::expected_ =
-    new std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>();
-TempDir* ProtocolAbuseTest::dir_ = nullptr;
-ServerProcess* ProtocolAbuseTest::server_ = nullptr;
+std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> ProtocolAbuseTest::expected_;
+std::unique_ptr<TempDir> ProtocolAbuseTest::dir_;
+std::unique_ptr<ServerProcess> ProtocolAbuseTest::server_;
 uint64_t ProtocolAbuseTest::baseline_rss_ = 0;
 
 TEST_F(ProtocolAbuseTest, TruncatedFramesAreReportedAndClosed) {
@@ -481,7 +482,7 @@ TEST_F(ProtocolAbuseTest, FloodOfDemandRequestsStaysBounded) {
   int chunks_received = 0;
   int refused = 0;
   const wire::BoInfo& info = reply->bos(static_cast<int>(bo));
-  const std::vector<uint8_t>& bo0 = (*expected_)["raw"].at({info.process_id(), info.bo_index()});
+  const std::vector<uint8_t>& bo0 = expected_["raw"].at({info.process_id(), info.bo_index()});
   while (answered.size() < kRequests) {
     Result<Frame> frame = demand.Read(30s);
     ASSERT_TRUE(frame.ok()) << frame.status().ToString() << " after " << answered.size();

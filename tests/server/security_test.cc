@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -88,14 +89,14 @@ using Pki = ::gpulazy::testing::TestPki;
 class SecurityTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new TempDir();  // NOLINT: suite-wide fixture, freed in TearDownTestSuite
+    dir_ = std::make_unique<TempDir>();
     fs::create_directories(dir_->path() / "images");
     MakeCheckpoint(dir_->path() / "images" / "ckpt", 4ull << 20, 7);
-    pki_ = new Pki(dir_->path());  // NOLINT: as above
+    pki_ = std::make_unique<Pki>(dir_->path());
   }
   static void TearDownTestSuite() {
-    delete pki_;  // NOLINT
-    delete dir_;  // NOLINT
+    pki_.reset();
+    dir_.reset();
   }
   void SetUp() override { ASSERT_TRUE(pki_->ok()) << pki_->log(); }
 
@@ -130,15 +131,15 @@ class SecurityTest : public ::testing::Test {
     }
   }
 
-  static TempDir* dir_;
-  static Pki* pki_;
+  static std::unique_ptr<TempDir> dir_;
+  static std::unique_ptr<Pki> pki_;
   TempDir run_;
   fs::path out_;
   int fetches_ = 0;
 };
 
-TempDir* SecurityTest::dir_ = nullptr;
-Pki* SecurityTest::pki_ = nullptr;
+std::unique_ptr<TempDir> SecurityTest::dir_;
+std::unique_ptr<Pki> SecurityTest::pki_;
 
 TEST_F(SecurityTest, TlsFetchIsByteExact) {
   auto server = TlsServer("server");

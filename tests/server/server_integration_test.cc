@@ -41,7 +41,7 @@ Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) 
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new TempDir();
+    dir_ = std::make_unique<TempDir>();
     const fs::path root = dir_->path() / "images";
     fs::create_directories(root / "sub");
     ASSERT_TRUE(MakeImage(root / "raw", 8ull << 20, 1, false).ok());
@@ -67,10 +67,11 @@ class ServerTest : public ::testing::Test {
     for (const char* name : {"raw", "sub/lazy", "big", "hot"}) {
       auto contents = LoadCriuContents(root / name);
       ASSERT_TRUE(contents.ok()) << contents.status().ToString();
-      (*expected_)[name] = std::move(*contents);
+      expected_[name] = std::move(*contents);
     }
-    server_ = new ServerProcess(dir_->path(), root,
-                                {"--raw-chunk-size", "64K", "--hello-timeout", "1",
+    server_ = std::make_unique<ServerProcess>(
+        dir_->path(), root,
+        std::vector<std::string>{"--raw-chunk-size", "64K", "--hello-timeout", "1",
                                  "--disk-threads", "2", "--threads", "2"});
     ASSERT_TRUE(server_->ready()) << server_->Log();
   }
@@ -80,10 +81,8 @@ class ServerTest : public ::testing::Test {
       const int status = server_->Terminate(15s);
       EXPECT_EQ(status, 0) << server_->Log().substr(0, 20000);
     }
-    delete server_;
-    delete dir_;
-    server_ = nullptr;
-    dir_ = nullptr;
+    server_.reset();
+    dir_.reset();
   }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
@@ -95,14 +94,13 @@ class ServerTest : public ::testing::Test {
     if (HasFailure()) std::cerr << server_->Log().substr(0, 20000);
   }
 
-  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>* expected_;
-  static TempDir* dir_;
-  static ServerProcess* server_;
+  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> expected_;
+  static std::unique_ptr<TempDir> dir_;
+  static std::unique_ptr<ServerProcess> server_;
 };
-std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>* ServerTest::expected_ =
-    new std::map<std::string, std::map<BoKey, std::vector<uint8_t>>>();
-TempDir* ServerTest::dir_ = nullptr;
-ServerProcess* ServerTest::server_ = nullptr;
+std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> ServerTest::expected_;
+std::unique_ptr<TempDir> ServerTest::dir_;
+std::unique_ptr<ServerProcess> ServerTest::server_;
 
 // Opens `image`, streams it all and checks every byte.
 void StreamAndVerify(const net::Endpoint& endpoint, const std::string& image,
@@ -129,11 +127,11 @@ void StreamAndVerify(const net::Endpoint& endpoint, const std::string& image,
 }
 
 TEST_F(ServerTest, StreamsRawCriuImageOverUnix) {
-  StreamAndVerify(server_->unix_endpoint(), "raw", (*expected_)["raw"], 4 * kChunk, false);
+  StreamAndVerify(server_->unix_endpoint(), "raw", expected_["raw"], 4 * kChunk, false);
 }
 
 TEST_F(ServerTest, StreamsLazyImageOverTcp) {
-  StreamAndVerify(server_->tcp_endpoint(), "sub/lazy", (*expected_)["sub/lazy"], 16 * kChunk, true);
+  StreamAndVerify(server_->tcp_endpoint(), "sub/lazy", expected_["sub/lazy"], 16 * kChunk, true);
 }
 
 TEST_F(ServerTest, HotSetStreamsFirstInProfileOrder) {
@@ -155,7 +153,7 @@ TEST_F(ServerTest, HotSetStreamsFirstInProfileOrder) {
   }
   for (size_t i = 4; i < received->chunks.size(); ++i)
     EXPECT_EQ(received->chunks[i].header.chunk().priority(), wire::PRIORITY_BACKGROUND);
-  EXPECT_TRUE(VerifyStream(*reply, received->chunks, (*expected_)["hot"]).ok());
+  EXPECT_TRUE(VerifyStream(*reply, received->chunks, expected_["hot"]).ok());
 }
 
 TEST_F(ServerTest, CreditIsRespected) {
@@ -244,7 +242,7 @@ TEST_F(ServerTest, DemandConnectionIsAnsweredAheadOfBackground) {
     if (frame->header.has_chunk()) chunks.push_back(std::move(*frame));
   }
   EXPECT_EQ(chunks.size(), total_chunks);
-  EXPECT_TRUE(VerifyStream(*reply, chunks, (*expected_)["big"]).ok());
+  EXPECT_TRUE(VerifyStream(*reply, chunks, expected_["big"]).ok());
 }
 
 TEST_F(ServerTest, DemandOnTheStreamConnectionJumpsTheQueue) {
@@ -320,8 +318,7 @@ TEST_F(ServerTest, RequestErrorsKeepTheConnection) {
 TEST_F(ServerTest, FrameErrorsCloseOnlyTheBadConnection) {
   std::atomic<bool> good_ok{false};
   std::thread good([&] {
-    StreamAndVerify(server_->tcp_endpoint(), "sub/lazy", (*expected_)["sub/lazy"], 8 * kChunk,
-                    true);
+    StreamAndVerify(server_->tcp_endpoint(), "sub/lazy", expected_["sub/lazy"], 8 * kChunk, true);
     good_ok = !::testing::Test::HasFailure();
   });
 
@@ -408,7 +405,7 @@ TEST_F(ServerTest, SixteenConcurrentClients) {
         ADD_FAILURE() << "client " << i << ": " << received.status().ToString();
         return;
       }
-      Status verified = VerifyStream(*reply, received->chunks, (*expected_)[image]);
+      Status verified = VerifyStream(*reply, received->chunks, expected_[image]);
       if (!verified.ok()) {
         ADD_FAILURE() << "client " << i << ": " << verified.ToString();
         return;
