@@ -72,6 +72,7 @@
 
 #include "plugin/criu_abi.h"
 #include "plugin/fault/gpulazy_fault.h"
+#include "tests/support/fake_drm_log.h"
 
 namespace {
 
@@ -422,23 +423,9 @@ std::string FdTarget(int fd) {
 
 // The fake DRM's live BOs in this process, handle -> memfd (its drm-<pid> log, kfd.h).
 std::map<uint32_t, int> FakeDrmBos() {
-  std::map<uint32_t, int> out;
   const char* kfd_state = std::getenv("GPULAZY_FAKE_KFD");
-  std::ifstream log(std::string(kfd_state ? kfd_state : "") + "/drm-" + std::to_string(::getpid()));
-  std::string line;
-  while (std::getline(log, line)) {
-    std::istringstream in(line);
-    std::string kind;
-    uint64_t a = 0, b = 0;
-    in >> kind >> std::hex >> a >> b;
-    if (kind == "bo") out[static_cast<uint32_t>(a)] = static_cast<int>(b);
-    if (kind == "mv") {
-      out[static_cast<uint32_t>(b)] = out[static_cast<uint32_t>(a)];
-      out.erase(static_cast<uint32_t>(a));
-    }
-    if (kind == "close") out.erase(static_cast<uint32_t>(a));
-  }
-  return out;
+  return gpulazy::testing::FakeDrmBos(std::string(kfd_state ? kfd_state : "") + "/drm-" +
+                                      std::to_string(::getpid()));
 }
 
 // --render: what RESTORE_EXT_FILE answered for the render node, checked. "" when right.

@@ -29,6 +29,7 @@
 #include "plugin/topology.h"
 #include "proto/criu_file.h"
 #include "tests/plugin/fake_amdgpu.h"
+#include "tests/support/fake_drm_log.h"
 #include "tests/support/render_node_images.h"
 
 namespace gpulazy::plugin {
@@ -524,22 +525,7 @@ class RenderNodeTest : public ::testing::Test {
 
   // The fake DRM's log of this process (kfd.h): the live BOs, handle -> memfd.
   std::map<uint32_t, int> DrmBos() {
-    std::map<uint32_t, int> out;
-    std::ifstream log(kfd_state / ("drm-" + std::to_string(::getpid())));
-    std::string line;
-    while (std::getline(log, line)) {
-      std::istringstream in(line);
-      std::string kind;
-      uint64_t a = 0, b = 0;
-      in >> kind >> std::hex >> a >> b;
-      if (kind == "bo") out[static_cast<uint32_t>(a)] = static_cast<int>(b);
-      if (kind == "mv") {
-        out[static_cast<uint32_t>(b)] = out[static_cast<uint32_t>(a)];
-        out.erase(static_cast<uint32_t>(a));
-      }
-      if (kind == "close") out.erase(static_cast<uint32_t>(a));
-    }
-    return out;
+    return gpulazy::testing::FakeDrmBos(kfd_state / ("drm-" + std::to_string(::getpid())));
   }
 
   static int OrMinus(const Result<int>& r) { return r.ok() ? *r : -1; }
