@@ -18,8 +18,10 @@ void HostDmabufEngine::Release(uint32_t bo) {
   targets_.erase(bo);
 }
 
-Status HostDmabufEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
-                               client::CopyDone done) {
+Result<std::shared_ptr<HostDmabufEngine::Target>> HostDmabufEngine::Range(uint32_t bo,
+                                                                          uint64_t offset,
+                                                                          uint64_t length,
+                                                                          std::string_view what) {
   std::shared_ptr<Target> target;
   {
     std::lock_guard lock(mutex_);
@@ -27,26 +29,23 @@ Status HostDmabufEngine::Write(uint32_t bo, uint64_t offset, std::span<const uin
     if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
     target = it->second;
   }
-  if (offset > target->size || raw.size() > target->size - offset)
-    return OutOfRange("write [{}, +{}) past BO {} of {} bytes", offset, raw.size(), bo,
+  if (offset > target->size || length > target->size - offset)
+    return OutOfRange("{} [{}, +{}) past BO {} of {} bytes", what, offset, length, bo,
                       target->size);
-  Status written = WriteAllAt(target->fd.get(), offset, raw, fmt::format("BO {}", bo));
-  if (!written.ok()) return written;
+  return target;
+}
+
+Status HostDmabufEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                               client::CopyDone done) {
+  GPULAZY_ASSIGN_OR_RETURN(std::shared_ptr<Target> target, Range(bo, offset, raw.size(), "write"));
+  GPULAZY_RETURN_IF_ERROR(WriteAllAt(target->fd.get(), offset, raw, fmt::format("BO {}", bo)));
   done(Status::Ok());
   return Status::Ok();
 }
 
 Status HostDmabufEngine::ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t> out) {
-  std::shared_ptr<Target> target;
-  {
-    std::lock_guard lock(mutex_);
-    auto it = targets_.find(bo);
-    if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
-    target = it->second;
-  }
-  if (offset > target->size || out.size() > target->size - offset)
-    return OutOfRange("read-back [{}, +{}) past BO {} of {} bytes", offset, out.size(), bo,
-                      target->size);
+  GPULAZY_ASSIGN_OR_RETURN(std::shared_ptr<Target> target,
+                           Range(bo, offset, out.size(), "read-back"));
   return ReadExactAt(target->fd.get(), offset, out, fmt::format("dmabuf of BO {}", bo));
 }
 

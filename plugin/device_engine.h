@@ -53,6 +53,9 @@ class HostDmabufEngine : public DeviceEngine {
     UniqueFd fd;
     uint64_t size = 0;
   };
+  // The bound BO, checked to hold [offset, offset + length); `what` names the access in errors.
+  Result<std::shared_ptr<Target>> Range(uint32_t bo, uint64_t offset, uint64_t length,
+                                        std::string_view what);
   std::mutex mutex_;
   std::map<uint32_t, std::shared_ptr<Target>> targets_;
 };
