@@ -1,9 +1,10 @@
 # net/: Asio transports and frame I/O, shared with the page server.
 add_library(gpulazy_net STATIC
   ${CMAKE_CURRENT_LIST_DIR}/net/endpoint.cc
+  ${CMAKE_CURRENT_LIST_DIR}/net/fd_passing.cc
   ${CMAKE_CURRENT_LIST_DIR}/net/frame_stream.cc
   ${CMAKE_CURRENT_LIST_DIR}/net/stream.cc)
-target_link_libraries(gpulazy_net PUBLIC gpulazy_proto Boost::system OpenSSL::SSL OpenSSL::Crypto
+target_link_libraries(gpulazy_net PUBLIC gpulazy_proto gpulazy_image Boost::system OpenSSL::SSL OpenSSL::Crypto
                       Threads::Threads)
 
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/client.cmake)

@@ -1,5 +1,9 @@
 #include "lazy-server/image/image_source.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <utility>
 
 #include "proto/checksum.h"
@@ -15,6 +19,13 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
   if (LazyImage::Exists(dir)) {
     GPULAZY_ASSIGN_OR_RETURN(LazyImage lazy, LazyImage::Open(dir));
     source->manifest_ = lazy.manifest();
+    // files() holds a duplicate of the descriptor the lazy image reads from: the same file, so
+    // ReopenFile checks a client's copy against exactly what we serve.
+    const std::string chunk_file = source->manifest_.chunk_file();
+    UniqueFd fd(::fcntl(lazy.chunk_fd(), F_DUPFD_CLOEXEC, 0));
+    if (!fd.valid()) return ErrnoError(errno, "{}: dup of {}", dir.string(), chunk_file);
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), dir / chunk_file));
+    source->files_.push_back(StoredFile{chunk_file, std::move(fd), size});
     source->lazy_.emplace(std::move(lazy));
     return std::shared_ptr<const ImageSource>(std::move(source));
   }
@@ -31,13 +42,18 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
   m.set_format_version(1);
   m.set_chunk_size(raw_chunk_size);
   DescribeDevices(checkpoint, &m);
+  std::map<std::string, UniqueFd> pages_fds;  // sorted by name: files() order is stable
   for (const KfdProcessImage& process : checkpoint.processes()) {
     for (const auto& [gpu_id, pages] : process.pages_by_gpu) {
       // A GPU whose content BOs are all empty may have no pages file; there is nothing to read.
       if (pages.payload_length == 0) continue;
       GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenInDir(dir, pages.name));
-      source->pages_fds_.emplace(pages.name, std::move(fd));
+      pages_fds.emplace(pages.name, std::move(fd));
     }
+  }
+  for (auto& [name, fd] : pages_fds) {
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), dir / name));
+    source->files_.push_back(StoredFile{name, std::move(fd), size});
   }
   const uint64_t cs = raw_chunk_size;
   for (const ContentBo& content : checkpoint.content_bos()) {
@@ -84,10 +100,9 @@ Result<StoredChunk> ImageSource::ReadChunk(uint32_t bo, uint32_t chunk) const {
     return out;
   }
   const std::string& file = manifest_.bos(static_cast<int>(bo)).source_file();
-  auto fd = pages_fds_.find(file);
-  if (fd == pages_fds_.end()) return Internal("{}: pages file {} is not open", dir_.string(), file);
+  GPULAZY_ASSIGN_OR_RETURN(const StoredFile* stored, FileNamed(file));
   out.bytes.resize(c->stored_length());
-  GPULAZY_RETURN_IF_ERROR(ReadExactAt(fd->second.get(), c->stored_offset(), out.bytes, file));
+  GPULAZY_RETURN_IF_ERROR(ReadExactAt(stored->fd.get(), c->stored_offset(), out.bytes, file));
   out.checksum = Checksum64(out.bytes);
   return out;
 }
@@ -98,15 +113,49 @@ Result<ImageSource::DiskRange> ImageSource::LocateChunk(uint32_t bo, uint32_t ch
   range.length = c->stored_length();
   if (lazy_) {
     range.fd = lazy_->chunk_fd();
+    range.file = 0;
     range.offset = kFileHeaderSize + c->stored_offset();
     return range;
   }
   const std::string& file = manifest_.bos(static_cast<int>(bo)).source_file();
-  auto fd = pages_fds_.find(file);
-  if (fd == pages_fds_.end()) return Internal("{}: pages file {} is not open", dir_.string(), file);
-  range.fd = fd->second.get();
+  GPULAZY_ASSIGN_OR_RETURN(const StoredFile* stored, FileNamed(file));
+  range.fd = stored->fd.get();
+  range.file = static_cast<uint32_t>(stored - files_.data());
   range.offset = c->stored_offset();
   return range;
+}
+
+Result<StoredChunk> ImageSource::LocateStoredChunk(uint32_t bo, uint32_t chunk) const {
+  GPULAZY_ASSIGN_OR_RETURN(const manifest::Chunk* c, FindChunk(manifest_, dir_, bo, chunk));
+  GPULAZY_ASSIGN_OR_RETURN(DiskRange range, LocateChunk(bo, chunk));
+  StoredChunk out;
+  out.codec = c->codec();
+  out.raw_length = c->raw_length();
+  out.checksum = c->checksum();
+  out.has_checksum = is_lazy();
+  out.in_file = range;
+  return out;
+}
+
+Result<const ImageSource::StoredFile*> ImageSource::FileNamed(const std::string& name) const {
+  // A handful of files (one per process and GPU): a scan beats a map here.
+  for (const StoredFile& file : files_)
+    if (file.name == name) return &file;
+  return Internal("{}: pages file {} is not open", dir_.string(), name);
+}
+
+Result<UniqueFd> ImageSource::ReopenFile(uint32_t index) const {
+  if (index >= files_.size())
+    return OutOfRange("{}: no stored file {} (image has {})", dir_.string(), index, files_.size());
+  const StoredFile& file = files_[index];
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenInDir(dir_, file.name));
+  struct stat held {};
+  struct stat opened {};
+  if (::fstat(file.fd.get(), &held) != 0 || ::fstat(fd.get(), &opened) != 0)
+    return ErrnoError(errno, "{}: fstat of {}", dir_.string(), file.name);
+  if (held.st_dev != opened.st_dev || held.st_ino != opened.st_ino)
+    return Corrupt("{}: {} was replaced after the image was opened", dir_.string(), file.name);
+  return fd;
 }
 
 }  // namespace gpulazy::image

@@ -104,6 +104,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--image-access", image_access,
                  "PRINCIPAL=PREFIX[,PREFIX...]: who may open which images (repeatable; principals "
                  "*, uid:N, gid:N, cn:NAME; none given: everyone sees every image)");
+  app.add_flag("--pass-files,!--no-pass-files", config.pass_files,
+               "hand image files to Unix-socket clients that ask, so they read chunks themselves "
+               "(default on; --no-pass-files: every byte travels through the socket)");
   app.add_option("--max-sessions", config.max_sessions, "open sessions at most")
       ->capture_default_str();
   app.add_option("--max-connections", config.max_connections, "open connections at most")

@@ -66,6 +66,9 @@ struct ServerConfig {
   // process (the CRIU plugin serves images inside CRIU, whose handlers must stay): only Stop()
   // ends it then, and the server installs no signal handler at all.
   bool handle_signals = true;
+  // Clients on Unix sockets may ask for an image's files (SCM_RIGHTS) and read chunks from them
+  // themselves, the server still choosing the order (docs/protocol.md, "Image files").
+  bool pass_files = true;
 };
 
 // Parses argv (and --config FILE). On --help or a usage error, exit_code says how main should

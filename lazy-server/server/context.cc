@@ -76,6 +76,7 @@ nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
       {"lazy_image", session.image().source->is_lazy()},
       {"age_s", std::chrono::duration<double>(Clock::now() - session.opened_at()).count()},
       {"bytes_sent", stats.bytes_sent.load()},
+      {"bytes_by_reference", stats.bytes_by_reference.load()},
       {"chunks_sent", ChunksByPriority(stats.chunks_sent)},
       {"errors_sent", stats.errors_sent.load()},
       {"stream_done", stats.stream_done.load()},

@@ -85,14 +85,18 @@ void Dispatcher::Read(const Job& job) {
     return;
   }
   const image::ImageSource& source = sink->source();
-  // Hints are best effort: a failed fadvise costs nothing but the read-ahead.
+  // Hints are best effort: a failed fadvise costs nothing but the read-ahead. (They help a
+  // client reading by reference too: the page cache is shared.)
   for (const manifest::ChunkRef& ref : job.upcoming) {
     Result<image::ImageSource::DiskRange> range = source.LocateChunk(ref.bo(), ref.chunk());
     if (range.ok() && range->fd >= 0 && range->length > 0)
       ::posix_fadvise(range->fd, static_cast<off_t>(range->offset),
                       static_cast<off_t>(range->length), POSIX_FADV_WILLNEED);
   }
-  Result<image::StoredChunk> chunk = source.ReadChunk(job.item.bo, job.item.chunk);
+  // By reference the client reads the bytes itself: only say where they are.
+  Result<image::StoredChunk> chunk = job.item.by_reference
+                                         ? source.LocateStoredChunk(job.item.bo, job.item.chunk)
+                                         : source.ReadChunk(job.item.bo, job.item.chunk);
   sink->OnChunkRead(job.item, std::move(chunk));
   {
     std::lock_guard lock(mu_);

@@ -83,11 +83,12 @@ Status Scheduler::Have(SessionId id,
   return Status::Ok();
 }
 
-Status Scheduler::StreamAll(SessionId id) {
+Status Scheduler::StreamAll(SessionId id, bool by_reference) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
   s.streaming = true;
+  s.stream_by_reference = by_reference;
   s.cursor = 0;
   s.stream_sent_chunks = 0;
   s.stream_sent_bytes = 0;
@@ -96,7 +97,7 @@ Status Scheduler::StreamAll(SessionId id) {
 
 Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                           const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
-                          Clock::time_point now) {
+                          Clock::time_point now, bool by_reference) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
@@ -130,6 +131,7 @@ Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, 
       item.output = output;
       item.request_id = request_id;
       item.received = now;
+      item.by_reference = by_reference;
       queue->push_back(item);
     }
   }
@@ -198,6 +200,7 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s) {
     item.priority = priority;
     item.output = Output::kStream;
     item.from_stream_all = true;
+    item.by_reference = s.stream_by_reference;
     item.reserved_credit = payload;
     item.stream_seq = s.next_stream_seq++;
     ++s.cursor;

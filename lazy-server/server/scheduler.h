@@ -81,6 +81,9 @@ struct WorkItem {
   // parallel disk reads never put a background chunk before a hot one.
   uint64_t stream_seq = 0;
   Clock::time_point received{};  // when the request arrived (demand latency)
+  // The client reads the stored bytes itself from the image files it was handed: send where
+  // they are, not the bytes (docs/protocol.md, "Image files").
+  bool by_reference = false;
 };
 
 struct SchedulerLimits {
@@ -105,13 +108,13 @@ class Scheduler {
 
   // Marks chunks as held by the client: stream_all skips them. All-or-nothing.
   Status Have(SessionId id, const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges);
-  // Starts (or restarts) streaming every chunk not in Have.
-  Status StreamAll(SessionId id);
+  // Starts (or restarts) streaming every chunk not in Have; by_reference marks its items.
+  Status StreamAll(SessionId id, bool by_reference = false);
   // Queues exactly these chunks (again, if sent before). All-or-nothing: an out-of-range
   // range is kOutOfRange, past a limit kResourceExhausted, and nothing is queued.
   Status Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                  const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
-                 Clock::time_point now);
+                 Clock::time_point now, bool by_reference = false);
   // Grants stream credit (saturating).
   void AddCredit(SessionId id, uint64_t bytes);
   // Takes extra credit for a chunk whose payload turned out larger than reserved.
@@ -148,6 +151,7 @@ class Scheduler {
     std::deque<WorkItem> background;
     // stream_all
     bool streaming = false;
+    bool stream_by_reference = false;
     size_t cursor = 0;
     uint64_t stream_in_flight_all = 0;
     uint64_t stream_sent_chunks = 0;

@@ -2,9 +2,12 @@
 
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
+
+#include "page-client/net/fd_passing.h"
 
 namespace gpulazy::server {
 namespace asio = boost::asio;
@@ -188,8 +191,10 @@ Connection::~Connection() = default;
 std::string Connection::Tag() const {
   if (!session_) return fmt::format("conn {} ({})", id_, peer_);
   return fmt::format("conn {} ({}, {} of session {}, image '{}')", id_, peer_,
-                     role_ == Role::kDemand ? "demand" : "stream", session_->id(),
-                     session_->image().name);
+                     role_ == Role::kDemand  ? "demand"
+                     : role_ == Role::kFiles ? "files"
+                                             : "stream",
+                     session_->id(), session_->image().name);
 }
 
 void Connection::Start(wire::ErrorCode refuse_code, std::string refuse_message) {
@@ -319,9 +324,17 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
       Fail(wire::ERROR_NOT_FOUND, "unknown session or wrong secret", rid);
       co_return;
     }
-    role_ = Role::kDemand;
     session_ = std::move(session);
+    if (hello.want_files()) {
+      role_ = Role::kFiles;
+      SendImageFiles(rid);
+      co_return;
+    }
+    role_ = Role::kDemand;
     session_->AttachDemand(shared_from_this());
+  } else if (hello.want_files()) {
+    Fail(wire::ERROR_BAD_REQUEST, "want_files needs join_session and join_secret", rid);
+    co_return;
   } else {
     role_ = Role::kStream;
   }
@@ -503,6 +516,65 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
                image.layout->bo_count(), image.layout->total_chunks(), image.layout->hot_end());
 }
 
+void Connection::SendImageFiles(uint64_t request_id) {
+  // Whatever happens, this connection has done its one job after this.
+  draining_ = true;
+  const image::ImageSource& source = *session_->image().source;
+  boost::system::error_code ec;
+  const auto local = socket_.socket().local_endpoint(ec);
+  if (!ctx_.config.pass_files) {
+    Fail(wire::ERROR_BAD_REQUEST, "this server does not pass image files (--no-pass-files)",
+         request_id);
+    return;
+  }
+  if (ec || socket_.is_tls() || local.protocol().family() != AF_UNIX) {
+    Fail(wire::ERROR_BAD_REQUEST, "image files are passed only over Unix sockets", request_id);
+    return;
+  }
+  if (source.files().size() > net::kMaxPassedFds) {
+    Fail(wire::ERROR_LIMIT,
+         fmt::format("image has {} stored files, more than one message can pass ({})",
+                     source.files().size(), net::kMaxPassedFds),
+         request_id);
+    return;
+  }
+  // New open file descriptions, not ours: a client that changes its descriptor's flags
+  // (O_DIRECT, say) must not change how the server reads. ReopenFile also checks each is still
+  // the file the image was opened with.
+  std::vector<UniqueFd> fds;
+  std::vector<int> raw;
+  wire::Header header;
+  header.set_request_id(request_id);
+  wire::ImageFiles* body = header.mutable_image_files();
+  for (uint32_t i = 0; i < source.files().size(); ++i) {
+    Result<UniqueFd> fd = source.ReopenFile(i);
+    if (!fd.ok()) {
+      spdlog::warn("{}: cannot pass image files: {}", Tag(), fd.status().ToString());
+      Fail(ToWire(fd.status().code()),
+           fmt::format("image file {} cannot be passed", source.files()[i].name), request_id);
+      return;
+    }
+    raw.push_back(fd->get());
+    fds.push_back(std::move(fd).value());
+    wire::ImageFile* file = body->add_files();
+    file->set_name(source.files()[i].name);
+    file->set_size(source.files()[i].size);
+  }
+  // Before the send: the client may ask by_reference on its stream connection (another strand)
+  // the moment the files arrive. A client whose files never arrive does not ask.
+  session_->MarkFilesPassed();
+  // Nothing else has been written on this connection, and the frame is small: it goes out in
+  // one sendmsg, beside the writer (whose queue is empty), which then finds nothing to send.
+  Status sent = net::SendFrameWithFds(socket_.socket().native_handle(), header, raw, ctx_.limits);
+  if (!sent.ok()) {
+    spdlog::warn("{}: passing {} image files failed: {}", Tag(), raw.size(), sent.ToString());
+    Close("passing the image files failed");
+    return;
+  }
+  spdlog::info("{}: passed {} image file(s) of image '{}'", Tag(), raw.size(),
+               session_->image().name);
+}
+
 void Connection::HandleRequest(const wire::Header& frame) {
   const uint64_t rid = frame.request_id();
   if (!session_) {
@@ -511,13 +583,18 @@ void Connection::HandleRequest(const wire::Header& frame) {
   }
   const wire::Request& request = frame.request();
   const SessionId id = session_->id();
+  if (request.by_reference() && !session_->files_passed()) {
+    SendError(wire::ERROR_BAD_REQUEST,
+              "by_reference needs the image files first (a Hello with want_files)", rid);
+    return;
+  }
   if (request.stream_all()) {
     if (role_ == Role::kDemand) {
       SendError(wire::ERROR_BAD_REQUEST, "stream_all belongs on the stream connection", rid);
       return;
     }
     auto done = ctx_.dispatcher.Update([&](Scheduler& s) {
-      (void)s.StreamAll(id);
+      (void)s.StreamAll(id, request.by_reference());
       return s.TakeStreamDone(id);
     });
     spdlog::debug("{}: stream_all", Tag());
@@ -532,7 +609,8 @@ void Connection::HandleRequest(const wire::Header& frame) {
   const Output output = role_ == Role::kDemand ? Output::kDemand : Output::kStream;
   const auto now = Clock::now();
   Status status = ctx_.dispatcher.Update([&](Scheduler& s) {
-    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now);
+    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now,
+                     request.by_reference());
   });
   if (!status.ok()) {
     spdlog::info("{}: request {} refused: {}", Tag(), rid, status.ToString());
@@ -763,7 +841,9 @@ void Connection::MarkStreamSeq(const WorkItem& item) {
 net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   const WorkItem& item = ready.item;
   const image::StoredChunk& chunk = ready.chunk;
-  const uint64_t payload = chunk.bytes.size();
+  const uint64_t payload = chunk.in_file ? 0 : chunk.bytes.size();
+  // Credit counts the stored bytes the client takes on, whether they travel or it reads them.
+  const uint64_t charged = chunk.in_file ? chunk.in_file->length : payload;
   if (payload > ctx_.limits.max_payload || payload > UINT32_MAX) {
     SendError(wire::ERROR_LIMIT,
               fmt::format("BO {} chunk {}: {} stored bytes exceed the frame limit", item.bo,
@@ -775,11 +855,11 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   }
   // Credit was reserved from the manifest's length; a longer payload must find the rest, so
   // the stream never carries more than the client granted.
-  if (item.output == Output::kStream && payload > item.reserved_credit &&
-      !ctx_.dispatcher.TakeCredit(item.session, payload - item.reserved_credit)) {
+  if (item.output == Output::kStream && charged > item.reserved_credit &&
+      !ctx_.dispatcher.TakeCredit(item.session, charged - item.reserved_credit)) {
     SendError(wire::ERROR_INTERNAL,
               fmt::format("BO {} chunk {}: {} stored bytes where the manifest says {}", item.bo,
-                          item.chunk, payload, item.reserved_credit),
+                          item.chunk, charged, item.reserved_credit),
               item.request_id);
     auto done = ctx_.dispatcher.Done(item, std::nullopt);
     if (done) SendStreamDone(*done);
@@ -795,6 +875,13 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   body->set_raw_length(chunk.raw_length);
   body->set_checksum(chunk.checksum);
   body->set_priority(item.priority);
+  if (chunk.in_file) {
+    wire::FileRange* where = body->mutable_in_file();
+    where->set_file(chunk.in_file->file);
+    where->set_offset(chunk.in_file->offset);
+    where->set_length(static_cast<uint32_t>(chunk.in_file->length));
+    body->set_no_checksum(!chunk.has_checksum);
+  }
   BeginWrite();
   Status status = co_await net::WriteFrame(socket_, header, chunk.bytes, ctx_.limits);
   EndWrite();
@@ -810,6 +897,7 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   ctx_.totals.chunks_sent[priority].fetch_add(1);
   if (session_) {
     session_->stats().bytes_sent.fetch_add(payload);
+    if (chunk.in_file) session_->stats().bytes_by_reference.fetch_add(charged);
     session_->stats().chunks_sent[priority].fetch_add(1);
     if (item.priority == wire::PRIORITY_DEMAND)
       session_->RecordDemandLatency(sent_at - item.received);
@@ -817,7 +905,7 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   spdlog::trace("{}: sent BO {} chunk {} ({} bytes, {})", Tag(), item.bo, item.chunk, payload,
                 wire::Priority_Name(item.priority));
   Touch();
-  std::optional<StreamDoneInfo> done = ctx_.dispatcher.Done(item, static_cast<uint32_t>(payload));
+  std::optional<StreamDoneInfo> done = ctx_.dispatcher.Done(item, static_cast<uint32_t>(charged));
   if (done) SendStreamDone(*done);
 }
 

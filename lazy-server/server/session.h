@@ -38,7 +38,8 @@ namespace gpulazy::server {
 class Connection;
 
 struct SessionStats {
-  std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_sent{0};          // payload bytes on the wire
+  std::atomic<uint64_t> bytes_by_reference{0};  // stored bytes the client read from its files
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> stream_done{0};
@@ -62,6 +63,10 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   // The stream connection ended: unregisters the session and closes its demand connection.
   void Close();
 
+  // The image files were handed to the client (a files connection): it may ask by_reference.
+  void MarkFilesPassed() { files_passed_.store(true); }
+  bool files_passed() const { return files_passed_.load(); }
+
   void RecordDemandLatency(Clock::duration latency);
   struct Latency {
     uint64_t count = 0;
@@ -82,6 +87,7 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   const std::shared_ptr<const OpenedImage> image_;
   const Clock::time_point opened_at_;
   SessionStats stats_;
+  std::atomic<bool> files_passed_{false};
   mutable std::mutex mu_;
   std::weak_ptr<Connection> stream_;
   std::weak_ptr<Connection> demand_;
@@ -93,7 +99,8 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  enum class Role { kNew, kStream, kDemand };
+  // kFiles: a connection that joined only to fetch the image files; it closes after them.
+  enum class Role { kNew, kStream, kDemand, kFiles };
 
   // `identity`: what the listener learned of the peer (SO_PEERCRED on Unix sockets); a TLS
   // client certificate's name is added after the handshake.
@@ -132,6 +139,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   net::Awaitable<void> HandleHello(const wire::Header& frame);
   net::Awaitable<void> HandleFrame(const wire::Header& frame);
   net::Awaitable<void> HandleOpenImage(const wire::Header& frame);
+  // Answers a files connection (Hello want_files): ImageFiles with the descriptors attached, or
+  // an error saying why not; the connection closes either way.
+  void SendImageFiles(uint64_t request_id);
   void HandleRequest(const wire::Header& frame);
   void SendStatsReply(uint64_t request_id);
   void SendStreamDone(const StreamDoneInfo& info);
