@@ -140,8 +140,11 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
   return Status::Ok();
 }
 
+// read_files: the client reads the image files the server passes, on `readers` threads
+// (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
-                                       uint64_t window, uint32_t slots, uint32_t streams) {
+                                       uint64_t window, uint32_t slots, uint32_t streams,
+                                       bool read_files, uint32_t readers) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
   engine_options.streams = streams;
@@ -153,6 +156,8 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   options.image = image_dir.filename().string();
   options.window_bytes = window;
   options.client_name = "cuda-bench";
+  options.read_files = read_files;
+  options.file_readers = readers;
   PipelineResult result;
   {
     client::RestoreSession session(options, *engine);
@@ -291,6 +296,7 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
     session_options.image = image_dir.filename().string();
     session_options.window_bytes = options.window;
     session_options.client_name = "cuda-bench-layers";
+    session_options.file_readers = options.readers;
     client::RestoreSession session(session_options, *engine);
     return RunLayerMode(session, *engine, mode, options, expected, start);
   }
@@ -421,17 +427,22 @@ int Run(int argc, char** argv) {
   if (wants("stream")) {
     Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
     if (!image_dir.ok()) return fail(image_dir.status());
-    std::vector<double> ceiling, pipeline, local, upstream;
-    bool verified = true, local_verified = true;
+    std::vector<double> ceiling, pipeline, by_reference, local, upstream;
+    bool verified = true, local_verified = true, by_reference_verified = true;
     for (uint32_t r = 0; r < repeat; ++r) {
       Result<double> c = MeasurePinnedCeiling(*size);
       if (!c.ok()) return fail(c.status());
       ceiling.push_back(*c);
-      Result<PipelineResult> p =
-          MeasurePipeline(*image_dir, server->unix_endpoint(), *window, slots, streams);
+      Result<PipelineResult> p = MeasurePipeline(*image_dir, server->unix_endpoint(), *window,
+                                                 slots, streams, false, layer_options.readers);
       if (!p.ok()) return fail(p.status());
       pipeline.push_back(p->throughput_Bps);
       verified = verified && p->verified;
+      Result<PipelineResult> f = MeasurePipeline(*image_dir, server->unix_endpoint(), *window,
+                                                 slots, streams, true, layer_options.readers);
+      if (!f.ok()) return fail(f.status());
+      by_reference.push_back(f->throughput_Bps);
+      by_reference_verified = by_reference_verified && f->verified;
       Result<PipelineResult> l =
           MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams,
                        static_cast<uint32_t>(*local_chunk));
@@ -464,6 +475,7 @@ int Run(int argc, char** argv) {
     };
     emit("ceiling_pinned_cudaMemcpy", ceiling, false);
     emit("gpulazy_pipeline_unix", pipeline, verified);
+    emit("gpulazy_pipeline_unix_files", by_reference, by_reference_verified);
     emit("gpulazy_local_direct", local, local_verified);
     emit("upstream_style_loop", upstream, false);
     std::error_code ignored;

@@ -36,7 +36,10 @@ int Run(int argc, char** argv) {
   stream_cmd->add_option("--size", stream_size, "image content bytes")->capture_default_str();
   stream_cmd->add_option("--sessions", stream.sessions, "concurrent sessions (list: 1,8)")
       ->delimiter(',');
-  stream_cmd->add_option("--transport", stream.transports, "unix and/or tcp (list)")
+  stream_cmd
+      ->add_option("--transport", stream.transports,
+                   "unix (bytes through the socket), unix-files (client reads the passed "
+                   "image files), tcp (list)")
       ->delimiter(',');
   stream_cmd->add_option("--engine", stream.engine, "host or discard")->capture_default_str();
   stream_cmd->add_option("--window", stream_window, "client credit window")->capture_default_str();

@@ -99,7 +99,8 @@ Status VerifyAgainstSource(const fs::path& image_dir, const client::RestoreSessi
 }
 
 Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
-                                       uint32_t sessions, const StreamOptions& options) {
+                                       bool read_files, uint32_t sessions,
+                                       const StreamOptions& options) {
   std::vector<std::unique_ptr<client::CopyEngine>> engines;
   std::vector<std::unique_ptr<client::RestoreSession>> clients;
   for (uint32_t s = 0; s < sessions; ++s) {
@@ -113,6 +114,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     session.image = image_dir.filename().string();
     session.window_bytes = options.window;
     session.client_name = fmt::format("bench-{}", s);
+    session.read_files = read_files;
     clients.push_back(std::make_unique<client::RestoreSession>(session, *engines.back()));
   }
   auto start = Clock::now();
@@ -148,17 +150,21 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                            ServerChild::Start(common.bin_dir, root, work.path()));
 
   for (const std::string& transport : options.transports) {
-    if (transport != "unix" && transport != "tcp")
-      return InvalidArgument("--transport {}: use unix or tcp", transport);
+    // unix: every byte through the socket; unix-files: the client reads the image files the
+    // server passes (chunks by reference, docs/protocol.md "Image files").
+    if (transport != "unix" && transport != "unix-files" && transport != "tcp")
+      return InvalidArgument("--transport {}: use unix, unix-files or tcp", transport);
+    const bool read_files = transport == "unix-files";
     const std::string& endpoint =
-        transport == "unix" ? server.unix_endpoint() : server.tcp_endpoint();
+        transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
     for (uint32_t sessions : options.sessions) {
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json ceiling, RunInChild([&] {
                                  return MeasureCeiling(files, options.size, sessions,
                                                        options.engine == "host");
                                }));
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json pipeline, RunInChild([&] {
-                                 return MeasurePipeline(image_dir, endpoint, sessions, options);
+                                 return MeasurePipeline(image_dir, endpoint, read_files, sessions,
+                                                        options);
                                }));
       const double throughput = pipeline["throughput_Bps"].get<double>();
       const double ceiling_Bps = ceiling["throughput_Bps"].get<double>();

@@ -2,11 +2,12 @@
 # gpulazy-client CLI. Included from sources.cmake.
 add_library(gpulazy_client STATIC
   ${CMAKE_CURRENT_LIST_DIR}/chunk_codec.cc
+  ${CMAKE_CURRENT_LIST_DIR}/file_chunks.cc
   ${CMAKE_CURRENT_LIST_DIR}/host_engine.cc
   ${CMAKE_CURRENT_LIST_DIR}/residency.cc
   ${CMAKE_CURRENT_LIST_DIR}/restore_session.cc
   ${CMAKE_CURRENT_LIST_DIR}/server_connection.cc)
-target_link_libraries(gpulazy_client PUBLIC gpulazy_net gpulazy_proto spdlog::spdlog
+target_link_libraries(gpulazy_client PUBLIC gpulazy_net gpulazy_image gpulazy_proto spdlog::spdlog
                       PkgConfig::LZ4 Threads::Threads)
 
 # Restoring from an image directory on this host, with no server (LocalRestore).

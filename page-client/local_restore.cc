@@ -1,7 +1,6 @@
 #include "page-client/local_restore.h"
 
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -12,9 +11,8 @@
 
 #include "lazy-server/image/image_source.h"
 #include "lazy-server/image/io.h"
+#include "page-client/file_chunks.h"
 #include "page-client/residency.h"
-#include "proto/chunk_codec.h"
-#include "proto/file_header.h"
 
 namespace gpulazy::client {
 
@@ -27,6 +25,8 @@ struct ChunkId {
 
 // A chunk that failed verification is read again this many times before the restore fails.
 constexpr uint32_t kMaxRereads = 1;
+// Buffers of ours kept for reuse (chunks the engine lends no memory for).
+constexpr size_t kMaxSpareBuffers = 32;
 
 }  // namespace
 
@@ -231,89 +231,49 @@ class LocalRestore::Impl {
   }
 
   // Reads one chunk into the engine's buffer (or a buffer of ours), verifies it and hands it
-  // to the engine. On failure the chunk is left missing.
+  // to the engine; a chunk that fails verification is read again once. On failure the chunk is
+  // left missing.
   Status Restore(ChunkId id, std::vector<uint8_t>& scratch) {
-    const uint64_t offset = residency_.ChunkOffset(id.chunk);
-    const uint32_t length = residency_.ChunkLength(id.bo, id.chunk);
-    // Under engine_mu_ although the contract would allow concurrent calls: readers then take
-    // slots one at a time, in order. Measured (docs/benchmarks.md): 0.74-0.78 of the pinned
-    // rate this way against 0.58-0.63 with every reader grabbing slots at once.
-    std::optional<std::span<uint8_t>> target;
-    {
-      std::lock_guard engine_lock(engine_mu_);
-      target = engine_.ReceiveTarget(id.bo, offset, length);
-    }
-    std::shared_ptr<std::vector<uint8_t>> own;
-    std::span<uint8_t> into;
-    if (target && target->size() == length) {
-      into = *target;
-    } else {
-      target.reset();
-      own = TakeBuffer(length);
-      into = *own;
-    }
-    Status read = ReadVerified(id, into, scratch);
-    if (!read.ok()) {
-      if (target) {
-        // Nothing unverified may linger in a destination the engine lent us.
-        std::memset(into.data(), 0, into.size());
-        engine_.ReleaseReceived(id.bo, offset, length);
-      }
-      std::lock_guard lock(mu_);
-      residency_.ClearLanding(id.bo, id.chunk);
-      return read;
-    }
-    CopyDone done = [this, id, length, own](const Status& status) {
-      if (own) ReturnBuffer(own);
-      OnWritten(id, length, status);
-    };
-    std::lock_guard engine_lock(engine_mu_);
-    Status queued = target ? engine_.CommitReceived(id.bo, offset, length, std::move(done))
-                           : engine_.Write(id.bo, offset, into, std::move(done));
-    if (!queued.ok()) {
-      std::lock_guard lock(mu_);
-      residency_.ClearLanding(id.bo, id.chunk);
-      return Internal("{}: BO {} chunk {}: engine {} refused the copy: {}", Name(), id.bo, id.chunk,
-                      engine_.name(), queued.message());
-    }
-    return Status::Ok();
-  }
-
-  Status ReadVerified(ChunkId id, std::span<uint8_t> into, std::vector<uint8_t>& scratch) {
+    const manifest::Chunk& stored =
+        image_->manifest().bos(static_cast<int>(id.bo)).chunks(static_cast<int>(id.chunk));
+    GPULAZY_ASSIGN_OR_RETURN(image::DiskRange range, image_->LocateChunk(id.bo, id.chunk));
+    FileChunk c;
+    c.bo = id.bo;
+    c.chunk = id.chunk;
+    c.dest_offset = residency_.ChunkOffset(id.chunk);
+    c.raw_length = residency_.ChunkLength(id.bo, id.chunk);
+    c.codec = stored.codec();
+    // A CRIU checkpoint records no checksums.
+    if (image_->is_lazy()) c.checksum = stored.checksum();
+    c.fd = range.fd;
+    c.file_offset = range.offset;
+    c.stored_length = static_cast<uint32_t>(range.length);
     const std::string what = fmt::format("{}: BO {} chunk {}", Name(), id.bo, id.chunk);
+    if (stored.raw_length() != c.raw_length) {
+      std::lock_guard lock(mu_);
+      residency_.ClearLanding(id.bo, id.chunk);
+      return Corrupt("{}: raw length {} but the BO needs {}", what, stored.raw_length(),
+                     c.raw_length);
+    }
     for (uint32_t attempt = 0;; ++attempt) {
-      Status s = ReadInto(id, into, scratch, what);
-      if (s.ok() || s.code() != Code::kCorrupt || attempt >= kMaxRereads) return s;
+      uint64_t read = 0;
+      Status s = InstallFileChunk(
+          engine_, engine_mu_, c, buffers_, scratch, what,
+          [this, id, length = c.raw_length](const Status& status) {
+            OnWritten(id, length, status);
+          },
+          &read);
+      Count(read);
+      if (s.ok()) return s;
+      if (s.code() != Code::kCorrupt || attempt >= kMaxRereads) {
+        std::lock_guard lock(mu_);
+        residency_.ClearLanding(id.bo, id.chunk);
+        return s;
+      }
       spdlog::warn("{}; reading it again", s.message());
       std::lock_guard lock(mu_);
       ++rereads_;
     }
-  }
-
-  Status ReadInto(ChunkId id, std::span<uint8_t> into, std::vector<uint8_t>& scratch,
-                  const std::string& what) {
-    const manifest::Chunk& chunk =
-        image_->manifest().bos(static_cast<int>(id.bo)).chunks(static_cast<int>(id.chunk));
-    if (chunk.raw_length() != into.size())
-      return Corrupt("{}: raw length {} but the BO needs {}", what, chunk.raw_length(),
-                     into.size());
-    if (chunk.codec() == manifest::CODEC_RAW) {
-      // Straight from the page cache into the destination: no copy of ours in between.
-      GPULAZY_ASSIGN_OR_RETURN(image::ImageSource::DiskRange range,
-                               image_->LocateChunk(id.bo, id.chunk));
-      if (range.length != into.size())
-        return Corrupt("{}: stored length {} but raw length {}", what, range.length, into.size());
-      GPULAZY_RETURN_IF_ERROR(ReadExactAt(range.fd, range.offset, into, what));
-      Count(into.size());
-      if (!image_->is_lazy()) return Status::Ok();  // a CRIU checkpoint records no checksums
-      if (XXH3_64bits(into.data(), into.size()) != chunk.checksum())
-        return Corrupt("{}: checksum mismatch", what);
-      return Status::Ok();
-    }
-    GPULAZY_ASSIGN_OR_RETURN(image::StoredChunk stored, image_->ReadChunk(id.bo, id.chunk));
-    scratch = std::move(stored.bytes);
-    Count(scratch.size());
-    return DecodeChunkBytes(chunk.codec(), chunk.checksum(), scratch, into, what);
   }
 
   void Count(uint64_t bytes) {
@@ -343,24 +303,6 @@ class LocalRestore::Impl {
     changed_.notify_all();
   }
 
-  std::shared_ptr<std::vector<uint8_t>> TakeBuffer(uint32_t length) {
-    std::lock_guard lock(buffers_mu_);
-    std::shared_ptr<std::vector<uint8_t>> buffer;
-    if (!spare_.empty()) {
-      buffer = std::move(spare_.back());
-      spare_.pop_back();
-    } else {
-      buffer = std::make_shared<std::vector<uint8_t>>();
-    }
-    buffer->resize(length);
-    return buffer;
-  }
-
-  void ReturnBuffer(const std::shared_ptr<std::vector<uint8_t>>& buffer) {
-    std::lock_guard lock(buffers_mu_);
-    if (spare_.size() < 2 * readers_.size()) spare_.push_back(buffer);
-  }
-
   const LocalRestoreOptions options_;
   CopyEngine& engine_;
   std::shared_ptr<const image::ImageSource> image_;
@@ -370,10 +312,9 @@ class LocalRestore::Impl {
   std::vector<uint8_t> hot_;           // by global chunk index; immutable after Start
   uint64_t hot_count_ = 0;
 
-  // Engine calls are serialized (see Restore for why ReceiveTarget is too); reads are not.
+  // Engine calls are serialized (InstallFileChunk says why ReceiveTarget is too); reads are not.
   std::mutex engine_mu_;
-  std::mutex buffers_mu_;
-  std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_;
+  ChunkBufferPool buffers_{kMaxSpareBuffers};
 
   mutable std::mutex mu_;
   std::condition_variable work_;     // readers: demand queued, stopping, failed

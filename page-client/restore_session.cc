@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "page-client/chunk_codec.h"
+#include "page-client/file_chunks.h"
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
@@ -103,6 +104,9 @@ struct Link : std::enable_shared_from_this<Link> {
   FrameLimits limits;
   FrameWriter stream_writer;
   std::optional<FrameWriter> demand_writer;
+  // The image files the server passed for this connection's session: chunks arrive by
+  // reference and are read from them. Null: chunks travel through the socket.
+  std::shared_ptr<const ImageFileSet> files;
   uint64_t credit_outstanding = 0;  // granted to the server and not yet used by it
   uint32_t demand_in_flight = 0;    // demand chunks asked for and not yet received
   bool closed = false;
@@ -164,6 +168,12 @@ class RestoreSession::Impl {
                  uint64_t wire_bytes, bool on_stream, const Status& why);
   void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
                  std::shared_ptr<std::vector<uint8_t>> staging, uint64_t credit);
+  // A ChunkData frame with in_file: checks where it points, claims the chunk and hands it to a
+  // reader thread. Errors are the server's (fatal).
+  Status ReceiveByReference(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                            uint32_t payload_length, bool on_stream);
+  // On a reader thread: reads the chunk from the passed file into the engine.
+  void ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& chunk, bool on_stream);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
   void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
   void QueueDemand(const std::vector<ChunkId>& chunks);
@@ -179,6 +189,10 @@ class RestoreSession::Impl {
 
   SessionOptions options_;
   CopyEngine& engine_;
+  // Every engine call holds it: the I/O thread and the file readers share the engine, whose
+  // contract is one caller at a time.
+  std::mutex engine_mu_;
+  ChunkBufferPool file_buffers_{kMaxSpareBuffers};
   net::Endpoint endpoint_;
   net::ClientTransport transport_;
   std::vector<ChunkId> hot_chunks_;  // immutable once opened
@@ -203,6 +217,9 @@ class RestoreSession::Impl {
   std::vector<std::vector<uint8_t>> spare_buffers_;
   uint64_t next_request_id_ = 1;
   std::thread thread_;
+  // Reader threads for chunks by reference (read_files on a Unix endpoint); joined before the
+  // final engine Flush.
+  std::optional<asio::thread_pool> readers_;
 };
 
 // ---- public surface ----
@@ -219,8 +236,12 @@ RestoreSession::Impl::~Impl() {
     io_.stop();
     thread_.join();
   }
+  if (readers_) readers_->join();
   // Engine callbacks hold our staging buffers and call OnWritten; let them all run first.
-  if (started_) (void)engine_.Flush();
+  if (started_) {
+    std::lock_guard engine_lock(engine_mu_);
+    (void)engine_.Flush();
+  }
 }
 
 Status RestoreSession::Impl::Start() {
@@ -236,6 +257,10 @@ Status RestoreSession::Impl::Start() {
   {
     std::lock_guard lock(mutex_);
     started_ = true;
+  }
+  if (options_.read_files && endpoint_.kind == net::Endpoint::Kind::kUnix) {
+    if (options_.file_readers == 0) return InvalidArgument("read_files needs at least one reader");
+    readers_.emplace(options_.file_readers);
   }
   asio::co_spawn(io_, Main(), asio::detached);
   thread_ = std::thread([this] { io_.run(); });
@@ -428,7 +453,11 @@ asio::awaitable<void> RestoreSession::Impl::Main() {
   }
   if (link_) link_->Close();
   link_.reset();
-  Status flushed = engine_.Flush();
+  Status flushed;
+  {
+    std::lock_guard engine_lock(engine_mu_);
+    flushed = engine_.Flush();
+  }
   if (!flushed.ok()) Fail(flushed.Context(fmt::format("flushing the {} engine", engine_.name())));
   {
     std::lock_guard lock(mutex_);
@@ -467,6 +496,7 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
     hot.emplace_back(ref.bo(), ref.chunk());
   }
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
+  std::lock_guard engine_lock(engine_mu_);
   for (uint32_t bo = 0; bo < bos.size(); ++bo) {
     Status created = engine_.AddDestination(bo, bos[bo].size);
     if (!created.ok())
@@ -550,6 +580,26 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     if (residency_.complete()) co_return Status::Ok();  // nothing (left) to stream
   }
 
+  std::shared_ptr<const ImageFileSet> files;
+  if (readers_) {
+    wire::Hello join = hello;
+    join.set_join_session(reply->session());
+    join.set_join_secret(reply->session_secret());
+    Result<std::shared_ptr<const ImageFileSet>> fetched =
+        co_await FetchImageFiles(endpoint_, join, options_.handshake_timeout);
+    if (fetched.ok()) {
+      files = *fetched;
+      if (first)
+        spdlog::info("image {}: reading chunks from {} passed image file(s) on {} threads",
+                     options_.image, files->files.size(), options_.file_readers);
+    } else if (fetched.status().code() == Code::kInvalidArgument) {
+      // The server will not pass files (--no-pass-files): the socket carries the chunks.
+      if (first) spdlog::info("image {}: {}", options_.image, fetched.status().message());
+    } else {
+      co_return fetched.status().Context("fetching the image files");
+    }
+  }
+
   std::optional<net::Stream> demand_socket;
   if (options_.demand_connection) {
     wire::Hello join = hello;
@@ -562,6 +612,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   }
 
   auto link = std::make_shared<Link>(std::move(stream->socket), std::move(demand_socket), limits);
+  link->files = files;
   std::vector<ChunkRun> held;
   std::vector<ChunkRun> pending_demand;
   {
@@ -569,6 +620,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     held = residency_.HeldRuns();
     pending_demand = residency_.PendingDemandRuns();
     if (!first) ++counters_.reconnects;
+    counters_.reading_files = files != nullptr;
   }
   if (!held.empty()) {
     wire::Header have;
@@ -584,6 +636,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   stream_all.set_request_id(next_request_id_++);
   stream_all.mutable_request()->set_stream_all(true);
   stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
+  stream_all.mutable_request()->set_by_reference(link->files != nullptr);
   link->stream_writer.Send(std::move(stream_all));
 
   link_ = link;
@@ -794,6 +847,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
   *transport = false;
+  if (data.has_in_file()) co_return ReceiveByReference(link, data, payload_length, on_stream);
   bool duplicate = false;
   Status accepted = AcceptChunk(link, data, payload_length, on_stream, &duplicate);
   if (!accepted.ok()) co_return accepted;
@@ -804,8 +858,12 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
   if (!duplicate && data.codec() == manifest::CODEC_RAW && payload_length > 0 &&
       payload_length == data.raw_length()) {
+    std::lock_guard engine_lock(engine_mu_);
     target = engine_.ReceiveTarget(bo, offset, payload_length);
-    if (target && target->size() != payload_length) target.reset();
+    if (target && target->size() != payload_length) {
+      engine_.ReleaseReceived(bo, offset, payload_length);
+      target.reset();
+    }
   }
   if (!target) {
     payload.resize(payload_length);
@@ -848,7 +906,10 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   if (!status.ok() || XXH3_64bits_digest(hash.get()) != data.checksum()) {
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
-    engine_.ReleaseReceived(bo, offset, payload_length);
+    {
+      std::lock_guard engine_lock(engine_mu_);
+      engine_.ReleaseReceived(bo, offset, payload_length);
+    }
     {
       std::lock_guard lock(mutex_);
       residency_.ClearLanding(bo, chunk);
@@ -857,14 +918,105 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     co_return BadCopy(link, bo, chunk, payload_length, on_stream,
                       Corrupt("{}: checksum mismatch (received in place)", What(bo, chunk)));
   }
-  Status committed = engine_.CommitReceived(
-      bo, offset, payload_length,
-      [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
-          const Status& status) { OnWritten(status, link, id, nullptr, credit); });
+  Status committed;
+  {
+    std::lock_guard engine_lock(engine_mu_);
+    committed = engine_.CommitReceived(
+        bo, offset, payload_length,
+        [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
+            const Status& status) { OnWritten(status, link, id, nullptr, credit); });
+  }
   if (!committed.ok())
     co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
   PumpDemand();
   co_return Status::Ok();
+}
+
+Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& link,
+                                                const wire::ChunkData& data,
+                                                uint32_t payload_length, bool on_stream) {
+  const uint32_t bo = data.bo();
+  const uint32_t chunk = data.chunk();
+  const wire::FileRange& where = data.in_file();
+  // Everything here comes from the server: a bad reference is its bug, never ours to follow.
+  if (payload_length != 0)
+    return Corrupt("image {}: BO {} chunk {} by reference carries a {}-byte payload",
+                   options_.image, bo, chunk, payload_length);
+  if (!link->files)
+    return Corrupt("image {}: server sent BO {} chunk {} by reference; we hold no image files",
+                   options_.image, bo, chunk);
+  if (where.file() >= link->files->files.size())
+    return Corrupt("image {}: BO {} chunk {} is in file {}; the server passed {}", options_.image,
+                   bo, chunk, where.file(), link->files->files.size());
+  const ImageFileSet::File& file = link->files->files[where.file()];
+  if (where.offset() > file.size || where.length() > file.size - where.offset())
+    return Corrupt("image {}: BO {} chunk {} at [{}, +{}) lies past the end of {} ({} bytes)",
+                   options_.image, bo, chunk, where.offset(), where.length(), file.name, file.size);
+  if (where.length() > link->limits.max_payload)
+    return Corrupt("image {}: BO {} chunk {} has {} stored bytes (limit {})", options_.image, bo,
+                   chunk, where.length(), link->limits.max_payload);
+  if (data.no_checksum() && lazy_image_)
+    return Corrupt("image {}: BO {} chunk {} of a lazy image comes without its checksum",
+                   options_.image, bo, chunk);
+  bool duplicate = false;
+  GPULAZY_RETURN_IF_ERROR(AcceptChunk(link, data, where.length(), on_stream, &duplicate));
+  if (duplicate) {
+    if (on_stream) ReturnCredit(link, where.length());
+    PumpDemand();
+    return Status::Ok();
+  }
+  FileChunk c;
+  c.bo = bo;
+  c.chunk = chunk;
+  c.dest_offset = uint64_t{chunk} * chunk_size_;
+  c.raw_length = data.raw_length();
+  c.codec = data.codec();
+  if (!data.no_checksum()) c.checksum = data.checksum();
+  c.fd = file.fd.get();
+  c.file_offset = where.offset();
+  c.stored_length = where.length();
+  {
+    std::lock_guard lock(mutex_);
+    residency_.MarkLanding(bo, chunk);
+  }
+  // The job holds the link, and through it the files, until the chunk is done.
+  asio::post(*readers_, [this, link, c, on_stream] { ReadByReference(link, c, on_stream); });
+  PumpDemand();
+  return Status::Ok();
+}
+
+void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& c,
+                                           bool on_stream) {
+  const ChunkId id{c.bo, c.chunk};
+  if (cancelled_ || Failed()) {
+    std::lock_guard lock(mutex_);
+    residency_.ClearLanding(c.bo, c.chunk);
+    return;
+  }
+  std::vector<uint8_t> scratch;  // encoded chunks only
+  uint64_t read = 0;
+  const uint64_t credit = on_stream ? c.stored_length : 0;
+  Status installed = InstallFileChunk(
+      engine_, engine_mu_, c, file_buffers_, scratch, What(c.bo, c.chunk),
+      [this, link, id, credit](const Status& status) {
+        OnWritten(status, link, id, nullptr, credit);
+      },
+      &read);
+  if (installed.ok()) return;
+  {
+    std::lock_guard lock(mutex_);
+    residency_.ClearLanding(c.bo, c.chunk);
+  }
+  if (installed.code() != Code::kCorrupt) {
+    Fail(installed);
+    return;
+  }
+  // Bad bytes in the file: ask the server again (it re-sends the reference; a second bad read
+  // fails the restore), on the I/O thread that owns the demand queue.
+  asio::post(io_, [this, link, c, on_stream, installed] {
+    Status bad = BadCopy(link, c.bo, c.chunk, c.stored_length, on_stream, installed);
+    if (!bad.ok()) Fail(bad);
+  });
 }
 
 Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
@@ -914,10 +1066,12 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   }
   std::span<const uint8_t> raw(*staging);
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
+  std::unique_lock engine_lock(engine_mu_);
   Status written = engine_.Write(
       bo, uint64_t{chunk} * chunk_size_, raw,
       [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
           const Status& status) { OnWritten(status, link, id, staging, credit); });
+  engine_lock.unlock();
   if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
   PumpDemand();
   return Status::Ok();
@@ -986,6 +1140,7 @@ void RestoreSession::Impl::PumpDemand() {
   wire::Header header;
   header.set_request_id(next_request_id_++);
   header.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+  header.mutable_request()->set_by_reference(link_->files != nullptr);
   for (const ChunkRun& run : runs)
     *header.mutable_request()->add_ranges() = ToRange(run);
   link_->demand_out().Send(std::move(header));

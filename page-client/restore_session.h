@@ -7,7 +7,8 @@
 //
 // Thread-safety: Start, and the destructor, from one thread; Ensure, Wait*, progress and
 // Cancel from any thread at any time after Start returned. The session runs its network
-// I/O, decoding and engine writes on one internal thread.
+// I/O, decoding and engine writes on one internal thread, and reads chunks from passed image
+// files on `file_readers` more; their engine calls are serialized by one lock.
 #pragma once
 
 #include <chrono>
@@ -51,6 +52,12 @@ struct SessionOptions {
   std::chrono::milliseconds handshake_timeout{10000};  // Hello and OpenImage replies
   // Most demand chunks asked for and not yet received (the server refuses past its own limit).
   uint32_t max_demand_in_flight = 128;
+  // On a Unix endpoint, ask the server for the image's files and read the chunks from them on
+  // `file_readers` threads (docs/protocol.md, "Image files"): the server still picks the order,
+  // but the bytes go from the page cache into the engine without crossing the socket. A server
+  // that will not pass them is told nothing more: the chunks then travel through the socket.
+  bool read_files = true;
+  uint32_t file_readers = 4;
 };
 
 // A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).
@@ -76,6 +83,7 @@ struct Progress {
   uint64_t refetches = 0;       // chunks asked for again after a bad copy
   uint64_t duplicates = 0;      // copies of chunks already held, ignored
   uint64_t reconnects = 0;      // successful re-opens after a lost connection
+  bool reading_files = false;   // the current connection passed the image files (by reference)
   bool complete = false;
 };
 

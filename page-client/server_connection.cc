@@ -1,6 +1,12 @@
 #include "page-client/server_connection.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <memory>
+
+#include "page-client/net/fd_passing.h"
 
 namespace gpulazy::client {
 namespace asio = boost::asio;
@@ -122,6 +128,67 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
                           reply->hello_reply().version(), kProtocolVersion);
   handshake.reply = reply->hello_reply();
   co_return std::move(handshake);
+}
+
+namespace {
+
+// What a passed descriptor must be before we read chunks from it.
+Status CheckPassedFile(const ImageFileSet::File& file) {
+  struct stat st {};
+  if (::fstat(file.fd.get(), &st) != 0) return ErrnoError(errno, "fstat of {}", file.name);
+  if (!S_ISREG(st.st_mode)) return Corrupt("{} is not a regular file", file.name);
+  if (static_cast<uint64_t>(st.st_size) != file.size)
+    return Corrupt("{} has {} bytes, the server said {}", file.name, st.st_size, file.size);
+  const int flags = ::fcntl(file.fd.get(), F_GETFL);
+  if (flags < 0) return ErrnoError(errno, "F_GETFL of {}", file.name);
+  // We only read; a writable descriptor to a checkpoint is one slip away from corrupting it.
+  if ((flags & O_ACCMODE) != O_RDONLY) return Corrupt("{} was passed writable", file.name);
+  return Status::Ok();
+}
+
+}  // namespace
+
+net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
+    const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout) {
+  const std::string where = fmt::format("image files from {}", endpoint.ToString());
+  Result<net::Socket> connected = co_await net::Connect(endpoint);
+  if (!connected.ok()) co_return connected.status().Context(where);
+  net::Stream stream(std::move(connected).value());
+  HandshakeDeadline deadline(co_await asio::this_coro::executor, &stream, timeout);
+  FrameLimits limits;
+  join.set_want_files(true);
+  wire::Header hello;
+  *hello.mutable_hello() = std::move(join);
+  Status sent = co_await net::WriteFrame(stream, hello, {}, limits);
+  if (!sent.ok()) co_return sent.Context(where);
+  Result<net::FrameWithFds> reply =
+      co_await net::ReadFrameWithFds(stream.socket(), limits, net::kMaxPassedFds);
+  if (!reply.ok()) {
+    if (!stream.is_open()) co_return TimedOut("{}: no answer within {} ms", where, timeout.count());
+    co_return reply.status().Context(where);
+  }
+  if (reply->header.has_error()) co_return ErrorFrameStatus(reply->header.error(), where);
+  // A server that predates want_files ignores it and takes us for a demand connection.
+  if (reply->header.has_hello_reply())
+    co_return InvalidArgument("{}: the server does not pass image files", where);
+  if (!reply->header.has_image_files())
+    co_return Corrupt("{}: expected ImageFiles, got header body {}", where,
+                      static_cast<int>(reply->header.body_case()));
+  const wire::ImageFiles& listed = reply->header.image_files();
+  if (static_cast<size_t>(listed.files_size()) != reply->fds.size())
+    co_return Corrupt("{}: {} files listed, {} descriptors attached", where, listed.files_size(),
+                      reply->fds.size());
+  auto set = std::make_shared<ImageFileSet>();
+  for (int i = 0; i < listed.files_size(); ++i) {
+    ImageFileSet::File file;
+    file.name = listed.files(i).name().substr(0, 256);
+    file.fd = std::move(reply->fds[static_cast<size_t>(i)]);
+    file.size = listed.files(i).size();
+    Status valid = CheckPassedFile(file);
+    if (!valid.ok()) co_return valid.Context(where);
+    set->files.push_back(std::move(file));
+  }
+  co_return std::shared_ptr<const ImageFileSet>(std::move(set));
 }
 
 net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,

@@ -6,8 +6,11 @@
 
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "lazy-server/image/io.h"
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
@@ -42,6 +45,23 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
                                                        const FrameLimits& limits,
                                                        std::chrono::milliseconds timeout,
                                                        bool* refused);
+
+// The files a server passed for a session (docs/protocol.md, "Image files"): regular files,
+// read-only, each as large as the server said. Immutable; shared by the readers using it.
+struct ImageFileSet {
+  struct File {
+    std::string name;  // for messages only
+    UniqueFd fd;
+    uint64_t size = 0;
+  };
+  std::vector<File> files;
+};
+
+// Opens a files connection to `endpoint` (a Unix socket), joins the session named in `join`
+// (join_session, join_secret; want_files is set here) and receives its image files, within
+// `timeout`. A server that will not pass files answers with an Error: kInvalidArgument.
+net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
+    const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout);
 
 // Queues payload-less frames (Credit, Have, Request, Goodbye) and writes them in order from one
 // coroutine, so a socket never has two writes in flight.

@@ -14,6 +14,8 @@ struct FetchOptions {
   std::string out_dir;
   uint64_t window_bytes = 16u << 20;
   bool demand_connection = true;
+  bool read_files = true;     // Unix servers: read chunks from the passed image files
+  uint32_t file_readers = 4;  // threads reading them
   bool json = false;
   std::string token_file;
   net::TlsClientOptions tls;

@@ -117,6 +117,8 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
   session_options.image = options.image;
   session_options.window_bytes = options.window_bytes;
   session_options.demand_connection = options.demand_connection;
+  session_options.read_files = options.read_files;
+  session_options.file_readers = options.file_readers;
   if (!options.token_file.empty()) {
     GPULAZY_ASSIGN_OR_RETURN(session_options.token, net::ReadTokenFile(options.token_file));
   }
@@ -149,6 +151,7 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
        restore_seconds > 0 ? double(p.resident_bytes) / restore_seconds : 0.0},
       {"write_seconds", Seconds(Clock::now() - write_start)},
       {"reconnects", p.reconnects},
+      {"read_files", p.reading_files},
       {"refetches", p.refetches},
       {"duplicates", p.duplicates},
       {"demand_chunks", p.demand_chunks},

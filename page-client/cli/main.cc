@@ -37,6 +37,7 @@ static int Run(int argc, char** argv) {
   FetchOptions fetch;
   std::string window = "16M";
   bool no_demand = false;
+  bool no_read_files = false;
   CLI::App* fetch_cmd =
       app.add_subcommand("fetch", "restore an image's BO contents and write CRIU pages files");
   fetch_cmd->add_option("--server", fetch.server, "unix:PATH or tcp:HOST:PORT")->required();
@@ -45,6 +46,13 @@ static int Run(int argc, char** argv) {
   fetch_cmd->add_option("--window", window, "flow-control window (e.g. 16M)")
       ->capture_default_str();
   fetch_cmd->add_flag("--no-demand-connection", no_demand, "send everything on one connection");
+  fetch_cmd->add_flag("--no-read-files", no_read_files,
+                      "over a Unix socket, take every byte through the socket instead of reading "
+                      "the image files the server passes");
+  fetch_cmd
+      ->add_option("--file-readers", fetch.file_readers,
+                   "threads reading chunks from passed image files")
+      ->capture_default_str();
   fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
   AddSecurityOptions(*fetch_cmd, &fetch.token_file, &fetch.tls, &fetch.insecure);
 
@@ -68,6 +76,7 @@ static int Run(int argc, char** argv) {
     }
     fetch.window_bytes = *bytes;
     fetch.demand_connection = !no_demand;
+    fetch.read_files = !no_read_files;
     return RunFetch(fetch);
   }
   return RunStats(stats);

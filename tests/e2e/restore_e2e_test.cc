@@ -104,18 +104,42 @@ TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
     ASSERT_TRUE(image::LazyImage::Exists(lazy));
   }
 
-  ServerProcess server(run_dir.path(), root.path());
-  ASSERT_TRUE(server.ready()) << server.Log();
-
+  // Over unix the client reads chunks from the image files the server passes (by reference);
+  // --no-read-files and tcp take every byte through the socket; a server with --no-pass-files
+  // refuses the files and the client falls back to the socket by itself.
+  struct Mode {
+    std::string name;
+    bool pass_files;  // server side
+    bool tcp;
+    std::string client_args;
+    bool expect_files;  // the client's JSON says it read the files
+  };
+  const std::vector<Mode> modes = {
+      {"unix, by reference", true, false, "", true},
+      {"unix, --no-read-files", true, false, " --no-read-files", false},
+      {"tcp", true, true, "", false},
+      {"unix, server --no-pass-files", false, false, "", false},
+  };
   int n = 0;
-  for (const auto* endpoint : {&server.unix_endpoint(), &server.tcp_endpoint()}) {
+  for (const Mode& mode : modes) {
+    std::vector<std::string> server_args;
+    if (!mode.pass_files) server_args.push_back("--no-pass-files");
+    const fs::path server_dir = run_dir.path() / ("server" + std::to_string(n));
+    fs::create_directories(server_dir);
+    ServerProcess server(server_dir, root.path(), server_args);
+    ASSERT_TRUE(server.ready()) << server.Log();
+    const net::Endpoint& endpoint = mode.tcp ? server.tcp_endpoint() : server.unix_endpoint();
     for (const auto& [name, source] :
          {std::pair{std::string("raw"), &raw_files}, std::pair{std::string("lazy"), &lazy_files}}) {
-      SCOPED_TRACE(endpoint->ToString() + " " + name);
+      SCOPED_TRACE(mode.name + " " + name);
       const fs::path out = run_dir.path() / ("out" + std::to_string(n++));
-      const ClientRun run = RunClient("fetch --server " + endpoint->ToString() + " --image " +
-                                      name + " --out " + out.string() + " --json --insecure");
+      const ClientRun run =
+          RunClient("fetch --server " + endpoint.ToString() + " --image " + name + " --out " +
+                    out.string() + " --json --insecure" + mode.client_args);
       ASSERT_EQ(run.exit_code, 0) << run.out << "\n" << server.Log();
+      EXPECT_NE(run.out.find(mode.expect_files ? "\"read_files\": true" : "\"read_files\": false"),
+                std::string::npos)
+          << run.out;
       const auto fetched = PagesFiles(out);
       ASSERT_EQ(fetched.size(), source->size());
       for (const auto& [file, bytes] : *source) {
@@ -125,8 +149,8 @@ TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
         EXPECT_TRUE(it->second == bytes) << file << " differs";
       }
     }
+    EXPECT_EQ(server.Terminate(), 0) << server.Log();
   }
-  EXPECT_EQ(server.Terminate(), 0) << server.Log();
 }
 
 // 2. RestoreSession survives a SIGKILLed server restarted on the same unix socket.

@@ -1,0 +1,107 @@
+#include "page-client/file_chunks.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+#include <utility>
+
+#include "lazy-server/image/io.h"
+#include "proto/chunk_codec.h"
+
+namespace gpulazy::client {
+
+std::shared_ptr<std::vector<uint8_t>> ChunkBufferPool::Take(size_t length) {
+  std::shared_ptr<std::vector<uint8_t>> buffer;
+  {
+    std::lock_guard lock(mu_);
+    if (!spare_.empty()) {
+      buffer = std::move(spare_.back());
+      spare_.pop_back();
+    }
+  }
+  if (!buffer) buffer = std::make_shared<std::vector<uint8_t>>();
+  buffer->resize(length);
+  return buffer;
+}
+
+void ChunkBufferPool::Return(std::shared_ptr<std::vector<uint8_t>> buffer) {
+  std::lock_guard lock(mu_);
+  if (spare_.size() < max_spare_) spare_.push_back(std::move(buffer));
+}
+
+namespace {
+
+// Reads the chunk's stored bytes and leaves its verified raw bytes in `into`.
+Status ReadInto(const FileChunk& c, std::span<uint8_t> into, std::vector<uint8_t>& scratch,
+                const std::string& what, uint64_t* bytes_read) {
+  if (c.codec == manifest::CODEC_RAW) {
+    if (c.stored_length != into.size())
+      return Corrupt("{}: stored length {} but raw length {}", what, c.stored_length, into.size());
+    // Straight from the page cache into the destination: no copy of ours in between.
+    GPULAZY_RETURN_IF_ERROR(ReadExactAt(c.fd, c.file_offset, into, what));
+    *bytes_read += into.size();
+    if (!c.checksum) return Status::Ok();
+    if (XXH3_64bits(into.data(), into.size()) != *c.checksum)
+      return Corrupt("{}: checksum mismatch", what);
+    return Status::Ok();
+  }
+  if (!c.checksum) return Corrupt("{}: an encoded chunk without a checksum", what);
+  scratch.resize(c.stored_length);
+  if (!scratch.empty()) GPULAZY_RETURN_IF_ERROR(ReadExactAt(c.fd, c.file_offset, scratch, what));
+  *bytes_read += scratch.size();
+  return DecodeChunkBytes(c.codec, *c.checksum, scratch, into, what);
+}
+
+}  // namespace
+
+Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChunk& c,
+                        ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
+                        const std::string& what, CopyDone done, uint64_t* bytes_read) {
+  // ReceiveTarget under engine_mu although the contract would allow concurrent calls: readers
+  // then take slots one at a time, in order. Measured (docs/benchmarks.md): 0.74-0.78 of the
+  // pinned rate this way against 0.58-0.63 with every reader grabbing slots at once.
+  std::optional<std::span<uint8_t>> target;
+  {
+    std::lock_guard engine_lock(engine_mu);
+    target = engine.ReceiveTarget(c.bo, c.dest_offset, c.raw_length);
+  }
+  if (target && target->size() != c.raw_length) {
+    std::lock_guard engine_lock(engine_mu);
+    engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
+    target.reset();
+  }
+  std::shared_ptr<std::vector<uint8_t>> own;
+  std::span<uint8_t> into;
+  if (target) {
+    into = *target;
+  } else {
+    own = buffers.Take(c.raw_length);
+    into = *own;
+  }
+  Status read = ReadInto(c, into, scratch, what, bytes_read);
+  if (!read.ok()) {
+    if (target) {
+      // Nothing unverified may linger in a destination the engine lent us.
+      std::memset(into.data(), 0, into.size());
+      std::lock_guard engine_lock(engine_mu);
+      engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
+    } else {
+      buffers.Return(std::move(own));
+    }
+    return read;
+  }
+  CopyDone finish = [&buffers, own, done = std::move(done)](const Status& status) {
+    if (own) buffers.Return(own);
+    done(status);
+  };
+  std::lock_guard engine_lock(engine_mu);
+  Status queued = target
+                      ? engine.CommitReceived(c.bo, c.dest_offset, c.raw_length, std::move(finish))
+                      : engine.Write(c.bo, c.dest_offset, into, std::move(finish));
+  if (!queued.ok())
+    return Internal("{}: the {} engine refused the copy: {}", what, engine.name(),
+                    queued.message());
+  return Status::Ok();
+}
+
+}  // namespace gpulazy::client

@@ -1,0 +1,62 @@
+// Installing chunks read straight from image files this process holds: a local image
+// (LocalRestore) or the files a page server passed to a session (RestoreSession's by-reference
+// mode, docs/protocol.md "Image files"). One chunk is read from the page cache into the engine's
+// own buffer when it lends one (the host engine's memory, the CUDA engine's pinned slots), else
+// into a buffer of ours, verified, and handed to the engine.
+//
+// Verification: a chunk with a checksum is checked before the engine may install it, and bytes
+// that fail are zeroed in a lent buffer, so nothing unverified lingers. A plain CRIU checkpoint
+// records no checksums: its bytes are installed as read, as CRIU itself does.
+//
+// Thread-safety: InstallFileChunk may run on several threads at once; every engine call it makes
+// holds `engine_mu`, which the caller shares with its other engine calls.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "page-client/copy_engine.h"
+#include "proto/manifest.pb.h"
+#include "proto/status.h"
+
+namespace gpulazy::client {
+
+struct FileChunk {
+  uint32_t bo = 0;
+  uint32_t chunk = 0;
+  uint64_t dest_offset = 0;  // in the BO
+  uint32_t raw_length = 0;
+  manifest::Codec codec = manifest::CODEC_RAW;
+  std::optional<uint64_t> checksum;  // XXH3-64 of the raw bytes; nullopt: nothing recorded
+  int fd = -1;                       // the file holding the stored bytes
+  uint64_t file_offset = 0;
+  uint32_t stored_length = 0;
+};
+
+// Buffers of ours for chunks the engine lends no memory for (decoded or not RAW), reused.
+class ChunkBufferPool {
+ public:
+  explicit ChunkBufferPool(size_t max_spare) : max_spare_(max_spare) {}
+  std::shared_ptr<std::vector<uint8_t>> Take(size_t length);
+  void Return(std::shared_ptr<std::vector<uint8_t>> buffer);
+
+ private:
+  const size_t max_spare_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_;
+};
+
+// Reads, verifies and hands `c` to the engine; `done` then runs exactly once, as for
+// CopyEngine::Write. An error return means the engine never got the chunk (`done` will not
+// run) and no unverified byte is left in engine memory: kCorrupt for bytes that failed
+// verification (reading again may help), anything else for the file or the engine. `what`
+// names the chunk in messages. *bytes_read counts what was read from the file.
+Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChunk& c,
+                        ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
+                        const std::string& what, CopyDone done, uint64_t* bytes_read);
+
+}  // namespace gpulazy::client

@@ -1,0 +1,274 @@
+// The local data plane against a real gpulazy-server (docs/protocol.md, "Image files"): a files
+// connection receives the image's files as descriptors; by-reference requests are answered
+// with chunk locations whose bytes, read from those descriptors, are the checkpoint's; and
+// every misuse is refused with an error naming why (want_files without a session, over TCP, with
+// the server's --no-pass-files, by_reference before the files were passed).
+#include <gtest/gtest.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/io.h"
+#include "lazy-server/image/lazy_image.h"
+#include "lazy-server/image/synth.h"
+#include "page-client/net/fd_passing.h"
+#include "page-client/server_connection.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::server::testing {
+namespace {
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) {
+  image::SynthOptions options;
+  options.out = dir;
+  options.gpus = 2;
+  options.processes = 2;
+  options.bos = 6;
+  options.total_bytes = bytes;
+  options.seed = seed;
+  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(options).status());
+  if (!lazy) return Status::Ok();
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
+  image::ConvertOptions convert;
+  convert.chunk_size = 128 * 1024;
+  return image::ConvertToLazyImage(checkpoint, convert).status();
+}
+
+// FetchImageFiles, run to completion on its own io_context.
+Result<std::shared_ptr<const client::ImageFileSet>> Fetch(const net::Endpoint& endpoint,
+                                                          uint64_t session, std::string secret) {
+  boost::asio::io_context io;
+  wire::Hello join;
+  join.set_min_version(kProtocolVersion);
+  join.set_max_version(kProtocolVersion);
+  join.set_join_session(session);
+  join.set_join_secret(std::move(secret));
+  std::optional<Result<std::shared_ptr<const client::ImageFileSet>>> result;
+  boost::asio::co_spawn(
+      io,
+      [&]() -> net::Awaitable<void> {
+        result.emplace(co_await client::FetchImageFiles(endpoint, join, 5000ms));
+      },
+      boost::asio::detached);
+  io.run();
+  if (!result) return Internal("FetchImageFiles did not finish");
+  return std::move(*result);
+}
+
+class ImageFilesTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::make_unique<TempDir>();
+    const fs::path root = dir_->path() / "images";
+    fs::create_directories(root);
+    ASSERT_TRUE(MakeImage(root / "raw", 3ull << 20, 31, false).ok());
+    ASSERT_TRUE(MakeImage(root / "lazy", 3ull << 20, 32, true).ok());
+    for (const char* name : {"raw", "lazy"}) {
+      auto contents = LoadCriuContents(root / name);
+      ASSERT_TRUE(contents.ok()) << contents.status().ToString();
+      expected_[name] = std::move(*contents);
+    }
+    server_ = std::make_unique<ServerProcess>(dir_->path(), root,
+                                              std::vector<std::string>{"--raw-chunk-size", "256K"});
+    ASSERT_TRUE(server_->ready()) << server_->Log();
+  }
+  static void TearDownTestSuite() {
+    if (server_ != nullptr && server_->ready())
+      EXPECT_EQ(server_->Terminate(), 0) << server_->Log();
+    server_.reset();
+    dir_.reset();
+  }
+  void SetUp() override { ::alarm(120); }
+  void TearDown() override {
+    ::alarm(0);
+    if (HasFailure()) std::cerr << server_->Log().substr(0, 20000);
+  }
+
+  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> expected_;
+  static std::unique_ptr<TempDir> dir_;
+  static std::unique_ptr<ServerProcess> server_;
+};
+std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> ImageFilesTest::expected_;
+std::unique_ptr<TempDir> ImageFilesTest::dir_;
+std::unique_ptr<ServerProcess> ImageFilesTest::server_;
+
+TEST_F(ImageFilesTest, ByReferenceChunksReadFromThePassedFilesAreTheCheckpointsBytes) {
+  for (const std::string name : {"raw", "lazy"}) {
+    SCOPED_TRACE(name);
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.Hello().ok());
+    Result<wire::OpenImageReply> reply = client.Open(name);
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    Result<std::shared_ptr<const client::ImageFileSet>> files =
+        Fetch(server_->unix_endpoint(), reply->session(), reply->session_secret());
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    // A lazy image stores every chunk in one file; the raw one in a pages file per process/GPU.
+    EXPECT_EQ((*files)->files.size(), name == "lazy" ? 1u : 4u);
+
+    // Credit for the whole image: no credit needs returning while we collect the stream.
+    ASSERT_TRUE(client.Credit(1ull << 30).ok());
+    wire::Header stream_all;
+    stream_all.set_request_id(2);
+    stream_all.mutable_request()->set_stream_all(true);
+    stream_all.mutable_request()->set_by_reference(true);
+    ASSERT_TRUE(client.Send(stream_all).ok());
+    std::vector<Frame> chunks;
+    for (;;) {
+      Result<Frame> frame = client.Read(10s);
+      ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+      if (frame->header.has_stream_done()) break;
+      ASSERT_TRUE(frame->header.has_chunk()) << frame->header.DebugString();
+      wire::ChunkData& data = *frame->header.mutable_chunk();
+      ASSERT_TRUE(data.has_in_file());
+      ASSERT_TRUE(frame->payload.empty());
+      // Only a plain CRIU checkpoint comes without checksums.
+      EXPECT_EQ(data.no_checksum(), name == "raw");
+      const wire::FileRange& where = data.in_file();
+      ASSERT_LT(where.file(), (*files)->files.size());
+      frame->payload.resize(where.length());
+      ASSERT_TRUE(ReadExactAt((*files)->files[where.file()].fd.get(), where.offset(),
+                              frame->payload, "passed file")
+                      .ok());
+      // As a payload for DecodeChunkFrame, which checks the lazy image's recorded checksum.
+      if (data.no_checksum())
+        data.set_checksum(XXH3_64bits(frame->payload.data(), frame->payload.size()));
+      data.clear_in_file();
+      chunks.push_back(std::move(*frame));
+    }
+    Status verified = VerifyStream(*reply, chunks, expected_[name]);
+    EXPECT_TRUE(verified.ok()) << verified.ToString();
+  }
+}
+
+TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
+  // want_files without a session to join.
+  {
+    TestClient client(server_->unix_endpoint());
+    wire::Header hello;
+    hello.mutable_hello()->set_min_version(kProtocolVersion);
+    hello.mutable_hello()->set_max_version(kProtocolVersion);
+    hello.mutable_hello()->set_want_files(true);
+    ASSERT_TRUE(client.Send(hello).ok());
+    Result<wire::Error> error = client.ReadError(5s);
+    ASSERT_TRUE(error.ok()) << error.status().ToString();
+    EXPECT_EQ(error->code(), wire::ERROR_BAD_REQUEST);
+    EXPECT_NE(error->message().find("join_session"), std::string::npos) << error->message();
+    EXPECT_TRUE(client.WaitClosed(5s));
+  }
+  TestClient stream(server_->unix_endpoint());
+  ASSERT_TRUE(stream.Hello().ok());
+  Result<wire::OpenImageReply> reply = stream.Open("raw");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  // by_reference before the files were passed: refused, the connection stays.
+  {
+    wire::Header request;
+    request.set_request_id(5);
+    request.mutable_request()->set_stream_all(true);
+    request.mutable_request()->set_by_reference(true);
+    ASSERT_TRUE(stream.Send(request).ok());
+    Result<wire::Error> error = stream.ReadError(5s);
+    ASSERT_TRUE(error.ok()) << error.status().ToString();
+    EXPECT_EQ(error->code(), wire::ERROR_BAD_REQUEST);
+    EXPECT_EQ(error->in_reply_to(), 5u);
+    EXPECT_NE(error->message().find("image files first"), std::string::npos) << error->message();
+    EXPECT_TRUE(stream.Stats(6).ok());
+  }
+  // Over TCP no descriptor can travel: refused by name.
+  {
+    Result<std::shared_ptr<const client::ImageFileSet>> files =
+        Fetch(server_->tcp_endpoint(), reply->session(), reply->session_secret());
+    ASSERT_FALSE(files.ok());
+    EXPECT_EQ(files.status().code(), Code::kInvalidArgument) << files.status().ToString();
+    EXPECT_NE(files.status().message().find("only over Unix sockets"), std::string::npos)
+        << files.status().ToString();
+  }
+  // A wrong secret gets nothing.
+  {
+    Result<std::shared_ptr<const client::ImageFileSet>> files =
+        Fetch(server_->unix_endpoint(), reply->session(), "not the secret");
+    ASSERT_FALSE(files.ok());
+    EXPECT_EQ(files.status().code(), Code::kNotFound) << files.status().ToString();
+  }
+}
+
+TEST(ImageFilesOff, ServerWithNoPassFilesRefusesThem) {
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(MakeImage(root / "raw", 1ull << 20, 33, false).ok());
+  ServerProcess server(dir.path(), root, {"--no-pass-files"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient stream(server.unix_endpoint());
+  ASSERT_TRUE(stream.Hello().ok());
+  Result<wire::OpenImageReply> reply = stream.Open("raw");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  Result<std::shared_ptr<const client::ImageFileSet>> files =
+      Fetch(server.unix_endpoint(), reply->session(), reply->session_secret());
+  ASSERT_FALSE(files.ok());
+  EXPECT_EQ(files.status().code(), Code::kInvalidArgument) << files.status().ToString();
+  EXPECT_NE(files.status().message().find("--no-pass-files"), std::string::npos)
+      << files.status().ToString();
+  EXPECT_EQ(server.Terminate(), 0) << server.Log();
+}
+
+// The descriptor plumbing itself, on a socket pair: descriptors arrive in order and owned; more
+// than asked for, or a payload, is refused.
+TEST(FdPassing, FrameWithDescriptorsRoundTripsAndRefusesExcess) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  boost::asio::io_context io;
+  net::Socket reader(io, boost::asio::generic::stream_protocol(AF_UNIX, SOCK_STREAM), pair[0]);
+  UniqueFd writer(pair[1]);
+  TempDir dir;
+  std::vector<UniqueFd> files;
+  std::vector<int> raw;
+  for (int i = 0; i < 3; ++i) {
+    const fs::path path = dir.path() / ("f" + std::to_string(i));
+    ASSERT_TRUE(
+        WriteFileAtomically(path, std::vector<uint8_t>(size_t(i + 1), uint8_t('a' + i))).ok());
+    Result<UniqueFd> fd = OpenForRead(path);
+    ASSERT_TRUE(fd.ok());
+    raw.push_back(fd->get());
+    files.push_back(std::move(*fd));
+  }
+  auto read_one = [&](size_t max_fds) {
+    std::optional<Result<net::FrameWithFds>> result;
+    boost::asio::co_spawn(
+        io,
+        [&]() -> net::Awaitable<void> {
+          result.emplace(co_await net::ReadFrameWithFds(reader, FrameLimits{}, max_fds));
+        },
+        boost::asio::detached);
+    io.restart();
+    io.run();
+    return std::move(*result);
+  };
+  wire::Header header;
+  header.mutable_image_files()->add_files()->set_name("x");
+  ASSERT_TRUE(net::SendFrameWithFds(writer.get(), header, raw, FrameLimits{}).ok());
+  Result<net::FrameWithFds> got = read_one(3);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->fds.size(), 3u);
+  EXPECT_TRUE(got->header.has_image_files());
+  for (int i = 0; i < 3; ++i) {
+    std::vector<uint8_t> bytes(size_t(i + 1));
+    ASSERT_TRUE(ReadExactAt(got->fds[size_t(i)].get(), 0, bytes, "passed").ok());
+    EXPECT_EQ(bytes, std::vector<uint8_t>(size_t(i + 1), uint8_t('a' + i)));
+  }
+  // Three descriptors where two were expected: refused, and none is leaked.
+  ASSERT_TRUE(net::SendFrameWithFds(writer.get(), header, raw, FrameLimits{}).ok());
+  Result<net::FrameWithFds> excess = read_one(2);
+  ASSERT_FALSE(excess.ok());
+  EXPECT_EQ(excess.status().code(), Code::kCorrupt) << excess.status().ToString();
+}
+
+}  // namespace
+}  // namespace gpulazy::server::testing
