@@ -37,7 +37,8 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
   GPULAZY_ASSIGN_OR_RETURN(CriuCheckpoint checkpoint, CriuCheckpoint::Open(dir));
   // Describe the checkpoint as raw chunks cut straight from the pages files, so the server has
   // one code path for both formats. stored_offset is the absolute file offset (past CRIU's
-  // 8-byte header); checksums are filled in by ReadChunk, since nothing recorded them.
+  // 8-byte header); checksums are computed by ReadChunkInto (and cached), since nothing recorded
+  // them.
   manifest::Manifest& m = source->manifest_;
   m.set_format_version(1);
   m.set_chunk_size(raw_chunk_size);
@@ -70,6 +71,14 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
       chunk->set_raw_length(raw);
     }
   }
+  // The checksum cache: one slot per chunk, all unknown (value-initialized once, here).
+  uint64_t flat = 0;
+  source->first_flat_.reserve(static_cast<size_t>(m.bos_size()));
+  for (const manifest::Bo& bo : m.bos()) {
+    source->first_flat_.push_back(flat);
+    flat += static_cast<uint64_t>(bo.chunks_size());
+  }
+  source->checksums_ = std::make_unique<ChecksumSlot[]>(flat);
   return std::shared_ptr<const ImageSource>(std::move(source));
 }
 
@@ -89,21 +98,54 @@ Result<const manifest::Chunk*> FindChunk(const manifest::Manifest& m,
 
 }  // namespace
 
-Result<StoredChunk> ImageSource::ReadChunk(uint32_t bo, uint32_t chunk) const {
+Result<uint32_t> ImageSource::StoredLength(uint32_t bo, uint32_t chunk) const {
   GPULAZY_ASSIGN_OR_RETURN(const manifest::Chunk* c, FindChunk(manifest_, dir_, bo, chunk));
-  StoredChunk out;
-  out.codec = c->codec();
-  out.raw_length = c->raw_length();
+  return c->codec() == manifest::CODEC_ZERO ? 0u : c->stored_length();
+}
+
+Result<ChunkInfo> ImageSource::ReadChunkInto(uint32_t bo, uint32_t chunk,
+                                             std::span<uint8_t> buffer) const {
+  GPULAZY_ASSIGN_OR_RETURN(const manifest::Chunk* c, FindChunk(manifest_, dir_, bo, chunk));
+  ChunkInfo info;
+  info.codec = c->codec();
+  info.raw_length = c->raw_length();
   if (lazy_) {
-    GPULAZY_RETURN_IF_ERROR(lazy_->ReadStoredChunk(bo, chunk, &out.bytes));
-    out.checksum = c->checksum();
-    return out;
+    GPULAZY_ASSIGN_OR_RETURN(info.stored_length, lazy_->ReadStoredChunkInto(bo, chunk, buffer));
+    info.checksum = c->checksum();
+    return info;
   }
   const std::string& file = manifest_.bos(static_cast<int>(bo)).source_file();
   GPULAZY_ASSIGN_OR_RETURN(const StoredFile* stored, FileNamed(file));
-  out.bytes.resize(c->stored_length());
-  GPULAZY_RETURN_IF_ERROR(ReadExactAt(stored->fd.get(), c->stored_offset(), out.bytes, file));
-  out.checksum = Checksum64(out.bytes);
+  if (buffer.size() < c->stored_length())
+    return InvalidArgument("{}: BO {} chunk {} has {} stored bytes, the buffer holds {}",
+                           dir_.string(), bo, chunk, c->stored_length(), buffer.size());
+  const std::span<uint8_t> bytes = buffer.first(c->stored_length());
+  GPULAZY_RETURN_IF_ERROR(ReadExactAt(stored->fd.get(), c->stored_offset(), bytes, file));
+  info.stored_length = c->stored_length();
+  // Nothing recorded a CRIU checkpoint's checksums: hash on the first read, reuse afterwards
+  // (8 sessions of one image would otherwise hash every byte 8 times). The image is immutable
+  // while opened (see the header), so the first hash stays right.
+  ChecksumSlot& slot = checksums_[first_flat_[bo] + chunk];
+  if (slot.known.load(std::memory_order_acquire)) {
+    info.checksum = slot.value.load(std::memory_order_relaxed);
+  } else {
+    info.checksum = Checksum64(bytes);
+    checksums_computed_.fetch_add(1, std::memory_order_relaxed);
+    slot.value.store(info.checksum, std::memory_order_relaxed);
+    slot.known.store(true, std::memory_order_release);
+  }
+  return info;
+}
+
+Result<StoredChunk> ImageSource::ReadChunk(uint32_t bo, uint32_t chunk) const {
+  GPULAZY_ASSIGN_OR_RETURN(uint32_t length, StoredLength(bo, chunk));
+  StoredChunk out;
+  out.bytes.resize(length);
+  GPULAZY_ASSIGN_OR_RETURN(ChunkInfo info, ReadChunkInto(bo, chunk, out.bytes));
+  out.codec = info.codec;
+  out.raw_length = info.raw_length;
+  out.checksum = info.checksum;
+  out.bytes.resize(info.stored_length);
   return out;
 }
 
@@ -131,8 +173,15 @@ Result<StoredChunk> ImageSource::LocateStoredChunk(uint32_t bo, uint32_t chunk) 
   StoredChunk out;
   out.codec = c->codec();
   out.raw_length = c->raw_length();
-  out.checksum = c->checksum();
-  out.has_checksum = is_lazy();
+  out.has_checksum = false;
+  if (is_lazy()) {
+    out.checksum = c->checksum();
+    out.has_checksum = true;
+  } else if (const ChecksumSlot& slot = checksums_[first_flat_[bo] + chunk];
+             slot.known.load(std::memory_order_acquire)) {
+    out.checksum = slot.value.load(std::memory_order_relaxed);
+    out.has_checksum = true;
+  }
   out.in_file = range;
   return out;
 }

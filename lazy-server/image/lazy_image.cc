@@ -492,7 +492,7 @@ Result<LazyImage> LazyImage::Open(const std::filesystem::path& dir) {
   return image;
 }
 
-Status LazyImage::ReadStoredChunk(uint32_t bo, uint32_t chunk, std::vector<uint8_t>* out) const {
+Result<const manifest::Chunk*> LazyImage::FindChunk(uint32_t bo, uint32_t chunk) const {
   if (bo >= static_cast<uint32_t>(manifest_.bos_size()))
     return OutOfRange("{}: BO {} does not exist (image has {})", dir_.string(), bo,
                       manifest_.bos_size());
@@ -500,11 +500,25 @@ Status LazyImage::ReadStoredChunk(uint32_t bo, uint32_t chunk, std::vector<uint8
   if (chunk >= static_cast<uint32_t>(b.chunks_size()))
     return OutOfRange("{}: BO {} has no chunk {} (it has {})", dir_.string(), bo, chunk,
                       b.chunks_size());
-  const manifest::Chunk& c = b.chunks(static_cast<int>(chunk));
-  out->resize(c.stored_length());
-  if (c.codec() == manifest::CODEC_ZERO || c.stored_length() == 0) return Status::Ok();
-  return ReadExactAt(chunk_fd_.get(), kFileHeaderSize + c.stored_offset(), *out,
-                     manifest_.chunk_file());
+  return &b.chunks(static_cast<int>(chunk));
+}
+
+Result<uint32_t> LazyImage::ReadStoredChunkInto(uint32_t bo, uint32_t chunk,
+                                                std::span<uint8_t> out) const {
+  GPULAZY_ASSIGN_OR_RETURN(const manifest::Chunk* c, FindChunk(bo, chunk));
+  if (c->codec() == manifest::CODEC_ZERO || c->stored_length() == 0) return 0u;
+  if (out.size() < c->stored_length())
+    return InvalidArgument("{}: BO {} chunk {} has {} stored bytes, the buffer holds {}",
+                           dir_.string(), bo, chunk, c->stored_length(), out.size());
+  GPULAZY_RETURN_IF_ERROR(ReadExactAt(chunk_fd_.get(), kFileHeaderSize + c->stored_offset(),
+                                      out.first(c->stored_length()), manifest_.chunk_file()));
+  return c->stored_length();
+}
+
+Status LazyImage::ReadStoredChunk(uint32_t bo, uint32_t chunk, std::vector<uint8_t>* out) const {
+  GPULAZY_ASSIGN_OR_RETURN(const manifest::Chunk* c, FindChunk(bo, chunk));
+  out->resize(c->codec() == manifest::CODEC_ZERO ? 0 : c->stored_length());
+  return ReadStoredChunkInto(bo, chunk, *out).status();
 }
 
 Status LazyImage::ReadRawChunk(uint32_t bo, uint32_t chunk, std::span<uint8_t> out) const {

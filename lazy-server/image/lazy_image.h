@@ -66,12 +66,18 @@ class LazyImage {
   const manifest::Manifest& manifest() const { return manifest_; }
   // The chunk's stored bytes (empty for CODEC_ZERO).
   Status ReadStoredChunk(uint32_t bo, uint32_t chunk, std::vector<uint8_t>* out) const;
+  // The same into out[0, stored_length) of a caller-owned buffer (not initialized, not written
+  // past the stored length); a shorter buffer is kInvalidArgument. Returns the stored length.
+  Result<uint32_t> ReadStoredChunkInto(uint32_t bo, uint32_t chunk, std::span<uint8_t> out) const;
   // The chunk's raw bytes, decoded and checksum-verified.
   Status ReadRawChunk(uint32_t bo, uint32_t chunk, std::span<uint8_t> out) const;
   // The open chunk file (its stored bytes start at kFileHeaderSize), for read-ahead hints.
   int chunk_fd() const { return chunk_fd_.get(); }
 
  private:
+  // The manifest entry of (bo, chunk); out of range is kOutOfRange.
+  Result<const manifest::Chunk*> FindChunk(uint32_t bo, uint32_t chunk) const;
+
   std::filesystem::path dir_;
   manifest::Manifest manifest_;
   UniqueFd chunk_fd_;

@@ -84,7 +84,14 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--images", roots, "image root directory (repeatable)")->required();
   app.add_option("--listen", listen, "unix:PATH or tcp:HOST:PORT (repeatable)")->required();
   app.add_option("--threads", config.io_threads, "network threads")->capture_default_str();
-  app.add_option("--disk-threads", config.disk_threads, "disk read threads")->capture_default_str();
+  app.add_option("--disk-threads", config.disk_threads,
+                 "threads reading prefetch/background chunks")
+      ->capture_default_str();
+  app.add_option("--demand-threads", config.demand_threads,
+                 "threads reading demand chunks only (never behind background reads)")
+      ->capture_default_str();
+  app.add_option("--chunk-buffers", config.chunk_buffers, "idle chunk read buffers kept for reuse")
+      ->capture_default_str();
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error or off")
       ->capture_default_str();
   // No --token: a secret on the command line is readable by every user through /proc.
@@ -203,6 +210,10 @@ Status ValidateConfig(const ServerConfig& config) {
     return InvalidArgument("--threads must be 1..256, not {}", config.io_threads);
   if (config.disk_threads < 1 || config.disk_threads > 256)
     return InvalidArgument("--disk-threads must be 1..256, not {}", config.disk_threads);
+  if (config.demand_threads < 1 || config.demand_threads > 256)
+    return InvalidArgument("--demand-threads must be 1..256, not {}", config.demand_threads);
+  if (config.chunk_buffers > 4096)
+    return InvalidArgument("--chunk-buffers must be 0..4096, not {}", config.chunk_buffers);
   const bool has_tcp = std::any_of(config.listen.begin(), config.listen.end(), [](const auto& e) {
     return e.kind == net::Endpoint::Kind::kTcp;
   });

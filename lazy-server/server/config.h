@@ -28,8 +28,12 @@ struct ImageAccessRule {
 struct ServerConfig {
   std::vector<std::filesystem::path> image_roots;
   std::vector<net::Endpoint> listen;
-  uint32_t io_threads = 2;    // threads running the network event loop
-  uint32_t disk_threads = 4;  // threads reading chunks from disk
+  uint32_t io_threads = 2;      // threads running the network event loop
+  uint32_t disk_threads = 4;    // threads reading prefetch/background chunks (and opening images)
+  uint32_t demand_threads = 2;  // threads reading demand chunks only (the demand lane)
+  // Idle chunk read buffers kept for reuse (each --max-frame bytes of address space, resident
+  // only as far as chunks touched it); more chunks in flight allocate and free their own.
+  uint32_t chunk_buffers = 32;
   std::string log_level = "info";
   // Security (docs/security.md).
   std::string token;                // bearer token required in Hello when not empty (--token-file)

@@ -11,9 +11,15 @@ ServerContext::ServerContext(const ServerConfig& config_in)
     : config(config_in),
       limits(FrameLimits{FrameLimits{}.max_header, config_in.max_frame}),
       store(config_in.image_roots, config_in.raw_chunk_size, config_in.max_cached_images),
-      dispatcher(SchedulerLimits{config_in.stream_window, config_in.demand_window,
-                                 config_in.max_demand, config_in.max_queued},
-                 config_in.disk_threads, config_in.read_ahead) {}
+      dispatcher(DispatcherOptions{
+          .limits = SchedulerLimits{config_in.stream_window, config_in.demand_window,
+                                    config_in.max_demand, config_in.max_queued},
+          .disk_threads = config_in.disk_threads,
+          .demand_threads = config_in.demand_threads,
+          .read_ahead = config_in.read_ahead,
+          // Every chunk the server may send fits a pooled buffer.
+          .buffer_bytes = config_in.max_frame,
+          .pooled_buffers = config_in.chunk_buffers}) {}
 
 std::shared_ptr<Session> ServerContext::FindSession(SessionId id) const {
   std::lock_guard lock(mu_);
@@ -74,6 +80,8 @@ nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
       {"session", session.id()},
       {"image", session.image().name},
       {"lazy_image", session.image().source->is_lazy()},
+      // Of the image's source, shared by its sessions: a CRIU checkpoint's chunks hashed so far.
+      {"image_checksums_computed", session.image().source->checksums_computed()},
       {"age_s", std::chrono::duration<double>(Clock::now() - session.opened_at()).count()},
       {"bytes_sent", stats.bytes_sent.load()},
       {"bytes_by_reference", stats.bytes_by_reference.load()},
@@ -128,6 +136,21 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"frames_peak", totals.reply_frames_queued_peak.load()},
       {"bytes_peak", totals.reply_bytes_queued_peak.load()},
       {"cutoffs", totals.reply_cutoffs.load()},
+  };
+  // The disk lanes and the chunk buffer pool (docs/server.md "Disk reads").
+  const Dispatcher::LaneCounters lanes = dispatcher.lanes();
+  const ChunkBufferPool::Counters buffers = dispatcher.buffers().counters();
+  server["disk"] = {
+      {"demand_reads", lanes.demand_reads},
+      {"bulk_reads", lanes.bulk_reads},
+      {"demand_in_flight", lanes.demand_in_flight},
+      {"bulk_in_flight", lanes.bulk_in_flight},
+      {"buffers",
+       {{"allocated", buffers.allocated},
+        {"reused", buffers.reused},
+        {"freed", buffers.freed},
+        {"idle", buffers.idle},
+        {"out", buffers.out}}},
   };
   nlohmann::json sessions = nlohmann::json::array();
   nlohmann::json mine;

@@ -7,12 +7,16 @@
 
 namespace gpulazy::server {
 
-Dispatcher::Dispatcher(SchedulerLimits limits, uint32_t disk_threads, uint32_t read_ahead)
-    // Two reads per disk thread keep each thread busy while its last result is handed over.
-    : max_reads_(disk_threads * 2),
-      read_ahead_(read_ahead),
-      scheduler_(limits),
-      pool_(disk_threads) {}
+Dispatcher::Dispatcher(const DispatcherOptions& options)
+    // Two reads per bulk thread keep each thread busy while its last result is handed over.
+    : max_reads_(options.disk_threads * 2),
+      // One per demand thread: a demand read never waits in a pool's queue.
+      max_demand_reads_(options.demand_threads),
+      read_ahead_(options.read_ahead),
+      buffers_(options.buffer_bytes, options.pooled_buffers),
+      scheduler_(options.limits),
+      pool_(options.disk_threads),
+      demand_pool_(options.demand_threads) {}
 
 Dispatcher::~Dispatcher() {
   Stop();
@@ -53,24 +57,60 @@ std::optional<Scheduler::SessionCounters> Dispatcher::Counters(SessionId id) con
   return scheduler_.Counters(id);
 }
 
+Dispatcher::LaneCounters Dispatcher::lanes() const {
+  std::lock_guard lock(mu_);
+  return LaneCounters{demand_reads_, bulk_reads_, demand_reads_in_flight_, reads_in_flight_};
+}
+
+Dispatcher::Job Dispatcher::MakeJob(const WorkItem& item, Lane lane) {
+  Job job;
+  job.item = item;
+  job.lane = lane;
+  auto sink = sinks_.find(item.session);
+  if (sink != sinks_.end()) job.sink = sink->second;
+  // Hints only ahead of bulk reads: a demand read should start at once, and the chunks the
+  // session reads next are bulk ones anyway.
+  if (lane == Lane::kBulk && read_ahead_ > 0)
+    job.upcoming = scheduler_.Upcoming(item.session, read_ahead_);
+  return job;
+}
+
 void Dispatcher::Pump() {
   std::vector<Job> jobs;
   {
     std::lock_guard lock(mu_);
+    // Demand first, in its own lane: free demand slots never wait for bulk ones.
+    while (!stopped_ && demand_reads_in_flight_ < max_demand_reads_) {
+      std::optional<WorkItem> item = scheduler_.Next(Scheduler::Pick::kDemandOnly);
+      if (!item) break;
+      ++demand_reads_in_flight_;
+      jobs.push_back(MakeJob(*item, Lane::kDemand));
+    }
     while (!stopped_ && reads_in_flight_ < max_reads_) {
-      std::optional<WorkItem> item = scheduler_.Next();
+      std::optional<WorkItem> item = scheduler_.Next(Scheduler::Pick::kNoDemand);
       if (!item) break;
       ++reads_in_flight_;
-      Job job;
-      job.item = *item;
-      auto sink = sinks_.find(item->session);
-      if (sink != sinks_.end()) job.sink = sink->second;
-      if (read_ahead_ > 0) job.upcoming = scheduler_.Upcoming(item->session, read_ahead_);
-      jobs.push_back(std::move(job));
+      jobs.push_back(MakeJob(*item, Lane::kBulk));
     }
   }
-  for (Job& job : jobs)
-    boost::asio::post(pool_, [this, job = std::move(job)] { Read(job); });
+  for (Job& job : jobs) {
+    boost::asio::thread_pool& lane = job.lane == Lane::kDemand ? demand_pool_ : pool_;
+    boost::asio::post(lane, [this, job = std::move(job)] { Read(job); });
+  }
+}
+
+void Dispatcher::Finished(Lane lane) {
+  {
+    std::lock_guard lock(mu_);
+    if (lane == Lane::kDemand) {
+      --demand_reads_in_flight_;
+      ++demand_reads_;
+    } else {
+      --reads_in_flight_;
+      ++bulk_reads_;
+    }
+  }
+  Pump();
 }
 
 void Dispatcher::Read(const Job& job) {
@@ -79,9 +119,8 @@ void Dispatcher::Read(const Job& job) {
     {
       std::lock_guard lock(mu_);
       scheduler_.Done(job.item, std::nullopt);
-      --reads_in_flight_;
     }
-    Pump();
+    Finished(job.lane);
     return;
   }
   const image::ImageSource& source = sink->source();
@@ -93,16 +132,31 @@ void Dispatcher::Read(const Job& job) {
       ::posix_fadvise(range->fd, static_cast<off_t>(range->offset),
                       static_cast<off_t>(range->length), POSIX_FADV_WILLNEED);
   }
-  // By reference the client reads the bytes itself: only say where they are.
-  Result<image::StoredChunk> chunk = job.item.by_reference
-                                         ? source.LocateStoredChunk(job.item.bo, job.item.chunk)
-                                         : source.ReadChunk(job.item.bo, job.item.chunk);
-  sink->OnChunkRead(job.item, std::move(chunk));
-  {
-    std::lock_guard lock(mu_);
-    --reads_in_flight_;
-  }
-  Pump();
+  sink->OnChunkRead(job.item,
+                    job.item.by_reference ? Locate(source, job.item) : ReadInto(source, job.item));
+  Finished(job.lane);
+}
+
+Result<LoadedChunk> Dispatcher::ReadInto(const image::ImageSource& source, const WorkItem& item) {
+  GPULAZY_ASSIGN_OR_RETURN(uint32_t length, source.StoredLength(item.bo, item.chunk));
+  LoadedChunk chunk;
+  chunk.buffer = buffers_.Acquire(length);
+  GPULAZY_ASSIGN_OR_RETURN(chunk.info,
+                           source.ReadChunkInto(item.bo, item.chunk, chunk.buffer.span()));
+  return chunk;
+}
+
+Result<LoadedChunk> Dispatcher::Locate(const image::ImageSource& source, const WorkItem& item) {
+  // By reference the client reads the bytes itself: only say where they are (no buffer).
+  GPULAZY_ASSIGN_OR_RETURN(image::StoredChunk located,
+                           source.LocateStoredChunk(item.bo, item.chunk));
+  LoadedChunk chunk;
+  chunk.info.codec = located.codec;
+  chunk.info.raw_length = located.raw_length;
+  chunk.info.checksum = located.checksum;
+  chunk.has_checksum = located.has_checksum;
+  chunk.in_file = located.in_file;
+  return chunk;
 }
 
 void Dispatcher::Stop() {
@@ -111,6 +165,7 @@ void Dispatcher::Stop() {
     if (stopped_) return;
     stopped_ = true;
   }
+  demand_pool_.join();
   pool_.join();
 }
 

@@ -1,36 +1,67 @@
-// Dispatcher: turns the Scheduler's picks into disk reads on a small thread pool, so a slow
-// disk never blocks the network event loop, and hands each chunk read to its session's sink.
-// It bounds the reads in flight server-wide; each finished read pumps the next pick, so the
-// disk stays busy while sessions have work and credit. Before a read it hints the kernel
-// (posix_fadvise WILLNEED) about the next few chunks that session will read.
+// Dispatcher: turns the Scheduler's picks into disk reads on thread pools, so a slow disk never
+// blocks the network event loop, and hands each chunk read to its session's sink.
+//
+// Two lanes. Demand items are read in a lane of their own (`demand_threads` threads, one read
+// in flight per thread, filled first), so a demand read starts as soon as it is scheduled and
+// never queues behind background reads. Everything else goes to the bulk lane (`disk_threads`
+// threads, two reads in flight per thread server-wide). Each finished read pumps the next
+// picks, so the disk stays busy while sessions have work and credit. Before a bulk read it
+// hints the kernel (posix_fadvise WILLNEED) about the next few chunks that session will read.
+//
+// Chunks are read into buffers of a bounded ChunkBufferPool (buffer_pool.h); a LoadedChunk
+// holds its buffer until the chunk is written or dropped.
 //
 // Thread-safety: every method may be called from any thread; one mutex guards the Scheduler.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 
 #include "lazy-server/image/image_source.h"
+#include "lazy-server/server/buffer_pool.h"
 #include "lazy-server/server/scheduler.h"
 #include "page-client/net/asio.h"
 
 namespace gpulazy::server {
+
+// One chunk read for a session: what the image says about it and its stored bytes, in a buffer
+// from the pool (returned when this is destroyed).
+// A chunk sent by reference has no buffer (info.stored_length 0): in_file says where the
+// client reads its stored bytes, and has_checksum whether the checksum is known yet.
+struct LoadedChunk {
+  image::ChunkInfo info;
+  ChunkBuffer buffer;
+  std::optional<image::DiskRange> in_file;
+  bool has_checksum = true;
+  std::span<const uint8_t> bytes() const { return buffer.span().first(info.stored_length); }
+};
 
 // Receives chunks read for a session (Session implements it). Called on a disk thread.
 class ChunkSink {
  public:
   virtual ~ChunkSink() = default;
   virtual const image::ImageSource& source() const = 0;
-  virtual void OnChunkRead(const WorkItem& item, Result<image::StoredChunk> chunk) = 0;
+  virtual void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) = 0;
+};
+
+struct DispatcherOptions {
+  SchedulerLimits limits;
+  uint32_t disk_threads = 4;       // bulk lane (prefetch, background; also opening images)
+  uint32_t demand_threads = 2;     // demand lane
+  uint32_t read_ahead = 4;         // chunks hinted ahead of each bulk read
+  size_t buffer_bytes = 4u << 20;  // capacity of a pooled chunk buffer
+  size_t pooled_buffers = 32;      // idle chunk buffers kept for reuse
 };
 
 class Dispatcher {
  public:
-  Dispatcher(SchedulerLimits limits, uint32_t disk_threads, uint32_t read_ahead);
+  explicit Dispatcher(const DispatcherOptions& options);
   ~Dispatcher();  // stops and joins the disk threads
 
   void AddSession(SessionId id, std::shared_ptr<const ImageLayout> layout,
@@ -53,29 +84,51 @@ class Dispatcher {
   bool TakeCredit(SessionId id, uint64_t bytes);
   std::optional<Scheduler::SessionCounters> Counters(SessionId id) const;
 
-  // The disk threads, also used for other slow work (opening images).
+  // The bulk lane's disk threads, also used for other slow work (opening images).
   boost::asio::thread_pool& pool() { return pool_; }
+  const ChunkBufferPool& buffers() const { return buffers_; }
+  struct LaneCounters {
+    uint64_t demand_reads = 0;  // reads done in the demand lane
+    uint64_t bulk_reads = 0;    // reads done in the bulk lane
+    uint32_t demand_in_flight = 0;
+    uint32_t bulk_in_flight = 0;
+  };
+  LaneCounters lanes() const;
   // Starts reads while slots and eligible work remain.
   void Pump();
   // No new reads; waits for the disk threads.
   void Stop();
 
  private:
+  enum class Lane : uint8_t { kDemand, kBulk };
   struct Job {
     WorkItem item;
+    Lane lane = Lane::kBulk;
     std::weak_ptr<ChunkSink> sink;
     std::vector<manifest::ChunkRef> upcoming;
   };
+  Job MakeJob(const WorkItem& item, Lane lane);  // mu_ held
   void Read(const Job& job);
+  // The chunk's stored bytes in a pooled buffer.
+  Result<LoadedChunk> ReadInto(const image::ImageSource& source, const WorkItem& item);
+  Result<LoadedChunk> Locate(const image::ImageSource& source, const WorkItem& item);
+  // A read of `lane` finished (or was skipped): frees its slot and pumps.
+  void Finished(Lane lane);
 
-  const uint32_t max_reads_;
+  const uint32_t max_reads_;         // bulk lane
+  const uint32_t max_demand_reads_;  // demand lane
   const uint32_t read_ahead_;
+  ChunkBufferPool buffers_;
   mutable std::mutex mu_;
   Scheduler scheduler_;
   std::map<SessionId, std::weak_ptr<ChunkSink>> sinks_;
   uint32_t reads_in_flight_ = 0;
+  uint32_t demand_reads_in_flight_ = 0;
+  uint64_t bulk_reads_ = 0;
+  uint64_t demand_reads_ = 0;
   bool stopped_ = false;
   boost::asio::thread_pool pool_;
+  boost::asio::thread_pool demand_pool_;
 };
 
 }  // namespace gpulazy::server

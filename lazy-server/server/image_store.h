@@ -61,7 +61,10 @@ class ImageStore {
  private:
   struct Entry {
     std::filesystem::path dir;
-    std::string stamp;  // changes when the image is rewritten (converted, re-profiled)
+    // Changes when the image is rewritten (converted, re-profiled, files renamed into place).
+    // Opened images are treated as immutable otherwise: a pages file rewritten in place keeps
+    // the stamp, and its ImageSource keeps serving the checksums it cached (docs/server.md).
+    std::string stamp;
     std::shared_ptr<const OpenedImage> image;
   };
   struct Root {

@@ -167,8 +167,22 @@ bool Scheduler::StreamMayTake(const SessionState& s, uint32_t payload) const {
   return s.stream_in_flight < limits_.stream_in_flight && s.credit >= payload;
 }
 
-std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s) {
-  if (!s.demand_to_demand.empty() && s.demand_in_flight < limits_.demand_in_flight) {
+std::optional<WorkItem> Scheduler::TakeQueued(SessionState& s, std::deque<WorkItem>& queue) {
+  WorkItem& front = queue.front();
+  const uint32_t payload = s.layout->payload_length(front.bo, front.chunk);
+  if (!StreamMayTake(s, payload)) return std::nullopt;
+  WorkItem item = front;
+  queue.pop_front();
+  item.reserved_credit = payload;
+  item.stream_seq = s.next_stream_seq++;
+  s.credit -= payload;
+  ++s.stream_in_flight;
+  return item;
+}
+
+std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s, Pick pick) {
+  if (pick != Pick::kNoDemand && !s.demand_to_demand.empty() &&
+      s.demand_in_flight < limits_.demand_in_flight) {
     WorkItem item = s.demand_to_demand.front();
     s.demand_to_demand.pop_front();
     ++s.demand_in_flight;
@@ -177,18 +191,10 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s) {
 
   // The stream output takes its best item or nothing: a lower priority never overtakes a
   // higher one that waits for credit.
-  auto take_queued = [&](std::deque<WorkItem>& queue) -> std::optional<WorkItem> {
-    WorkItem& front = queue.front();
-    const uint32_t payload = s.layout->payload_length(front.bo, front.chunk);
-    if (!StreamMayTake(s, payload)) return std::nullopt;
-    WorkItem item = front;
-    queue.pop_front();
-    item.reserved_credit = payload;
-    item.stream_seq = s.next_stream_seq++;
-    s.credit -= payload;
-    ++s.stream_in_flight;
-    return item;
-  };
+  if (!s.demand_to_stream.empty())
+    return pick == Pick::kNoDemand ? std::nullopt : TakeQueued(s, s.demand_to_stream);
+  if (pick == Pick::kDemandOnly) return std::nullopt;
+
   auto take_plan = [&](wire::Priority priority) -> std::optional<WorkItem> {
     const manifest::ChunkRef& ref = s.layout->plan()[s.cursor];
     const uint32_t payload = s.layout->payload_length(ref.bo(), ref.chunk());
@@ -210,31 +216,30 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s) {
     return item;
   };
 
-  if (!s.demand_to_stream.empty()) return take_queued(s.demand_to_stream);
   // While the session waits for demand chunks, its background and prefetch reads shrink to one
   // in flight: on a small machine they compete with the demand read (disk threads, CPU) and
   // with the client's install of the demand chunk. One keeps the stream moving.
   if ((s.demand_in_flight > 0 || !s.demand_to_demand.empty()) && s.stream_in_flight >= 1)
     return std::nullopt;
-  if (!s.prefetch.empty()) return take_queued(s.prefetch);
+  if (!s.prefetch.empty()) return TakeQueued(s, s.prefetch);
   if (s.streaming) SkipHeld(s);
   const bool plan_left = s.streaming && s.cursor < s.layout->plan().size();
   if (plan_left && s.cursor < s.layout->hot_end()) return take_plan(wire::PRIORITY_PREFETCH);
-  if (!s.background.empty()) return take_queued(s.background);
+  if (!s.background.empty()) return TakeQueued(s, s.background);
   if (plan_left) return take_plan(wire::PRIORITY_BACKGROUND);
   return std::nullopt;
 }
 
-std::optional<WorkItem> Scheduler::Next() {
+std::optional<WorkItem> Scheduler::Next(Pick pick) {
   if (sessions_.empty()) return std::nullopt;
+  SessionId& last = pick == Pick::kDemandOnly ? last_demand_served_ : last_served_;
   // Start after the session served last, wrap around once.
-  auto start = sessions_.upper_bound(last_served_);
-  auto it = start;
+  auto it = sessions_.upper_bound(last);
   for (size_t visited = 0; visited < sessions_.size(); ++visited) {
     if (it == sessions_.end()) it = sessions_.begin();
-    std::optional<WorkItem> item = PickFrom(it->first, it->second);
+    std::optional<WorkItem> item = PickFrom(it->first, it->second, pick);
     if (item) {
-      last_served_ = it->first;
+      last = it->first;
       return item;
     }
     ++it;

@@ -120,9 +120,19 @@ class Scheduler {
   // Takes extra credit for a chunk whose payload turned out larger than reserved.
   bool TakeCredit(SessionId id, uint64_t bytes);
 
+  // Which items a pick may return. The Dispatcher reads demand items in a lane of their own
+  // (kDemandOnly) so they never queue behind background reads, and fills the bulk lane with
+  // the rest (kNoDemand).
+  enum class Pick : uint8_t {
+    kAny,         // the session's best item, demand first
+    kDemandOnly,  // demand items only (either output)
+    kNoDemand,    // prefetch and background only; never overtakes a demand item that waits for
+                  // stream credit on the same output
+  };
   // The next chunk to read, round-robin over sessions with eligible work; takes the session's
-  // in-flight slot and credit. nullopt: nothing can go now.
-  std::optional<WorkItem> Next();
+  // in-flight slot and credit. nullopt: nothing can go now. kDemandOnly keeps its own
+  // round-robin cursor, so demand picks do not shift the fairness of the other picks.
+  std::optional<WorkItem> Next(Pick pick = Pick::kAny);
   // The chunks the session will most likely pick next (read-ahead hints).
   std::vector<manifest::ChunkRef> Upcoming(SessionId id, size_t count) const;
   // A picked item is finished: written (sent_payload = bytes written) or dropped (nullopt;
@@ -165,13 +175,17 @@ class Scheduler {
 
   // Advances the plan cursor past chunks the client holds.
   static void SkipHeld(SessionState& s);
-  // The session's best eligible item, popped; nullopt when nothing may go.
-  std::optional<WorkItem> PickFrom(SessionId id, SessionState& s);
+  // The session's best eligible item of the kind `pick` allows, popped; nullopt when nothing
+  // may go.
+  std::optional<WorkItem> PickFrom(SessionId id, SessionState& s, Pick pick);
+  // Pops the queue's front for the stream output if the window and credit allow.
+  std::optional<WorkItem> TakeQueued(SessionState& s, std::deque<WorkItem>& queue);
   bool StreamMayTake(const SessionState& s, uint32_t payload) const;
 
   SchedulerLimits limits_;
   std::map<SessionId, SessionState> sessions_;
-  SessionId last_served_ = 0;  // round-robin cursor
+  SessionId last_served_ = 0;         // round-robin cursor (kAny, kNoDemand)
+  SessionId last_demand_served_ = 0;  // round-robin cursor (kDemandOnly)
 };
 
 }  // namespace gpulazy::server

@@ -157,7 +157,7 @@ Session::Latency Session::DemandLatency() const {
   return out;
 }
 
-void Session::OnChunkRead(const WorkItem& item, Result<image::StoredChunk> chunk) {
+void Session::OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) {
   std::shared_ptr<Connection> target;
   {
     std::lock_guard lock(mu_);
@@ -727,7 +727,7 @@ void Connection::Shutdown(wire::ErrorCode code, std::string message) {
   });
 }
 
-void Connection::PostChunk(WorkItem item, Result<image::StoredChunk> chunk) {
+void Connection::PostChunk(WorkItem item, Result<LoadedChunk> chunk) {
   asio::post(socket_.get_executor(),
              [self = shared_from_this(), item, chunk = std::move(chunk)]() mutable {
                self->DeliverChunk(item, std::move(chunk));
@@ -741,7 +741,7 @@ void Connection::PostControl(wire::Header header) {
              });
 }
 
-void Connection::DeliverChunk(WorkItem item, Result<image::StoredChunk> chunk) {
+void Connection::DeliverChunk(WorkItem item, Result<LoadedChunk> chunk) {
   if (closed_ || draining_) {
     ctx_.dispatcher.Done(item, std::nullopt);
     return;
@@ -840,8 +840,8 @@ void Connection::MarkStreamSeq(const WorkItem& item) {
 
 net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   const WorkItem& item = ready.item;
-  const image::StoredChunk& chunk = ready.chunk;
-  const uint64_t payload = chunk.in_file ? 0 : chunk.bytes.size();
+  const LoadedChunk& chunk = ready.chunk;
+  const uint64_t payload = chunk.in_file ? 0 : chunk.info.stored_length;
   // Credit counts the stored bytes the client takes on, whether they travel or it reads them.
   const uint64_t charged = chunk.in_file ? chunk.in_file->length : payload;
   if (payload > ctx_.limits.max_payload || payload > UINT32_MAX) {
@@ -871,9 +871,9 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   wire::ChunkData* body = header.mutable_chunk();
   body->set_bo(item.bo);
   body->set_chunk(item.chunk);
-  body->set_codec(chunk.codec);
-  body->set_raw_length(chunk.raw_length);
-  body->set_checksum(chunk.checksum);
+  body->set_codec(chunk.info.codec);
+  body->set_raw_length(chunk.info.raw_length);
+  body->set_checksum(chunk.info.checksum);
   body->set_priority(item.priority);
   if (chunk.in_file) {
     wire::FileRange* where = body->mutable_in_file();
@@ -883,7 +883,7 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
     body->set_no_checksum(!chunk.has_checksum);
   }
   BeginWrite();
-  Status status = co_await net::WriteFrame(socket_, header, chunk.bytes, ctx_.limits);
+  Status status = co_await net::WriteFrame(socket_, header, chunk.bytes(), ctx_.limits);
   EndWrite();
   if (!status.ok()) {
     ctx_.dispatcher.Done(item, std::nullopt);

@@ -78,7 +78,7 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
 
   // ChunkSink
   const image::ImageSource& source() const override { return *image_->source; }
-  void OnChunkRead(const WorkItem& item, Result<image::StoredChunk> chunk) override;
+  void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override;
 
  private:
   ServerContext& ctx_;
@@ -114,7 +114,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Any thread: stop reading, finish the write in flight, send ERROR_SHUTTING_DOWN, close.
   void Shutdown(wire::ErrorCode code, std::string message);
   // Any thread: a chunk (or its read error) for this connection.
-  void PostChunk(WorkItem item, Result<image::StoredChunk> chunk);
+  void PostChunk(WorkItem item, Result<LoadedChunk> chunk);
   // Any thread: a control frame (StreamDone, ...).
   void PostControl(wire::Header header);
   // Any thread: replies (control frames) queued for the client and not yet being written.
@@ -155,10 +155,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void SendError(wire::ErrorCode code, std::string message, uint64_t in_reply_to);
   // Frame-level error: answer, then close after the answer is written.
   void Fail(wire::ErrorCode code, std::string message, uint64_t in_reply_to = 0);
-  void DeliverChunk(WorkItem item, Result<image::StoredChunk> chunk);
+  void DeliverChunk(WorkItem item, Result<LoadedChunk> chunk);
   struct ReadyChunk {
     WorkItem item;
-    image::StoredChunk chunk;
+    LoadedChunk chunk;  // its pooled buffer goes back when this is destroyed (written/dropped)
   };
   Awaitable WriteChunk(ReadyChunk& ready);
   // The ready chunk to write next: a demand chunk first, else the stream's next in pick order.

@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
 #include "proto/checksum.h"
 #include "proto/criu_file.h"
 #include "proto/file_header.h"
@@ -163,6 +167,155 @@ TEST(ImageSourceTest, OutOfRangeInBothFormats) {
     EXPECT_EQ(s.LocateChunk(1, 2).status().code(), Code::kOutOfRange);
     EXPECT_TRUE(s.ReadChunk(3, 1).ok());
   }
+}
+
+// ReadChunkInto writes exactly the stored bytes into the caller's buffer, leaves the rest of
+// it alone, and refuses a buffer that is too short, in both formats.
+TEST(ImageSourceTest, ReadChunkIntoFillsOnlyTheStoredBytes) {
+  TempDir dir;
+  WriteSample(dir.path());
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) {
+      auto checkpoint = CriuCheckpoint::Open(dir.path());
+      ASSERT_TRUE(checkpoint.ok());
+      ConvertOptions options;
+      options.chunk_size = kChunk;
+      ASSERT_TRUE(ConvertToLazyImage(*checkpoint, options).ok());
+    }
+    auto source = ImageSource::Open(dir.path(), kChunk);
+    ASSERT_TRUE(source.ok());
+    const ImageSource& s = **source;
+    const manifest::Manifest& m = s.manifest();
+    for (int b = 0; b < m.bos_size(); ++b) {
+      for (int c = 0; c < m.bos(b).chunks_size(); ++c) {
+        const auto bo = static_cast<uint32_t>(b);
+        const auto chunk = static_cast<uint32_t>(c);
+        auto expected = s.ReadChunk(bo, chunk);
+        ASSERT_TRUE(expected.ok());
+        auto length = s.StoredLength(bo, chunk);
+        ASSERT_TRUE(length.ok());
+        EXPECT_EQ(*length, expected->bytes.size());
+        std::vector<uint8_t> buffer(2 * kChunk, 0xa5);  // poisoned, larger than any chunk
+        auto info = s.ReadChunkInto(bo, chunk, buffer);
+        ASSERT_TRUE(info.ok()) << info.status().ToString();
+        EXPECT_EQ(info->stored_length, expected->bytes.size());
+        EXPECT_EQ(info->codec, expected->codec);
+        EXPECT_EQ(info->raw_length, expected->raw_length);
+        EXPECT_EQ(info->checksum, expected->checksum);
+        EXPECT_TRUE(std::equal(expected->bytes.begin(), expected->bytes.end(), buffer.begin()));
+        EXPECT_TRUE(std::all_of(buffer.begin() + info->stored_length, buffer.end(),
+                                [](uint8_t v) { return v == 0xa5; }))
+            << "BO " << b << " chunk " << c << " wrote past its stored bytes";
+        if (info->stored_length > 0) {
+          auto short_read =
+              s.ReadChunkInto(bo, chunk, std::span<uint8_t>(buffer).first(info->stored_length - 1));
+          EXPECT_EQ(short_read.status().code(), Code::kInvalidArgument);
+        }
+      }
+    }
+    EXPECT_EQ(s.ReadChunkInto(4, 0, {}).status().code(), Code::kOutOfRange);
+  }
+}
+
+// A CRIU checkpoint records no checksums: the first read of a chunk hashes it, later reads (any
+// session sharing the source) reuse the hash, which equals a fresh hash of the bytes.
+TEST(ImageSourceTest, CriuChecksumsAreComputedOncePerChunk) {
+  TempDir dir;
+  WriteSample(dir.path());
+  auto source = ImageSource::Open(dir.path(), kChunk);
+  ASSERT_TRUE(source.ok());
+  const ImageSource& s = **source;
+  EXPECT_EQ(s.checksums_computed(), 0u);
+  std::vector<uint8_t> buffer(kChunk);
+  auto first = s.ReadChunkInto(0, 1, buffer);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->checksum, Checksum64(std::span<const uint8_t>(buffer).first(kChunk)));
+  EXPECT_EQ(s.checksums_computed(), 1u);
+  std::fill(buffer.begin(), buffer.end(), uint8_t{0});
+  auto again = s.ReadChunkInto(0, 1, buffer);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->checksum, first->checksum);
+  EXPECT_EQ(s.checksums_computed(), 1u) << "the second read of a chunk hashed it again";
+  // The bytes are still read (only the hash is skipped).
+  EXPECT_EQ(Checksum64(std::span<const uint8_t>(buffer).first(kChunk)), first->checksum);
+  // Another chunk is hashed on its own first read; ReadChunk goes through the same cache.
+  auto other = s.ReadChunk(1, 0);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->checksum, Checksum64(other->bytes));
+  EXPECT_EQ(s.checksums_computed(), 2u);
+  EXPECT_TRUE(s.ReadChunk(0, 1).ok());
+  EXPECT_EQ(s.checksums_computed(), 2u);
+
+  // Threads reading every chunk at once all see the fresh hash; each chunk is hashed at least
+  // once and (racing first reads aside) not once per read.
+  const manifest::Manifest& m = s.manifest();
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 8;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int round = 0; round < kRounds; ++round) {
+        for (int b = 0; b < m.bos_size(); ++b) {
+          for (int c = 0; c < m.bos(b).chunks_size(); ++c) {
+            auto chunk = s.ReadChunk(static_cast<uint32_t>(b), static_cast<uint32_t>(c));
+            if (!chunk.ok() || chunk->checksum != Checksum64(chunk->bytes)) ++bad;
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads)
+    t.join();
+  EXPECT_EQ(bad.load(), 0);
+  uint64_t chunks = 0;
+  for (const manifest::Bo& bo : m.bos())
+    chunks += static_cast<uint64_t>(bo.chunks_size());
+  EXPECT_GE(s.checksums_computed(), chunks);
+  EXPECT_LE(s.checksums_computed(), chunks + kThreads * chunks);  // not kThreads * kRounds * ...
+}
+
+TEST(ImageSourceTest, LocatedCriuChunksCarryAChecksumOnlyOnceOneWasComputed) {
+  TempDir dir;
+  WriteSample(dir.path());
+  auto source = ImageSource::Open(dir.path(), kChunk);
+  ASSERT_TRUE(source.ok());
+  const ImageSource& s = **source;
+  auto before = s.LocateStoredChunk(0, 2);
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  ASSERT_TRUE(before->in_file.has_value());
+  EXPECT_FALSE(before->has_checksum) << "locating must not read (or hash) the bytes";
+  EXPECT_TRUE(before->bytes.empty());
+  EXPECT_EQ(s.checksums_computed(), 0u);
+  // The located range is the chunk's bytes in the named file.
+  const ImageSource::StoredFile& file = s.files().at(before->in_file->file);
+  std::vector<uint8_t> at_range(before->in_file->length);
+  ASSERT_TRUE(ReadExactAt(file.fd.get(), before->in_file->offset, at_range, file.name).ok());
+  auto read = s.ReadChunk(0, 2);
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(at_range, read->bytes);
+  auto after = s.LocateStoredChunk(0, 2);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->has_checksum);
+  EXPECT_EQ(after->checksum, Checksum64(at_range));
+  EXPECT_EQ(s.checksums_computed(), 1u);
+}
+
+TEST(ImageSourceTest, LazyImagesUseRecordedChecksums) {
+  TempDir dir;
+  WriteSample(dir.path());
+  auto checkpoint = CriuCheckpoint::Open(dir.path());
+  ASSERT_TRUE(checkpoint.ok());
+  ConvertOptions options;
+  options.chunk_size = kChunk;
+  ASSERT_TRUE(ConvertToLazyImage(*checkpoint, options).ok());
+  auto source = ImageSource::Open(dir.path());
+  ASSERT_TRUE(source.ok());
+  ASSERT_TRUE((*source)->is_lazy());
+  auto chunk = (*source)->ReadChunk(0, 0);
+  ASSERT_TRUE(chunk.ok());
+  EXPECT_EQ(chunk->checksum, (*source)->manifest().bos(0).chunks(0).checksum());
+  EXPECT_EQ((*source)->checksums_computed(), 0u);
 }
 
 TEST(ImageSourceTest, RejectsBadRawChunkSize) {

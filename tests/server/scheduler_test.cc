@@ -230,6 +230,70 @@ TEST(SchedulerTest, CreditGatesTheStreamButNotTheDemandConnection) {
   EXPECT_EQ(Drain(s).size(), 1u);
 }
 
+// The Dispatcher's bulk lane picks with kNoDemand and may hold every read slot it has; the
+// demand lane (kDemandOnly) must still get a session's demand item at once.
+TEST(SchedulerTest, DemandOnlyPicksDemandWhileBulkPicksHoldTheStreamWindow) {
+  Scheduler s(SchedulerLimits{2, 8, 256, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({10})));
+  s.AddSession(2, Layout(MakeManifest({10})));
+  for (SessionId id : {1, 2}) {
+    ASSERT_TRUE(s.StreamAll(id).ok());
+    s.AddCredit(id, 1 << 20);
+  }
+  // Nothing but background work: kDemandOnly finds nothing, kNoDemand fills both windows.
+  EXPECT_FALSE(s.Next(Scheduler::Pick::kDemandOnly).has_value());
+  std::vector<WorkItem> bulk;
+  while (auto item = s.Next(Scheduler::Pick::kNoDemand))
+    bulk.push_back(*item);
+  ASSERT_EQ(bulk.size(), 4u);  // 2 sessions x stream window 2
+  for (const WorkItem& item : bulk)
+    EXPECT_EQ(item.priority, wire::PRIORITY_BACKGROUND);
+
+  // Demand on both outputs while every bulk slot is taken.
+  ASSERT_TRUE(
+      s.Enqueue(2, wire::PRIORITY_DEMAND, Output::kDemand, 7, Ranges({{0, 8, 1}}), Clock::now())
+          .ok());
+  EXPECT_FALSE(s.Next(Scheduler::Pick::kNoDemand).has_value()) << "bulk lane took a demand item";
+  std::optional<WorkItem> demand = s.Next(Scheduler::Pick::kDemandOnly);
+  ASSERT_TRUE(demand.has_value());
+  EXPECT_EQ(demand->session, 2u);
+  EXPECT_EQ(demand->chunk, 8u);
+  EXPECT_EQ(demand->priority, wire::PRIORITY_DEMAND);
+  EXPECT_EQ(demand->output, Output::kDemand);
+  EXPECT_FALSE(s.Next(Scheduler::Pick::kDemandOnly).has_value());
+
+  // A demand item for the stream output goes in the demand lane once the window has room, and
+  // the bulk lane does not overtake it meanwhile (same output, higher priority first).
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kStream, 9, Ranges({{0, 9, 1}}), Clock::now())
+          .ok());
+  EXPECT_FALSE(s.Next(Scheduler::Pick::kDemandOnly).has_value());  // window of 2 is full
+  s.Done(bulk[0], bulk[0].reserved_credit);                        // a session-1 chunk
+  ASSERT_EQ(bulk[0].session, 1u);
+  EXPECT_FALSE(s.Next(Scheduler::Pick::kNoDemand).has_value()) << "background overtook demand";
+  demand = s.Next(Scheduler::Pick::kDemandOnly);
+  ASSERT_TRUE(demand.has_value());
+  EXPECT_EQ(demand->session, 1u);
+  EXPECT_EQ(demand->chunk, 9u);
+  EXPECT_EQ(demand->output, Output::kStream);
+  EXPECT_GT(demand->reserved_credit, 0u);  // the stream output's credit still applies
+}
+
+// kAny (what tests and single-lane callers use) is unchanged: demand first, then the rest.
+TEST(SchedulerTest, PickAnyStillMixesDemandAndBulk) {
+  Scheduler s(SchedulerLimits{4, 8, 256, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({4})));
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 1, Ranges({{0, 3, 1}}), Clock::now())
+          .ok());
+  std::vector<Pick> picks = Drain(s);
+  ASSERT_EQ(picks.size(), 5u);
+  EXPECT_EQ(picks[0].priority, wire::PRIORITY_DEMAND);
+  EXPECT_EQ(picks[0].chunk, 3u);
+}
+
 TEST(SchedulerTest, StreamWindowBoundsChunksInFlight) {
   Scheduler s(SchedulerLimits{2, 8, 256, 1 << 20});
   s.AddSession(1, Layout(MakeManifest({10})));

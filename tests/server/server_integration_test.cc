@@ -4,10 +4,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <tuple>
 
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/lazy_image.h"
@@ -232,6 +234,8 @@ TEST_F(ServerTest, DemandConnectionIsAnsweredAheadOfBackground) {
     if (session["session"] == reply->session())
       background = session["chunks_sent"]["background"].get<uint64_t>();
   EXPECT_LT(background, total_chunks / 2) << *stats;
+  // It was read in the demand lane, not the bulk lane the stream uses.
+  EXPECT_GE(doc["server"]["disk"]["demand_reads"].get<uint64_t>(), 1u) << *stats;
 
   // The stream still completes, every chunk once.
   std::vector<Frame> chunks;
@@ -385,6 +389,51 @@ TEST_F(ServerTest, FrameErrorsCloseOnlyTheBadConnection) {
   }
   good.join();
   EXPECT_TRUE(good_ok);
+}
+
+// Sessions of one plain CRIU image share its source: each chunk is hashed once, however many
+// sessions read it, and the cached checksums are the right ones (VerifyStream checks each
+// chunk's checksum against its bytes). The reads go through a few reused buffers.
+TEST_F(ServerTest, CriuChecksumsAreHashedOnceAcrossSessionsAndBuffersReused) {
+  auto disk_stats = [&](TestClient& client, const std::string& image) {
+    Result<std::string> stats = client.Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status().ToString();
+    nlohmann::json doc = nlohmann::json::parse(stats.ok() ? *stats : "{}");
+    uint64_t computed = 0;
+    for (const auto& session : doc["sessions"])
+      if (session["image"] == image)
+        computed = std::max(computed, session["image_checksums_computed"].get<uint64_t>());
+    return std::make_tuple(computed, doc["server"]["disk"]["buffers"]["allocated"].get<uint64_t>(),
+                           doc["server"]["disk"]["buffers"]["reused"].get<uint64_t>());
+  };
+  uint64_t total_chunks = 0;
+  uint64_t allocated_before = 0;
+  uint64_t reused_before = 0;
+  for (int round = 0; round < 3; ++round) {
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.Hello().ok());
+    Result<wire::OpenImageReply> reply = client.Open("raw");
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    ASSERT_FALSE(reply->lazy_image());
+    total_chunks = 0;
+    for (const wire::BoInfo& bo : reply->bos())
+      total_chunks += bo.chunk_count();
+    if (round == 0)
+      std::tie(std::ignore, allocated_before, reused_before) = disk_stats(client, "raw");
+    Result<Received> received = ReceiveStream(client, 8 * kChunk);
+    ASSERT_TRUE(received.ok()) << received.status().ToString();
+    ASSERT_EQ(received->chunks.size(), total_chunks);
+    Status verified = VerifyStream(*reply, received->chunks, expected_["raw"]);
+    EXPECT_TRUE(verified.ok()) << verified.ToString();
+    auto [computed, allocated, reused] = disk_stats(client, "raw");
+    // Earlier tests may have read "raw" already; either way never more than once per chunk.
+    EXPECT_EQ(computed, total_chunks) << "round " << round;
+    if (round == 2) {
+      // 3 x total_chunks reads; a handful of buffers in flight at a time, the rest reused.
+      EXPECT_LT(allocated - allocated_before, total_chunks / 4);
+      EXPECT_GE(reused - reused_before, 3 * total_chunks - total_chunks / 4);
+    }
+  }
 }
 
 TEST_F(ServerTest, SixteenConcurrentClients) {

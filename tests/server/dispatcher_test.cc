@@ -1,0 +1,221 @@
+// Unit tests of the Dispatcher's disk lanes and of the chunk buffer pool, in process: a real
+// (tiny) CRIU checkpoint, a fake ChunkSink that can hold background reads on their disk thread.
+#include "lazy-server/server/dispatcher.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+
+#include "proto/criu_file.h"
+#include "tests/image/test_util.h"
+
+namespace gpulazy::server {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint32_t kGpu = 0xc0de;
+constexpr uint32_t kChunk = 4096;
+constexpr uint32_t kChunks = 16;
+
+// ---------------------------------------------------------------------------------------------
+// ChunkBufferPool
+
+TEST(ChunkBufferPoolTest, KeepsAtMostMaxFreeIdleBuffersAndReusesThem) {
+  ChunkBufferPool pool(1024, 2);
+  std::set<const uint8_t*> addresses;
+  {
+    std::vector<ChunkBuffer> out;
+    for (int i = 0; i < 3; ++i) {
+      out.push_back(pool.Acquire(1000));
+      EXPECT_EQ(out.back().capacity(), 1024u);
+      addresses.insert(out.back().data());
+    }
+    EXPECT_EQ(pool.counters().allocated, 3u);
+    EXPECT_EQ(pool.counters().out, 3u);
+    EXPECT_EQ(pool.counters().idle, 0u);
+  }
+  // Three came back; two are kept, one is freed.
+  ChunkBufferPool::Counters c = pool.counters();
+  EXPECT_EQ(c.idle, 2u);
+  EXPECT_EQ(c.freed, 1u);
+  EXPECT_EQ(c.out, 0u);
+
+  ChunkBuffer a = pool.Acquire(1024);
+  ChunkBuffer b = pool.Acquire(10);
+  EXPECT_TRUE(addresses.contains(a.data()));
+  EXPECT_TRUE(addresses.contains(b.data()));
+  EXPECT_EQ(pool.counters().reused, 2u);
+  EXPECT_EQ(pool.counters().allocated, 3u);
+  ChunkBuffer fresh = pool.Acquire(1);  // none idle: a new one, not a wait
+  EXPECT_EQ(pool.counters().allocated, 4u);
+
+  // Larger than the pool's buffers: a one-off of its own size, never pooled.
+  {
+    ChunkBuffer big = pool.Acquire(4096);
+    EXPECT_EQ(big.capacity(), 4096u);
+  }
+  EXPECT_EQ(pool.counters().idle, 0u);
+
+  // Moving hands the buffer over; only the last owner returns it.
+  ChunkBuffer moved = std::move(a);
+  EXPECT_EQ(a.capacity(), 0u);  // NOLINT(bugprone-use-after-move): moved-from is empty
+  EXPECT_EQ(pool.counters().out, 3u);
+}
+
+TEST(ChunkBufferPoolTest, BufferMayOutliveItsPool) {
+  ChunkBuffer survivor;
+  {
+    ChunkBufferPool pool(64, 4);
+    survivor = pool.Acquire(64);
+    survivor.span()[63] = 7;
+  }
+  EXPECT_EQ(survivor.span()[63], 7);  // still valid; freed with the handle (ASan checks)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatcher
+
+class DispatcherTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    testing::WriteCheckpoint(dir_.path(), 1, {kGpu},
+                             {{kGpu, kChunks * kChunk, criu_format::kAllocVram,
+                               testing::RandomBytes(kChunks * kChunk, 5)}});
+    auto source = image::ImageSource::Open(dir_.path(), kChunk);
+    ASSERT_TRUE(source.ok()) << source.status().ToString();
+    source_ = *source;
+    layout_ =
+        std::make_shared<const ImageLayout>(ImageLayout::FromManifest(source_->manifest(), false));
+  }
+
+  // Receives chunks on the disk threads. While `hold_background` is set, a background read
+  // stays in OnChunkRead (its disk thread busy) until released.
+  class Sink : public ChunkSink {
+   public:
+    Sink(const image::ImageSource& source, Dispatcher* dispatcher)
+        : source_(source), dispatcher_(dispatcher) {}
+    const image::ImageSource& source() const override { return source_; }
+    void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
+      std::unique_lock lock(mu_);
+      if (item.priority == wire::PRIORITY_DEMAND) {
+        demand_ok_ = chunk.ok();
+        if (chunk.ok()) demand_bytes_.assign(chunk->bytes().begin(), chunk->bytes().end());
+        demand_done_ = true;
+        cv_.notify_all();
+      } else {
+        ++background_reads_;
+        ++background_holding_;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return !hold_background_; });
+        --background_holding_;
+      }
+      lock.unlock();
+      const uint32_t sent = chunk.ok() ? chunk->info.stored_length : 0;
+      chunk = Result<LoadedChunk>(Internal("dropped"));  // the buffer goes back first
+      dispatcher_->Done(item, sent);
+    }
+
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool hold_background_ = false;
+    int background_holding_ = 0;
+    int background_reads_ = 0;
+    bool demand_done_ = false;
+    bool demand_ok_ = false;
+    std::vector<uint8_t> demand_bytes_;
+
+   private:
+    const image::ImageSource& source_;
+    Dispatcher* dispatcher_;
+  };
+
+  testing::TempDir dir_;
+  std::shared_ptr<const image::ImageSource> source_;
+  std::shared_ptr<const ImageLayout> layout_;
+};
+
+// The bulk lane's only thread is stuck in a background read and its other slot is queued
+// behind it: a demand read is still answered, by the demand lane, without waiting for them.
+TEST_F(DispatcherTest, DemandIsReadWhileBackgroundReadsHoldEveryBulkSlot) {
+  DispatcherOptions options;
+  options.disk_threads = 1;  // bulk lane: 1 thread, 2 reads in flight
+  options.demand_threads = 1;
+  options.read_ahead = 0;
+  options.buffer_bytes = kChunk;
+  Dispatcher dispatcher(options);
+  auto sink = std::make_shared<Sink>(*source_, &dispatcher);
+  sink->hold_background_ = true;
+  dispatcher.AddSession(1, layout_, sink);
+  dispatcher.Update([&](Scheduler& s) {
+    ASSERT_TRUE(s.StreamAll(1).ok());
+    s.AddCredit(1, 1 << 30);
+  });
+  {
+    std::unique_lock lock(sink->mu_);
+    ASSERT_TRUE(sink->cv_.wait_for(lock, 10s, [&] { return sink->background_holding_ == 1; }));
+  }
+  Dispatcher::LaneCounters lanes = dispatcher.lanes();
+  EXPECT_EQ(lanes.bulk_in_flight, 2u) << "the bulk lane should be full";
+
+  google::protobuf::RepeatedPtrField<wire::ChunkRange> ranges;
+  wire::ChunkRange* range = ranges.Add();
+  range->set_bo(0);
+  range->set_first_chunk(kChunks - 1);
+  range->set_chunk_count(1);
+  Status enqueued = dispatcher.Update([&](Scheduler& s) {
+    return s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 5, ranges, Clock::now());
+  });
+  ASSERT_TRUE(enqueued.ok()) << enqueued.ToString();
+  {
+    std::unique_lock lock(sink->mu_);
+    EXPECT_TRUE(sink->cv_.wait_for(lock, 10s, [&] { return sink->demand_done_; }))
+        << "the demand chunk waited behind the held background reads";
+    EXPECT_TRUE(sink->demand_ok_);
+    EXPECT_EQ(sink->background_holding_, 1);  // still held: the demand did not wait for it
+    EXPECT_EQ(sink->background_reads_, 1);
+    auto expected = source_->ReadChunk(0, kChunks - 1);
+    ASSERT_TRUE(expected.ok());
+    EXPECT_EQ(sink->demand_bytes_, expected->bytes);
+    sink->hold_background_ = false;
+    sink->cv_.notify_all();
+  }
+  // The lane counts a read once the sink has returned from it: after Stop, every count is in.
+  dispatcher.Stop();
+  EXPECT_EQ(dispatcher.lanes().demand_reads, 1u);
+}
+
+// A whole stream reads through a handful of pooled buffers: bounded by the reads in flight,
+// reused for the rest.
+TEST_F(DispatcherTest, StreamReusesPooledBuffers) {
+  DispatcherOptions options;
+  options.disk_threads = 1;
+  options.demand_threads = 1;
+  options.read_ahead = 2;
+  options.buffer_bytes = kChunk;
+  options.pooled_buffers = 4;
+  Dispatcher dispatcher(options);
+  auto sink = std::make_shared<Sink>(*source_, &dispatcher);
+  dispatcher.AddSession(1, layout_, sink);
+  dispatcher.Update([&](Scheduler& s) {
+    ASSERT_TRUE(s.StreamAll(1).ok());
+    s.AddCredit(1, 1 << 30);
+  });
+  {
+    std::unique_lock lock(sink->mu_);
+    ASSERT_TRUE(
+        sink->cv_.wait_for(lock, 10s, [&] { return sink->background_reads_ == int{kChunks}; }));
+  }
+  dispatcher.Stop();
+  const ChunkBufferPool::Counters c = dispatcher.buffers().counters();
+  EXPECT_LE(c.allocated, 2u) << "more buffers than reads in flight (1 thread x 2)";
+  EXPECT_GE(c.reused, kChunks - 2);
+  EXPECT_EQ(c.out, 0u);
+  EXPECT_EQ(dispatcher.lanes().bulk_reads, kChunks);
+}
+
+}  // namespace
+}  // namespace gpulazy::server
