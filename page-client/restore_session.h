@@ -6,8 +6,14 @@
 // (reconnect with back-off, Have for what it holds, no chunk applied twice).
 //
 // Thread-safety: Start, and the destructor, from one thread; Ensure, Wait*, progress and
-// Cancel from any thread at any time after Start returned. The session runs its network
-// I/O, decoding and engine writes on one internal thread.
+// Cancel from any thread at any time after Start returned. The session runs two internal
+// threads: the stream thread (connecting and reconnecting, the stream connection's reader and
+// writer, credit) and, with a demand connection, the demand thread (that connection's reader and
+// writer, the demand queue), so a demand chunk is received and verified while the stream thread
+// is busy with a background chunk. Both decode, verify and hand chunks to the engine; the
+// session serializes its engine calls (CopyEngine's one-caller-at-a-time contract), so an engine
+// sees calls from both threads, never two at once. Which thread owns which state:
+// restore_session.cc, above RestoreSession::Impl.
 #pragma once
 
 #include <chrono>
@@ -39,7 +45,8 @@ struct SessionOptions {
   // Most payload bytes the server may have sent that the client has not consumed. Raised to
   // the server's max_payload when smaller (the protocol needs one whole chunk to fit).
   uint64_t window_bytes = 16u << 20;
-  // A second connection for demand requests, so they never queue behind background bytes.
+  // A second connection for demand requests, so they never queue behind background bytes. It
+  // is served by its own thread.
   bool demand_connection = true;
   ReconnectPolicy reconnect;
   std::string client_name = "gpulazy-client";
@@ -82,7 +89,7 @@ struct Progress {
 class RestoreSession {
  public:
   RestoreSession(SessionOptions options, CopyEngine& engine);
-  // Cancels what is still running and waits for the I/O thread and the engine's writes.
+  // Cancels what is still running and waits for the session's threads and the engine's writes.
   ~RestoreSession();
   RestoreSession(const RestoreSession&) = delete;
   RestoreSession& operator=(const RestoreSession&) = delete;
