@@ -719,11 +719,13 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   credit.mutable_credit()->set_bytes(window_);
   link->credit_outstanding = window_;
   link->stream_writer.Send(std::move(credit));
-  wire::Header stream_all;
-  stream_all.set_request_id(next_request_id_++);
-  stream_all.mutable_request()->set_stream_all(true);
-  stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
-  link->stream_writer.Send(std::move(stream_all));
+  if (options_.stream_all) {
+    wire::Header stream_all;
+    stream_all.set_request_id(next_request_id_++);
+    stream_all.mutable_request()->set_stream_all(true);
+    stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
+    link->stream_writer.Send(std::move(stream_all));
+  }
 
   link_ = link;
   attempt_opened_ = true;

@@ -48,6 +48,10 @@ struct SessionOptions {
   // A second connection for demand requests, so they never queue behind background bytes. It
   // is served by its own thread.
   bool demand_connection = true;
+  // Ask the server to stream every chunk in the background (Request{stream_all}). False: only
+  // Ensure fetches; WaitHotSet / WaitComplete return once Ensure has brought those chunks in
+  // (used to time a lone demand chunk with nothing else on the wire).
+  bool stream_all = true;
   ReconnectPolicy reconnect;
   std::string client_name = "gpulazy-client";
   std::string token;  // bearer token, when the server wants one (net::ReadTokenFile)

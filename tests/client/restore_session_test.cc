@@ -1,7 +1,7 @@
 // RestoreSession against the in-process FakeServer: byte-exact restores, refetch after a bad
 // copy, persistent corruption, reconnects (dropped connection, restarted server, a different
 // image), demand requests (served while the stream thread is stuck; racing the stream's copies),
-// flow control and server errors. Every wait is bounded.
+// sessions that do not stream, flow control and server errors. Every wait is bounded.
 #include "page-client/restore_session.h"
 
 #include <gtest/gtest.h>
@@ -632,6 +632,51 @@ TEST(RestoreSessionThreads, DemandChunkLandsWhileTheStreamThreadIsStuck) {
   engine.ExpectEachChunkOnce();
   EXPECT_EQ(engine.bad_writes(), 0);
   EXPECT_EQ(session.progress().refetches, 1u);
+}
+
+TEST(RestoreSessionThreads, WithoutStreamAllOnlyEnsuredChunksArrive) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});  // not paused: it would stream everything if asked
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.stream_all = false;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Ensure(0, 5 * 4096 + 10, 4096, 10s).ok()) << session.status().ToString();
+  ASSERT_TRUE(session.Ensure(2, 0, 1000, 10s).ok());
+  // Nothing else comes, however long we wait: the hot set (BO 1 chunk 3) is not streamed either.
+  EXPECT_EQ(session.WaitComplete(300ms).code(), Code::kTimeout);
+  EXPECT_EQ(session.WaitHotSet(10ms).code(), Code::kTimeout);
+  Progress p = session.progress();
+  EXPECT_EQ(p.resident_chunks, 3u);  // BO 0 chunks 5 and 6, BO 2 chunk 0
+  EXPECT_EQ(p.demand_chunks, 3u);
+  EXPECT_EQ(p.duplicates, 0u);
+  std::map<ChunkKey, int> writes = engine.writes();
+  EXPECT_EQ(writes, (std::map<ChunkKey, int>{{{0, 5}, 1}, {{0, 6}, 1}, {{2, 0}, 1}}));
+  ASSERT_EQ(server.stream_sent().size(), 1u);
+  EXPECT_TRUE(server.stream_sent()[0].empty());
+  // Ensuring everything completes the session.
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+    ASSERT_TRUE(session.Ensure(bo, 0, image.bos[bo].size(), 10s).ok());
+  ASSERT_TRUE(session.WaitComplete(1s).ok());
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+}
+
+TEST(RestoreSessionThreads, WithoutStreamAllOrDemandConnection) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.stream_all = false;
+  options.demand_connection = false;  // demand requests on the stream connection, under credit
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Ensure(1, 0, 40000, 10s).ok()) << session.status().ToString();
+  EXPECT_EQ(session.WaitComplete(200ms).code(), Code::kTimeout);
+  EXPECT_EQ(session.progress().resident_chunks, image.ChunkCount(1));
+  EXPECT_FALSE(session.IsResident(0, 0, 1));
+  EXPECT_FALSE(server.credit_violated());
 }
 
 // Demand and stream copies of the same chunks race on two threads: each chunk is still written
