@@ -233,7 +233,7 @@ class RestoreSession::Impl {
                  uint64_t wire_bytes, bool on_stream, const Status& why);
   // Any thread (the engine decides where completions run).
   void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
-                 std::shared_ptr<std::vector<uint8_t>> staging, uint64_t credit);
+                 const std::shared_ptr<std::vector<uint8_t>>& staging, uint64_t credit);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
   void Fail(const Status& status);
   bool Failed() const;
@@ -1188,7 +1188,8 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
 }
 
 void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr<Link>& link,
-                                     ChunkId id, std::shared_ptr<std::vector<uint8_t>> staging,
+                                     ChunkId id,
+                                     const std::shared_ptr<std::vector<uint8_t>>& staging,
                                      uint64_t credit) {
   // Any thread, possibly inside an engine call (engine_mutex_ held): never take engine_mutex_.
   if (!status.ok()) {
