@@ -1,6 +1,8 @@
 // `gpulazy-bench demand`: how long a demand request waits while a background stream saturates
 // the session, against the time to fetch one chunk alone on an idle server (same run, same
-// image). p50/p99 come from RestoreSession::Ensure on chunks that are not yet resident.
+// image). p50/p99 come from RestoreSession::Ensure on chunks that are not yet resident; the lone
+// chunk is the same Ensure on a session that streams nothing (lone_chunk_s), and, for comparison
+// with runs before that baseline, a bare frame-level request (lone_chunk_frame_s).
 #pragma once
 
 #include <cstdint>

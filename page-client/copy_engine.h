@@ -6,7 +6,8 @@
 // chunk resident only when the engine reports that its write landed.
 //
 // Thread-safety: AddDestination is called before any Write and never concurrently with one.
-// Write and Flush may be called from one thread at a time (the session's I/O thread); `done`
+// Write and Flush may be called from one thread at a time, not always the same one
+// (RestoreSession serializes the engine calls of its stream and demand threads); `done`
 // callbacks may run on any thread, including inside Write.
 #pragma once
 

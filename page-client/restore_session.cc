@@ -54,28 +54,47 @@ bool SameBo(const BoEntry& a, const BoEntry& b) {
 
 }  // namespace
 
-// One connection generation: the stream socket, the optional demand socket and their writers.
-// Shared by the coroutines serving it; dies with the last of them. I/O thread only.
-struct Link : std::enable_shared_from_this<Link> {
-  Link(net::Stream stream_socket, std::optional<net::Stream> demand_socket,
-       FrameLimits frame_limits)
-      : stream(std::move(stream_socket)),
-        demand(std::move(demand_socket)),
-        limits(frame_limits),
-        stream_writer(stream, limits) {
-    if (demand) demand_writer.emplace(*demand, limits);
-  }
+// Threads, and who owns what. Two io_contexts, each run by one thread:
+//
+// - The stream thread runs io_: Main (connect, back-off, reconnect), the stream connection's
+//   reader and writer, and credit. It owns link_, backoff_timer_ and everything in a Link.
+// - The demand thread runs demand_io_, only when options_.demand_connection: the demand
+//   connection's handshake, reader and writer, the demand queue and the in-flight count. It owns
+//   demand_link_, demand_queue_, demand_in_flight_ and everything in a DemandLink. Without a
+//   demand connection, demand requests travel on the stream connection and that bookkeeping
+//   runs on the stream thread instead (OnDemandThread posts to io_).
+// - One thread reaches the other's state only by posting to its io_context. A Link and its
+//   DemandLink know each other only by weak_ptr, so a handler queued on one io_context never
+//   keeps alive an object bound to the other (demand_io_ is destroyed first; see the members).
+// - mutex_ guards what both threads and the callers share: residency (and with it the landing
+//   claim, taken in the same critical section as the duplicate check, so of two copies of a chunk
+//   arriving on both connections at once exactly one is received and the other is dropped: no
+//   chunk is applied twice), the counters, failure_ and the lifecycle flags.
+// - engine_mutex_ serializes the engine calls of both threads (CopyEngine: one caller at a
+//   time). It is held around the call only, never across a socket read. Engine completions
+//   (OnWritten) may run inside an engine call and take mutex_ and buffers_mutex_, never
+//   engine_mutex_; so the lock order is engine_mutex_, then mutex_ or buffers_mutex_.
+// - buffers_mutex_ guards the pool of spare staging buffers.
+// - With image files passed (read_files on a Unix endpoint), a chunk that arrives by reference
+//   is claimed by the thread that read its ChunkData frame and installed on a reader thread
+//   (readers_): the read from the file, verification and engine calls under engine_mutex_.
+//   Whatever the reader must hand back (a bad copy's credit and re-request) it posts to io_.
 
-  FrameWriter& demand_out() { return demand_writer ? *demand_writer : stream_writer; }
+struct DemandLink;
+
+// The stream half of one connection generation: the stream socket and its writer. Shared by
+// the coroutines serving it; dies with the last of them. Stream thread only.
+struct Link : std::enable_shared_from_this<Link> {
+  Link(net::Stream stream_socket, FrameLimits frame_limits)
+      : stream(std::move(stream_socket)), limits(frame_limits), stream_writer(stream, limits) {}
 
   void Close() {
     if (closed) return;
     closed = true;
     stream_writer.Close();
-    if (demand_writer) demand_writer->Close();
     boost::system::error_code ignored;
     stream.close(ignored);
-    if (demand) demand->close(ignored);
+    CloseDemand();
   }
   void Fail(Status status) {
     if (error.ok()) error = std::move(status);
@@ -89,31 +108,66 @@ struct Link : std::enable_shared_from_this<Link> {
     if (closed || aborting) return;
     aborting = true;
     stream_writer.Close();
-    if (demand_writer) demand_writer->Close();
     boost::system::error_code ignored;
     stream.shutdown(net::Socket::shutdown_send, ignored);
-    if (demand) demand->close(ignored);
+    CloseDemand();
     auto timer = std::make_shared<boost::asio::steady_timer>(stream.get_executor(), grace);
     timer->async_wait([this_link = weak_from_this(), timer](boost::system::error_code) {
       if (auto link = this_link.lock()) link->Close();
     });
   }
+  // The demand half is the demand thread's: ask it to close there.
+  void CloseDemand();
 
   net::Stream stream;
-  std::optional<net::Stream> demand;
   FrameLimits limits;
   FrameWriter stream_writer;
-  std::optional<FrameWriter> demand_writer;
+  // Set once by RunAttempt after the demand connection joined; empty without one.
+  std::weak_ptr<DemandLink> demand;
+  boost::asio::any_io_executor demand_executor;
   // The image files the server passed for this connection's session: chunks arrive by
   // reference and are read from them. Null: chunks travel through the socket.
   std::shared_ptr<const ImageFileSet> files;
   uint64_t credit_outstanding = 0;  // granted to the server and not yet used by it
-  uint32_t demand_in_flight = 0;    // demand chunks asked for and not yet received
   bool closed = false;
   bool aborting = false;
   bool complete = false;  // closed because every chunk is resident
   Status error;           // the first transport error; retrying may help
 };
+
+// The demand half of one connection generation: the demand socket and its writer. Demand
+// thread only.
+struct DemandLink {
+  DemandLink(net::Stream demand_socket, FrameLimits frame_limits, std::weak_ptr<Link> stream_link,
+             std::shared_ptr<const ImageFileSet> image_files)
+      : socket(std::move(demand_socket)),
+        limits(frame_limits),
+        writer(socket, limits),
+        link(std::move(stream_link)),
+        files(std::move(image_files)) {}
+
+  void Close() {
+    if (closed) return;
+    closed = true;
+    writer.Close();
+    boost::system::error_code ignored;
+    socket.close(ignored);
+  }
+
+  net::Stream socket;
+  FrameLimits limits;
+  FrameWriter writer;
+  std::weak_ptr<Link> link;  // its stream half, to abort when this connection breaks
+  std::shared_ptr<const ImageFileSet> files;  // as Link::files (the same set)
+  bool closed = false;
+};
+
+void Link::CloseDemand() {
+  if (demand.expired()) return;
+  boost::asio::post(demand_executor, [weak = demand] {
+    if (auto link = weak.lock()) link->Close();
+  });
+}
 
 class RestoreSession::Impl {
  public:
@@ -140,85 +194,124 @@ class RestoreSession::Impl {
  private:
   using ChunkId = std::pair<uint32_t, uint32_t>;  // BO, chunk
 
+  // Stream thread.
   asio::awaitable<void> Main();
   asio::awaitable<Status> RunAttempt(bool first);
   asio::awaitable<Status> ReadStream(std::shared_ptr<Link> link);
-  asio::awaitable<void> ReadDemand(std::shared_ptr<Link> link);
-  asio::awaitable<void> RunWriter(std::shared_ptr<Link> link, FrameWriter* writer);
+  asio::awaitable<void> RunWriter(std::shared_ptr<Link> link);
+  void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
+  // Demand thread: connects and joins the session `join` names, installs the new DemandLink
+  // and starts serving it. Returns it (weakly) to RunAttempt, or why it could not.
+  asio::awaitable<std::pair<Status, std::weak_ptr<DemandLink>>> JoinDemand(
+      std::weak_ptr<Link> link, wire::Hello join, FrameLimits limits,
+      std::shared_ptr<const ImageFileSet> files);
+  asio::awaitable<void> ReadDemand(std::shared_ptr<DemandLink> link);
+  asio::awaitable<void> RunDemandWriter(std::shared_ptr<DemandLink> link);
+  // The demand connection broke: close it and abort its stream half (which reconnects both).
+  // `drain`: let the stream reader drain what it has received (Abort) rather than close now.
+  void LoseDemand(const std::shared_ptr<DemandLink>& link, Status why, bool drain = true);
+  // Demand bookkeeping: the demand thread (or the stream thread without a demand connection).
+  void RestartDemand();  // a new connection: re-send every demand still pending
+  void QueueDemand(const std::vector<ChunkId>& chunks);
+  void PumpDemand();
+  template <typename F>
+  void OnDemandThread(F&& f);
 
   Status AdoptImage(const wire::OpenImageReply& reply, uint32_t max_payload);
   Status CheckSameImage(const wire::OpenImageReply& reply) const;
   // Reads a ChunkData frame's payload (its header already read) and installs the chunk: a RAW
   // chunk the engine lets us place goes straight into its destination and is verified there;
-  // anything else is read into `payload` and goes through InstallChunk. *transport is set when
-  // the error is the connection's (retrying may help), else the error is fatal.
+  // anything else is read into `payload` and goes through InstallChunk. `link` is the stream
+  // half for a chunk on the stream connection (its credit), null on the demand connection;
+  // `limits` and `files` are the connection's (files null when none were passed). A chunk by
+  // reference goes to ReceiveByReference. *transport is set when the error is the connection's
+  // (retrying may help), else the error is fatal. Runs on the thread that reads `socket`.
   asio::awaitable<Status> ReceiveChunk(const std::shared_ptr<Link>& link, net::Stream& socket,
+                                       const FrameLimits& limits,
+                                       const std::shared_ptr<const ImageFileSet>& files,
                                        const wire::Header& header, uint32_t payload_length,
                                        std::vector<uint8_t>& payload, bool on_stream,
                                        bool* transport);
-  // Checks a chunk's header against the table and the credit, counts it. *duplicate: already
-  // held; its bytes must be dropped (the caller returns the credit).
-  Status AcceptChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
-                     uint64_t wire_bytes, bool on_stream, bool* duplicate);
-  // A chunk that is not held and whose payload is in `payload`: decode, verify, hand to Write.
-  Status InstallChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
-                      std::vector<uint8_t>& payload, bool on_stream);
-  // A verification failure: count it, re-request once, or fail for good (returned).
-  Status BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
-                 uint64_t wire_bytes, bool on_stream, const Status& why);
-  void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
-                 std::shared_ptr<std::vector<uint8_t>> staging, uint64_t credit);
   // A ChunkData frame with in_file: checks where it points, claims the chunk and hands it to a
   // reader thread. Errors are the server's (fatal).
-  Status ReceiveByReference(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
-                            uint32_t payload_length, bool on_stream);
-  // On a reader thread: reads the chunk from the passed file into the engine.
+  Status ReceiveByReference(const std::shared_ptr<Link>& link, const FrameLimits& limits,
+                            const std::shared_ptr<const ImageFileSet>& files,
+                            const wire::ChunkData& data, uint32_t payload_length, bool on_stream);
+  // On a reader thread: reads the claimed chunk from the passed file into the engine.
   void ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& chunk, bool on_stream);
+  // Checks a chunk's header against the table and the credit, counts it, and claims the chunk
+  // (landing) unless it is already held. *duplicate: already held; its bytes must be dropped
+  // (the caller returns the credit). A claimed chunk must be installed or Unclaim'ed.
+  Status AcceptChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                     uint64_t wire_bytes, bool on_stream, bool* duplicate);
+  void Unclaim(uint32_t bo, uint32_t chunk);
+  // A claimed chunk whose payload is in `payload`: decode, verify, hand to Write.
+  Status InstallChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                      std::vector<uint8_t>& payload, bool on_stream);
+  // A verification failure of an unclaimed chunk: count it, re-request once, or fail for good
+  // (returned).
+  Status BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
+                 uint64_t wire_bytes, bool on_stream, const Status& why);
+  // Any thread (the engine decides where completions run).
+  void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
+                 const std::shared_ptr<std::vector<uint8_t>>& staging, uint64_t credit);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
-  void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
-  void QueueDemand(const std::vector<ChunkId>& chunks);
-  void PumpDemand();
   void Fail(const Status& status);
   bool Failed() const;
   std::string What(uint32_t bo, uint32_t chunk) const;
   std::shared_ptr<std::vector<uint8_t>> TakeBuffer();
+  void ReturnBuffer(std::vector<uint8_t> buffer);
   // Waits (lock held) until done() or the session failed or the timeout passed.
   template <typename Done>
   Status WaitFor(std::unique_lock<std::mutex>& lock, Done done,
                  std::optional<std::chrono::milliseconds> timeout, std::string_view what);
 
+  // Immutable once Start has begun (endpoint_, transport_) or the image is open (hot_chunks_).
   SessionOptions options_;
   CopyEngine& engine_;
-  // Every engine call holds it: the I/O thread and the file readers share the engine, whose
-  // contract is one caller at a time.
-  std::mutex engine_mu_;
-  ChunkBufferPool file_buffers_{kMaxSpareBuffers};
   net::Endpoint endpoint_;
   net::ClientTransport transport_;
-  std::vector<ChunkId> hot_chunks_;  // immutable once opened
-  uint64_t window_ = 0;
+  std::vector<ChunkId> hot_chunks_;
 
-  mutable std::mutex mutex_;  // guards everything below up to the I/O-thread section
+  mutable std::mutex mutex_;  // guards everything below up to the engine section
   std::condition_variable cv_;
   ResidencyMap residency_;
   Status failure_;
   bool started_ = false;
   bool opened_ = false;
-  bool finished_ = false;
+  bool finished_ = false;         // Main has returned
+  bool demand_finished_ = false;  // the demand thread's loop has returned
   Progress counters_;
   std::atomic<bool> cancelled_{false};
 
-  // I/O thread only. io_ first: it outlives the objects bound to it.
+  std::mutex engine_mutex_;  // held around every engine_ call, and only there
+  ChunkBufferPool file_buffers_{kMaxSpareBuffers};  // staging for encoded chunks read by reference
+
+  std::mutex buffers_mutex_;
+  std::vector<std::vector<uint8_t>> spare_buffers_;  // guarded by buffers_mutex_
+
+  std::atomic<uint64_t> next_request_id_{1};  // both connections number their requests
+
+  // Stream thread only. io_ first: it outlives the objects bound to it, and it must outlive
+  // demand_io_, whose queued handlers may own the stream thread's suspended coroutines.
   asio::io_context io_;
   asio::steady_timer backoff_timer_;
   std::shared_ptr<Link> link_;
   bool attempt_opened_ = false;
+  uint64_t window_ = 0;
+
+  // Demand thread only (with a demand connection; otherwise the stream thread's).
+  asio::io_context demand_io_;
+  // Keeps demand_io_ running between connections; Main drops it when the session ends.
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> demand_work_;
+  std::shared_ptr<DemandLink> demand_link_;
   std::deque<ChunkId> demand_queue_;
-  std::vector<std::vector<uint8_t>> spare_buffers_;
-  uint64_t next_request_id_ = 1;
-  std::thread thread_;
-  // Reader threads for chunks by reference (read_files on a Unix endpoint); joined before the
-  // final engine Flush.
+  uint32_t demand_in_flight_ = 0;  // demand chunks asked for and not yet received
+
+  std::thread thread_;         // runs io_
+  std::thread demand_thread_;  // runs demand_io_
+  // Reader threads for chunks by reference (read_files on a Unix endpoint); joined after the
+  // two above and before the final engine Flush.
   std::optional<asio::thread_pool> readers_;
 };
 
@@ -228,18 +321,21 @@ RestoreSession::Impl::~Impl() {
   Cancel();
   if (thread_.joinable()) {
     // Give the coroutines a moment to unwind on their own; a peer that never answers a connect
-    // must not hold the destructor, so stop the loop after that.
+    // must not hold the destructor, so stop the loops after that.
     {
       std::unique_lock lock(mutex_);
-      cv_.wait_for(lock, std::chrono::seconds(2), [&] { return finished_; });
+      cv_.wait_for(lock, std::chrono::seconds(2),
+                   [&] { return finished_ && (demand_finished_ || !demand_thread_.joinable()); });
     }
     io_.stop();
+    demand_io_.stop();
     thread_.join();
+    if (demand_thread_.joinable()) demand_thread_.join();
   }
   if (readers_) readers_->join();
   // Engine callbacks hold our staging buffers and call OnWritten; let them all run first.
   if (started_) {
-    std::lock_guard engine_lock(engine_mu_);
+    std::lock_guard engine_lock(engine_mutex_);
     (void)engine_.Flush();
   }
 }
@@ -254,15 +350,26 @@ Status RestoreSession::Impl::Start() {
   // Certificates are loaded once; every reconnect reuses them.
   GPULAZY_ASSIGN_OR_RETURN(transport_,
                            net::ClientTransport::Make(options_.tls, options_.insecure_tcp));
-  {
-    std::lock_guard lock(mutex_);
-    started_ = true;
-  }
   if (options_.read_files && endpoint_.kind == net::Endpoint::Kind::kUnix) {
     if (options_.file_readers == 0) return InvalidArgument("read_files needs at least one reader");
     readers_.emplace(options_.file_readers);
   }
+  {
+    std::lock_guard lock(mutex_);
+    started_ = true;
+  }
   asio::co_spawn(io_, Main(), asio::detached);
+  if (options_.demand_connection) {
+    demand_work_.emplace(demand_io_.get_executor());
+    demand_thread_ = std::thread([this] {
+      demand_io_.run();
+      {
+        std::lock_guard lock(mutex_);
+        demand_finished_ = true;
+      }
+      cv_.notify_all();
+    });
+  }
   thread_ = std::thread([this] { io_.run(); });
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] { return opened_ || !failure_.ok(); });
@@ -279,6 +386,14 @@ bool RestoreSession::Impl::Failed() const {
   return !failure_.ok();
 }
 
+template <typename F>
+void RestoreSession::Impl::OnDemandThread(F&& f) {
+  if (options_.demand_connection)
+    asio::post(demand_io_, std::forward<F>(f));
+  else
+    asio::post(io_, std::forward<F>(f));
+}
+
 void RestoreSession::Impl::Fail(const Status& status) {
   {
     std::lock_guard lock(mutex_);
@@ -291,6 +406,11 @@ void RestoreSession::Impl::Fail(const Status& status) {
     if (link_) link_->Close();
     backoff_timer_.cancel();
   });
+  if (options_.demand_connection) {
+    asio::post(demand_io_, [this] {
+      if (demand_link_) demand_link_->Close();
+    });
+  }
 }
 
 void RestoreSession::Impl::Cancel() {
@@ -308,6 +428,11 @@ void RestoreSession::Impl::Cancel() {
       if (link_) link_->Close();
       backoff_timer_.cancel();
     });
+    if (options_.demand_connection) {
+      asio::post(demand_io_, [this] {
+        if (demand_link_) demand_link_->Close();
+      });
+    }
   }
 }
 
@@ -347,7 +472,7 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   }
   if (!wanted.empty()) {
     counters_.demand_chunks += wanted.size();
-    asio::post(io_, [this, wanted = std::move(wanted)] { QueueDemand(wanted); });
+    OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
   }
   // Chunks become resident in any order; remember how far the prefix is known to be resident.
   uint32_t next = run.first;
@@ -411,7 +536,7 @@ std::string RestoreSession::Impl::What(uint32_t bo, uint32_t chunk) const {
   return fmt::format("image {}, BO {}, chunk {}", options_.image, bo, chunk);
 }
 
-// ---- the I/O thread ----
+// ---- the stream thread ----
 
 asio::awaitable<void> RestoreSession::Impl::Main() {
   try {
@@ -453,9 +578,17 @@ asio::awaitable<void> RestoreSession::Impl::Main() {
   }
   if (link_) link_->Close();
   link_.reset();
+  if (options_.demand_connection) {
+    // Let the demand thread's loop end once its coroutines have unwound.
+    asio::post(demand_io_, [this] {
+      if (demand_link_) demand_link_->Close();
+      demand_link_.reset();
+      demand_work_.reset();
+    });
+  }
   Status flushed;
   {
-    std::lock_guard engine_lock(engine_mu_);
+    std::lock_guard engine_lock(engine_mutex_);
     flushed = engine_.Flush();
   }
   if (!flushed.ok()) Fail(flushed.Context(fmt::format("flushing the {} engine", engine_.name())));
@@ -496,7 +629,7 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
     hot.emplace_back(ref.bo(), ref.chunk());
   }
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
-  std::lock_guard engine_lock(engine_mu_);
+  std::lock_guard engine_lock(engine_mutex_);
   for (uint32_t bo = 0; bo < bos.size(); ++bo) {
     Status created = engine_.AddDestination(bo, bos[bo].size);
     if (!created.ok())
@@ -580,11 +713,11 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     if (residency_.complete()) co_return Status::Ok();  // nothing (left) to stream
   }
 
+  wire::Hello join = hello;
+  join.set_join_session(reply->session());
+  join.set_join_secret(reply->session_secret());
   std::shared_ptr<const ImageFileSet> files;
   if (readers_) {
-    wire::Hello join = hello;
-    join.set_join_session(reply->session());
-    join.set_join_secret(reply->session_secret());
     Result<std::shared_ptr<const ImageFileSet>> fetched =
         co_await FetchImageFiles(endpoint_, join, options_.handshake_timeout);
     if (fetched.ok()) {
@@ -593,32 +726,37 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
         spdlog::info("image {}: reading chunks from {} passed image file(s) on {} threads",
                      options_.image, files->files.size(), options_.file_readers);
     } else if (fetched.status().code() == Code::kInvalidArgument) {
-      // The server will not pass files (--no-pass-files): the socket carries the chunks.
+      // The server will not pass files (--no-pass-files, TLS, an older server): the socket
+      // carries the chunks.
       if (first) spdlog::info("image {}: {}", options_.image, fetched.status().message());
     } else {
       co_return fetched.status().Context("fetching the image files");
     }
   }
 
-  std::optional<net::Stream> demand_socket;
-  if (options_.demand_connection) {
-    wire::Hello join = hello;
-    join.set_join_session(reply->session());
-    join.set_join_secret(reply->session_secret());
-    Result<Handshake> demand =
-        co_await ConnectAndHello(endpoint_, transport_, join, options_.handshake_timeout, &refused);
-    if (!demand.ok()) co_return demand.status().Context("opening the demand connection");
-    demand_socket.emplace(std::move(demand->socket));
-  }
-
-  auto link = std::make_shared<Link>(std::move(stream->socket), std::move(demand_socket), limits);
+  auto link = std::make_shared<Link>(std::move(stream->socket), limits);
   link->files = files;
+  if (options_.demand_connection) {
+    // The demand socket is made, joined and served on the demand thread; only a weak_ptr to it
+    // comes back here.
+    auto [joined, demand] = co_await asio::co_spawn(
+        demand_io_, JoinDemand(link, join, limits, files), asio::use_awaitable);
+    if (!joined.ok()) {
+      link->Close();
+      co_return joined;
+    }
+    link->demand = std::move(demand);
+    link->demand_executor = demand_io_.get_executor();
+  }
+  // A Cancel or Fail while we waited for the demand connection closed link_, not this one.
+  if (cancelled_ || Failed()) {
+    link->Close();
+    co_return Aborted("image {}: session ended while connecting", options_.image);
+  }
   std::vector<ChunkRun> held;
-  std::vector<ChunkRun> pending_demand;
   {
     std::lock_guard lock(mutex_);
     held = residency_.HeldRuns();
-    pending_demand = residency_.PendingDemandRuns();
     if (!first) ++counters_.reconnects;
     counters_.reading_files = files != nullptr;
   }
@@ -632,29 +770,24 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   credit.mutable_credit()->set_bytes(window_);
   link->credit_outstanding = window_;
   link->stream_writer.Send(std::move(credit));
-  wire::Header stream_all;
-  stream_all.set_request_id(next_request_id_++);
-  stream_all.mutable_request()->set_stream_all(true);
-  stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
-  stream_all.mutable_request()->set_by_reference(link->files != nullptr);
-  link->stream_writer.Send(std::move(stream_all));
+  if (options_.stream_all) {
+    wire::Header stream_all;
+    stream_all.set_request_id(next_request_id_++);
+    stream_all.mutable_request()->set_stream_all(true);
+    stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
+    stream_all.mutable_request()->set_by_reference(link->files != nullptr);
+    link->stream_writer.Send(std::move(stream_all));
+  }
 
   link_ = link;
   attempt_opened_ = true;
-  demand_queue_.clear();
-  for (const ChunkRun& run : pending_demand)
-    for (uint32_t i = 0; i < run.count; ++i)
-      demand_queue_.emplace_back(run.bo, run.first + i);
-  PumpDemand();
+  // Without a demand connection the demand bookkeeping is ours, and requests follow the Have.
+  if (!options_.demand_connection) RestartDemand();
   if (!first)
-    spdlog::info("image {}: reconnected to {}; told it we hold {} run(s), re-sent {} demand run(s)",
-                 options_.image, endpoint_.ToString(), held.size(), pending_demand.size());
+    spdlog::info("image {}: reconnected to {}; told it we hold {} run(s)", options_.image,
+                 endpoint_.ToString(), held.size());
 
-  asio::co_spawn(io_, RunWriter(link, &link->stream_writer), asio::detached);
-  if (link->demand_writer) {
-    asio::co_spawn(io_, RunWriter(link, &*link->demand_writer), asio::detached);
-    asio::co_spawn(io_, ReadDemand(link), asio::detached);
-  }
+  asio::co_spawn(io_, RunWriter(link), asio::detached);
   Status status = co_await ReadStream(link);
   spdlog::debug("image {}: stream reader ended: {}", options_.image, status.ToString());
   link->Close();
@@ -664,10 +797,9 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   co_return status.ok() ? Unavailable("stream connection closed") : status;
 }
 
-asio::awaitable<void> RestoreSession::Impl::RunWriter(std::shared_ptr<Link> link,
-                                                      FrameWriter* writer) {
+asio::awaitable<void> RestoreSession::Impl::RunWriter(std::shared_ptr<Link> link) {
   try {
-    Status status = co_await writer->Run();
+    Status status = co_await link->stream_writer.Run();
     if (!status.ok()) link->Abort(status, options_.handshake_timeout);
   } catch (const std::exception& e) {
     link->Fail(Internal("frame writer: {}", e.what()));
@@ -691,13 +823,16 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
       switch (header->body_case()) {
         case wire::Header::kChunk: {
           bool transport = false;
-          Status handled = co_await ReceiveChunk(link, link->stream, *header, head->payload_length,
-                                                 payload, /*on_stream=*/true, &transport);
+          Status handled =
+              co_await ReceiveChunk(link, link->stream, link->limits, link->files, *header,
+                                    head->payload_length, payload, /*on_stream=*/true, &transport);
           if (!handled.ok()) {
             if (transport) co_return link->complete ? Status::Ok() : handled;
             Fail(handled);
             co_return handled;
           }
+          // Without a demand connection, demand chunks arrive here: room for the next ones.
+          if (!options_.demand_connection) PumpDemand();
           break;
         }
         case wire::Header::kStreamDone: {
@@ -722,7 +857,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
               for (const ChunkId& id : chunks)
                 residency_.set_demanded(id.first, id.second);
             }
-            QueueDemand(chunks);
+            OnDemandThread([this, chunks = std::move(chunks)] { QueueDemand(chunks); });
           }
           break;
         }
@@ -745,45 +880,97 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
   }
 }
 
-asio::awaitable<void> RestoreSession::Impl::ReadDemand(std::shared_ptr<Link> link) {
+// ---- the demand thread ----
+
+asio::awaitable<std::pair<Status, std::weak_ptr<DemandLink>>> RestoreSession::Impl::JoinDemand(
+    std::weak_ptr<Link> link, wire::Hello join, FrameLimits limits,
+    std::shared_ptr<const ImageFileSet> files) {
+  bool refused = false;
+  Result<Handshake> demand =
+      co_await ConnectAndHello(endpoint_, transport_, join, options_.handshake_timeout, &refused);
+  if (!demand.ok())
+    co_return std::pair{demand.status().Context("opening the demand connection"),
+                        std::weak_ptr<DemandLink>()};
+  auto demand_link =
+      std::make_shared<DemandLink>(std::move(demand->socket), limits, link, std::move(files));
+  if (cancelled_ || Failed()) {
+    demand_link->Close();
+    co_return std::pair{
+        Aborted("image {}: session ended while joining the demand connection", options_.image),
+        std::weak_ptr<DemandLink>()};
+  }
+  if (demand_link_) demand_link_->Close();  // the previous generation's, if still open
+  demand_link_ = demand_link;
+  RestartDemand();
+  asio::co_spawn(demand_io_, RunDemandWriter(demand_link), asio::detached);
+  asio::co_spawn(demand_io_, ReadDemand(demand_link), asio::detached);
+  co_return std::pair{Status::Ok(), std::weak_ptr<DemandLink>(demand_link)};
+}
+
+void RestoreSession::Impl::LoseDemand(const std::shared_ptr<DemandLink>& link, Status why,
+                                      bool drain) {
+  if (link->closed) return;  // we closed it: its stream half is going away already
+  link->Close();
+  asio::post(io_, [stream = link->link, why = std::move(why), drain,
+                   grace = options_.handshake_timeout]() mutable {
+    auto stream_link = stream.lock();
+    if (!stream_link) return;
+    if (drain)
+      stream_link->Abort(std::move(why), grace);
+    else
+      stream_link->Fail(std::move(why));
+  });
+}
+
+asio::awaitable<void> RestoreSession::Impl::RunDemandWriter(std::shared_ptr<DemandLink> link) {
+  try {
+    Status status = co_await link->writer.Run();
+    if (!status.ok()) LoseDemand(link, status.Context("demand connection"));
+  } catch (const std::exception& e) {
+    LoseDemand(link, Internal("demand frame writer: {}", e.what()), /*drain=*/false);
+  }
+}
+
+asio::awaitable<void> RestoreSession::Impl::ReadDemand(std::shared_ptr<DemandLink> link) {
   std::vector<uint8_t> payload;
   try {
     for (;;) {
-      Result<net::FrameHead> head = co_await net::ReadFrameHead(*link->demand, link->limits);
+      Result<net::FrameHead> head = co_await net::ReadFrameHead(link->socket, link->limits);
       if (!head.ok()) {
-        link->Abort(head.status().Context("demand connection"), options_.handshake_timeout);
+        LoseDemand(link, head.status().Context("demand connection"));
         co_return;
       }
       if (link->closed) co_return;
       const wire::Header* header = &head->header;
       if (header->has_chunk()) {
         bool transport = false;
-        Status handled = co_await ReceiveChunk(link, *link->demand, *header, head->payload_length,
-                                               payload, /*on_stream=*/false, &transport);
+        Status handled =
+            co_await ReceiveChunk(nullptr, link->socket, link->limits, link->files, *header,
+                                  head->payload_length, payload, /*on_stream=*/false, &transport);
         if (!handled.ok()) {
           if (transport) {
-            link->Abort(handled.Context("demand connection"), options_.handshake_timeout);
+            LoseDemand(link, handled.Context("demand connection"));
           } else {
             Fail(handled);
           }
           co_return;
         }
+        PumpDemand();  // one fewer in flight: room for the next queued demand
         continue;
       }
       payload.resize(head->payload_length);
-      if (Status read = co_await net::ReadPayload(*link->demand, payload); !read.ok()) {
-        link->Abort(read.Context("demand connection"), options_.handshake_timeout);
+      if (Status read = co_await net::ReadPayload(link->socket, payload); !read.ok()) {
+        LoseDemand(link, read.Context("demand connection"));
         co_return;
       }
       if (header->has_error()) {
         Status error = HandleErrorFrame(header->error(), "demand connection");
         if (!error.ok()) {
-          link->Fail(error);
+          LoseDemand(link, error, /*drain=*/false);
           co_return;
         }
       } else if (header->has_goodbye()) {
-        link->Abort(Unavailable("server said goodbye on the demand connection"),
-                    options_.handshake_timeout);
+        LoseDemand(link, Unavailable("server said goodbye on the demand connection"));
         co_return;
       }
     }
@@ -791,6 +978,70 @@ asio::awaitable<void> RestoreSession::Impl::ReadDemand(std::shared_ptr<Link> lin
     Fail(Internal("image {}: demand reader: {}", options_.image, e.what()));
   }
 }
+
+void RestoreSession::Impl::RestartDemand() {
+  std::vector<ChunkRun> pending;
+  {
+    std::lock_guard lock(mutex_);
+    pending = residency_.PendingDemandRuns();
+  }
+  // Whatever the last connection had in flight is gone with it; everything demanded and not
+  // held is asked for again (in the snapshot above, so a demand queued meanwhile is not lost).
+  demand_in_flight_ = 0;
+  demand_queue_.clear();
+  for (const ChunkRun& run : pending)
+    for (uint32_t i = 0; i < run.count; ++i)
+      demand_queue_.emplace_back(run.bo, run.first + i);
+  if (!pending.empty())
+    spdlog::info("image {}: asking for {} pending demand run(s) on the new connection",
+                 options_.image, pending.size());
+  PumpDemand();
+}
+
+void RestoreSession::Impl::QueueDemand(const std::vector<ChunkId>& chunks) {
+  demand_queue_.insert(demand_queue_.end(), chunks.begin(), chunks.end());
+  PumpDemand();
+}
+
+void RestoreSession::Impl::PumpDemand() {
+  // The next connection re-sends pending demands (RestartDemand).
+  FrameWriter* out = nullptr;
+  bool by_reference = false;
+  if (options_.demand_connection) {
+    if (!demand_link_ || demand_link_->closed) return;
+    out = &demand_link_->writer;
+    by_reference = demand_link_->files != nullptr;
+  } else {
+    if (!link_ || link_->closed || link_->aborting) return;
+    out = &link_->stream_writer;
+    by_reference = link_->files != nullptr;
+  }
+  std::vector<ChunkRun> runs;
+  while (!demand_queue_.empty() && demand_in_flight_ < options_.max_demand_in_flight) {
+    ChunkId id = demand_queue_.front();
+    demand_queue_.pop_front();
+    {
+      std::lock_guard lock(mutex_);
+      if (residency_.held(id.first, id.second)) continue;
+    }
+    if (!runs.empty() && runs.back().bo == id.first &&
+        runs.back().first + runs.back().count == id.second)
+      ++runs.back().count;
+    else
+      runs.push_back(ChunkRun{id.first, id.second, 1});
+    ++demand_in_flight_;
+  }
+  if (runs.empty()) return;
+  wire::Header header;
+  header.set_request_id(next_request_id_++);
+  header.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+  header.mutable_request()->set_by_reference(by_reference);
+  for (const ChunkRun& run : runs)
+    *header.mutable_request()->add_ranges() = ToRange(run);
+  out->Send(std::move(header));
+}
+
+// ---- either reader thread ----
 
 Status RestoreSession::Impl::HandleErrorFrame(const wire::Error& error,
                                               std::string_view connection) {
@@ -804,11 +1055,17 @@ Status RestoreSession::Impl::HandleErrorFrame(const wire::Error& error,
 
 std::shared_ptr<std::vector<uint8_t>> RestoreSession::Impl::TakeBuffer() {
   auto buffer = std::make_shared<std::vector<uint8_t>>();
+  std::lock_guard lock(buffers_mutex_);
   if (!spare_buffers_.empty()) {
     buffer->swap(spare_buffers_.back());
     spare_buffers_.pop_back();
   }
   return buffer;
+}
+
+void RestoreSession::Impl::ReturnBuffer(std::vector<uint8_t> buffer) {
+  std::lock_guard lock(buffers_mutex_);
+  if (spare_buffers_.size() < kMaxSpareBuffers) spare_buffers_.push_back(std::move(buffer));
 }
 
 Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
@@ -824,8 +1081,11 @@ Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
           options_.image, wire_bytes, link->credit_outstanding);
     link->credit_outstanding -= wire_bytes;
   }
-  if (data.priority() == wire::PRIORITY_DEMAND && link->demand_in_flight > 0)
-    --link->demand_in_flight;
+  // The in-flight count belongs to the connection the demand requests went out on (and to the
+  // thread serving it): the demand connection, or the stream connection when there is none.
+  if (data.priority() == wire::PRIORITY_DEMAND && on_stream != options_.demand_connection &&
+      demand_in_flight_ > 0)
+    --demand_in_flight_;
   std::lock_guard lock(mutex_);
   Status valid = residency_.CheckChunk(bo, chunk);
   if (!valid.ok())
@@ -834,31 +1094,50 @@ Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
     return Corrupt("{}: server says {} raw bytes, the BO table says {}", What(bo, chunk),
                    data.raw_length(), residency_.ChunkLength(bo, chunk));
   counters_.received_bytes += wire_bytes;
-  // Already resident or being written: a second copy must never be applied.
-  *duplicate = residency_.held(bo, chunk);
+  // Claim it in the same critical section as the check: a copy arriving on the other
+  // connection meanwhile is then a duplicate, so the two threads never both receive a chunk
+  // (into the same destination range) and it is never applied twice.
+  *duplicate = !residency_.MarkLanding(bo, chunk);
   if (*duplicate) ++counters_.duplicates;
   return Status::Ok();
 }
 
+void RestoreSession::Impl::Unclaim(uint32_t bo, uint32_t chunk) {
+  std::lock_guard lock(mutex_);
+  residency_.ClearLanding(bo, chunk);
+}
+
 asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
-    const std::shared_ptr<Link>& link, net::Stream& socket, const wire::Header& header,
+    const std::shared_ptr<Link>& link, net::Stream& socket, const FrameLimits& limits,
+    const std::shared_ptr<const ImageFileSet>& files, const wire::Header& header,
     uint32_t payload_length, std::vector<uint8_t>& payload, bool on_stream, bool* transport) {
   const wire::ChunkData& data = header.chunk();
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
   *transport = false;
-  if (data.has_in_file()) co_return ReceiveByReference(link, data, payload_length, on_stream);
+  if (data.has_in_file())
+    co_return ReceiveByReference(link, limits, files, data, payload_length, on_stream);
   bool duplicate = false;
   Status accepted = AcceptChunk(link, data, payload_length, on_stream, &duplicate);
   if (!accepted.ok()) co_return accepted;
+  if (duplicate) {
+    payload.resize(payload_length);
+    Status read = co_await net::ReadPayload(socket, payload);
+    if (!read.ok()) {
+      *transport = true;
+      co_return read;
+    }
+    if (on_stream) ReturnCredit(link, payload_length);
+    co_return Status::Ok();
+  }
 
-  // Only a RAW chunk whose payload is exactly its raw bytes can land in place; the engine
-  // decides whether its memory may hold unverified bytes of a chunk that is not resident.
+  // Claimed. Only a RAW chunk whose payload is exactly its raw bytes can land in place; the
+  // engine decides whether its memory may hold unverified bytes of a chunk that is not resident.
   std::optional<std::span<uint8_t>> target;
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
-  if (!duplicate && data.codec() == manifest::CODEC_RAW && payload_length > 0 &&
+  if (data.codec() == manifest::CODEC_RAW && payload_length > 0 &&
       payload_length == data.raw_length()) {
-    std::lock_guard engine_lock(engine_mu_);
+    std::lock_guard engine_lock(engine_mutex_);
     target = engine_.ReceiveTarget(bo, offset, payload_length);
     if (target && target->size() != payload_length) {
       engine_.ReleaseReceived(bo, offset, payload_length);
@@ -869,23 +1148,13 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     payload.resize(payload_length);
     Status read = co_await net::ReadPayload(socket, payload);
     if (!read.ok()) {
+      Unclaim(bo, chunk);
       *transport = true;
       co_return read;
-    }
-    if (duplicate) {
-      if (on_stream) ReturnCredit(link, payload_length);
-      PumpDemand();
-      co_return Status::Ok();
     }
     co_return InstallChunk(link, data, payload, on_stream);
   }
 
-  // Claim the chunk before the first byte lands, so a copy arriving on the other connection
-  // meanwhile is a duplicate and never writes the same range.
-  {
-    std::lock_guard lock(mutex_);
-    residency_.MarkLanding(bo, chunk);
-  }
   // The checksum is computed slice by slice right after each slice lands, while it is still in
   // the cache: one pass over memory for copy and verification together.
   constexpr size_t kSlice = 256u << 10;
@@ -907,32 +1176,30 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
     {
-      std::lock_guard engine_lock(engine_mu_);
+      std::lock_guard engine_lock(engine_mutex_);
       engine_.ReleaseReceived(bo, offset, payload_length);
     }
-    {
-      std::lock_guard lock(mutex_);
-      residency_.ClearLanding(bo, chunk);
-    }
+    Unclaim(bo, chunk);
     if (!status.ok()) co_return status;
     co_return BadCopy(link, bo, chunk, payload_length, on_stream,
                       Corrupt("{}: checksum mismatch (received in place)", What(bo, chunk)));
   }
   Status committed;
   {
-    std::lock_guard engine_lock(engine_mu_);
+    std::lock_guard engine_lock(engine_mutex_);
     committed = engine_.CommitReceived(
         bo, offset, payload_length,
         [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
-            const Status& status) { OnWritten(status, link, id, nullptr, credit); });
+            const Status& written) { OnWritten(written, link, id, nullptr, credit); });
   }
   if (!committed.ok())
     co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
-  PumpDemand();
   co_return Status::Ok();
 }
 
 Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& link,
+                                                const FrameLimits& limits,
+                                                const std::shared_ptr<const ImageFileSet>& files,
                                                 const wire::ChunkData& data,
                                                 uint32_t payload_length, bool on_stream) {
   const uint32_t bo = data.bo();
@@ -942,19 +1209,19 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
   if (payload_length != 0)
     return Corrupt("image {}: BO {} chunk {} by reference carries a {}-byte payload",
                    options_.image, bo, chunk, payload_length);
-  if (!link->files)
+  if (!files || !readers_)
     return Corrupt("image {}: server sent BO {} chunk {} by reference; we hold no image files",
                    options_.image, bo, chunk);
-  if (where.file() >= link->files->files.size())
+  if (where.file() >= files->files.size())
     return Corrupt("image {}: BO {} chunk {} is in file {}; the server passed {}", options_.image,
-                   bo, chunk, where.file(), link->files->files.size());
-  const ImageFileSet::File& file = link->files->files[where.file()];
+                   bo, chunk, where.file(), files->files.size());
+  const ImageFileSet::File& file = files->files[where.file()];
   if (where.offset() > file.size || where.length() > file.size - where.offset())
     return Corrupt("image {}: BO {} chunk {} at [{}, +{}) lies past the end of {} ({} bytes)",
                    options_.image, bo, chunk, where.offset(), where.length(), file.name, file.size);
-  if (where.length() > link->limits.max_payload)
+  if (where.length() > limits.max_payload)
     return Corrupt("image {}: BO {} chunk {} has {} stored bytes (limit {})", options_.image, bo,
-                   chunk, where.length(), link->limits.max_payload);
+                   chunk, where.length(), limits.max_payload);
   if (data.no_checksum() && lazy_image_)
     return Corrupt("image {}: BO {} chunk {} of a lazy image comes without its checksum",
                    options_.image, bo, chunk);
@@ -962,9 +1229,9 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
   GPULAZY_RETURN_IF_ERROR(AcceptChunk(link, data, where.length(), on_stream, &duplicate));
   if (duplicate) {
     if (on_stream) ReturnCredit(link, where.length());
-    PumpDemand();
     return Status::Ok();
   }
+  // Claimed (AcceptChunk marked it landing): the reader installs it or unclaims it.
   FileChunk c;
   c.bo = bo;
   c.chunk = chunk;
@@ -975,13 +1242,8 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
   c.fd = file.fd.get();
   c.file_offset = where.offset();
   c.stored_length = where.length();
-  {
-    std::lock_guard lock(mutex_);
-    residency_.MarkLanding(bo, chunk);
-  }
-  // The job holds the link, and through it the files, until the chunk is done.
-  asio::post(*readers_, [this, link, c, on_stream] { ReadByReference(link, c, on_stream); });
-  PumpDemand();
+  // The job holds the file set (and so the descriptor) until the chunk is done.
+  asio::post(*readers_, [this, link, files, c, on_stream] { ReadByReference(link, c, on_stream); });
   return Status::Ok();
 }
 
@@ -989,30 +1251,26 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
                                            bool on_stream) {
   const ChunkId id{c.bo, c.chunk};
   if (cancelled_ || Failed()) {
-    std::lock_guard lock(mutex_);
-    residency_.ClearLanding(c.bo, c.chunk);
+    Unclaim(c.bo, c.chunk);
     return;
   }
   std::vector<uint8_t> scratch;  // encoded chunks only
   uint64_t read = 0;
   const uint64_t credit = on_stream ? c.stored_length : 0;
   Status installed = InstallFileChunk(
-      engine_, engine_mu_, c, file_buffers_, scratch, What(c.bo, c.chunk),
+      engine_, engine_mutex_, c, file_buffers_, scratch, What(c.bo, c.chunk),
       [this, link, id, credit](const Status& status) {
         OnWritten(status, link, id, nullptr, credit);
       },
       &read);
   if (installed.ok()) return;
-  {
-    std::lock_guard lock(mutex_);
-    residency_.ClearLanding(c.bo, c.chunk);
-  }
+  Unclaim(c.bo, c.chunk);
   if (installed.code() != Code::kCorrupt) {
     Fail(installed);
     return;
   }
-  // Bad bytes in the file: ask the server again (it re-sends the reference; a second bad read
-  // fails the restore), on the I/O thread that owns the demand queue.
+  // Bad bytes in the file: ask the server again (a second bad copy fails the restore). Credit
+  // is the stream thread's, so the bookkeeping runs there.
   asio::post(io_, [this, link, c, on_stream, installed] {
     Status bad = BadCopy(link, c.bo, c.chunk, c.stored_length, on_stream, installed);
     if (!bad.ok()) Fail(bad);
@@ -1035,7 +1293,7 @@ Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t
     return Corrupt("{}: second copy is bad too, not installing it: {}", What(bo, chunk),
                    why.message());
   spdlog::warn("{}; fetching it again", why.message());
-  QueueDemand({{bo, chunk}});
+  OnDemandThread([this, id = ChunkId{bo, chunk}] { QueueDemand({id}); });
   return Status::Ok();
 }
 
@@ -1056,31 +1314,30 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
     decoded = DecodeChunkPayload(data, payload, staging.get(), what);
   }
   if (!decoded.ok()) {
-    spare_buffers_.push_back(std::move(*staging));
+    ReturnBuffer(std::move(*staging));
+    Unclaim(bo, chunk);
     return BadCopy(link, bo, chunk, wire_bytes, on_stream, decoded);
   }
 
-  {
-    std::lock_guard lock(mutex_);
-    residency_.MarkLanding(bo, chunk);
-  }
   std::span<const uint8_t> raw(*staging);
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
-  std::unique_lock engine_lock(engine_mu_);
-  Status written = engine_.Write(
-      bo, uint64_t{chunk} * chunk_size_, raw,
-      [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
-          const Status& status) { OnWritten(status, link, id, staging, credit); });
-  engine_lock.unlock();
+  Status written;
+  {
+    std::lock_guard engine_lock(engine_mutex_);
+    written = engine_.Write(
+        bo, uint64_t{chunk} * chunk_size_, raw,
+        [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
+            const Status& status) { OnWritten(status, link, id, staging, credit); });
+  }
   if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
-  PumpDemand();
   return Status::Ok();
 }
 
 void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr<Link>& link,
-                                     ChunkId id, std::shared_ptr<std::vector<uint8_t>> staging,
+                                     ChunkId id,
+                                     const std::shared_ptr<std::vector<uint8_t>>& staging,
                                      uint64_t credit) {
-  // Any thread: the engine decides where completions run.
+  // Any thread, possibly inside an engine call (engine_mutex_ held): never take engine_mutex_.
   if (!status.ok()) {
     Fail(status.Context(
         fmt::format("{}: {} engine write", What(id.first, id.second), engine_.name())));
@@ -1093,14 +1350,16 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
     complete = residency_.complete();
   }
   cv_.notify_all();
-  asio::post(io_, [this, link, staging = std::move(staging), credit, complete] {
-    if (staging && spare_buffers_.size() < kMaxSpareBuffers)
-      spare_buffers_.push_back(std::move(*staging));
+  if (staging) ReturnBuffer(std::move(*staging));
+  if (complete) spdlog::info("image {}: every chunk is resident", options_.image);
+  if (credit == 0 && !complete) return;
+  // Credit and the connection are the stream thread's. `link` is the stream half the chunk came
+  // on (null for a demand-connection chunk); completion closes whichever link is current.
+  asio::post(io_, [this, link, credit, complete] {
     if (credit > 0) ReturnCredit(link, credit);
-    if (complete) {
-      spdlog::info("image {}: every chunk is resident", options_.image);
-      link->complete = true;
-      link->Close();
+    if (complete && link_) {
+      link_->complete = true;
+      link_->Close();
     }
   });
 }
@@ -1111,39 +1370,6 @@ void RestoreSession::Impl::ReturnCredit(const std::shared_ptr<Link>& link, uint6
   wire::Header header;
   header.mutable_credit()->set_bytes(bytes);
   link->stream_writer.Send(std::move(header));
-}
-
-void RestoreSession::Impl::QueueDemand(const std::vector<ChunkId>& chunks) {
-  demand_queue_.insert(demand_queue_.end(), chunks.begin(), chunks.end());
-  PumpDemand();
-}
-
-void RestoreSession::Impl::PumpDemand() {
-  // The next connection re-sends pending demands.
-  if (!link_ || link_->closed || link_->aborting) return;
-  std::vector<ChunkRun> runs;
-  while (!demand_queue_.empty() && link_->demand_in_flight < options_.max_demand_in_flight) {
-    ChunkId id = demand_queue_.front();
-    demand_queue_.pop_front();
-    {
-      std::lock_guard lock(mutex_);
-      if (residency_.held(id.first, id.second)) continue;
-    }
-    if (!runs.empty() && runs.back().bo == id.first &&
-        runs.back().first + runs.back().count == id.second)
-      ++runs.back().count;
-    else
-      runs.push_back(ChunkRun{id.first, id.second, 1});
-    ++link_->demand_in_flight;
-  }
-  if (runs.empty()) return;
-  wire::Header header;
-  header.set_request_id(next_request_id_++);
-  header.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
-  header.mutable_request()->set_by_reference(link_->files != nullptr);
-  for (const ChunkRun& run : runs)
-    *header.mutable_request()->add_ranges() = ToRange(run);
-  link_->demand_out().Send(std::move(header));
 }
 
 // ---- RestoreSession forwards to Impl ----

@@ -6,9 +6,15 @@
 // (reconnect with back-off, Have for what it holds, no chunk applied twice).
 //
 // Thread-safety: Start, and the destructor, from one thread; Ensure, Wait*, progress and
-// Cancel from any thread at any time after Start returned. The session runs its network
-// I/O, decoding and engine writes on one internal thread, and reads chunks from passed image
-// files on `file_readers` more; their engine calls are serialized by one lock.
+// Cancel from any thread at any time after Start returned. The session runs two internal
+// threads: the stream thread (connecting and reconnecting, the stream connection's reader and
+// writer, credit) and, with a demand connection, the demand thread (that connection's reader and
+// writer, the demand queue), so a demand chunk is received and verified while the stream thread
+// is busy with a background chunk. With image files passed (read_files), chunks that arrive by
+// reference are read from the files on `file_readers` threads more. All decode, verify and hand
+// chunks to the engine; the session serializes its engine calls (CopyEngine's
+// one-caller-at-a-time contract), so an engine sees calls from several threads, never two at
+// once. Which thread owns which state: restore_session.cc, above RestoreSession::Impl.
 #pragma once
 
 #include <chrono>
@@ -40,8 +46,13 @@ struct SessionOptions {
   // Most payload bytes the server may have sent that the client has not consumed. Raised to
   // the server's max_payload when smaller (the protocol needs one whole chunk to fit).
   uint64_t window_bytes = 16u << 20;
-  // A second connection for demand requests, so they never queue behind background bytes.
+  // A second connection for demand requests, so they never queue behind background bytes. It
+  // is served by its own thread.
   bool demand_connection = true;
+  // Ask the server to stream every chunk in the background (Request{stream_all}). False: only
+  // Ensure fetches; WaitHotSet / WaitComplete return once Ensure has brought those chunks in
+  // (used to time a lone demand chunk with nothing else on the wire).
+  bool stream_all = true;
   ReconnectPolicy reconnect;
   std::string client_name = "gpulazy-client";
   std::string token;  // bearer token, when the server wants one (net::ReadTokenFile)
@@ -90,7 +101,7 @@ struct Progress {
 class RestoreSession {
  public:
   RestoreSession(SessionOptions options, CopyEngine& engine);
-  // Cancels what is still running and waits for the I/O thread and the engine's writes.
+  // Cancels what is still running and waits for the session's threads and the engine's writes.
   ~RestoreSession();
   RestoreSession(const RestoreSession&) = delete;
   RestoreSession& operator=(const RestoreSession&) = delete;

@@ -4,7 +4,8 @@
 // bytes alive and withholds their credit, so parking is bounded by the credit window) and
 // replayed at Bind. In a restored task (eager mode with a server) BOs of other tasks are
 // discarded instead.
-// Thread-safety: Write/Flush from the session's thread, Bind/FailParked from any thread.
+// Thread-safety: Write/Flush one call at a time (the session serializes the engine calls of its
+// stream and demand threads), Bind/FailParked from any thread.
 #pragma once
 
 #include <map>

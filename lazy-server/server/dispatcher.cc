@@ -102,13 +102,10 @@ void Dispatcher::Pump() {
 void Dispatcher::Finished(Lane lane) {
   {
     std::lock_guard lock(mu_);
-    if (lane == Lane::kDemand) {
+    if (lane == Lane::kDemand)
       --demand_reads_in_flight_;
-      ++demand_reads_;
-    } else {
+    else
       --reads_in_flight_;
-      ++bulk_reads_;
-    }
   }
   Pump();
 }
@@ -132,8 +129,14 @@ void Dispatcher::Read(const Job& job) {
       ::posix_fadvise(range->fd, static_cast<off_t>(range->offset),
                       static_cast<off_t>(range->length), POSIX_FADV_WILLNEED);
   }
-  sink->OnChunkRead(job.item,
-                    job.item.by_reference ? Locate(source, job.item) : ReadInto(source, job.item));
+  Result<LoadedChunk> chunk =
+      job.item.by_reference ? Locate(source, job.item) : ReadInto(source, job.item);
+  // Counted before the sink sees it: once a chunk can have been sent, its read is in lanes().
+  {
+    std::lock_guard lock(mu_);
+    ++(job.lane == Lane::kDemand ? demand_reads_ : bulk_reads_);
+  }
+  sink->OnChunkRead(job.item, std::move(chunk));
   Finished(job.lane);
 }
 
