@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer over the threaded parts: the restore client (RestoreSession, LocalRestore),
 # the server (scheduler, sessions, shutdown, limits) and the end-to-end tests that run them
-# together (64 concurrent sessions, kill -9 + restart, fetch over unix and tcp). Built
+# together (64 concurrent sessions, kill -9 + restart, fetch over unix and tcp, chunks read by
+# reference from passed image files on reader threads). Built
 # RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl) into its
 # own build dir; only the targets these tests need are built. Any race report fails the run.
 # Usage: scripts/tsan.sh [BUILD_DIR (default build-tsan)]
@@ -10,9 +11,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-tsan}
 "$root/scripts/install-deps.sh"
 targets=(client_session_test client_local_restore_test server_unit_test server_integration_test
-  e2e_restore_test e2e_load_test gpulazy-server gpulazy-client)
-suites='RestoreSession|RestoreSessionInPlace|LocalRestore|SchedulerTest|ImageStoreTest|ServerTest'
-suites+='|ServerShutdownTest|ServerLimitsTest|E2eFetch|E2eRestore|Load'
+  server_image_files_test e2e_restore_test e2e_load_test gpulazy-server gpulazy-client)
+suites='RestoreSession|RestoreSessionInPlace|LocalRestore|SchedulerTest|DispatcherTest|ImageStoreTest'
+suites+='|ServerTest|ServerShutdownTest|ServerLimitsTest|ImageFilesTest|E2eFetch|E2eRestore|Load'
 
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
