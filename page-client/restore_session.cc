@@ -77,7 +77,8 @@ bool SameBo(const BoEntry& a, const BoEntry& b) {
 // - buffers_mutex_ guards the pool of spare staging buffers.
 // - With image files passed (read_files on a Unix endpoint), a chunk that arrives by reference
 //   is claimed by the thread that read its ChunkData frame and installed on a reader thread
-//   (readers_): the read from the file, verification and engine calls under engine_mutex_.
+//   (readers_), or, for the demand connection, on the demand thread itself: the read from the
+//   file, verification and engine calls under engine_mutex_.
 //   Whatever the reader must hand back (a bad copy's credit and re-request) it posts to io_.
 
 struct DemandLink;
@@ -1242,6 +1243,12 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
   c.fd = file.fd.get();
   c.file_offset = where.offset();
   c.stored_length = where.length();
+  // A demand chunk is read here, on the demand thread, which has nothing else to do meanwhile:
+  // posted, it would queue behind the background chunks the readers already hold (FIFO).
+  if (!on_stream) {
+    ReadByReference(link, c, on_stream);
+    return Status::Ok();
+  }
   // The job holds the file set (and so the descriptor) until the chunk is done.
   asio::post(*readers_, [this, link, files, c, on_stream] { ReadByReference(link, c, on_stream); });
   return Status::Ok();
