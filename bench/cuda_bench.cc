@@ -381,6 +381,9 @@ int Run(int argc, char** argv) {
   app.add_flag("--json", common.json, "one JSON object per case");
   app.add_option("--work-dir", work_dir, "where the image and sockets go")->capture_default_str();
   app.add_option("--bin-dir", bin_dir, "where gpulazy-server is")->capture_default_str();
+  app.add_option("--server-arg", common.server_args,
+                 "one more gpulazy-server option (repeatable; e.g. --server-arg=--stream-window=8)")
+      ->allow_extra_args(false);
   app.add_option("--experiment", experiments, "stream, layers")->delimiter(',');
   app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
@@ -421,7 +424,8 @@ int Run(int argc, char** argv) {
   if (!work.ok()) return fail(work.status());
   const fs::path root = work->path() / "images";
   fs::create_directories(root);
-  Result<ServerChild> server = ServerChild::Start(common.bin_dir, root, work->path());
+  Result<ServerChild> server =
+      ServerChild::Start(common.bin_dir, root, work->path(), common.server_args);
   if (!server.ok()) return fail(server.status());
 
   if (wants("stream")) {
@@ -458,6 +462,7 @@ int Run(int argc, char** argv) {
       const double median = Percentile(samples, 0.5);
       nlohmann::json result = {{"bench", "cuda-stream"},
                                {"case", name},
+                               {"server_args", common.server_args},
                                {"size_bytes", *size},
                                {"window_bytes", *window},
                                {"slots", slots},

@@ -105,6 +105,7 @@ Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std:
   session_options.image = image;
   session_options.window_bytes = options.window;
   session_options.client_name = "bench-lone";
+  session_options.read_files = options.transport == "unix-files";
   session_options.stream_all = false;
   client::RestoreSession session(session_options, engine);
   GPULAZY_RETURN_IF_ERROR(session.Start());
@@ -141,6 +142,7 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
   session_options.image = image;
   session_options.window_bytes = options.window;
   session_options.client_name = "bench-demand";
+  session_options.read_files = options.transport == "unix-files";
   client::RestoreSession session(session_options, engine);
   auto start = Clock::now();
   GPULAZY_RETURN_IF_ERROR(session.Start());
@@ -178,16 +180,17 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
 }  // namespace
 
 Status RunDemandBench(const CommonOptions& common, const DemandOptions& options) {
-  if (options.transport != "unix" && options.transport != "tcp")
-    return InvalidArgument("--transport {}: use unix or tcp", options.transport);
+  if (options.transport != "unix" && options.transport != "unix-files" &&
+      options.transport != "tcp")
+    return InvalidArgument("--transport {}: use unix, unix-files or tcp", options.transport);
   GPULAZY_ASSIGN_OR_RETURN(WorkDir work, WorkDir::Create(common.work_dir));
   const fs::path root = work.path() / "images";
   fs::create_directories(root);
   GPULAZY_ASSIGN_OR_RETURN(fs::path image_dir, MakeWarmImage(root, "ckpt", options.size, 2, 11));
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
-                           ServerChild::Start(common.bin_dir, root, work.path()));
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server, ServerChild::Start(common.bin_dir, root, work.path(),
+                                                                  common.server_args));
   const std::string& endpoint =
-      options.transport == "unix" ? server.unix_endpoint() : server.tcp_endpoint();
+      options.transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
   const std::string image = image_dir.filename().string();
 
   GPULAZY_ASSIGN_OR_RETURN(nlohmann::json lone_frame, RunInChild([&] {
@@ -202,6 +205,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   const double lone_frame_s = lone_frame["lone_chunk_frame_s"].get<double>();
   const double p99_s = loaded["p99_s"].get<double>();
   nlohmann::json result = {{"bench", "demand"},
+                           {"server_args", common.server_args},
                            {"transport", options.transport},
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},

@@ -78,7 +78,8 @@ Result<fs::path> MakeWarmImage(const fs::path& root, const std::string& name, ui
 }
 
 Result<ServerChild> ServerChild::Start(const fs::path& bin_dir, const fs::path& root,
-                                       const fs::path& run_dir) {
+                                       const fs::path& run_dir,
+                                       const std::vector<std::string>& extra_args) {
   const fs::path binary = bin_dir / "gpulazy-server";
   if (access(binary.c_str(), X_OK) != 0)
     return NotFound("{} is not an executable (pass --bin-dir)", binary.string());
@@ -90,6 +91,7 @@ Result<ServerChild> ServerChild::Start(const fs::path& bin_dir, const fs::path& 
       // Loopback only; the benchmarks measure the page path, and
       // TLS costs are not (yet) among them.
       "--insecure-tcp", "--ready-file", ready.string(), "--log-level", "warn"};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
   pid_t pid = fork();
   if (pid < 0) return ErrnoError(errno, "fork");
   if (pid == 0) {

@@ -27,6 +27,7 @@ struct CommonOptions {
   std::filesystem::path work_dir = "/tmp";  // images and sockets go in a fresh folder here
   std::filesystem::path bin_dir;            // where gpulazy-server lives
   bool json = false;
+  std::vector<std::string> server_args;  // more gpulazy-server options (--server-arg, repeatable)
 };
 
 // A fresh directory, removed with everything in it on destruction.
@@ -57,7 +58,8 @@ class ServerChild {
  public:
   static Result<ServerChild> Start(const std::filesystem::path& bin_dir,
                                    const std::filesystem::path& root,
-                                   const std::filesystem::path& run_dir);
+                                   const std::filesystem::path& run_dir,
+                                   const std::vector<std::string>& extra_args = {});
   ServerChild(ServerChild&& other) noexcept;
   ServerChild& operator=(ServerChild&&) = delete;
   ~ServerChild();  // SIGTERM, then SIGKILL if it lingers

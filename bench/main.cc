@@ -28,6 +28,9 @@ int Run(int argc, char** argv) {
   app.add_option("--work-dir", work_dir, "where images and sockets are made")
       ->capture_default_str();
   app.add_option("--bin-dir", bin_dir, "where gpulazy-server is")->capture_default_str();
+  app.add_option("--server-arg", common.server_args,
+                 "one more gpulazy-server option (repeatable; e.g. --server-arg=--stream-window=8)")
+      ->allow_extra_args(false);
 
   bench::StreamOptions stream;
   std::string stream_size = "1G", stream_window = "16M";
@@ -50,7 +53,10 @@ int Run(int argc, char** argv) {
       app.add_subcommand("demand", "demand latency under a saturating background stream");
   demand_cmd->add_option("--size", demand_size, "image content bytes")->capture_default_str();
   demand_cmd->add_option("--requests", demand.requests, "demand requests")->capture_default_str();
-  demand_cmd->add_option("--transport", demand.transport, "unix or tcp")->capture_default_str();
+  demand_cmd
+      ->add_option("--transport", demand.transport,
+                   "unix (payloads through the socket), unix-files (by reference) or tcp")
+      ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
 
   // --- restore (issue 4): restore modes side by side; see bench/restore_bench.h ---

@@ -112,6 +112,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
   session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
   session_options.image = "ckpt";
   session_options.client_name = "bench-restore-" + run.mode;
+  session_options.read_files = options.read_files;
   session_options.reconnect.deadline = std::chrono::milliseconds(20000);
 
   const auto start = Clock::now();
@@ -193,6 +194,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
                         {"size", options.size},
                         {"chunk_size", chunk_size},
                         {"fill", lazy ? uffd::FillModeName(fill) : "memcpy"},
+                        {"read_files", options.read_files},
                         {"time_to_resume_s", resume_s},
                         {"time_to_first_result_s", first_s},
                         {"time_to_full_s", full_s},
@@ -292,8 +294,8 @@ Status RunRestoreBench(const CommonOptions& common, const RestoreOptions& option
     if (options.chunk_size != 0) convert.chunk_size = options.chunk_size;
     GPULAZY_RETURN_IF_ERROR(image::ConvertToLazyImage(checkpoint, convert).status());
   }
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
-                           ServerChild::Start(common.bin_dir, root, work.path()));
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server, ServerChild::Start(common.bin_dir, root, work.path(),
+                                                                  common.server_args));
 
   std::vector<std::string> modes = options.modes;
   const bool has_lazy = std::find(modes.begin(), modes.end(), "lazy") != modes.end();
@@ -468,6 +470,9 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
   cmd->add_option("--startup-ms", options.startup_ms, "the program's own start-up work")
       ->capture_default_str();
   cmd->add_option("--tokens", options.tokens, "tokens the workload computes")
+      ->capture_default_str();
+  cmd->add_flag("--read-files,!--no-read-files", options.read_files,
+                "read chunks from the image files the server passes (by reference)")
       ->capture_default_str();
   cmd->add_option("--fill", options.fill_mode, "missing (UFFDIO_COPY) or minor (UFFDIO_CONTINUE)")
       ->capture_default_str();

@@ -31,6 +31,7 @@ struct RestoreOptions {
   std::string fill_mode = "missing";  // missing (UFFDIO_COPY) or minor (UFFDIO_CONTINUE)
   std::string svg;                    // write a timeline plot here
   bool mechanisms = false;            // instead: compare MISSING+COPY and MINOR+CONTINUE, no server
+  bool read_files = true;  // by reference from the passed image files, else through the socket
   uint64_t seed = 1;
 };
 

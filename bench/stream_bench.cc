@@ -146,8 +146,8 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
   fs::create_directories(root);
   GPULAZY_ASSIGN_OR_RETURN(fs::path image_dir, MakeWarmImage(root, "ckpt", options.size, 2, 7));
   GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, PagesFiles(image_dir));
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
-                           ServerChild::Start(common.bin_dir, root, work.path()));
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server, ServerChild::Start(common.bin_dir, root, work.path(),
+                                                                  common.server_args));
 
   for (const std::string& transport : options.transports) {
     // unix: every byte through the socket; unix-files: the client reads the image files the
@@ -169,6 +169,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
       const double throughput = pipeline["throughput_Bps"].get<double>();
       const double ceiling_Bps = ceiling["throughput_Bps"].get<double>();
       nlohmann::json result = {{"bench", "stream"},
+                               {"server_args", common.server_args},
                                {"transport", transport},
                                {"sessions", sessions},
                                {"engine", options.engine},
