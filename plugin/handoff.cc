@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "page-client/net/fd_passing.h"
+
 namespace gpulazy::plugin {
 namespace {
 
@@ -32,25 +34,8 @@ Status SendRecord(int socket, const WireHeader& header, const std::vector<WireBo
   std::memcpy(bytes.data(), &header, sizeof(header));
   if (!bos.empty())
     std::memcpy(bytes.data() + sizeof(header), bos.data(), bos.size() * sizeof(WireBo));
-  iovec iov{bytes.data(), bytes.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * kMaxFds));
-  if (!fds.empty()) {
-    msg.msg_control = control.data();
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-  }
-  ssize_t n;
-  do {
-    n = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) return ErrnoError(errno, "sending the BO table to CRIU's master");
+  Status sent = net::SendWithFds(socket, bytes, fds, net::Blocking::kYes);
+  if (!sent.ok()) return sent.Context("sending the BO table to CRIU's master");
   return Status::Ok();
 }
 

@@ -8,7 +8,8 @@
 namespace gpulazy::net {
 namespace asio = boost::asio;
 
-Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds) {
+Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds,
+                   Blocking blocking) {
   if (bytes.empty()) return InvalidArgument("descriptors must travel with at least one byte");
   if (fds.size() > kMaxPassedFds)
     return OutOfRange("{} descriptors in one message (the kernel takes {})", fds.size(),
@@ -29,12 +30,12 @@ Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const i
   }
   ssize_t n;
   do {
-    n = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    n = ::sendmsg(socket, &msg, MSG_NOSIGNAL | (blocking == Blocking::kNo ? MSG_DONTWAIT : 0));
   } while (n < 0 && errno == EINTR);
   if (n < 0)
     return ErrnoError(errno, "sendmsg of {} bytes with {} descriptors", bytes.size(), fds.size());
   if (static_cast<size_t>(n) != bytes.size())
-    return Unavailable("sendmsg sent {} of {} bytes (socket buffer full)", n, bytes.size());
+    return Unavailable("sendmsg sent {} of {} bytes", n, bytes.size());
   return Status::Ok();
 }
 
@@ -45,12 +46,8 @@ Status SendFrameWithFds(int socket, const wire::Header& header, std::span<const 
                      std::span(reinterpret_cast<const uint8_t*>(frame.data()), frame.size()), fds);
 }
 
-namespace {
-
-// One recvmsg of at most into.size() bytes, adopting every descriptor that comes with it.
-// 0 bytes: the peer closed. EAGAIN: nullopt.
-Result<std::optional<size_t>> ReceiveSome(int socket, std::span<uint8_t> into, size_t max_fds,
-                                          std::vector<UniqueFd>* fds) {
+Result<std::optional<size_t>> ReceiveWithFds(int socket, std::span<uint8_t> into, size_t max_fds,
+                                             std::vector<UniqueFd>* fds, Blocking blocking) {
   iovec iov{into.data(), into.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -60,7 +57,7 @@ Result<std::optional<size_t>> ReceiveSome(int socket, std::span<uint8_t> into, s
   msg.msg_controllen = control.size();
   ssize_t n;
   do {
-    n = ::recvmsg(socket, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | (blocking == Blocking::kNo ? MSG_DONTWAIT : 0));
   } while (n < 0 && errno == EINTR);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return std::optional<size_t>();
   if (n < 0) return ErrnoError(errno, "recvmsg");
@@ -73,15 +70,15 @@ Result<std::optional<size_t>> ReceiveSome(int socket, std::span<uint8_t> into, s
       fds->emplace_back(raw);
     }
   }
-  // The kernel closes descriptors that did not fit; the frame's promise is broken either way.
+  // The kernel closes descriptors that did not fit; the message's promise is broken either way.
   if ((msg.msg_flags & MSG_CTRUNC) != 0)
     return Corrupt("more descriptors than the {} expected (control data truncated)", max_fds);
+  if ((msg.msg_flags & MSG_TRUNC) != 0)
+    return Corrupt("a message longer than the {} bytes expected (truncated)", into.size());
   if (fds->size() > max_fds)
     return Corrupt("{} descriptors received, at most {} expected", fds->size(), max_fds);
   return std::optional<size_t>(static_cast<size_t>(n));
 }
-
-}  // namespace
 
 Awaitable<Result<FrameWithFds>> ReadFrameWithFds(Socket& socket, const FrameLimits& limits,
                                                  size_t max_fds) {
@@ -106,7 +103,7 @@ Awaitable<Result<FrameWithFds>> ReadFrameWithFds(Socket& socket, const FrameLimi
     co_await socket.async_wait(Socket::wait_read, asio::redirect_error(asio::use_awaitable, ec));
     if (ec) co_return Unavailable("waiting for the image files: {}", ec.message());
     Result<std::optional<size_t>> n =
-        ReceiveSome(socket.native_handle(), std::span(bytes).subspan(got), max_fds, &out.fds);
+        ReceiveWithFds(socket.native_handle(), std::span(bytes).subspan(got), max_fds, &out.fds);
     if (!n.ok()) co_return n.status();
     if (!n->has_value()) continue;  // woken without data
     if (**n == 0)

@@ -1,6 +1,7 @@
-// Passing open files over a Unix stream socket (SCM_RIGHTS), for the page server's local data
-// plane (docs/protocol.md, "Image files"): the server sends one frame with the image's files
-// attached, the client reads chunks from them itself.
+// Passing open files over a Unix socket (SCM_RIGHTS): the one sendmsg/recvmsg wrapper of the
+// project. The page server's local data plane (docs/protocol.md, "Image files") sends one frame
+// with the image's files attached and the client reads chunks from them itself; the uffd
+// handover and the plugin's BO hand-off send their own messages with it.
 //
 // Every descriptor received is owned at once (UniqueFd), so none leaks whatever the frame says;
 // more descriptors than asked for, or truncated control data, is kCorrupt.
@@ -8,6 +9,7 @@
 // Thread-safety: free functions; one caller per socket at a time.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -22,10 +24,22 @@ namespace gpulazy::net {
 // The kernel's limit on descriptors in one SCM_RIGHTS message (SCM_MAX_FD).
 inline constexpr size_t kMaxPassedFds = 253;
 
-// Sends `bytes` in one sendmsg with `fds` attached to the first byte, without waiting: the
-// socket must be a connected Unix stream socket with room for all of `bytes` (a small frame on a
-// connection that has nothing else queued). A short or refused send is an error.
-Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds);
+// Whether a send or receive may block on the socket.
+enum class Blocking { kNo, kYes };
+
+// Sends `bytes` in one sendmsg with `fds` attached to the first byte (none: a plain send). With
+// Blocking::kNo the socket must have room for all of `bytes` (a small frame on a connection that
+// has nothing else queued). A short or refused send is an error.
+Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds,
+                   Blocking blocking = Blocking::kNo);
+
+// One recvmsg of at most into.size() bytes, owning every descriptor that came with it
+// (appended to *fds). Returns the bytes received: 0 when the peer closed, nullopt when
+// Blocking::kNo and nothing is pending. More than max_fds descriptors, or truncated data or
+// control data (a message longer than `into` on a datagram or seqpacket socket), is kCorrupt.
+Result<std::optional<size_t>> ReceiveWithFds(int socket, std::span<uint8_t> into, size_t max_fds,
+                                             std::vector<UniqueFd>* fds,
+                                             Blocking blocking = Blocking::kNo);
 
 // Encodes `header` as a payload-less frame and sends it with SendWithFds.
 Status SendFrameWithFds(int socket, const wire::Header& header, std::span<const int> fds,

@@ -5,7 +5,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cstring>
+#include <span>
+#include <vector>
+
+#include "page-client/net/fd_passing.h"
 
 namespace gpulazy::uffd {
 namespace {
@@ -28,26 +31,11 @@ struct RegionMsg {
 };
 
 Status SendMsg(int socket, const void* data, size_t length, int fd) {
-  iovec iov{const_cast<void*>(data), length};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  if (fd >= 0) {
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cmsg), &fd, sizeof fd);
-  }
-  ssize_t n;
-  do {
-    n = sendmsg(socket, &msg, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) return ErrnoError(errno, "handover: sendmsg");
-  if (static_cast<size_t>(n) != length) return IoError("handover: short sendmsg");
+  const std::span<const uint8_t> bytes(static_cast<const uint8_t*>(data), length);
+  std::span<const int> fds;
+  if (fd >= 0) fds = std::span<const int>(&fd, 1);
+  Status sent = net::SendWithFds(socket, bytes, fds, net::Blocking::kYes);
+  if (!sent.ok()) return sent.Context("handover");
   return Status::Ok();
 }
 
@@ -61,35 +49,14 @@ Result<size_t> RecvMsg(int socket, void* data, size_t capacity, Fd* fd,
   } while (rc < 0 && errno == EINTR);
   if (rc < 0) return ErrnoError(errno, "handover: poll");
   if (rc == 0) return TimedOut("handover: nothing received in {} ms", timeout.count());
-  iovec iov{data, capacity};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  ssize_t n;
-  do {
-    n = recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) return ErrnoError(errno, "handover: recvmsg");
-  if (n == 0) return Unavailable("handover: peer hung up");
-  // Take ownership of every fd that came, so none leaks, then check there was at most one.
-  std::vector<Fd> fds;
-  for (cmsghdr* cmsg = CMSG_FIRSTHDR(&msg); cmsg != nullptr; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
-    if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS) continue;
-    const size_t count = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; ++i) {
-      int raw;
-      std::memcpy(&raw, CMSG_DATA(cmsg) + i * sizeof(int), sizeof raw);
-      fds.emplace_back(raw);
-    }
-  }
-  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0)
-    return Corrupt("handover: truncated message");
-  if (fds.size() > 1) return Corrupt("handover: {} descriptors in one message", fds.size());
-  if (fd != nullptr && !fds.empty()) *fd = std::move(fds[0]);
-  return static_cast<size_t>(n);
+  std::vector<UniqueFd> fds;
+  Result<std::optional<size_t>> received =
+      net::ReceiveWithFds(socket, std::span(static_cast<uint8_t*>(data), capacity),
+                          /*max_fds=*/1, &fds, net::Blocking::kYes);
+  if (!received.ok()) return received.status().Context("handover");
+  if (!received->has_value() || **received == 0) return Unavailable("handover: peer hung up");
+  if (fd != nullptr && !fds.empty()) *fd = Fd(fds[0].release());
+  return **received;
 }
 
 }  // namespace
