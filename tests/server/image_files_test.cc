@@ -4,9 +4,11 @@
 // every misuse is refused with an error naming why (want_files without a session, over TCP, with
 // the server's --no-pass-files, by_reference before the files were passed).
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -81,8 +83,9 @@ class ImageFilesTest : public ::testing::Test {
     ASSERT_TRUE(server_->ready()) << server_->Log();
   }
   static void TearDownTestSuite() {
-    if (server_ != nullptr && server_->ready())
+    if (server_ != nullptr && server_->ready()) {
       EXPECT_EQ(server_->Terminate(), 0) << server_->Log();
+    }
     server_.reset();
     dir_.reset();
   }
@@ -131,7 +134,9 @@ TEST_F(ImageFilesTest, ByReferenceChunksReadFromThePassedFilesAreTheCheckpointsB
       ASSERT_TRUE(frame->payload.empty());
       // A lazy image has recorded checksums; a plain CRIU checkpoint has them only for chunks
       // the server has read (and hashed) before. A checksum given is checked below.
-      if (name == "lazy") EXPECT_FALSE(data.no_checksum());
+      if (name == "lazy") {
+        EXPECT_FALSE(data.no_checksum());
+      }
       const wire::FileRange& where = data.in_file();
       ASSERT_LT(where.file(), (*files)->files.size());
       frame->payload.resize(where.length());
@@ -269,6 +274,54 @@ TEST(FdPassing, FrameWithDescriptorsRoundTripsAndRefusesExcess) {
   Result<net::FrameWithFds> excess = read_one(2);
   ASSERT_FALSE(excess.ok());
   EXPECT_EQ(excess.status().code(), Code::kCorrupt) << excess.status().ToString();
+}
+
+// The message-level calls the uffd handover and the plugin's hand-off use, on a seqpacket
+// socket: a blocking round trip, nothing pending, a message longer than the buffer.
+TEST(FdPassing, SeqpacketMessagesRoundTripAndTruncationIsRefused) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]);
+  UniqueFd b(pair[1]);
+  TempDir dir;
+  ASSERT_TRUE(WriteFileAtomically(dir.path() / "f", std::vector<uint8_t>{'z'}).ok());
+  Result<UniqueFd> file = OpenForRead(dir.path() / "f");
+  ASSERT_TRUE(file.ok());
+  const int raw = file->get();
+  const std::vector<uint8_t> message = {1, 2, 3, 4, 5, 6, 7, 8};
+
+  std::vector<UniqueFd> fds;
+  std::vector<uint8_t> into(16);
+  Result<std::optional<size_t>> nothing = net::ReceiveWithFds(b.get(), into, 1, &fds);
+  ASSERT_TRUE(nothing.ok()) << nothing.status().ToString();
+  EXPECT_FALSE(nothing->has_value()) << "nothing was pending";
+
+  ASSERT_TRUE(net::SendWithFds(a.get(), message, std::span(&raw, 1), net::Blocking::kYes).ok());
+  Result<std::optional<size_t>> got =
+      net::ReceiveWithFds(b.get(), into, 1, &fds, net::Blocking::kYes);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->value_or(0), message.size());
+  EXPECT_TRUE(std::equal(message.begin(), message.end(), into.begin()));
+  ASSERT_EQ(fds.size(), 1u);
+  std::vector<uint8_t> byte(1);
+  ASSERT_TRUE(ReadExactAt(fds[0].get(), 0, byte, "passed").ok());
+  EXPECT_EQ(byte[0], 'z');
+
+  // Eight bytes into a four-byte buffer: the rest of the message would be lost, so refused.
+  fds.clear();
+  ASSERT_TRUE(net::SendWithFds(a.get(), message, {}, net::Blocking::kYes).ok());
+  std::vector<uint8_t> small(4);
+  Result<std::optional<size_t>> truncated =
+      net::ReceiveWithFds(b.get(), small, 1, &fds, net::Blocking::kYes);
+  ASSERT_FALSE(truncated.ok());
+  EXPECT_EQ(truncated.status().code(), Code::kCorrupt) << truncated.status().ToString();
+
+  // The peer gone: 0 bytes.
+  a.reset();
+  Result<std::optional<size_t>> closed =
+      net::ReceiveWithFds(b.get(), into, 1, &fds, net::Blocking::kYes);
+  ASSERT_TRUE(closed.ok()) << closed.status().ToString();
+  EXPECT_EQ(closed->value_or(99), 0u);
 }
 
 }  // namespace
