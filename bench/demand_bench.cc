@@ -1,6 +1,8 @@
 #include "bench/demand_bench.h"
 
 #include <random>
+#include <string>
+#include <utility>
 
 #include "page-client/host_engine.h"
 #include "page-client/net/frame_stream.h"
@@ -93,19 +95,26 @@ Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const 
                         {"chunk_size", reply.chunk_size()}};
 }
 
+// The sessions both measurements open: the benchmark's endpoint, window and data plane.
+client::SessionOptions BenchSession(const std::string& endpoint, const std::string& image,
+                                    const DemandOptions& options, std::string client_name) {
+  client::SessionOptions session_options;
+  session_options.endpoint = endpoint;
+  session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
+  session_options.image = image;
+  session_options.window_bytes = options.window;
+  session_options.client_name = std::move(client_name);
+  session_options.read_files = options.transport == "unix-files";
+  return session_options;
+}
+
 // Time to fetch one chunk alone, the same operation as a loaded sample: Ensure (demand request,
 // receive, verify, install into fresh memory) on a session that streams nothing in the
 // background (SessionOptions::stream_all = false), one chunk at a time.
 Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std::string& image,
                                          uint32_t samples, const DemandOptions& options) {
   client::HostCopyEngine engine;
-  client::SessionOptions session_options;
-  session_options.endpoint = endpoint;
-  session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
-  session_options.image = image;
-  session_options.window_bytes = options.window;
-  session_options.client_name = "bench-lone";
-  session_options.read_files = options.transport == "unix-files";
+  client::SessionOptions session_options = BenchSession(endpoint, image, options, "bench-lone");
   session_options.stream_all = false;
   client::RestoreSession session(session_options, engine);
   GPULAZY_RETURN_IF_ERROR(session.Start());
@@ -136,14 +145,7 @@ Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std:
 Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::string& image,
                                      const DemandOptions& options) {
   client::HostCopyEngine engine;
-  client::SessionOptions session_options;
-  session_options.endpoint = endpoint;
-  session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
-  session_options.image = image;
-  session_options.window_bytes = options.window;
-  session_options.client_name = "bench-demand";
-  session_options.read_files = options.transport == "unix-files";
-  client::RestoreSession session(session_options, engine);
+  client::RestoreSession session(BenchSession(endpoint, image, options, "bench-demand"), engine);
   auto start = Clock::now();
   GPULAZY_RETURN_IF_ERROR(session.Start());
   std::vector<ChunkId> chunks = FullChunks(session.bos(), session.chunk_size());
