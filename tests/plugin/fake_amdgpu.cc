@@ -80,7 +80,7 @@ uint8_t* FakeAmdgpuDevice::Translate(uint64_t va, uint64_t len) {
 void FakeAmdgpuDevice::Run() {
   std::unique_lock lock(mutex_);
   for (;;) {
-    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !held_); });
     if (queue_.empty()) return;
     auto [seq, ib] = queue_.front();
     lock.unlock();
@@ -98,6 +98,14 @@ void FakeAmdgpuDevice::Run() {
 Result<bool> FakeAmdgpuDevice::WaitFence(uint64_t seq, std::chrono::nanoseconds timeout) {
   std::unique_lock lock(mutex_);
   return cv_.wait_for(lock, timeout, [&] { return completed_ >= seq; });
+}
+
+void FakeAmdgpuDevice::HoldCompletions(bool hold) {
+  {
+    std::lock_guard lock(mutex_);
+    held_ = hold;
+  }
+  cv_.notify_all();
 }
 
 uint32_t FakeAmdgpuDevice::max_outstanding() const {

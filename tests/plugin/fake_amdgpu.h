@@ -29,6 +29,9 @@ class FakeAmdgpuDevice : public AmdgpuDevice {
                           std::span<const BoHandle> resources) override;
   Result<bool> WaitFence(uint64_t seq, std::chrono::nanoseconds timeout) override;
 
+  // While held, the "GPU" completes nothing (submissions still queue): a test can see what is
+  // in flight at once without racing the device's latency.
+  void HoldCompletions(bool hold);
   uint32_t max_outstanding() const;
   size_t live_bos() const;
   // Outlives the device: the BOs still live when it was destroyed (SIZE_MAX until then), so a
@@ -59,6 +62,7 @@ class FakeAmdgpuDevice : public AmdgpuDevice {
   uint64_t completed_ = 0;
   uint32_t max_outstanding_ = 0;
   bool stop_ = false;
+  bool held_ = false;
   std::thread gpu_;
 };
 
