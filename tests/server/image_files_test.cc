@@ -29,19 +29,8 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
 Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) {
-  image::SynthOptions options;
-  options.out = dir;
-  options.gpus = 2;
-  options.processes = 2;
-  options.bos = 6;
-  options.total_bytes = bytes;
-  options.seed = seed;
-  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(options).status());
-  if (!lazy) return Status::Ok();
-  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
-  image::ConvertOptions convert;
-  convert.chunk_size = 128 * 1024;
-  return image::ConvertToLazyImage(checkpoint, convert).status();
+  return MakeTestImage(
+      dir, {.bytes = bytes, .seed = seed, .lazy = lazy, .processes = 2, .lazy_chunk = 128 * 1024});
 }
 
 // FetchImageFiles, run to completion on its own io_context.

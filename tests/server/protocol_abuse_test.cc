@@ -36,18 +36,7 @@ constexpr uint64_t kRssGrowthLimit = 256ull << 20;
 #endif
 
 Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) {
-  image::SynthOptions options;
-  options.out = dir;
-  options.gpus = 2;
-  options.bos = 6;
-  options.total_bytes = bytes;
-  options.seed = seed;
-  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(options).status());
-  if (!lazy) return Status::Ok();
-  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
-  image::ConvertOptions convert;
-  convert.chunk_size = kChunk;
-  return image::ConvertToLazyImage(checkpoint, convert).status();
+  return MakeTestImage(dir, {.bytes = bytes, .seed = seed, .lazy = lazy, .lazy_chunk = kChunk});
 }
 
 // Resident memory of a process in bytes, from /proc (0 if unreadable).

@@ -25,18 +25,8 @@ constexpr uint32_t kChunk = 64 * 1024;
 constexpr uint64_t kBigWindow = 1ull << 30;
 
 Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) {
-  image::SynthOptions options;
-  options.out = dir;
-  options.gpus = 2;
-  options.bos = 8;
-  options.total_bytes = bytes;
-  options.seed = seed;
-  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(options).status());
-  if (!lazy) return Status::Ok();
-  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
-  image::ConvertOptions convert;
-  convert.chunk_size = kChunk;
-  return image::ConvertToLazyImage(checkpoint, convert).status();
+  return MakeTestImage(
+      dir, {.bytes = bytes, .seed = seed, .lazy = lazy, .bos = 8, .lazy_chunk = kChunk});
 }
 
 // Shared by the tests: images under one root and one server.

@@ -14,6 +14,7 @@
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
+#include "lazy-server/image/synth.h"
 #include "proto/criu_file.h"
 
 namespace gpulazy::server::testing {
@@ -247,6 +248,22 @@ Result<std::string> TestClient::Stats(uint64_t request_id) {
 }
 
 // ---------------------------------------------------------------------------------------------
+
+Status MakeTestImage(const std::filesystem::path& dir, const TestImage& image) {
+  image::SynthOptions options;
+  options.out = dir;
+  options.gpus = 2;
+  options.processes = image.processes;
+  options.bos = image.bos;
+  options.total_bytes = image.bytes;
+  options.seed = image.seed;
+  GPULAZY_RETURN_IF_ERROR(image::SynthesizeCheckpoint(options).status());
+  if (!image.lazy) return Status::Ok();
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));
+  image::ConvertOptions convert;
+  convert.chunk_size = image.lazy_chunk;
+  return image::ConvertToLazyImage(checkpoint, convert).status();
+}
 
 Result<std::map<BoKey, std::vector<uint8_t>>> LoadCriuContents(const fs::path& dir) {
   GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint, image::CriuCheckpoint::Open(dir));

@@ -86,6 +86,18 @@ class TestClient {
   net::Socket socket_;
 };
 
+// A synthetic checkpoint for server tests (SynthesizeCheckpoint on 2 GPUs), converted to a lazy
+// image with `lazy_chunk`-byte chunks when `lazy`.
+struct TestImage {
+  uint64_t bytes = 0;
+  uint64_t seed = 1;
+  bool lazy = false;
+  uint32_t bos = 6;  // per process
+  uint32_t processes = 1;
+  uint32_t lazy_chunk = 64 * 1024;
+};
+Status MakeTestImage(const std::filesystem::path& dir, const TestImage& image);
+
 // The raw bytes of every BO of a checkpoint, keyed by (process_id, bo_index), read straight
 // from the CRIU pages files.
 using BoKey = std::pair<uint32_t, uint32_t>;
