@@ -54,7 +54,7 @@ class ChunkBufferPool {
 // CopyEngine::Write. An error return means the engine never got the chunk (`done` will not
 // run) and no unverified byte is left in engine memory: kCorrupt for bytes that failed
 // verification (reading again may help), anything else for the file or the engine. `what`
-// names the chunk in messages. *bytes_read counts what was read from the file.
+// names the chunk in messages. *bytes_read (when not null) counts what was read from the file.
 Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
                         const std::string& what, CopyDone done, uint64_t* bytes_read);

@@ -1262,14 +1262,13 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
     return;
   }
   std::vector<uint8_t> scratch;  // encoded chunks only
-  uint64_t read = 0;
   const uint64_t credit = on_stream ? c.stored_length : 0;
   Status installed = InstallFileChunk(
       engine_, engine_mutex_, c, file_buffers_, scratch, What(c.bo, c.chunk),
       [this, link, id, credit](const Status& status) {
         OnWritten(status, link, id, nullptr, credit);
       },
-      &read);
+      /*bytes_read=*/nullptr);
   if (installed.ok()) return;
   Unclaim(c.bo, c.chunk);
   if (installed.code() != Code::kCorrupt) {
