@@ -1,7 +1,6 @@
 #include "page-client/restore_session.h"
 
 #include <spdlog/spdlog.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +20,7 @@
 #include "page-client/net/frame_stream.h"
 #include "page-client/residency.h"
 #include "page-client/server_connection.h"
+#include "proto/checksum.h"
 
 namespace gpulazy::client {
 namespace asio = boost::asio;
@@ -1159,10 +1159,8 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   // The checksum is computed slice by slice right after each slice lands, while it is still in
   // the cache: one pass over memory for copy and verification together.
   constexpr size_t kSlice = 256u << 10;
-  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hash(XXH3_createState(),
-                                                                       &XXH3_freeState);
-  Status status = hash ? Status::Ok() : Internal("out of memory for a checksum state");
-  if (status.ok()) XXH3_64bits_reset(hash.get());
+  Checksum64Stream hash;
+  Status status;
   for (size_t done = 0; status.ok() && done < target->size();) {
     const std::span<uint8_t> slice = target->subspan(done, std::min(kSlice, target->size() - done));
     status = co_await net::ReadPayload(socket, slice);
@@ -1170,10 +1168,10 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       *transport = true;
       break;
     }
-    XXH3_64bits_update(hash.get(), slice.data(), slice.size());
+    hash.Update(slice);
     done += slice.size();
   }
-  if (!status.ok() || XXH3_64bits_digest(hash.get()) != data.checksum()) {
+  if (!status.ok() || hash.Digest() != data.checksum()) {
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
     {

@@ -1,6 +1,7 @@
 #include "proto/checksum.h"
 
 #include <fmt/format.h>
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t by value
 #include <xxhash.h>
 
 #include <cstring>
@@ -9,6 +10,25 @@ namespace gpulazy {
 
 uint64_t Checksum64(std::span<const uint8_t> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+struct Checksum64Stream::State {
+  XXH3_state_t xxh3;
+};
+
+Checksum64Stream::Checksum64Stream() : state_(std::make_unique<State>()) {
+  XXH3_64bits_reset(&state_->xxh3);
+}
+Checksum64Stream::~Checksum64Stream() = default;
+Checksum64Stream::Checksum64Stream(Checksum64Stream&&) noexcept = default;
+Checksum64Stream& Checksum64Stream::operator=(Checksum64Stream&&) noexcept = default;
+
+void Checksum64Stream::Update(std::span<const uint8_t> bytes) {
+  XXH3_64bits_update(&state_->xxh3, bytes.data(), bytes.size());
+}
+
+uint64_t Checksum64Stream::Digest() const {
+  return XXH3_64bits_digest(&state_->xxh3);
 }
 
 Digest128 ContentDigest(std::span<const uint8_t> bytes) {

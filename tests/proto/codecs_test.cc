@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 #include <lz4.h>
 
+#include <algorithm>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -124,6 +126,27 @@ TEST(ChunkCodecTest, Lz4TruncatedOrEmptyBlocksAreRefused) {
 
 // Found by fuzz_chunk_codec (corpus/chunk_codec/crash-zero-codec-empty-raw): a ZERO chunk of
 // raw length 0 decoded into an empty vector passed memset a null pointer (UBSan: nonnull).
+TEST(ChecksumTest, PiecewiseEqualsWholeForEverySplit) {
+  const std::vector<uint8_t> bytes = Pattern(1u << 20);
+  const uint64_t whole = Checksum64(bytes);
+  // Pieces around XXH3's internal block sizes (64 B stripes, 1 KiB blocks) and odd lengths.
+  for (size_t piece : {size_t{1}, size_t{63}, size_t{64}, size_t{1000}, size_t{1024}, size_t{4096},
+                       size_t{256u << 10}, bytes.size()}) {
+    Checksum64Stream hash;
+    for (size_t at = 0; at < bytes.size(); at += piece)
+      hash.Update(std::span(bytes).subspan(at, std::min(piece, bytes.size() - at)));
+    EXPECT_EQ(hash.Digest(), whole) << "pieces of " << piece;
+  }
+  Checksum64Stream empty;
+  EXPECT_EQ(empty.Digest(), Checksum64({}));
+  // A changed byte changes the digest: the stream hashes what it is given, not a cached value.
+  std::vector<uint8_t> changed = bytes;
+  changed[12345] ^= 1;
+  Checksum64Stream other;
+  other.Update(changed);
+  EXPECT_NE(other.Digest(), whole);
+}
+
 TEST(ChunkCodecTest, EmptyZeroChunkIntoAnEmptyBuffer) {
   std::vector<uint8_t> empty;
   EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_ZERO, Checksum64({}), {}, empty, "t").ok());
