@@ -46,6 +46,11 @@ int Run(int argc, char** argv) {
       ->delimiter(',');
   stream_cmd->add_option("--engine", stream.engine, "host or discard")->capture_default_str();
   stream_cmd->add_option("--window", stream_window, "client credit window")->capture_default_str();
+  stream_cmd
+      ->add_option("--file-readers", stream.file_readers,
+                   "unix-files: client reader threads per session (and ceiling threads)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
 
   bench::DemandOptions demand;
   std::string demand_size = "2G", demand_window = "16M";

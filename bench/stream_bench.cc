@@ -1,8 +1,10 @@
 #include "bench/stream_bench.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -18,58 +20,80 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Reads every pages file of the image into memory, as each of `readers` threads: into a fresh
-// mapping of the image's size when `into_fresh_memory` (what the host engine must do too), else
-// into one reused buffer.
+// Reads every pages file of the image into memory once per session, each session's copy by
+// `threads_per_session` threads (8 MiB blocks dealt round-robin): into a fresh mapping of the
+// image's size when `into_fresh_memory` (what the host engine must do too), else into a reused
+// buffer. One thread per session is the socket path's shape (one connection); by reference a
+// session reads on its file readers, so its ceiling gets as many threads.
 Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64_t total,
-                                      uint32_t readers, bool into_fresh_memory) {
-  std::vector<Status> statuses(readers);
+                                      uint32_t sessions, uint32_t threads_per_session,
+                                      bool into_fresh_memory) {
+  constexpr uint64_t kBlock = 8u << 20;
+  // The blocks of the concatenated pages files (past each file's 8-byte CRIU header, like the
+  // served bytes), with their offset in the session's copy.
+  struct Block {
+    size_t file;
+    uint64_t offset;
+    uint64_t length;
+    uint64_t at;
+  };
+  std::vector<Block> blocks;
+  std::vector<UniqueFd> fds;
+  uint64_t at = 0;
+  for (const fs::path& file : files) {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file));
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, "stat {}", file.string());
+    const uint64_t end = std::min<uint64_t>(static_cast<uint64_t>(st.st_size), 8 + total - at);
+    for (uint64_t offset = 8; offset < end; offset += kBlock) {
+      const uint64_t length = std::min(kBlock, end - offset);
+      blocks.push_back({fds.size(), offset, length, at});
+      at += length;
+    }
+    fds.push_back(std::move(fd));
+  }
+  const uint64_t per_session = at;
+  std::vector<void*> copies(sessions, nullptr);
+  const size_t copy_length = into_fresh_memory ? std::max<uint64_t>(per_session, 1) : kBlock;
+  const uint32_t threads = sessions * threads_per_session;
+  std::vector<Status> statuses(threads);
   auto start = Clock::now();
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < readers; ++r) {
-    threads.emplace_back([&, r] {
-      void* memory = nullptr;
-      const size_t length = into_fresh_memory ? total : (8u << 20);
-      memory = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (memory == MAP_FAILED) {
-        statuses[r] = ErrnoError(errno, "mmap {} bytes", length);
-        return;
-      }
-      auto* dest = static_cast<uint8_t*>(memory);
-      uint64_t at = 0;
-      for (const fs::path& file : files) {
-        Result<UniqueFd> fd = OpenForRead(file);
-        if (!fd.ok()) {
-          statuses[r] = fd.status();
-          break;
-        }
-        uint64_t offset = 8;  // past the CRIU header, like the served bytes
-        while (true) {
-          size_t want = 8u << 20;
-          uint8_t* target = into_fresh_memory ? dest + at : dest;
-          if (into_fresh_memory) want = std::min<uint64_t>(want, total - at);
-          if (want == 0) break;
-          ssize_t n = pread(fd->get(), target, want, static_cast<off_t>(offset));
-          if (n < 0) {
-            statuses[r] = ErrnoError(errno, "reading {}", file.string());
-            break;
-          }
-          if (n == 0) break;
-          offset += static_cast<uint64_t>(n);
-          at += static_cast<uint64_t>(n);
+  std::vector<std::thread> workers;
+  for (uint32_t s = 0; s < sessions; ++s) {
+    void* memory =
+        mmap(nullptr, copy_length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (memory == MAP_FAILED) return ErrnoError(errno, "mmap {} bytes", copy_length);
+    copies[s] = memory;
+  }
+  for (uint32_t t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      const uint32_t session = t / threads_per_session;
+      std::vector<uint8_t> scratch(into_fresh_memory ? 0 : kBlock);
+      for (size_t b = t % threads_per_session; b < blocks.size(); b += threads_per_session) {
+        const Block& block = blocks[b];
+        uint8_t* target =
+            into_fresh_memory ? static_cast<uint8_t*>(copies[session]) + block.at : scratch.data();
+        Status read = ReadExactAt(fds[block.file].get(), block.offset,
+                                  {target, static_cast<size_t>(block.length)}, files[block.file]);
+        if (!read.ok()) {
+          statuses[t] = read;
+          return;
         }
       }
-      munmap(memory, length);
     });
   }
-  for (std::thread& t : threads)
-    t.join();
-  double seconds = SecondsSince(start);
+  for (std::thread& worker : workers)
+    worker.join();
+  const double seconds = SecondsSince(start);
+  for (void* memory : copies)
+    munmap(memory, copy_length);
   for (const Status& s : statuses)
     GPULAZY_RETURN_IF_ERROR(s);
+  const uint64_t bytes = per_session * sessions;
   return nlohmann::json{{"seconds", seconds},
-                        {"bytes", total * readers},
-                        {"throughput_Bps", static_cast<double>(total * readers) / seconds}};
+                        {"bytes", bytes},
+                        {"threads_per_session", threads_per_session},
+                        {"throughput_Bps", static_cast<double>(bytes) / seconds}};
 }
 
 // Compares every BO a host engine holds with the source pages files.
@@ -115,6 +139,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     session.window_bytes = options.window;
     session.client_name = fmt::format("bench-{}", s);
     session.read_files = read_files;
+    session.file_readers = options.file_readers;
     clients.push_back(std::make_unique<client::RestoreSession>(session, *engines.back()));
   }
   auto start = Clock::now();
@@ -158,9 +183,11 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
     const std::string& endpoint =
         transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
     for (uint32_t sessions : options.sessions) {
+      // Like for like: by reference a session reads on its file readers, so its ceiling does.
+      const uint32_t ceiling_threads = read_files ? options.file_readers : 1;
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json ceiling, RunInChild([&] {
                                  return MeasureCeiling(files, options.size, sessions,
-                                                       options.engine == "host");
+                                                       ceiling_threads, options.engine == "host");
                                }));
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json pipeline, RunInChild([&] {
                                  return MeasurePipeline(image_dir, endpoint, read_files, sessions,
@@ -178,6 +205,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"seconds", pipeline["seconds"]},
                                {"throughput_Bps", throughput},
                                {"ceiling_Bps", ceiling_Bps},
+                               {"ceiling_threads_per_session", ceiling_threads},
                                {"ratio", throughput / ceiling_Bps},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
                                {"ceiling_peak_rss_bytes", ceiling["peak_rss_bytes"]},

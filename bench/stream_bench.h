@@ -1,6 +1,7 @@
 // `gpulazy-bench stream`: end-to-end streaming throughput (server -> client -> engine) of one or
 // more concurrent sessions from the page cache, against a ceiling measured in the same run: the
-// same bytes read straight from the page cache into memory by as many threads as sessions.
+// same bytes read straight from the page cache into memory, one thread per session for the
+// socket transports and `file_readers` per session by reference (the client's own readers).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,7 @@ struct StreamOptions {
   std::vector<std::string> transports = {"unix"};
   std::string engine = "host";  // host (memcpy into memfds) or discard
   uint64_t window = 16u << 20;
+  uint32_t file_readers = 4;  // unix-files: the client's reader threads per session
 };
 
 Status RunStreamBench(const CommonOptions& common, const StreamOptions& options);
