@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 
+#include <utility>
 #include <vector>
 
 namespace gpulazy::server {
@@ -68,35 +69,56 @@ Dispatcher::Job Dispatcher::MakeJob(const WorkItem& item, Lane lane) {
   job.lane = lane;
   auto sink = sinks_.find(item.session);
   if (sink != sinks_.end()) job.sink = sink->second;
-  // Hints only ahead of bulk reads: a demand read should start at once, and the chunks the
-  // session reads next are bulk ones anyway.
-  if (lane == Lane::kBulk && read_ahead_ > 0)
+  // Hints only ahead of bulk reads of ours: a demand read should start at once, and the chunks
+  // the session reads next are bulk ones anyway. A client reading by reference does its own
+  // reads (and the kernel its read-ahead for them).
+  if (lane == Lane::kBulk && read_ahead_ > 0 && !item.by_reference)
     job.upcoming = scheduler_.Upcoming(item.session, read_ahead_);
   return job;
 }
 
 void Dispatcher::Pump() {
-  std::vector<Job> jobs;
-  {
-    std::lock_guard lock(mu_);
-    // Demand first, in its own lane: free demand slots never wait for bulk ones.
-    while (!stopped_ && demand_reads_in_flight_ < max_demand_reads_) {
-      std::optional<WorkItem> item = scheduler_.Next(Scheduler::Pick::kDemandOnly);
-      if (!item) break;
-      ++demand_reads_in_flight_;
-      jobs.push_back(MakeJob(*item, Lane::kDemand));
-    }
-    while (!stopped_ && reads_in_flight_ < max_reads_) {
-      std::optional<WorkItem> item = scheduler_.Next(Scheduler::Pick::kNoDemand);
-      if (!item) break;
-      ++reads_in_flight_;
-      jobs.push_back(MakeJob(*item, Lane::kBulk));
-    }
+  // A by-reference item is served right here (finding where its bytes lie is a table lookup),
+  // and serving one frees its slot, which may pump again from inside: this thread's outer call
+  // then loops instead of recursing.
+  thread_local const Dispatcher* pumping = nullptr;
+  thread_local bool again = false;
+  if (pumping == this) {
+    again = true;
+    return;
   }
-  for (Job& job : jobs) {
-    boost::asio::thread_pool& lane = job.lane == Lane::kDemand ? demand_pool_ : pool_;
-    boost::asio::post(lane, [this, job = std::move(job)] { Read(job); });
-  }
+  const Dispatcher* outer = std::exchange(pumping, this);
+  do {
+    again = false;
+    std::vector<Job> jobs;
+    {
+      std::lock_guard lock(mu_);
+      // Demand first, in its own lane: free demand slots never wait for bulk ones.
+      while (!stopped_ && demand_reads_in_flight_ < max_demand_reads_) {
+        std::optional<WorkItem> item = scheduler_.Next(Scheduler::Pick::kDemandOnly);
+        if (!item) break;
+        ++demand_reads_in_flight_;
+        jobs.push_back(MakeJob(*item, Lane::kDemand));
+      }
+      while (!stopped_ && reads_in_flight_ < max_reads_) {
+        std::optional<WorkItem> item = scheduler_.Next(Scheduler::Pick::kNoDemand);
+        if (!item) break;
+        ++reads_in_flight_;
+        jobs.push_back(MakeJob(*item, Lane::kBulk));
+      }
+    }
+    for (Job& job : jobs) {
+      if (job.item.by_reference) {
+        // Two thread hops (to a disk thread and back to the network) per chunk were what a
+        // by-reference stream paid for nothing: measured in docs/benchmarks.md.
+        Read(job);
+        continue;
+      }
+      boost::asio::thread_pool& lane = job.lane == Lane::kDemand ? demand_pool_ : pool_;
+      boost::asio::post(lane, [this, job = std::move(job)] { Read(job); });
+    }
+  } while (again);
+  pumping = outer;
 }
 
 void Dispatcher::Finished(Lane lane) {
@@ -121,8 +143,7 @@ void Dispatcher::Read(const Job& job) {
     return;
   }
   const image::ImageSource& source = sink->source();
-  // Hints are best effort: a failed fadvise costs nothing but the read-ahead. (They help a
-  // client reading by reference too: the page cache is shared.)
+  // Hints are best effort: a failed fadvise costs nothing but the read-ahead.
   for (const manifest::ChunkRef& ref : job.upcoming) {
     Result<image::ImageSource::DiskRange> range = source.LocateChunk(ref.bo(), ref.chunk());
     if (range.ok() && range->fd >= 0 && range->length > 0)

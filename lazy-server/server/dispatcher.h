@@ -7,6 +7,8 @@
 // threads, two reads in flight per thread server-wide). Each finished read pumps the next
 // picks, so the disk stays busy while sessions have work and credit. Before a bulk read it
 // hints the kernel (posix_fadvise WILLNEED) about the next few chunks that session will read.
+// A chunk sent by reference (the client reads it from the files it holds) needs no read: it is
+// located and handed to its sink on the thread that picked it, with no hints.
 //
 // Chunks are read into buffers of a bounded ChunkBufferPool (buffer_pool.h); a LoadedChunk
 // holds its buffer until the chunk is written or dropped.
@@ -42,7 +44,8 @@ struct LoadedChunk {
   std::span<const uint8_t> bytes() const { return buffer.span().first(info.stored_length); }
 };
 
-// Receives chunks read for a session (Session implements it). Called on a disk thread.
+// Receives chunks read for a session (Session implements it). Called on a disk thread, or for
+// a by-reference chunk on whichever thread pumped (never with a Dispatcher lock held).
 class ChunkSink {
  public:
   virtual ~ChunkSink() = default;

@@ -4,10 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <set>
+#include <thread>
+#include <vector>
 
 #include "proto/criu_file.h"
 #include "tests/image/test_util.h"
@@ -215,6 +218,66 @@ TEST_F(DispatcherTest, StreamReusesPooledBuffers) {
   EXPECT_GE(c.reused, kChunks - 2);
   EXPECT_EQ(c.out, 0u);
   EXPECT_EQ(dispatcher.lanes().bulk_reads, kChunks);
+}
+
+// By reference there is nothing to read: each chunk is located on the thread that pumps (here
+// the test's own, inside Update) with no disk thread and no buffer. A sink that finishes every
+// chunk inside OnChunkRead pumps again from there; that must loop, not recurse once per chunk.
+TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecursion) {
+  class RecordingSink : public ChunkSink {
+   public:
+    RecordingSink(const image::ImageSource& source, Dispatcher* dispatcher)
+        : source_(source), dispatcher_(dispatcher) {}
+    const image::ImageSource& source() const override { return source_; }
+    void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
+      ++depth_;
+      max_depth_ = std::max(max_depth_, depth_);
+      threads_.insert(std::this_thread::get_id());
+      EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
+      if (chunk.ok()) {
+        EXPECT_TRUE(item.by_reference);
+        EXPECT_EQ(chunk->info.stored_length, 0u) << "a by-reference chunk carries no bytes";
+        ASSERT_TRUE(chunk->in_file.has_value());
+        auto where = source_.LocateChunk(item.bo, item.chunk);
+        ASSERT_TRUE(where.ok());
+        EXPECT_EQ(chunk->in_file->offset, where->offset);
+        EXPECT_EQ(chunk->in_file->length, where->length);
+        chunks_.push_back(item.chunk);
+      }
+      dispatcher_->Done(item, chunk.ok() ? chunk->in_file->length : 0);
+      --depth_;
+    }
+    int depth_ = 0;
+    int max_depth_ = 0;
+    std::set<std::thread::id> threads_;
+    std::vector<uint32_t> chunks_;
+
+   private:
+    const image::ImageSource& source_;
+    Dispatcher* dispatcher_;
+  };
+  DispatcherOptions options;
+  options.disk_threads = 1;
+  options.demand_threads = 1;
+  options.read_ahead = 4;
+  options.buffer_bytes = kChunk;
+  Dispatcher dispatcher(options);
+  auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
+  dispatcher.AddSession(1, layout_, sink);
+  dispatcher.Update([&](Scheduler& s) {
+    ASSERT_TRUE(s.StreamAll(1, /*by_reference=*/true).ok());
+    s.AddCredit(1, 1 << 30);
+  });
+  // Update returned after its pump: every chunk was served inside it, on this thread.
+  std::vector<uint32_t> expected(kChunks);
+  for (uint32_t i = 0; i < kChunks; ++i)
+    expected[i] = i;
+  EXPECT_EQ(sink->chunks_, expected);
+  EXPECT_EQ(sink->threads_, std::set<std::thread::id>{std::this_thread::get_id()});
+  EXPECT_EQ(sink->max_depth_, 1) << "serving a chunk recursed into serving the next";
+  dispatcher.Stop();
+  EXPECT_EQ(dispatcher.lanes().bulk_reads, kChunks);
+  EXPECT_EQ(dispatcher.buffers().counters().allocated, 0u);
 }
 
 }  // namespace
