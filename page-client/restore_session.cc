@@ -767,9 +767,12 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
       *have.mutable_have()->add_ranges() = ToRange(run);
     link->stream_writer.Send(std::move(have));
   }
+  // By reference the credit bounds the file ranges queued for the readers (no payload buffers),
+  // so it may be larger; too small a window starves the readers (docs/benchmarks.md).
+  const uint64_t window = files ? std::max(window_, options_.file_window_bytes) : window_;
   wire::Header credit;
-  credit.mutable_credit()->set_bytes(window_);
-  link->credit_outstanding = window_;
+  credit.mutable_credit()->set_bytes(window);
+  link->credit_outstanding = window;
   link->stream_writer.Send(std::move(credit));
   if (options_.stream_all) {
     wire::Header stream_all;

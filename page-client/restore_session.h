@@ -69,6 +69,10 @@ struct SessionOptions {
   // that will not pass them is told nothing more: the chunks then travel through the socket.
   bool read_files = true;
   uint32_t file_readers = 4;
+  // The window while reading by reference (never below window_bytes). Its chunks arrive as
+  // file ranges queued for the readers, not as payloads, so it bounds queued reads rather than
+  // memory: 256 MiB keeps 16 readers fed where 64 MiB did not (docs/benchmarks.md).
+  uint64_t file_window_bytes = 256u << 20;
 };
 
 // A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).

@@ -13,6 +13,7 @@ struct FetchOptions {
   std::string image;
   std::string out_dir;
   uint64_t window_bytes = 16u << 20;
+  uint64_t file_window_bytes = 256u << 20;  // while reading passed image files
   bool demand_connection = true;
   bool read_files = true;     // Unix servers: read chunks from the passed image files
   uint32_t file_readers = 4;  // threads reading them

@@ -36,6 +36,7 @@ static int Run(int argc, char** argv) {
 
   FetchOptions fetch;
   std::string window = "16M";
+  std::string file_window = "256M";
   bool no_demand = false;
   bool no_read_files = false;
   CLI::App* fetch_cmd =
@@ -44,6 +45,11 @@ static int Run(int argc, char** argv) {
   fetch_cmd->add_option("--image", fetch.image, "image name on the server")->required();
   fetch_cmd->add_option("--out", fetch.out_dir, "directory for amdgpu-pages-*.img")->required();
   fetch_cmd->add_option("--window", window, "flow-control window (e.g. 16M)")
+      ->capture_default_str();
+  fetch_cmd
+      ->add_option("--file-window", file_window,
+                   "flow-control window while reading passed image files (queued reads, no "
+                   "payload buffers)")
       ->capture_default_str();
   fetch_cmd->add_flag("--no-demand-connection", no_demand, "send everything on one connection");
   fetch_cmd->add_flag("--no-read-files", no_read_files,
@@ -75,6 +81,13 @@ static int Run(int argc, char** argv) {
       return 2;
     }
     fetch.window_bytes = *bytes;
+    gpulazy::Result<uint64_t> file_bytes = gpulazy::ParseSize(file_window);
+    if (!file_bytes.ok()) {
+      fmt::print(stderr, "gpulazy-client fetch: --file-window: {}\n",
+                 file_bytes.status().message());
+      return 2;
+    }
+    fetch.file_window_bytes = *file_bytes;
     fetch.demand_connection = !no_demand;
     fetch.read_files = !no_read_files;
     return RunFetch(fetch);

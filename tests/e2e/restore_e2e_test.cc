@@ -171,6 +171,9 @@ TEST(E2eRestore, ReconnectsAfterServerKilledAndRestarted) {
   options.endpoint = endpoint;
   options.image = "img";
   options.window_bytes = 1u << 20;
+  // By reference too: a small window keeps most chunks unsent when the server dies (with a
+  // large one every file range is out within milliseconds and no reconnect is needed).
+  options.file_window_bytes = 1u << 20;
   options.reconnect.max_attempts = 50;
   options.reconnect.initial_backoff = 20ms;
   options.reconnect.max_backoff = 200ms;

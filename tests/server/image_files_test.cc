@@ -12,14 +12,18 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
+#include "page-client/host_engine.h"
 #include "page-client/net/fd_passing.h"
+#include "page-client/restore_session.h"
 #include "page-client/server_connection.h"
 #include "tests/server/test_support.h"
 
@@ -140,6 +144,38 @@ TEST_F(ImageFilesTest, ByReferenceChunksReadFromThePassedFilesAreTheCheckpointsB
     }
     Status verified = VerifyStream(*reply, chunks, expected_[name]);
     EXPECT_TRUE(verified.ok()) << verified.ToString();
+  }
+}
+
+// The window a RestoreSession grants: its file window while it reads the passed files (the
+// credit then bounds queued file ranges, not payload memory), its plain window otherwise.
+TEST_F(ImageFilesTest, SessionReadingFilesGrantsItsFileWindow) {
+  for (const bool read_files : {true, false}) {
+    SCOPED_TRACE(read_files ? "reading files" : "through the socket");
+    client::HostCopyEngine engine;
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "raw";
+    options.window_bytes = 8u << 20;
+    options.file_window_bytes = 96u << 20;
+    options.read_files = read_files;
+    options.stream_all = false;  // nothing is sent, so the server's credit stays as granted
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    const uint64_t want = read_files ? options.file_window_bytes : options.window_bytes;
+    TestClient observer(server_->unix_endpoint());
+    ASSERT_TRUE(observer.Hello().ok());
+    uint64_t credit = 0;
+    for (int attempt = 0; attempt < 500 && credit != want; ++attempt) {
+      Result<std::string> text = observer.Stats(100 + attempt);
+      ASSERT_TRUE(text.ok()) << text.status().ToString();
+      const nlohmann::json doc = nlohmann::json::parse(*text);
+      for (const nlohmann::json& j : doc["sessions"])
+        if (j["image"] == "raw" && j.contains("credit")) credit = j["credit"].get<uint64_t>();
+      if (credit != want) std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ(credit, want);
+    EXPECT_EQ(session.progress().reading_files, read_files);
   }
 }
 
