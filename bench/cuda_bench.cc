@@ -112,6 +112,7 @@ Result<double> MeasureUpstreamLoop(const fs::path& image_dir, uint32_t chunk_byt
 struct PipelineResult {
   double throughput_Bps = 0;
   double seconds = 0;
+  double setup_s = 0;  // of `seconds`: until Start returned (connect, open, device allocations)
   bool verified = false;
 };
 
@@ -143,8 +144,8 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 // read_files: the client reads the image files the server passes, on `readers` threads
 // (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
-                                       uint64_t window, uint32_t slots, uint32_t streams,
-                                       bool read_files, uint32_t readers) {
+                                       uint64_t window, uint64_t file_window, uint32_t slots,
+                                       uint32_t streams, bool read_files, uint32_t readers) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
   engine_options.streams = streams;
@@ -155,6 +156,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
   options.image = image_dir.filename().string();
   options.window_bytes = window;
+  options.file_window_bytes = file_window;
   options.client_name = "cuda-bench";
   options.read_files = read_files;
   options.file_readers = readers;
@@ -163,6 +165,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     client::RestoreSession session(options, *engine);
     auto start = Clock::now();
     GPULAZY_RETURN_IF_ERROR(session.Start());
+    result.setup_s = SecondsSince(start);
     GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
     result.seconds = SecondsSince(start);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
@@ -189,6 +192,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   client::LocalRestore restore(options, *engine);
   auto start = Clock::now();
   GPULAZY_RETURN_IF_ERROR(restore.Start());
+  result.setup_s = SecondsSince(start);
   GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
   result.seconds = SecondsSince(start);
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
@@ -204,6 +208,7 @@ struct LayerOptions {
   uint32_t slots = 32;
   uint32_t streams = 4;
   uint64_t window = 64u << 20;
+  uint64_t file_window = client::SessionOptions{}.file_window_bytes;
   uint32_t startup_ms = 20;
 };
 
@@ -295,6 +300,7 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
     session_options.endpoint = endpoint;
     session_options.image = image_dir.filename().string();
     session_options.window_bytes = options.window;
+    session_options.file_window_bytes = options.file_window;
     session_options.client_name = "cuda-bench-layers";
     session_options.file_readers = options.readers;
     client::RestoreSession session(session_options, *engine);
@@ -372,7 +378,8 @@ int Run(int argc, char** argv) {
   CommonOptions common;
   common.bin_dir = GPULAZY_DEFAULT_BIN_DIR;
   std::string work_dir = "/tmp", bin_dir = common.bin_dir.string(), size_text = "4G",
-              window_text = "64M";
+              window_text = "64M",
+              file_window_text = std::to_string(client::SessionOptions{}.file_window_bytes);
   std::vector<std::string> experiments = {"stream", "layers"};
   std::vector<std::string> layer_sizes = {"3100M", "16G"};
   uint32_t slots = 32, streams = 4, repeat = 3, layer_count = 36;
@@ -387,6 +394,8 @@ int Run(int argc, char** argv) {
   app.add_option("--experiment", experiments, "stream, layers")->delimiter(',');
   app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
+  app.add_option("--file-window", file_window_text, "client credit window by reference")
+      ->capture_default_str();
   app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
   app.add_option("--streams", streams, "copy streams")->capture_default_str();
   app.add_option("--readers", layer_options.readers, "local restore reader threads")
@@ -411,9 +420,12 @@ int Run(int argc, char** argv) {
   Result<uint64_t> window = ParseSize(window_text);
   if (!size.ok()) return fail(size.status());
   if (!window.ok()) return fail(window.status());
+  Result<uint64_t> file_window = ParseSize(file_window_text);
+  if (!file_window.ok()) return fail(file_window.status());
   Result<uint64_t> local_chunk = ParseSize(local_chunk_text);
   if (!local_chunk.ok()) return fail(local_chunk.status());
   layer_options.window = *window;
+  layer_options.file_window = *file_window;
   layer_options.streams = streams;
   layer_options.slots = slots;
   auto wants = [&](const char* name) {
@@ -432,26 +444,32 @@ int Run(int argc, char** argv) {
     Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
     if (!image_dir.ok()) return fail(image_dir.status());
     std::vector<double> ceiling, pipeline, by_reference, local, upstream;
+    std::map<std::string, std::vector<double>> setup;
     bool verified = true, local_verified = true, by_reference_verified = true;
     for (uint32_t r = 0; r < repeat; ++r) {
       Result<double> c = MeasurePinnedCeiling(*size);
       if (!c.ok()) return fail(c.status());
       ceiling.push_back(*c);
-      Result<PipelineResult> p = MeasurePipeline(*image_dir, server->unix_endpoint(), *window,
-                                                 slots, streams, false, layer_options.readers);
+      Result<PipelineResult> p =
+          MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
+                          streams, false, layer_options.readers);
       if (!p.ok()) return fail(p.status());
       pipeline.push_back(p->throughput_Bps);
+      setup["gpulazy_pipeline_unix"].push_back(p->setup_s);
       verified = verified && p->verified;
-      Result<PipelineResult> f = MeasurePipeline(*image_dir, server->unix_endpoint(), *window,
-                                                 slots, streams, true, layer_options.readers);
+      Result<PipelineResult> f =
+          MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
+                          streams, true, layer_options.readers);
       if (!f.ok()) return fail(f.status());
       by_reference.push_back(f->throughput_Bps);
+      setup["gpulazy_pipeline_unix_files"].push_back(f->setup_s);
       by_reference_verified = by_reference_verified && f->verified;
       Result<PipelineResult> l =
           MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams,
                        static_cast<uint32_t>(*local_chunk));
       if (!l.ok()) return fail(l.status());
       local.push_back(l->throughput_Bps);
+      setup["gpulazy_local_direct"].push_back(l->setup_s);
       local_verified = local_verified && l->verified;
       Result<double> u = MeasureUpstreamLoop(*image_dir, 2u << 20);
       if (!u.ok()) return fail(u.status());
@@ -460,23 +478,27 @@ int Run(int argc, char** argv) {
     const double ceiling_Bps = Percentile(ceiling, 0.5);
     auto emit = [&](const std::string& name, const std::vector<double>& samples, bool checked) {
       const double median = Percentile(samples, 0.5);
-      nlohmann::json result = {{"bench", "cuda-stream"},
-                               {"case", name},
-                               {"server_args", common.server_args},
-                               {"size_bytes", *size},
-                               {"window_bytes", *window},
-                               {"slots", slots},
-                               {"streams", streams},
-                               {"readers", layer_options.readers},
-                               {"local_chunk_bytes", *local_chunk},
-                               {"runs", samples.size()},
-                               {"throughput_Bps", median},
-                               {"ceiling_Bps", ceiling_Bps},
-                               {"ratio", median / ceiling_Bps},
-                               {"verified", checked},
-                               {"device", DeviceDescription()},
-                               {"machine", MachineDescription()}};
-      Emit(common, result, {"case", "throughput_Bps", "ceiling_Bps", "ratio", "verified"});
+      nlohmann::json result = {
+          {"bench", "cuda-stream"},
+          {"case", name},
+          {"server_args", common.server_args},
+          {"size_bytes", *size},
+          {"window_bytes", *window},
+          {"file_window_bytes", *file_window},
+          {"slots", slots},
+          {"streams", streams},
+          {"readers", layer_options.readers},
+          {"local_chunk_bytes", *local_chunk},
+          {"runs", samples.size()},
+          {"throughput_Bps", median},
+          {"ceiling_Bps", ceiling_Bps},
+          {"ratio", median / ceiling_Bps},
+          {"verified", checked},
+          {"setup_s", setup.contains(name) ? Percentile(setup[name], 0.5) : 0.0},
+          {"device", DeviceDescription()},
+          {"machine", MachineDescription()}};
+      Emit(common, result,
+           {"case", "throughput_Bps", "ceiling_Bps", "ratio", "setup_s", "verified"});
     };
     emit("ceiling_pinned_cudaMemcpy", ceiling, false);
     emit("gpulazy_pipeline_unix", pipeline, verified);
