@@ -90,6 +90,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--demand-threads", config.demand_threads,
                  "threads reading demand chunks only (never behind background reads)")
       ->capture_default_str();
+  app.add_option("--background-nice", config.background_nice,
+                 "added to the nice value of the threads reading prefetch/background chunks "
+                 "(0..19; demand reads and the network keep the server's priority)")
+      ->capture_default_str();
   app.add_option("--chunk-buffers", config.chunk_buffers, "idle chunk read buffers kept for reuse")
       ->capture_default_str();
   app.add_option("--log-level", config.log_level, "trace, debug, info, warn, error or off")
@@ -236,6 +240,8 @@ Status ValidateConfig(const ServerConfig& config) {
   if (config.demand_window < 1 || config.demand_window > 1024)
     return InvalidArgument("--demand-window must be 1..1024");
   if (config.read_ahead > 1024) return InvalidArgument("--read-ahead must be 0..1024");
+  if (config.background_nice < 0 || config.background_nice > 19)
+    return InvalidArgument("--background-nice must be 0..19, not {}", config.background_nice);
   const uint32_t c = config.raw_chunk_size;
   if (c < image::kMinChunkSize || c > image::kMaxChunkSize || (c & (c - 1)) != 0)
     return InvalidArgument("--raw-chunk-size must be a power of two in [{}, {}], not {}",

@@ -31,6 +31,9 @@ struct ServerConfig {
   uint32_t io_threads = 2;      // threads running the network event loop
   uint32_t disk_threads = 4;    // threads reading prefetch/background chunks (and opening images)
   uint32_t demand_threads = 2;  // threads reading demand chunks only (the demand lane)
+  // Added to the disk threads' nice value (0..19): on few cores demand reads and the network
+  // threads get the CPU ahead of bulk reads.
+  int background_nice = 0;
   // Idle chunk read buffers kept for reuse (each --max-frame bytes of address space, resident
   // only as far as chunks touched it); more chunks in flight allocate and free their own.
   uint32_t chunk_buffers = 32;

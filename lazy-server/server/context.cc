@@ -17,6 +17,7 @@ ServerContext::ServerContext(const ServerConfig& config_in)
           .disk_threads = config_in.disk_threads,
           .demand_threads = config_in.demand_threads,
           .read_ahead = config_in.read_ahead,
+          .background_nice = config_in.background_nice,
           // Every chunk the server may send fits a pooled buffer.
           .buffer_bytes = config_in.max_frame,
           .pooled_buffers = config_in.chunk_buffers}) {}

@@ -58,6 +58,7 @@ struct DispatcherOptions {
   uint32_t disk_threads = 4;       // bulk lane (prefetch, background; also opening images)
   uint32_t demand_threads = 2;     // demand lane
   uint32_t read_ahead = 4;         // chunks hinted ahead of each bulk read
+  int background_nice = 0;         // added to the bulk lane threads' nice value
   size_t buffer_bytes = 4u << 20;  // capacity of a pooled chunk buffer
   size_t pooled_buffers = 32;      // idle chunk buffers kept for reuse
 };

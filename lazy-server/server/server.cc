@@ -13,6 +13,7 @@
 #include "lazy-server/image/io.h"
 #include "lazy-server/server/access.h"
 #include "lazy-server/server/session.h"
+#include "page-client/net/threads.h"
 #include "proto/checksum.h"
 
 namespace gpulazy::server {
@@ -250,7 +251,10 @@ int Server::Run() {
   };
   std::vector<std::thread> threads;
   for (uint32_t i = 1; i < ctx_->config.io_threads; ++i)
-    threads.emplace_back(run);
+    threads.emplace_back([&] {
+      net::NameThisThread("gl-net");  // not the calling thread: that would rename the process
+      run();
+    });
   run();
   for (std::thread& thread : threads)
     thread.join();

@@ -5,13 +5,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include "page-client/chunk_codec.h"
 #include "page-client/file_chunks.h"
 #include "page-client/host_engine.h"
 #include "page-client/net/endpoint.h"
+#include "page-client/net/threads.h"
 #include "page-client/residency.h"
 #include "proto/checksum.h"
+#include "tests/support/threads.h"
 
 namespace gpulazy::client {
 namespace {
@@ -36,6 +41,43 @@ TEST(Endpoint, RejectsMalformed) {
        {"", "unix:", "tcp:host", "tcp::80", "tcp:h:99999", "tcp:h:8x", "udp:h:1", "tcp:[::1]80"})
     EXPECT_FALSE(net::Endpoint::Parse(bad).ok()) << bad;
   EXPECT_FALSE(net::Endpoint::Parse("unix:/" + std::string(200, 'a')).ok());
+}
+
+// Each pool thread runs the function exactly once, named and made nicer by it; the calling
+// thread keeps its name and priority.
+TEST(Threads, EachPoolThreadIsNamedAndLoweredOnce) {
+  const int base = testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice;
+  ASSERT_LE(base, 19 - 4) << "the test needs room to lower a priority";
+  boost::asio::thread_pool pool(3);
+  std::mutex mu;
+  std::set<std::thread::id> ran_on;
+  int calls = 0;
+  net::RunOnEachPoolThread(pool, 3, [&] {
+    net::NameThisThread("gl-test-pool-thread-long-name");  // kept: its first 15 characters
+    EXPECT_TRUE(net::LowerThisThreadPriority(4).ok());
+    std::lock_guard lock(mu);
+    ran_on.insert(std::this_thread::get_id());
+    ++calls;
+  });
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(ran_on.size(), 3u) << "a pool thread ran it twice";
+  EXPECT_FALSE(ran_on.contains(std::this_thread::get_id()));
+  EXPECT_EQ(testing::NiceOfThreadsNamed("gl-test-pool-th"),
+            (std::vector<int>{base + 4, base + 4, base + 4}));
+  EXPECT_EQ(testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice, base);
+  pool.join();
+}
+
+TEST(Threads, PriorityIsOnlyLoweredAndCappedAt19) {
+  std::thread([] {
+    const pid_t tid = static_cast<pid_t>(::gettid());
+    const int base = testing::ListThreads().at(tid).nice;
+    EXPECT_EQ(net::LowerThisThreadPriority(-1).code(), Code::kInvalidArgument);
+    EXPECT_TRUE(net::LowerThisThreadPriority(0).ok());
+    EXPECT_EQ(testing::ListThreads().at(tid).nice, base);
+    EXPECT_TRUE(net::LowerThisThreadPriority(100).ok());
+    EXPECT_EQ(testing::ListThreads().at(tid).nice, 19);
+  }).join();
 }
 
 TEST(HostCopyEngine, WritesLandInTheMemfd) {
