@@ -8,8 +8,10 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -18,6 +20,7 @@
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
+#include "page-client/net/threads.h"
 #include "page-client/residency.h"
 #include "page-client/server_connection.h"
 #include "proto/checksum.h"
@@ -78,7 +81,9 @@ bool SameBo(const BoEntry& a, const BoEntry& b) {
 // - With image files passed (read_files on a Unix endpoint), a chunk that arrives by reference
 //   is claimed by the thread that read its ChunkData frame and installed on a reader thread
 //   (readers_), or, for the demand connection, on the demand thread itself: the read from the
-//   file, verification and engine calls under engine_mutex_.
+//   file, verification and engine calls under engine_mutex_. Stream chunks wait for a reader
+//   in queued_reads_ (queued_mutex_, taken under no other lock); Ensure of a chunk that waits
+//   there has the demand thread take it out and read it at once (Expedite).
 //   Whatever the reader must hand back (a bad copy's credit and re-request) it posts to io_.
 
 struct DemandLink;
@@ -177,6 +182,8 @@ class RestoreSession::Impl {
   ~Impl();
 
   Status Start();
+  // Lowers the calling (background) thread's priority by options_.background_nice.
+  void BackgroundPriority() const;
   Status Ensure(uint32_t bo, uint64_t offset, uint64_t length,
                 std::optional<std::chrono::milliseconds> timeout);
   Status WaitHotSet(std::optional<std::chrono::milliseconds> timeout);
@@ -240,6 +247,17 @@ class RestoreSession::Impl {
                             const wire::ChunkData& data, uint32_t payload_length, bool on_stream);
   // On a reader thread: reads the claimed chunk from the passed file into the engine.
   void ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& chunk, bool on_stream);
+  // Background chunks by reference wait here for a reader, oldest first; a chunk someone is
+  // waiting for (Ensure) is taken out and read at once on the demand thread instead of after
+  // everything queued before it (with a large window that queue holds thousands of chunks).
+  struct PendingRead {
+    std::shared_ptr<Link> link;
+    std::shared_ptr<const ImageFileSet> files;  // keeps the descriptor open
+    FileChunk chunk;
+  };
+  void QueueRead(PendingRead read);
+  void ReadNextQueued();                              // a reader's turn: the oldest still queued
+  void Expedite(const std::vector<ChunkId>& chunks);  // on the demand thread
   // Checks a chunk's header against the table and the credit, counts it, and claims the chunk
   // (landing) unless it is already held. *duplicate: already held; its bytes must be dropped
   // (the caller returns the credit). A claimed chunk must be installed or Unclaim'ed.
@@ -314,6 +332,11 @@ class RestoreSession::Impl {
   // Reader threads for chunks by reference (read_files on a Unix endpoint); joined after the
   // two above and before the final engine Flush.
   std::optional<asio::thread_pool> readers_;
+  std::mutex queued_mutex_;  // guards queued_reads_, queued_order_
+  std::map<ChunkId, PendingRead> queued_reads_;
+  std::deque<ChunkId> queued_order_;  // may name chunks Expedite took (skipped)
+  // Chunks Ensure wanted while they were claimed but not queued yet: queued first on arrival.
+  std::set<ChunkId> expedite_on_arrival_;
 };
 
 // ---- public surface ----
@@ -351,9 +374,15 @@ Status RestoreSession::Impl::Start() {
   // Certificates are loaded once; every reconnect reuses them.
   GPULAZY_ASSIGN_OR_RETURN(transport_,
                            net::ClientTransport::Make(options_.tls, options_.insecure_tcp));
+  if (options_.background_nice < 0 || options_.background_nice > 19)
+    return InvalidArgument("background_nice must be 0..19, not {}", options_.background_nice);
   if (options_.read_files && endpoint_.kind == net::Endpoint::Kind::kUnix) {
     if (options_.file_readers == 0) return InvalidArgument("read_files needs at least one reader");
     readers_.emplace(options_.file_readers);
+    net::RunOnEachPoolThread(*readers_, options_.file_readers, [this] {
+      net::NameThisThread("gl-file-reader");
+      BackgroundPriority();
+    });
   }
   {
     std::lock_guard lock(mutex_);
@@ -363,6 +392,7 @@ Status RestoreSession::Impl::Start() {
   if (options_.demand_connection) {
     demand_work_.emplace(demand_io_.get_executor());
     demand_thread_ = std::thread([this] {
+      net::NameThisThread("gl-demand");
       demand_io_.run();
       {
         std::lock_guard lock(mutex_);
@@ -371,10 +401,22 @@ Status RestoreSession::Impl::Start() {
       cv_.notify_all();
     });
   }
-  thread_ = std::thread([this] { io_.run(); });
+  thread_ = std::thread([this] {
+    net::NameThisThread("gl-stream");
+    BackgroundPriority();
+    io_.run();
+  });
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] { return opened_ || !failure_.ok(); });
   return failure_;
+}
+
+void RestoreSession::Impl::BackgroundPriority() const {
+  // Best effort: a thread that cannot be made nicer still does its work.
+  Status lowered = net::LowerThisThreadPriority(options_.background_nice);
+  if (!lowered.ok())
+    spdlog::warn("image {}: background thread keeps its priority: {}", options_.image,
+                 lowered.message());
 }
 
 Status RestoreSession::Impl::status() const {
@@ -465,9 +507,14 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   if (!covering.ok()) return covering.status().Context(fmt::format("image {}", options_.image));
   const ChunkRun run = *covering;
   std::vector<ChunkId> wanted;
+  std::vector<ChunkId> landing;  // claimed, maybe still queued for a file reader
   for (uint32_t i = 0; i < run.count; ++i) {
     uint32_t chunk = run.first + i;
-    if (residency_.held(bo, chunk) || residency_.demanded(bo, chunk)) continue;
+    if (residency_.held(bo, chunk)) {
+      if (readers_ && !residency_.resident(bo, chunk)) landing.emplace_back(bo, chunk);
+      continue;
+    }
+    if (residency_.demanded(bo, chunk)) continue;
     residency_.set_demanded(bo, chunk);
     wanted.emplace_back(bo, chunk);
   }
@@ -475,6 +522,7 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
     counters_.demand_chunks += wanted.size();
     OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
   }
+  if (!landing.empty()) OnDemandThread([this, landing = std::move(landing)] { Expedite(landing); });
   // Chunks become resident in any order; remember how far the prefix is known to be resident.
   uint32_t next = run.first;
   auto done = [&] {
@@ -1250,9 +1298,56 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
     ReadByReference(link, c, on_stream);
     return Status::Ok();
   }
-  // The job holds the file set (and so the descriptor) until the chunk is done.
-  asio::post(*readers_, [this, link, files, c, on_stream] { ReadByReference(link, c, on_stream); });
+  QueueRead(PendingRead{link, files, c});
   return Status::Ok();
+}
+
+void RestoreSession::Impl::QueueRead(PendingRead read) {
+  {
+    std::lock_guard lock(queued_mutex_);
+    const ChunkId id{read.chunk.bo, read.chunk.chunk};
+    if (expedite_on_arrival_.erase(id) > 0)
+      queued_order_.push_front(id);
+    else
+      queued_order_.push_back(id);
+    queued_reads_.insert_or_assign(id, std::move(read));
+  }
+  // One turn per queued chunk; a turn whose chunk was expedited finds the next one or nothing.
+  asio::post(*readers_, [this] { ReadNextQueued(); });
+}
+
+void RestoreSession::Impl::ReadNextQueued() {
+  std::optional<PendingRead> read;
+  {
+    std::lock_guard lock(queued_mutex_);
+    while (!read && !queued_order_.empty()) {
+      auto found = queued_reads_.find(queued_order_.front());
+      queued_order_.pop_front();
+      if (found == queued_reads_.end()) continue;
+      read = std::move(found->second);
+      queued_reads_.erase(found);
+    }
+  }
+  if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true);
+}
+
+void RestoreSession::Impl::Expedite(const std::vector<ChunkId>& chunks) {
+  for (const ChunkId& id : chunks) {
+    std::optional<PendingRead> read;
+    {
+      std::lock_guard lock(queued_mutex_);
+      auto found = queued_reads_.find(id);
+      if (found != queued_reads_.end()) {
+        read = std::move(found->second);
+        queued_reads_.erase(found);
+      } else {
+        // Claimed by the stream thread and about to be queued, or already being read (then
+        // this entry just lingers, one per chunk at most).
+        expedite_on_arrival_.insert(id);
+      }
+    }
+    if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true);
+  }
 }
 
 void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& c,

@@ -73,6 +73,10 @@ struct SessionOptions {
   // file ranges queued for the readers, not as payloads, so it bounds queued reads rather than
   // memory: 256 MiB keeps 16 readers fed where 64 MiB did not (docs/benchmarks.md).
   uint64_t file_window_bytes = 256u << 20;
+  // Added to the nice value of the session's stream thread and file readers (the background
+  // work; 0..19, 0 = same priority as the caller): the demand thread, the caller's threads and
+  // a resumed program then get the CPU first where cores are few (docs/client.md).
+  int background_nice = 0;
 };
 
 // A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).

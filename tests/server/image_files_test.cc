@@ -4,6 +4,7 @@
 // every misuse is refused with an error naming why (want_files without a session, over TCP, with
 // the server's --no-pass-files, by_reference before the files were passed).
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -26,6 +27,7 @@
 #include "page-client/restore_session.h"
 #include "page-client/server_connection.h"
 #include "tests/server/test_support.h"
+#include "tests/support/threads.h"
 
 namespace gpulazy::server::testing {
 namespace {
@@ -179,6 +181,91 @@ TEST_F(ImageFilesTest, SessionReadingFilesGrantsItsFileWindow) {
   }
 }
 
+// Background work runs nicer: the session's stream thread and file readers by
+// background_nice, its demand thread (serving faults) at the caller's priority.
+TEST_F(ImageFilesTest, SessionBackgroundThreadsRunNicerThanItsDemandThread) {
+  using gpulazy::testing::NiceOfThreadsNamed;
+  const int base = gpulazy::testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice;
+  ASSERT_LE(base, 19 - 5);
+  client::HostCopyEngine engine;
+  client::SessionOptions options;
+  options.endpoint = server_->unix_endpoint().ToString();
+  options.image = "raw";
+  options.file_readers = 2;
+  options.background_nice = 5;
+  options.stream_all = false;  // the session stays open, its threads alive
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  EXPECT_EQ(NiceOfThreadsNamed("gl-stream"), std::vector<int>{base + 5});
+  EXPECT_EQ(NiceOfThreadsNamed("gl-file-reader"), (std::vector<int>{base + 5, base + 5}));
+  EXPECT_EQ(NiceOfThreadsNamed("gl-demand"), std::vector<int>{base});
+  EXPECT_EQ(gpulazy::testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice, base);
+
+  client::SessionOptions bad = options;
+  bad.background_nice = 20;
+  client::RestoreSession refused(bad, engine);
+  EXPECT_EQ(refused.Start().code(), Code::kInvalidArgument);
+}
+
+// A chunk that waits in the file readers' queue when someone needs it is read at once on the
+// demand thread, not after the chunks queued before it. The readers here take 100 ms a chunk,
+// so the queue drains slowly; Ensure of the last chunk must return before it is drained, and
+// without a demand request (the chunk was already on its way).
+TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
+  class SlowReadersEngine : public client::CopyEngine {
+   public:
+    std::string_view name() const override { return "slow-readers"; }
+    Status AddDestination(uint32_t bo, uint64_t size) override {
+      return host_.AddDestination(bo, size);
+    }
+    Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+                 client::CopyDone done) override {
+      char thread[16] = {};
+      ::pthread_getname_np(::pthread_self(), thread, sizeof thread);
+      if (std::string_view(thread) == "gl-file-reader") std::this_thread::sleep_for(100ms);
+      return host_.Write(bo, offset, raw, std::move(done));
+    }
+    Status Flush() override { return host_.Flush(); }
+    const client::HostCopyEngine& host() const { return host_; }
+
+   private:
+    client::HostCopyEngine host_{client::HostEngineOptions{.receive_in_place = false}};
+  };
+  SlowReadersEngine engine;
+  client::SessionOptions options;
+  options.endpoint = server_->unix_endpoint().ToString();
+  options.image = "raw";
+  options.file_readers = 1;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  const client::Progress start = session.progress();
+  ASSERT_GE(start.total_chunks, 8u);
+  // Every chunk's reference has arrived (the window holds the whole image): all are queued.
+  for (int i = 0; i < 1000 && session.progress().received_bytes < start.total_bytes; ++i)
+    std::this_thread::sleep_for(5ms);
+  ASSERT_EQ(session.progress().received_bytes, start.total_bytes);
+  const uint32_t last_bo = static_cast<uint32_t>(session.bos().size() - 1);
+  const uint64_t last_size = session.bos()[last_bo].size;
+  ASSERT_TRUE(session.Ensure(last_bo, last_size - 1, 1, 30s).ok());
+  const client::Progress at_ensure = session.progress();
+  // In queue order it would be the last chunk read (one reader, table order). Not asserted
+  // tighter: the fake's readers sleep under the engine lock the demand thread needs too.
+  EXPECT_LT(at_ensure.resident_chunks, start.total_chunks)
+      << "Ensure waited for the queue ahead of its chunk";
+  EXPECT_EQ(at_ensure.demand_chunks, 0u) << "a queued chunk was asked for again";
+  ASSERT_TRUE(session.WaitComplete(60s).ok());
+  EXPECT_EQ(session.progress().resident_chunks, start.total_chunks);
+  // Byte-exact: every BO as the checkpoint has it.
+  for (uint32_t i = 0; i < session.bos().size(); ++i) {
+    auto want =
+        expected_["raw"].find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
+    ASSERT_NE(want, expected_["raw"].end());
+    Result<std::span<uint8_t>> got = engine.host().Mapping(i);
+    ASSERT_TRUE(got.ok());
+    EXPECT_TRUE(std::ranges::equal(*got, want->second)) << "BO " << i;
+  }
+}
+
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
   // want_files without a session to join.
   {
@@ -228,6 +315,29 @@ TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
     ASSERT_FALSE(files.ok());
     EXPECT_EQ(files.status().code(), Code::kNotFound) << files.status().ToString();
   }
+}
+
+// The server's bulk disk threads run --background-nice nicer; its demand-lane and network
+// threads keep the server's priority.
+TEST(ServerThreads, BulkDiskThreadsRunNicer) {
+  using gpulazy::testing::NiceOfThreadsNamed;
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  const int base = gpulazy::testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice;
+  ASSERT_LE(base, 19 - 6);
+  ServerProcess server(
+      dir.path(), root,
+      {"--background-nice", "6", "--disk-threads", "3", "--demand-threads", "2", "--threads", "2"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  // The network threads start once the server runs, which may be just after it says ready.
+  for (int i = 0; i < 500 && NiceOfThreadsNamed("gl-net", server.pid()).empty(); ++i)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(NiceOfThreadsNamed("gl-disk", server.pid()),
+            (std::vector<int>{base + 6, base + 6, base + 6}));
+  EXPECT_EQ(NiceOfThreadsNamed("gl-demand-disk", server.pid()), (std::vector<int>{base, base}));
+  EXPECT_EQ(NiceOfThreadsNamed("gl-net", server.pid()), std::vector<int>{base});
+  EXPECT_EQ(server.Terminate(), 0) << server.Log();
 }
 
 TEST(ImageFilesOff, ServerWithNoPassFilesRefusesThem) {
