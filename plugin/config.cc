@@ -78,6 +78,10 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
     c.fault_socket = value;
   } else if (key == "window") {
     GPULAZY_ASSIGN_OR_RETURN(c.window_bytes, ParseU64(key, value));
+  } else if (key == "background_nice") {
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t nice, ParseU64(key, value));
+    if (nice > 19) return InvalidArgument("background_nice: {} is not in 0..19", nice);
+    c.background_nice = static_cast<int>(nice);
   } else if (key == "resume_timeout_ms") {
     GPULAZY_ASSIGN_OR_RETURN(uint64_t ms, ParseU64(key, value));
     c.resume_timeout = std::chrono::milliseconds(ms);
@@ -97,10 +101,10 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
 }
 
 const char* const kKeys[] = {
-    "mode",      "server",          "image",        "token",   "engine",
-    "fake_kfd",  "topology",        "fault_socket", "window",  "resume_timeout_ms",
-    "log_level", "lazy_image",      "token_file",   "tls_ca",  "tls_cert",
-    "tls_key",   "tls_server_name", "insecure_tcp", "dri_root"};
+    "mode",      "server",          "image",        "token",    "engine",
+    "fake_kfd",  "topology",        "fault_socket", "window",   "resume_timeout_ms",
+    "log_level", "lazy_image",      "token_file",   "tls_ca",   "tls_cert",
+    "tls_key",   "tls_server_name", "insecure_tcp", "dri_root", "background_nice"};
 
 }  // namespace
 

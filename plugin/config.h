@@ -21,6 +21,9 @@
 //                                               <dri_root>/renderD<minor> (default /dev/dri)
 //   fault_socket      GPULAZY_FAULT_SOCKET      path of the fault channel (lazy mode)
 //   window            GPULAZY_WINDOW            client credit window in bytes
+//   background_nice   GPULAZY_BACKGROUND_NICE   parallel/lazy: added to the nice value of the
+//                                               background restore threads (0..19, default
+//                                               10; 0: same priority as the restored program)
 //   resume_timeout_ms GPULAZY_RESUME_TIMEOUT_MS most a RESUME_DEVICES_LATE waits for contents
 //   check_*           GPULAZY_CHECK_*           topology checks (topology.h), 0 disables one
 //   lazy_image        GPULAZY_LAZY_IMAGE        dump: also write the lazy image (0 | 1)
@@ -60,6 +63,7 @@ struct PluginConfig {
   std::filesystem::path dri_root = "/dev/dri";
   std::filesystem::path fault_socket;
   uint64_t window_bytes = 16u << 20;
+  int background_nice = 10;
   std::chrono::milliseconds resume_timeout{600'000};
   TopologyChecks checks;
   bool lazy_image = false;  // dump: convert the finished checkpoint into a lazy image too

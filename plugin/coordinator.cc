@@ -64,6 +64,8 @@ Status RestoreCoordinator::StartServer() {
   sc.listen = {ep};
   sc.io_threads = 1;
   sc.disk_threads = 2;
+  // The restored program runs beside this server: its bulk reads yield the CPU to it.
+  sc.background_nice = config_.background_nice;
   sc.server_name = "gpulazy-plugin";
   sc.handle_signals = false;  // CRIU's SIGTERM/SIGINT handlers are not ours to replace
   server_ = std::make_unique<server::Server>(sc);
@@ -98,6 +100,7 @@ Status RestoreCoordinator::Start() {
   options.tls = config_.tls;
   options.insecure_tcp = config_.insecure_tcp;
   options.window_bytes = config_.window_bytes;
+  options.background_nice = config_.background_nice;
   options.client_name = "gpulazy-plugin";
   session_ = std::make_unique<client::RestoreSession>(options, router_);
   Status started = session_->Start();

@@ -856,6 +856,26 @@ TEST(Config, DriRoot) {
   EXPECT_EQ(d->dri_root, "/dev/dri");
 }
 
+TEST(Config, BackgroundNice) {
+  auto with = [](std::optional<std::string> value) {
+    return LoadConfig([value](const std::string& k) -> std::optional<std::string> {
+      if (k == "GPULAZY_CONFIG") return "/dev/null";
+      if (k == "GPULAZY_BACKGROUND_NICE") return value;
+      return std::nullopt;
+    });
+  };
+  auto unset = with(std::nullopt);
+  ASSERT_TRUE(unset.ok());
+  EXPECT_EQ(unset->background_nice, 10);
+  auto off = with("0");
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->background_nice, 0);
+  auto bad = with("20");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("background_nice"), std::string::npos)
+      << bad.status().ToString();
+}
+
 // ---- SDMA engine pipelining ----
 
 TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
