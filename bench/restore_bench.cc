@@ -113,6 +113,8 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
   session_options.image = "ckpt";
   session_options.client_name = "bench-restore-" + run.mode;
   session_options.read_files = options.read_files;
+  session_options.background_nice = options.background_nice;
+  session_options.file_window_bytes = options.file_window;
   session_options.reconnect.deadline = std::chrono::milliseconds(20000);
 
   const auto start = Clock::now();
@@ -195,6 +197,8 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
                         {"chunk_size", chunk_size},
                         {"fill", lazy ? uffd::FillModeName(fill) : "memcpy"},
                         {"read_files", options.read_files},
+                        {"background_nice", options.background_nice},
+                        {"file_window_bytes", options.file_window},
                         {"time_to_resume_s", resume_s},
                         {"time_to_first_result_s", first_s},
                         {"time_to_full_s", full_s},
@@ -294,8 +298,11 @@ Status RunRestoreBench(const CommonOptions& common, const RestoreOptions& option
     if (options.chunk_size != 0) convert.chunk_size = options.chunk_size;
     GPULAZY_RETURN_IF_ERROR(image::ConvertToLazyImage(checkpoint, convert).status());
   }
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server, ServerChild::Start(common.bin_dir, root, work.path(),
-                                                                  common.server_args));
+  std::vector<std::string> server_args = {"--background-nice",
+                                          std::to_string(options.background_nice)};
+  server_args.insert(server_args.end(), common.server_args.begin(), common.server_args.end());
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
+                           ServerChild::Start(common.bin_dir, root, work.path(), server_args));
 
   std::vector<std::string> modes = options.modes;
   const bool has_lazy = std::find(modes.begin(), modes.end(), "lazy") != modes.end();
@@ -476,6 +483,18 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
       ->capture_default_str();
   cmd->add_option("--fill", options.fill_mode, "missing (UFFDIO_COPY) or minor (UFFDIO_CONTINUE)")
       ->capture_default_str();
+  cmd->add_option_function<std::string>(
+      "--file-window",
+      [&options](const std::string& text) {
+        Result<uint64_t> bytes = ParseSize(text);
+        if (!bytes.ok()) throw CLI::ValidationError("--file-window", bytes.status().message());
+        options.file_window = *bytes;
+      },
+      "credit window while reading passed image files (default 256M)");
+  cmd->add_option("--background-nice", options.background_nice,
+                  "added to the nice value of background restore threads, client and server")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 19));
   cmd->add_option("--svg", options.svg, "write a timeline plot (SVG) here");
   cmd->add_flag("--mechanisms", options.mechanisms,
                 "compare MISSING+COPY and MINOR+CONTINUE (no server)");

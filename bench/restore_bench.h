@@ -32,6 +32,10 @@ struct RestoreOptions {
   std::string svg;                    // write a timeline plot here
   bool mechanisms = false;            // instead: compare MISSING+COPY and MINOR+CONTINUE, no server
   bool read_files = true;  // by reference from the passed image files, else through the socket
+  // Added to the nice value of the restore's background threads, client and server (the
+  // plugin's default in parallel and lazy modes); 0 = everything at one priority.
+  int background_nice = 10;
+  uint64_t file_window = 256u << 20;  // the session's credit window by reference
   uint64_t seed = 1;
 };
 
