@@ -98,7 +98,16 @@ void Dispatcher::Pump() {
     again = true;
     return;
   }
-  const Dispatcher* outer = std::exchange(pumping, this);
+  // Another dispatcher's pump may be under way further up this thread: its state comes back
+  // however this one ends.
+  struct Restore {
+    const Dispatcher* outer_pumping;
+    bool outer_again;
+    ~Restore() {
+      pumping = outer_pumping;
+      again = outer_again;
+    }
+  } restore{std::exchange(pumping, this), std::exchange(again, false)};
   do {
     again = false;
     std::vector<Job> jobs;
@@ -129,7 +138,6 @@ void Dispatcher::Pump() {
       boost::asio::post(lane, [this, job = std::move(job)] { Read(job); });
     }
   } while (again);
-  pumping = outer;
 }
 
 void Dispatcher::Finished(Lane lane) {
