@@ -114,7 +114,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
   session_options.client_name = "bench-restore-" + run.mode;
   session_options.read_files = options.read_files;
   session_options.background_nice = options.background_nice;
-  session_options.file_window_bytes = options.file_window;
+  if (options.file_window) session_options.file_window_bytes = *options.file_window;
   session_options.reconnect.deadline = std::chrono::milliseconds(20000);
 
   const auto start = Clock::now();
@@ -198,7 +198,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
                         {"fill", lazy ? uffd::FillModeName(fill) : "memcpy"},
                         {"read_files", options.read_files},
                         {"background_nice", options.background_nice},
-                        {"file_window_bytes", options.file_window},
+                        {"file_window_bytes", session_options.file_window_bytes},
                         {"time_to_resume_s", resume_s},
                         {"time_to_first_result_s", first_s},
                         {"time_to_full_s", full_s},
@@ -490,7 +490,7 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
         if (!bytes.ok()) throw CLI::ValidationError("--file-window", bytes.status().message());
         options.file_window = *bytes;
       },
-      "credit window while reading passed image files (default 256M)");
+      "credit window while reading passed image files (default: the client's)");
   cmd->add_option("--background-nice", options.background_nice,
                   "added to the nice value of background restore threads, client and server")
       ->capture_default_str()

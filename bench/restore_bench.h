@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,7 +36,7 @@ struct RestoreOptions {
   // Added to the nice value of the restore's background threads, client and server (the
   // plugin's default in parallel and lazy modes); 0 = everything at one priority.
   int background_nice = 10;
-  uint64_t file_window = 256u << 20;  // the session's credit window by reference
+  std::optional<uint64_t> file_window;  // by reference; unset: the client library's default
   uint64_t seed = 1;
 };
 

@@ -45,10 +45,10 @@ Status ReadInto(const FileChunk& c, std::span<uint8_t> into, std::vector<uint8_t
     }
     // Slice by slice, each hashed while the read has just left it in the cache: one pass over
     // the destination instead of two (the second would compete with the DMA for memory).
-    constexpr size_t kSlice = 256u << 10;
     Checksum64Stream hash;
     for (size_t done = 0; done < into.size();) {
-      const std::span<uint8_t> slice = into.subspan(done, std::min(kSlice, into.size() - done));
+      const std::span<uint8_t> slice =
+          into.subspan(done, std::min(kChecksumSliceBytes, into.size() - done));
       GPULAZY_RETURN_IF_ERROR(ReadExactAt(c.fd, c.file_offset + done, slice, what));
       hash.Update(slice);
       done += slice.size();

@@ -256,6 +256,7 @@ class RestoreSession::Impl {
     FileChunk chunk;
   };
   void QueueRead(PendingRead read);
+  std::optional<PendingRead> TakeQueuedLocked(ChunkId id);  // queued_mutex_ held
   void ReadNextQueued();                              // a reader's turn: the oldest still queued
   void Expedite(const std::vector<ChunkId>& chunks);  // on the demand thread
   // Checks a chunk's header against the table and the credit, counts it, and claims the chunk
@@ -1209,11 +1210,11 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
 
   // The checksum is computed slice by slice right after each slice lands, while it is still in
   // the cache: one pass over memory for copy and verification together.
-  constexpr size_t kSlice = 256u << 10;
   Checksum64Stream hash;
   Status status;
   for (size_t done = 0; status.ok() && done < target->size();) {
-    const std::span<uint8_t> slice = target->subspan(done, std::min(kSlice, target->size() - done));
+    const std::span<uint8_t> slice =
+        target->subspan(done, std::min(kChecksumSliceBytes, target->size() - done));
     status = co_await net::ReadPayload(socket, slice);
     if (!status.ok()) {
       *transport = true;
@@ -1321,14 +1322,20 @@ void RestoreSession::Impl::ReadNextQueued() {
   {
     std::lock_guard lock(queued_mutex_);
     while (!read && !queued_order_.empty()) {
-      auto found = queued_reads_.find(queued_order_.front());
+      read = TakeQueuedLocked(queued_order_.front());
       queued_order_.pop_front();
-      if (found == queued_reads_.end()) continue;
-      read = std::move(found->second);
-      queued_reads_.erase(found);
     }
   }
   if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true);
+}
+
+std::optional<RestoreSession::Impl::PendingRead> RestoreSession::Impl::TakeQueuedLocked(
+    ChunkId id) {
+  auto found = queued_reads_.find(id);
+  if (found == queued_reads_.end()) return std::nullopt;
+  PendingRead read = std::move(found->second);
+  queued_reads_.erase(found);
+  return read;
 }
 
 void RestoreSession::Impl::Expedite(const std::vector<ChunkId>& chunks) {
@@ -1336,15 +1343,10 @@ void RestoreSession::Impl::Expedite(const std::vector<ChunkId>& chunks) {
     std::optional<PendingRead> read;
     {
       std::lock_guard lock(queued_mutex_);
-      auto found = queued_reads_.find(id);
-      if (found != queued_reads_.end()) {
-        read = std::move(found->second);
-        queued_reads_.erase(found);
-      } else {
-        // Claimed by the stream thread and about to be queued, or already being read (then
-        // this entry just lingers, one per chunk at most).
-        expedite_on_arrival_.insert(id);
-      }
+      read = TakeQueuedLocked(id);
+      // Not queued: claimed by the stream thread and about to be, or already being read (then
+      // this entry just lingers, one per chunk at most).
+      if (!read) expedite_on_arrival_.insert(id);
     }
     if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true);
   }

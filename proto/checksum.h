@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -14,6 +15,10 @@ namespace gpulazy {
 using Digest128 = std::array<uint8_t, 16>;
 
 uint64_t Checksum64(std::span<const uint8_t> bytes);
+
+// How much to receive or read before hashing it: small enough to still be in the cache when
+// hashed, large enough that the calls per chunk stay few.
+inline constexpr size_t kChecksumSliceBytes = 256u << 10;
 
 // Checksum64 of bytes that arrive in pieces: hashing each piece right after it lands, while it
 // is still in the cache, saves a second pass over memory. Equals Checksum64 of the pieces

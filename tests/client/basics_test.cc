@@ -151,16 +151,14 @@ class InstallFileChunkTest : public ::testing::Test {
   }
 
   FileChunk Chunk(std::optional<uint64_t> checksum) const {
-    FileChunk c;
-    c.bo = 0;
-    c.chunk = 1;
-    c.dest_offset = 1u << 20;
-    c.raw_length = kLength;
-    c.checksum = checksum;
-    c.fd = fd_;
-    c.file_offset = kFileOffset;
-    c.stored_length = kLength;
-    return c;
+    return FileChunk{.bo = 0,
+                     .chunk = 1,
+                     .dest_offset = 1u << 20,
+                     .raw_length = kLength,
+                     .checksum = checksum,
+                     .fd = fd_,
+                     .file_offset = kFileOffset,
+                     .stored_length = kLength};
   }
 
   Status Install(const FileChunk& c, int* done_calls) {
