@@ -2,6 +2,7 @@
 # gpulazy-client CLI. Included from sources.cmake.
 add_library(gpulazy_client STATIC
   ${CMAKE_CURRENT_LIST_DIR}/chunk_codec.cc
+  ${CMAKE_CURRENT_LIST_DIR}/engine_gate.cc
   ${CMAKE_CURRENT_LIST_DIR}/file_chunks.cc
   ${CMAKE_CURRENT_LIST_DIR}/host_engine.cc
   ${CMAKE_CURRENT_LIST_DIR}/residency.cc

@@ -66,19 +66,19 @@ Status ReadInto(const FileChunk& c, std::span<uint8_t> into, std::vector<uint8_t
 
 }  // namespace
 
-Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChunk& c,
+Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
                         const std::string& what, CopyDone done, uint64_t* bytes_read) {
-  // ReceiveTarget under engine_mu although the contract would allow concurrent calls: readers
+  // ReceiveTarget under the gate although the contract would allow concurrent calls: readers
   // then take slots one at a time, in order. Measured (docs/benchmarks.md): 0.74-0.78 of the
   // pinned rate this way against 0.58-0.63 with every reader grabbing slots at once.
   std::optional<std::span<uint8_t>> target;
   {
-    std::lock_guard engine_lock(engine_mu);
+    EngineHold engine_hold(gate, urgency);
     target = engine.ReceiveTarget(c.bo, c.dest_offset, c.raw_length);
   }
   if (target && target->size() != c.raw_length) {
-    std::lock_guard engine_lock(engine_mu);
+    EngineHold engine_hold(gate, urgency);
     engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
     target.reset();
   }
@@ -95,7 +95,7 @@ Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChu
     if (target) {
       // Nothing unverified may linger in a destination the engine lent us.
       std::memset(into.data(), 0, into.size());
-      std::lock_guard engine_lock(engine_mu);
+      EngineHold engine_hold(gate, urgency);
       engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
     } else {
       buffers.Return(std::move(own));
@@ -106,7 +106,7 @@ Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChu
     if (own) buffers.Return(own);
     done(status);
   };
-  std::lock_guard engine_lock(engine_mu);
+  EngineHold engine_hold(gate, urgency);
   Status queued = target
                       ? engine.CommitReceived(c.bo, c.dest_offset, c.raw_length, std::move(finish))
                       : engine.Write(c.bo, c.dest_offset, into, std::move(finish));

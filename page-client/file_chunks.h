@@ -9,7 +9,7 @@
 // records no checksums: its bytes are installed as read, as CRIU itself does.
 //
 // Thread-safety: InstallFileChunk may run on several threads at once; every engine call it makes
-// holds `engine_mu`, which the caller shares with its other engine calls.
+// goes through `gate` (at `urgency`), which the caller shares with its other engine calls.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "page-client/copy_engine.h"
+#include "page-client/engine_gate.h"
 #include "proto/manifest.pb.h"
 #include "proto/status.h"
 
@@ -55,7 +56,8 @@ class ChunkBufferPool {
 // run) and no unverified byte is left in engine memory: kCorrupt for bytes that failed
 // verification (reading again may help), anything else for the file or the engine. `what`
 // names the chunk in messages. *bytes_read (when not null) counts what was read from the file.
-Status InstallFileChunk(CopyEngine& engine, std::mutex& engine_mu, const FileChunk& c,
+// kUrgent: someone is blocked on this chunk; its engine calls go ahead of background ones.
+Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
                         const std::string& what, CopyDone done, uint64_t* bytes_read);
 

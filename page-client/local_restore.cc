@@ -40,7 +40,7 @@ class LocalRestore::Impl {
     for (std::thread& reader : readers_)
       if (reader.joinable()) reader.join();
     // Writes the engine still holds own callbacks into this object: let them finish first.
-    std::lock_guard engine_lock(engine_mu_);
+    std::lock_guard engine_lock(engine_gate_);
     (void)engine_.Flush();
   }
 
@@ -194,16 +194,20 @@ class LocalRestore::Impl {
         if (!listed[first_chunk_[bo] + chunk]) order_.push_back({bo, chunk});
   }
 
+  struct Pick {
+    ChunkId id;
+    Urgency urgency;  // urgent: Ensure waits for it (its engine calls go first)
+  };
   // Under mu_: the next chunk to read, marked landing; nullopt when there is nothing left.
-  std::optional<ChunkId> NextChunk() {
+  std::optional<Pick> NextChunk() {
     while (!demand_.empty()) {
       ChunkId id = demand_.front();
       demand_.pop_front();
-      if (residency_.MarkLanding(id.bo, id.chunk)) return id;
+      if (residency_.MarkLanding(id.bo, id.chunk)) return Pick{id, Urgency::kUrgent};
     }
     while (next_ < order_.size()) {
       ChunkId id = order_[next_++];
-      if (residency_.MarkLanding(id.bo, id.chunk)) return id;
+      if (residency_.MarkLanding(id.bo, id.chunk)) return Pick{id, Urgency::kBackground};
     }
     return std::nullopt;
   }
@@ -211,19 +215,19 @@ class LocalRestore::Impl {
   void ReadLoop() {
     std::vector<uint8_t> scratch;
     while (true) {
-      ChunkId id;
+      Pick pick;
       {
         std::unique_lock lock(mu_);
-        std::optional<ChunkId> next;
+        std::optional<Pick> next;
         work_.wait(lock, [&] {
           if (stopping_ || !status_.ok()) return true;
           next = NextChunk();
           return next.has_value();
         });
         if (!next) return;
-        id = *next;
+        pick = *next;
       }
-      if (Status s = Restore(id, scratch); !s.ok()) {
+      if (Status s = Restore(pick.id, pick.urgency, scratch); !s.ok()) {
         Fail(s);
         return;
       }
@@ -233,7 +237,7 @@ class LocalRestore::Impl {
   // Reads one chunk into the engine's buffer (or a buffer of ours), verifies it and hands it
   // to the engine; a chunk that fails verification is read again once. On failure the chunk is
   // left missing.
-  Status Restore(ChunkId id, std::vector<uint8_t>& scratch) {
+  Status Restore(ChunkId id, Urgency urgency, std::vector<uint8_t>& scratch) {
     const manifest::Chunk& stored =
         image_->manifest().bos(static_cast<int>(id.bo)).chunks(static_cast<int>(id.chunk));
     GPULAZY_ASSIGN_OR_RETURN(image::DiskRange range, image_->LocateChunk(id.bo, id.chunk));
@@ -258,7 +262,7 @@ class LocalRestore::Impl {
     for (uint32_t attempt = 0;; ++attempt) {
       uint64_t read = 0;
       Status s = InstallFileChunk(
-          engine_, engine_mu_, c, buffers_, scratch, what,
+          engine_, engine_gate_, urgency, c, buffers_, scratch, what,
           [this, id, length = c.raw_length](const Status& status) {
             OnWritten(id, length, status);
           },
@@ -313,7 +317,7 @@ class LocalRestore::Impl {
   uint64_t hot_count_ = 0;
 
   // Engine calls are serialized (InstallFileChunk says why ReceiveTarget is too); reads are not.
-  std::mutex engine_mu_;
+  EngineGate engine_gate_;
   ChunkBufferPool buffers_{kMaxSpareBuffers};
 
   mutable std::mutex mu_;

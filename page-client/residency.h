@@ -52,6 +52,16 @@ class ResidencyMap {
   }
   bool demanded(uint32_t bo, uint32_t chunk) const { return At(bo, chunk).flags & kDemanded; }
   void set_demanded(uint32_t bo, uint32_t chunk) { At(bo, chunk).flags |= kDemanded; }
+  // Someone is (or was) blocked until this chunk is resident: it is installed ahead of
+  // background chunks, and its landing wakes the waiters.
+  bool waited(uint32_t bo, uint32_t chunk) const { return At(bo, chunk).flags & kWaited; }
+  void set_waited(uint32_t bo, uint32_t chunk) { At(bo, chunk).flags |= kWaited; }
+  // In the profile's hot set: its landing wakes those waiting for the hot set.
+  void set_hot(uint32_t bo, uint32_t chunk) { At(bo, chunk).flags |= kHot; }
+  // Whether this chunk's landing may end someone's wait (waited, hot, or the last one).
+  bool LandingWakes(uint32_t bo, uint32_t chunk) const {
+    return (At(bo, chunk).flags & (kWaited | kHot)) != 0 || complete();
+  }
   // Missing -> landing; false when the chunk is already held.
   bool MarkLanding(uint32_t bo, uint32_t chunk);
   // Landing -> missing: a receive straight into the destination failed (bad checksum, lost
@@ -78,6 +88,8 @@ class ResidencyMap {
   static constexpr uint8_t kLanding = 1;
   static constexpr uint8_t kResident = 2;
   static constexpr uint8_t kDemanded = 4;
+  static constexpr uint8_t kWaited = 8;
+  static constexpr uint8_t kHot = 16;
 
   struct ChunkState {
     uint8_t flags = 0;

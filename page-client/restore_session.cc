@@ -11,11 +11,11 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <thread>
 #include <utility>
 
 #include "page-client/chunk_codec.h"
+#include "page-client/engine_gate.h"
 #include "page-client/file_chunks.h"
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
@@ -73,17 +73,20 @@ bool SameBo(const BoEntry& a, const BoEntry& b) {
 //   claim, taken in the same critical section as the duplicate check, so of two copies of a chunk
 //   arriving on both connections at once exactly one is received and the other is dropped: no
 //   chunk is applied twice), the counters, failure_ and the lifecycle flags.
-// - engine_mutex_ serializes the engine calls of both threads (CopyEngine: one caller at a
-//   time). It is held around the call only, never across a socket read. Engine completions
-//   (OnWritten) may run inside an engine call and take mutex_ and buffers_mutex_, never
-//   engine_mutex_; so the lock order is engine_mutex_, then mutex_ or buffers_mutex_.
+// - engine_gate_ serializes the engine calls of all threads (CopyEngine: one caller at a
+//   time). It is held around the call only, never across a socket read. A thread installing a
+//   chunk someone waits for (the demand thread) enters it urgently, ahead of the readers
+//   (engine_gate.h). Engine completions (OnWritten) may run inside an engine call and take
+//   mutex_ and buffers_mutex_, never engine_gate_; so the lock order is engine_gate_, then
+//   mutex_ or buffers_mutex_.
 // - buffers_mutex_ guards the pool of spare staging buffers.
 // - With image files passed (read_files on a Unix endpoint), a chunk that arrives by reference
 //   is claimed by the thread that read its ChunkData frame and installed on a reader thread
 //   (readers_), or, for the demand connection, on the demand thread itself: the read from the
-//   file, verification and engine calls under engine_mutex_. Stream chunks wait for a reader
-//   in queued_reads_ (queued_mutex_, taken under no other lock); Ensure of a chunk that waits
-//   there has the demand thread take it out and read it at once (Expedite).
+//   file, verification and engine calls under engine_gate_. Stream chunks wait for a reader
+//   in queued_reads_ (queued_mutex_, taken before mutex_, under no other lock); a chunk Ensure
+//   waits for is read on the demand thread instead, whether it was queued before Ensure asked
+//   (Expedite) or arrives after (QueueRead).
 //   Whatever the reader must hand back (a bad copy's credit and re-request) it posts to io_.
 
 struct DemandLink;
@@ -245,17 +248,21 @@ class RestoreSession::Impl {
   Status ReceiveByReference(const std::shared_ptr<Link>& link, const FrameLimits& limits,
                             const std::shared_ptr<const ImageFileSet>& files,
                             const wire::ChunkData& data, uint32_t payload_length, bool on_stream);
-  // On a reader thread: reads the claimed chunk from the passed file into the engine.
-  void ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& chunk, bool on_stream);
-  // Background chunks by reference wait here for a reader, oldest first; a chunk someone is
-  // waiting for (Ensure) is taken out and read at once on the demand thread instead of after
-  // everything queued before it (with a large window that queue holds thousands of chunks).
+  // Reads the claimed chunk from the passed file into the engine: on a reader thread, or on
+  // the demand thread (kUrgent) for a chunk someone waits for.
+  void ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& chunk, bool on_stream,
+                       Urgency urgency);
+  // Background chunks by reference wait here for a reader, oldest first. A chunk someone is
+  // waiting for (Ensure marked it waited) never waits there: it is read at once on the demand
+  // thread instead of after everything queued before it (with a large window that queue holds
+  // thousands of chunks): QueueRead hands it over if it is waited for when it arrives, Expedite
+  // takes it out if it was queued before.
   struct PendingRead {
     std::shared_ptr<Link> link;
     std::shared_ptr<const ImageFileSet> files;  // keeps the descriptor open
     FileChunk chunk;
   };
-  void QueueRead(PendingRead read);
+  void QueueRead(PendingRead read);                         // stream thread
   std::optional<PendingRead> TakeQueuedLocked(ChunkId id);  // queued_mutex_ held
   void ReadNextQueued();                              // a reader's turn: the oldest still queued
   void Expedite(const std::vector<ChunkId>& chunks);  // on the demand thread
@@ -304,7 +311,7 @@ class RestoreSession::Impl {
   Progress counters_;
   std::atomic<bool> cancelled_{false};
 
-  std::mutex engine_mutex_;  // held around every engine_ call, and only there
+  EngineGate engine_gate_;  // held around every engine_ call, and only there
   ChunkBufferPool file_buffers_{kMaxSpareBuffers};  // staging for encoded chunks read by reference
 
   std::mutex buffers_mutex_;
@@ -333,11 +340,9 @@ class RestoreSession::Impl {
   // Reader threads for chunks by reference (read_files on a Unix endpoint); joined after the
   // two above and before the final engine Flush.
   std::optional<asio::thread_pool> readers_;
-  std::mutex queued_mutex_;  // guards queued_reads_, queued_order_
+  std::mutex queued_mutex_;  // guards queued_reads_, queued_order_; taken before mutex_
   std::map<ChunkId, PendingRead> queued_reads_;
   std::deque<ChunkId> queued_order_;  // may name chunks Expedite took (skipped)
-  // Chunks Ensure wanted while they were claimed but not queued yet: queued first on arrival.
-  std::set<ChunkId> expedite_on_arrival_;
 };
 
 // ---- public surface ----
@@ -360,7 +365,7 @@ RestoreSession::Impl::~Impl() {
   if (readers_) readers_->join();
   // Engine callbacks hold our staging buffers and call OnWritten; let them all run first.
   if (started_) {
-    std::lock_guard engine_lock(engine_mutex_);
+    std::lock_guard engine_lock(engine_gate_);
     (void)engine_.Flush();
   }
 }
@@ -511,8 +516,12 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   std::vector<ChunkId> landing;  // claimed, maybe still queued for a file reader
   for (uint32_t i = 0; i < run.count; ++i) {
     uint32_t chunk = run.first + i;
+    if (residency_.resident(bo, chunk)) continue;
+    // From now on it goes ahead of background chunks wherever it is claimed (QueueRead), and
+    // its landing wakes us.
+    residency_.set_waited(bo, chunk);
     if (residency_.held(bo, chunk)) {
-      if (readers_ && !residency_.resident(bo, chunk)) landing.emplace_back(bo, chunk);
+      if (readers_) landing.emplace_back(bo, chunk);
       continue;
     }
     if (residency_.demanded(bo, chunk)) continue;
@@ -638,7 +647,7 @@ asio::awaitable<void> RestoreSession::Impl::Main() {
   }
   Status flushed;
   {
-    std::lock_guard engine_lock(engine_mutex_);
+    std::lock_guard engine_lock(engine_gate_);
     flushed = engine_.Flush();
   }
   if (!flushed.ok()) Fail(flushed.Context(fmt::format("flushing the {} engine", engine_.name())));
@@ -677,9 +686,10 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
     if (!valid.ok())
       return valid.Context(fmt::format("image {}: access profile entry {}", image, i));
     hot.emplace_back(ref.bo(), ref.chunk());
+    residency.set_hot(ref.bo(), ref.chunk());
   }
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
-  std::lock_guard engine_lock(engine_mutex_);
+  std::lock_guard engine_lock(engine_gate_);
   for (uint32_t bo = 0; bo < bos.size(); ++bo) {
     Status created = engine_.AddDestination(bo, bos[bo].size);
     if (!created.ok())
@@ -1168,6 +1178,8 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
   *transport = false;
+  // A chunk on the demand connection is one someone waits for: its engine calls go first.
+  const Urgency urgency = on_stream ? Urgency::kBackground : Urgency::kUrgent;
   if (data.has_in_file())
     co_return ReceiveByReference(link, limits, files, data, payload_length, on_stream);
   bool duplicate = false;
@@ -1190,7 +1202,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
   if (data.codec() == manifest::CODEC_RAW && payload_length > 0 &&
       payload_length == data.raw_length()) {
-    std::lock_guard engine_lock(engine_mutex_);
+    EngineHold engine_hold(engine_gate_, urgency);
     target = engine_.ReceiveTarget(bo, offset, payload_length);
     if (target && target->size() != payload_length) {
       engine_.ReleaseReceived(bo, offset, payload_length);
@@ -1227,7 +1239,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
     {
-      std::lock_guard engine_lock(engine_mutex_);
+      EngineHold engine_hold(engine_gate_, urgency);
       engine_.ReleaseReceived(bo, offset, payload_length);
     }
     Unclaim(bo, chunk);
@@ -1237,7 +1249,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   }
   Status committed;
   {
-    std::lock_guard engine_lock(engine_mutex_);
+    EngineHold engine_hold(engine_gate_, urgency);
     committed = engine_.CommitReceived(
         bo, offset, payload_length,
         [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
@@ -1296,7 +1308,7 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
   // A demand chunk is read here, on the demand thread, which has nothing else to do meanwhile:
   // posted, it would queue behind the background chunks the readers already hold (FIFO).
   if (!on_stream) {
-    ReadByReference(link, c, on_stream);
+    ReadByReference(link, c, on_stream, Urgency::kUrgent);
     return Status::Ok();
   }
   QueueRead(PendingRead{link, files, c});
@@ -1304,17 +1316,28 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
 }
 
 void RestoreSession::Impl::QueueRead(PendingRead read) {
+  const ChunkId id{read.chunk.bo, read.chunk.chunk};
   {
     std::lock_guard lock(queued_mutex_);
-    const ChunkId id{read.chunk.bo, read.chunk.chunk};
-    if (expedite_on_arrival_.erase(id) > 0)
-      queued_order_.push_front(id);
-    else
+    bool waited;
+    {
+      std::lock_guard state_lock(mutex_);
+      waited = residency_.waited(id.first, id.second);
+    }
+    // Not waited for: queued. Ensure marks a chunk waited before it looks for it here
+    // (Expedite), and both look under queued_mutex_, so a chunk Ensure wants is either read at
+    // once below or found in the queue by Expedite; it never waits behind the queue.
+    if (!waited) {
       queued_order_.push_back(id);
-    queued_reads_.insert_or_assign(id, std::move(read));
+      queued_reads_.insert_or_assign(id, std::move(read));
+      // One turn per queued chunk; a turn whose chunk was expedited finds the next or nothing.
+      asio::post(*readers_, [this] { ReadNextQueued(); });
+      return;
+    }
   }
-  // One turn per queued chunk; a turn whose chunk was expedited finds the next one or nothing.
-  asio::post(*readers_, [this] { ReadNextQueued(); });
+  OnDemandThread([this, read = std::move(read)] {
+    ReadByReference(read.link, read.chunk, /*on_stream=*/true, Urgency::kUrgent);
+  });
 }
 
 void RestoreSession::Impl::ReadNextQueued() {
@@ -1326,7 +1349,7 @@ void RestoreSession::Impl::ReadNextQueued() {
       queued_order_.pop_front();
     }
   }
-  if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true);
+  if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true, Urgency::kBackground);
 }
 
 std::optional<RestoreSession::Impl::PendingRead> RestoreSession::Impl::TakeQueuedLocked(
@@ -1344,16 +1367,15 @@ void RestoreSession::Impl::Expedite(const std::vector<ChunkId>& chunks) {
     {
       std::lock_guard lock(queued_mutex_);
       read = TakeQueuedLocked(id);
-      // Not queued: claimed by the stream thread and about to be, or already being read (then
-      // this entry just lingers, one per chunk at most).
-      if (!read) expedite_on_arrival_.insert(id);
     }
-    if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true);
+    // Not queued: being read already, or claimed and not queued yet (QueueRead will see that
+    // it is waited for and hand it here).
+    if (read) ReadByReference(read->link, read->chunk, /*on_stream=*/true, Urgency::kUrgent);
   }
 }
 
 void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, const FileChunk& c,
-                                           bool on_stream) {
+                                           bool on_stream, Urgency urgency) {
   const ChunkId id{c.bo, c.chunk};
   if (cancelled_ || Failed()) {
     Unclaim(c.bo, c.chunk);
@@ -1362,7 +1384,7 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
   std::vector<uint8_t> scratch;  // encoded chunks only
   const uint64_t credit = on_stream ? c.stored_length : 0;
   Status installed = InstallFileChunk(
-      engine_, engine_mutex_, c, file_buffers_, scratch, What(c.bo, c.chunk),
+      engine_, engine_gate_, urgency, c, file_buffers_, scratch, What(c.bo, c.chunk),
       [this, link, id, credit](const Status& status) {
         OnWritten(status, link, id, nullptr, credit);
       },
@@ -1427,7 +1449,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
   Status written;
   {
-    std::lock_guard engine_lock(engine_mutex_);
+    EngineHold engine_hold(engine_gate_, on_stream ? Urgency::kBackground : Urgency::kUrgent);
     written = engine_.Write(
         bo, uint64_t{chunk} * chunk_size_, raw,
         [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
@@ -1448,12 +1470,16 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
     return;
   }
   bool complete;
+  bool wakes;
   {
     std::lock_guard lock(mutex_);
     residency_.MarkResident(id.first, id.second);
     complete = residency_.complete();
+    wakes = residency_.LandingWakes(id.first, id.second);
   }
-  cv_.notify_all();
+  // Only a chunk someone waits for ends a wait: waking every waiter for each of a 4 KiB
+  // stream's 100,000s of chunks a second kept them contending for mutex_ with the installs.
+  if (wakes) cv_.notify_all();
   if (staging) ReturnBuffer(std::move(*staging));
   if (complete) spdlog::info("image {}: every chunk is resident", options_.image);
   if (credit == 0 && !complete) return;

@@ -5,11 +5,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "page-client/chunk_codec.h"
+#include "page-client/engine_gate.h"
 #include "page-client/file_chunks.h"
 #include "page-client/host_engine.h"
 #include "page-client/net/endpoint.h"
@@ -163,7 +166,7 @@ class InstallFileChunkTest : public ::testing::Test {
 
   Status Install(const FileChunk& c, int* done_calls) {
     return InstallFileChunk(
-        engine_, engine_mu_, c, buffers_, scratch_, "BO 0 chunk 1",
+        engine_, engine_gate_, Urgency::kBackground, c, buffers_, scratch_, "BO 0 chunk 1",
         [=](Status s) {
           EXPECT_TRUE(s.ok());
           ++*done_calls;
@@ -176,7 +179,7 @@ class InstallFileChunkTest : public ::testing::Test {
   int fd_ = -1;
   std::vector<uint8_t> bytes_;
   HostCopyEngine engine_;
-  std::mutex engine_mu_;
+  EngineGate engine_gate_;
   ChunkBufferPool buffers_{2};
   std::vector<uint8_t> scratch_;
   uint64_t bytes_read_ = 0;
@@ -260,6 +263,84 @@ TEST(Residency, GeometryAndStates) {
   ASSERT_TRUE(map.MarkResident(0, 0));
   EXPECT_TRUE(map.complete());
   EXPECT_EQ(map.resident_bytes(), 10000u + 4096u);
+}
+
+// Only chunks someone waits for wake waiters when they land (and the last one, which ends
+// WaitComplete); the flags survive the landing -> resident transition.
+TEST(Residency, OnlyWaitedHotOrLastLandingsWake) {
+  std::vector<uint64_t> sizes{4 * 4096};
+  Result<ResidencyMap> created = ResidencyMap::Create(4096, sizes);
+  ASSERT_TRUE(created.ok());
+  ResidencyMap& map = *created;
+  map.set_waited(0, 1);
+  map.set_hot(0, 2);
+  EXPECT_TRUE(map.waited(0, 1));
+  EXPECT_FALSE(map.waited(0, 2));  // hot is not waited: it is not installed ahead of others
+  for (uint32_t chunk = 0; chunk < 3; ++chunk) {
+    ASSERT_TRUE(map.MarkLanding(0, chunk));
+    ASSERT_TRUE(map.MarkResident(0, chunk));
+  }
+  EXPECT_FALSE(map.LandingWakes(0, 0));
+  EXPECT_TRUE(map.LandingWakes(0, 1));
+  EXPECT_TRUE(map.LandingWakes(0, 2));
+  EXPECT_TRUE(map.waited(0, 1));
+  ASSERT_TRUE(map.MarkLanding(0, 3));
+  ASSERT_TRUE(map.MarkResident(0, 3));
+  EXPECT_TRUE(map.LandingWakes(0, 3));  // the last one: complete
+}
+
+// An urgent caller gets the gate ahead of a background caller that was waiting longer: the
+// background one is queued on the gate before the urgent one arrives, and still goes second.
+TEST(EngineGate, UrgentCallerGoesBeforeEarlierBackgroundCaller) {
+  EngineGate gate;
+  std::mutex order_mu;
+  std::string order;
+  auto note = [&](char who) {
+    std::lock_guard lock(order_mu);
+    order += who;
+  };
+  gate.lock();  // a background install in progress
+  std::thread background([&] {
+    std::lock_guard hold(gate);
+    note('B');
+  });
+  // Let it queue on the gate first (with a plain mutex it would then be served first).
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::thread urgent([&] {
+    EngineHold hold(gate, Urgency::kUrgent);
+    note('U');
+  });
+  while (gate.urgent_waiting() == 0)
+    std::this_thread::yield();
+  gate.unlock();
+  urgent.join();
+  background.join();
+  EXPECT_EQ(order, "UB");
+  EXPECT_EQ(gate.urgent_waiting(), 0u);
+}
+
+// Mutual exclusion holds across both entries (a plain counter, incremented under the gate by
+// background and urgent callers at once, loses no increment).
+TEST(EngineGate, ExcludesAcrossBothEntries) {
+  EngineGate gate;
+  uint64_t counter = 0;
+  constexpr int kThreads = 6;
+  constexpr int kRounds = 20000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      const Urgency urgency = t % 3 == 0 ? Urgency::kUrgent : Urgency::kBackground;
+      for (int i = 0; i < kRounds; ++i) {
+        EngineHold hold(gate, urgency);
+        uint64_t seen = counter;
+        if (i % 64 == 0) std::this_thread::yield();  // widen the window a lost update needs
+        counter = seen + 1;
+      }
+    });
+  for (std::thread& thread : threads)
+    thread.join();
+  EXPECT_EQ(counter, uint64_t{kThreads} * kRounds);
+  EXPECT_EQ(gate.urgent_waiting(), 0u);
 }
 
 TEST(Residency, RefusesHugeTables) {

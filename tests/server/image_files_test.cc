@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -73,8 +74,9 @@ class ImageFilesTest : public ::testing::Test {
       ASSERT_TRUE(contents.ok()) << contents.status().ToString();
       expected_[name] = std::move(*contents);
     }
-    server_ = std::make_unique<ServerProcess>(dir_->path(), root,
-                                              std::vector<std::string>{"--raw-chunk-size", "256K"});
+    server_ = std::make_unique<ServerProcess>(
+        dir_->path(), root,
+        std::vector<std::string>{"--raw-chunk-size", "256K", "--max-frame", "1M"});
     ASSERT_TRUE(server_->ready()) << server_->Log();
   }
   static void TearDownTestSuite() {
@@ -88,6 +90,19 @@ class ImageFilesTest : public ::testing::Test {
   void TearDown() override {
     ::alarm(0);
     if (HasFailure()) std::cerr << server_->Log().substr(0, 20000);
+  }
+
+  // Every BO the session restored into `host` is byte for byte the checkpoint's `image`.
+  static void ExpectCheckpointBytes(const client::RestoreSession& session,
+                                    const client::HostCopyEngine& host, const std::string& image) {
+    for (uint32_t i = 0; i < session.bos().size(); ++i) {
+      auto want =
+          expected_[image].find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
+      ASSERT_NE(want, expected_[image].end());
+      Result<std::span<uint8_t>> got = host.Mapping(i);
+      ASSERT_TRUE(got.ok());
+      EXPECT_TRUE(std::ranges::equal(*got, want->second)) << "BO " << i;
+    }
   }
 
   static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> expected_;
@@ -207,30 +222,51 @@ TEST_F(ImageFilesTest, SessionBackgroundThreadsRunNicerThanItsDemandThread) {
   EXPECT_EQ(refused.Start().code(), Code::kInvalidArgument);
 }
 
-// A chunk that waits in the file readers' queue when someone needs it is read at once on the
-// demand thread, not after the chunks queued before it. The readers here take 100 ms a chunk,
-// so the queue drains slowly; Ensure of the last chunk must return before it is drained, and
-// without a demand request (the chunk was already on its way).
-TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
-  class SlowReadersEngine : public client::CopyEngine {
-   public:
-    std::string_view name() const override { return "slow-readers"; }
-    Status AddDestination(uint32_t bo, uint64_t size) override {
-      return host_.AddDestination(bo, size);
+// A host engine whose file readers take 100 ms a chunk (inside the engine call, as a slow
+// device copy would), and which records the thread that installed each chunk.
+class SlowReadersEngine : public client::CopyEngine {
+ public:
+  std::string_view name() const override { return "slow-readers"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override {
+    return host_.AddDestination(bo, size);
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+               client::CopyDone done) override {
+    char thread[16] = {};
+    ::pthread_getname_np(::pthread_self(), thread, sizeof thread);
+    {
+      std::lock_guard lock(mu_);
+      installed_by_[{bo, offset}] = thread;
     }
-    Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
-                 client::CopyDone done) override {
-      char thread[16] = {};
-      ::pthread_getname_np(::pthread_self(), thread, sizeof thread);
-      if (std::string_view(thread) == "gl-file-reader") std::this_thread::sleep_for(100ms);
-      return host_.Write(bo, offset, raw, std::move(done));
-    }
-    Status Flush() override { return host_.Flush(); }
-    const client::HostCopyEngine& host() const { return host_; }
+    if (std::string_view(thread) == "gl-file-reader") std::this_thread::sleep_for(100ms);
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  Status Flush() override { return host_.Flush(); }
+  const client::HostCopyEngine& host() const { return host_; }
+  // The name of the thread that installed the chunk at `offset` of `bo` ("" if none did).
+  std::string InstalledBy(uint32_t bo, uint64_t offset) const {
+    std::lock_guard lock(mu_);
+    auto found = installed_by_.find({bo, offset});
+    return found == installed_by_.end() ? std::string() : found->second;
+  }
 
-   private:
-    client::HostCopyEngine host_{client::HostEngineOptions{.receive_in_place = false}};
-  };
+ private:
+  client::HostCopyEngine host_{client::HostEngineOptions{.receive_in_place = false}};
+  mutable std::mutex mu_;
+  std::map<std::pair<uint32_t, uint64_t>, std::string> installed_by_;
+};
+
+// Waits until the stream has filled the session's window (the readers' queue is full).
+void WaitForFullWindow(const client::RestoreSession& session, uint64_t window) {
+  for (int i = 0; i < 1000 && session.progress().received_bytes < window; ++i)
+    std::this_thread::sleep_for(5ms);
+}
+
+// A chunk that waits in the file readers' queue when someone needs it is read at once on the
+// demand thread, not after the chunks queued before it: with one reader at 100 ms a chunk, a
+// file reader would reach the last chunk only after the whole queue. Ensure must not ask the
+// server again (the chunk was already on its way).
+TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
   SlowReadersEngine engine;
   client::SessionOptions options;
   options.endpoint = server_->unix_endpoint().ToString();
@@ -241,29 +277,50 @@ TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
   const client::Progress start = session.progress();
   ASSERT_GE(start.total_chunks, 8u);
   // Every chunk's reference has arrived (the window holds the whole image): all are queued.
-  for (int i = 0; i < 1000 && session.progress().received_bytes < start.total_bytes; ++i)
-    std::this_thread::sleep_for(5ms);
+  WaitForFullWindow(session, start.total_bytes);
   ASSERT_EQ(session.progress().received_bytes, start.total_bytes);
   const uint32_t last_bo = static_cast<uint32_t>(session.bos().size() - 1);
   const uint64_t last_size = session.bos()[last_bo].size;
+  const uint64_t last_offset = (last_size - 1) / session.chunk_size() * session.chunk_size();
   ASSERT_TRUE(session.Ensure(last_bo, last_size - 1, 1, 30s).ok());
   const client::Progress at_ensure = session.progress();
-  // In queue order it would be the last chunk read (one reader, table order). Not asserted
-  // tighter: the fake's readers sleep under the engine lock the demand thread needs too.
-  EXPECT_LT(at_ensure.resident_chunks, start.total_chunks)
-      << "Ensure waited for the queue ahead of its chunk";
+  EXPECT_EQ(engine.InstalledBy(last_bo, last_offset), "gl-demand")
+      << "the chunk was left in the readers' queue";
   EXPECT_EQ(at_ensure.demand_chunks, 0u) << "a queued chunk was asked for again";
   ASSERT_TRUE(session.WaitComplete(60s).ok());
   EXPECT_EQ(session.progress().resident_chunks, start.total_chunks);
-  // Byte-exact: every BO as the checkpoint has it.
-  for (uint32_t i = 0; i < session.bos().size(); ++i) {
-    auto want =
-        expected_["raw"].find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
-    ASSERT_NE(want, expected_["raw"].end());
-    Result<std::span<uint8_t>> got = engine.host().Mapping(i);
-    ASSERT_TRUE(got.ok());
-    EXPECT_TRUE(std::ranges::equal(*got, want->second)) << "BO " << i;
-  }
+  ExpectCheckpointBytes(session, engine.host(), "raw");
+}
+
+// A chunk someone waits for that arrives by reference after Ensure asked is read at once, not
+// queued behind the background chunks the readers already hold. Without a demand connection the
+// demand copy arrives on the stream connection, as a background chunk claimed after Ensure
+// would, and the readers' queue is full (file window 2 MiB of 3 MiB): it must be installed by
+// the thread that received it, never by a file reader in queue order.
+TEST_F(ImageFilesTest, ChunkWaitedForBeforeItArrivesSkipsTheReadersQueue) {
+  SlowReadersEngine engine;
+  client::SessionOptions options;
+  options.endpoint = server_->unix_endpoint().ToString();
+  options.image = "raw";
+  options.file_readers = 1;
+  options.demand_connection = false;
+  options.window_bytes = 1 << 20;  // the fixture server's --max-frame
+  options.file_window_bytes = 2 << 20;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  const client::Progress start = session.progress();
+  ASSERT_GT(start.total_bytes, options.file_window_bytes);
+  WaitForFullWindow(session, options.file_window_bytes);
+  const uint32_t last_bo = static_cast<uint32_t>(session.bos().size() - 1);
+  const uint64_t last_size = session.bos()[last_bo].size;
+  const uint64_t last_offset = (last_size - 1) / session.chunk_size() * session.chunk_size();
+  ASSERT_FALSE(session.IsResident(last_bo, last_size - 1, 1));
+  ASSERT_TRUE(session.Ensure(last_bo, last_size - 1, 1, 30s).ok());
+  EXPECT_EQ(session.progress().demand_chunks, 1u);
+  EXPECT_EQ(engine.InstalledBy(last_bo, last_offset), "gl-stream")
+      << "the chunk waited in the readers' queue";
+  ASSERT_TRUE(session.WaitComplete(60s).ok());
+  ExpectCheckpointBytes(session, engine.host(), "raw");
 }
 
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
