@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <numeric>
 #include <thread>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -208,6 +209,23 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
                         {"fault_p99_s", Percentile(stats.latencies_s, 0.99)},
                         {"bytes", progress.received_bytes},
                         {"checksum_ok", checksum == expected}};
+  // Where in the run the tail lies: the slowest 1 % of faults (at most 100), in time order, as
+  // [seconds after the pager started, latency in seconds].
+  if (!stats.latencies_s.empty()) {
+    std::vector<size_t> slowest(stats.latencies_s.size());
+    std::iota(slowest.begin(), slowest.end(), size_t{0});
+    const size_t keep = std::min<size_t>(100, slowest.size() / 100 + 1);
+    std::partial_sort(
+        slowest.begin(), slowest.begin() + static_cast<std::ptrdiff_t>(keep), slowest.end(),
+        [&](size_t a, size_t b) { return stats.latencies_s[a] > stats.latencies_s[b]; });
+    slowest.resize(keep);
+    std::sort(slowest.begin(), slowest.end(),
+              [&](size_t a, size_t b) { return stats.fault_at_s[a] < stats.fault_at_s[b]; });
+    nlohmann::json slow = nlohmann::json::array();
+    for (size_t i : slowest)
+      slow.push_back({stats.fault_at_s[i], stats.latencies_s[i]});
+    result["slowest_faults"] = slow;
+  }
   if (run.record_profile) {
     nlohmann::json order = nlohmann::json::array();
     for (const uffd::ChunkRef& ref : recorder.order())

@@ -69,6 +69,7 @@ Pager::~Pager() {
 
 Status Pager::Start() {
   chunk_size_ = session_.chunk_size();
+  started_ = Clock::now();
   if (chunk_size_ == 0) return InvalidArgument("pager: session not started");
   int raw = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (raw < 0) return ErrnoError(errno, "eventfd");
@@ -154,6 +155,11 @@ void Pager::Loop() {
   }
 }
 
+void Pager::RecordLatency(Clock::time_point when, Clock::time_point woken) {
+  stats_.latencies_s.push_back(std::chrono::duration<double>(woken - when).count());
+  stats_.fault_at_s.push_back(std::chrono::duration<double>(when - started_).count());
+}
+
 uint64_t Pager::ChunkAddr(const Region& region, uint32_t chunk) const {
   return region.addr + uint64_t{chunk} * chunk_size_;
 }
@@ -184,7 +190,7 @@ void Pager::HandleFault(uint64_t address, Clock::time_point when) {
                        : uffd_.Wake(page, PageSize());
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
-    stats_.latencies_s.push_back(std::chrono::duration<double>(Clock::now() - when).count());
+    RecordLatency(when, Clock::now());
     if (!woken.ok() && status_.ok()) status_ = woken;
     return;
   }
@@ -241,7 +247,7 @@ void Pager::Resolve(const Key& key, bool landed) {
   auto it = pending_.find(key);
   if (it != pending_.end()) {
     for (const auto& when : it->second.faulted)
-      stats_.latencies_s.push_back(std::chrono::duration<double>(now - when).count());
+      RecordLatency(when, now);
     pending_.erase(it);
   }
   if (!woken.ok() && status_.ok() && landed) status_ = woken;

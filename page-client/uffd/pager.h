@@ -65,6 +65,7 @@ struct PagerStats {
   uint64_t resident_faults = 0;     // already resident when read (woken at once)
   uint64_t demand_chunks = 0;       // chunks sent to Ensure
   std::vector<double> latencies_s;  // per fault: read -> woken
+  std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
 };
 
 class Pager {
@@ -93,6 +94,9 @@ class Pager {
   using Key = std::pair<uint32_t, uint32_t>;  // (bo, chunk)
 
   void Loop();
+  // Under mutex_: one fault read at `when` was woken at `woken`.
+  void RecordLatency(std::chrono::steady_clock::time_point when,
+                     std::chrono::steady_clock::time_point woken);
   void HandleFault(uint64_t address, std::chrono::steady_clock::time_point when);
   void DemandWorker();
   void Resolve(const Key& key, bool landed);
@@ -107,6 +111,7 @@ class Pager {
   std::vector<const Region*> by_bo_;  // index: BO
   PagerOptions options_;
   uint32_t chunk_size_ = 0;
+  std::chrono::steady_clock::time_point started_;  // set by Start
   Fd stop_event_;
 
   mutable std::mutex mutex_;  // guards the queue, pending faults, stats, status

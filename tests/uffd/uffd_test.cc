@@ -140,8 +140,20 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   ASSERT_TRUE(pager.Start().ok());
 
   std::atomic<int> mismatches{0};
+  const auto reading = std::chrono::steady_clock::now();
   ReadRandomly(*memory, source, 4, 300, &mismatches);
+  const double read_for_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - reading).count();
   EXPECT_EQ(mismatches.load(), 0);
+  // Every woken fault has its latency and when it was read, within the time the readers ran.
+  {
+    const PagerStats stats = pager.stats();
+    ASSERT_EQ(stats.fault_at_s.size(), stats.latencies_s.size());
+    for (size_t i = 0; i < stats.fault_at_s.size(); ++i) {
+      EXPECT_GE(stats.fault_at_s[i], 0.0);
+      EXPECT_LE(stats.fault_at_s[i] + stats.latencies_s[i], read_for_s + 1.0) << "fault " << i;
+    }
+  }
   ASSERT_TRUE(session.WaitComplete(20s).ok());
   ASSERT_TRUE(pager.UnregisterAll().ok());
   pager.Stop();
