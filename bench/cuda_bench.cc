@@ -382,6 +382,8 @@ int Run(int argc, char** argv) {
               file_window_text = std::to_string(client::SessionOptions{}.file_window_bytes);
   std::vector<std::string> experiments = {"stream", "layers"};
   std::vector<std::string> layer_sizes = {"3100M", "16G"};
+  // The stream experiment's cases beside the ceiling (all by default; fewer for profiling).
+  std::vector<std::string> cases = {"unix", "unix-files", "local", "upstream"};
   uint32_t slots = 32, streams = 4, repeat = 3, layer_count = 36;
   std::string local_chunk_text = "2M";
   LayerOptions layer_options;
@@ -393,6 +395,10 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
   app.add_option("--experiment", experiments, "stream, layers")->delimiter(',');
   app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
+  app.add_option("--cases", cases, "stream: unix, unix-files, local, upstream (the ceiling always)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"unix", "unix-files", "local", "upstream"}))
+      ->capture_default_str();
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
   app.add_option("--file-window", file_window_text, "client credit window by reference")
       ->capture_default_str();
@@ -431,6 +437,9 @@ int Run(int argc, char** argv) {
   auto wants = [&](const char* name) {
     return std::find(experiments.begin(), experiments.end(), name) != experiments.end();
   };
+  auto runs_case = [&](const char* name) {
+    return std::find(cases.begin(), cases.end(), name) != cases.end();
+  };
 
   Result<WorkDir> work = WorkDir::Create(common.work_dir);
   if (!work.ok()) return fail(work.status());
@@ -450,33 +459,42 @@ int Run(int argc, char** argv) {
       Result<double> c = MeasurePinnedCeiling(*size);
       if (!c.ok()) return fail(c.status());
       ceiling.push_back(*c);
-      Result<PipelineResult> p =
-          MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                          streams, false, layer_options.readers);
-      if (!p.ok()) return fail(p.status());
-      pipeline.push_back(p->throughput_Bps);
-      setup["gpulazy_pipeline_unix"].push_back(p->setup_s);
-      verified = verified && p->verified;
-      Result<PipelineResult> f =
-          MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                          streams, true, layer_options.readers);
-      if (!f.ok()) return fail(f.status());
-      by_reference.push_back(f->throughput_Bps);
-      setup["gpulazy_pipeline_unix_files"].push_back(f->setup_s);
-      by_reference_verified = by_reference_verified && f->verified;
-      Result<PipelineResult> l =
-          MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams,
-                       static_cast<uint32_t>(*local_chunk));
-      if (!l.ok()) return fail(l.status());
-      local.push_back(l->throughput_Bps);
-      setup["gpulazy_local_direct"].push_back(l->setup_s);
-      local_verified = local_verified && l->verified;
-      Result<double> u = MeasureUpstreamLoop(*image_dir, 2u << 20);
-      if (!u.ok()) return fail(u.status());
-      upstream.push_back(*u);
+      if (runs_case("unix")) {
+        Result<PipelineResult> p =
+            MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
+                            streams, false, layer_options.readers);
+        if (!p.ok()) return fail(p.status());
+        pipeline.push_back(p->throughput_Bps);
+        setup["gpulazy_pipeline_unix"].push_back(p->setup_s);
+        verified = verified && p->verified;
+      }
+      if (runs_case("unix-files")) {
+        Result<PipelineResult> f =
+            MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
+                            streams, true, layer_options.readers);
+        if (!f.ok()) return fail(f.status());
+        by_reference.push_back(f->throughput_Bps);
+        setup["gpulazy_pipeline_unix_files"].push_back(f->setup_s);
+        by_reference_verified = by_reference_verified && f->verified;
+      }
+      if (runs_case("local")) {
+        Result<PipelineResult> l =
+            MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams,
+                         static_cast<uint32_t>(*local_chunk));
+        if (!l.ok()) return fail(l.status());
+        local.push_back(l->throughput_Bps);
+        setup["gpulazy_local_direct"].push_back(l->setup_s);
+        local_verified = local_verified && l->verified;
+      }
+      if (runs_case("upstream")) {
+        Result<double> u = MeasureUpstreamLoop(*image_dir, 2u << 20);
+        if (!u.ok()) return fail(u.status());
+        upstream.push_back(*u);
+      }
     }
     const double ceiling_Bps = Percentile(ceiling, 0.5);
     auto emit = [&](const std::string& name, const std::vector<double>& samples, bool checked) {
+      if (samples.empty()) return;  // a case not asked for
       const double median = Percentile(samples, 0.5);
       nlohmann::json result = {
           {"bench", "cuda-stream"},
