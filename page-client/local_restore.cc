@@ -12,6 +12,7 @@
 #include "lazy-server/image/image_source.h"
 #include "lazy-server/image/io.h"
 #include "page-client/file_chunks.h"
+#include "page-client/net/threads.h"
 #include "page-client/residency.h"
 
 namespace gpulazy::client {
@@ -77,7 +78,10 @@ class LocalRestore::Impl {
     BuildOrder(m);
     readers_.reserve(options_.readers);
     for (uint32_t i = 0; i < options_.readers; ++i)
-      readers_.emplace_back([this] { ReadLoop(); });
+      readers_.emplace_back([this] {
+        net::NameThisThread("gl-local-reader");  // for top -H and profiles
+        ReadLoop();
+      });
     return Status::Ok();
   }
 

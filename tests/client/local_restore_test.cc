@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "proto/file_header.h"
 #include "tests/server/test_support.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/threads.h"
 
 namespace gpulazy::client {
 namespace {
@@ -106,6 +108,13 @@ TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
   options.readers = 2;
   LocalRestore restore(options, engine);
   ASSERT_TRUE(restore.Start().ok());
+  // Its readers are named (top -H, profiles): one per reader, alive until the restore ends
+  // (each names itself as it starts).
+  size_t named = 0;
+  for (int i = 0; i < 200 && named < 2;
+       ++i, std::this_thread::sleep_for(std::chrono::milliseconds(10)))
+    named = gpulazy::testing::NiceOfThreadsNamed("gl-local-reader").size();
+  EXPECT_EQ(named, 2u);
   const auto& bos = restore.bos();
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
