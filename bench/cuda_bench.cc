@@ -459,23 +459,26 @@ int Run(int argc, char** argv) {
       Result<double> c = MeasurePinnedCeiling(*size);
       if (!c.ok()) return fail(c.status());
       ceiling.push_back(*c);
-      if (runs_case("unix")) {
-        Result<PipelineResult> p =
+      // Through the server: every byte through the socket, or by reference.
+      auto run_pipeline = [&](bool by_ref, const char* name, std::vector<double>& samples,
+                              bool& checked) -> Status {
+        GPULAZY_ASSIGN_OR_RETURN(
+            PipelineResult p,
             MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                            streams, false, layer_options.readers);
-        if (!p.ok()) return fail(p.status());
-        pipeline.push_back(p->throughput_Bps);
-        setup["gpulazy_pipeline_unix"].push_back(p->setup_s);
-        verified = verified && p->verified;
+                            streams, by_ref, layer_options.readers));
+        samples.push_back(p.throughput_Bps);
+        setup[name].push_back(p.setup_s);
+        checked = checked && p.verified;
+        return Status::Ok();
+      };
+      if (runs_case("unix")) {
+        Status s = run_pipeline(false, "gpulazy_pipeline_unix", pipeline, verified);
+        if (!s.ok()) return fail(s);
       }
       if (runs_case("unix-files")) {
-        Result<PipelineResult> f =
-            MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                            streams, true, layer_options.readers);
-        if (!f.ok()) return fail(f.status());
-        by_reference.push_back(f->throughput_Bps);
-        setup["gpulazy_pipeline_unix_files"].push_back(f->setup_s);
-        by_reference_verified = by_reference_verified && f->verified;
+        Status s =
+            run_pipeline(true, "gpulazy_pipeline_unix_files", by_reference, by_reference_verified);
+        if (!s.ok()) return fail(s);
       }
       if (runs_case("local")) {
         Result<PipelineResult> l =

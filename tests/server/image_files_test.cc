@@ -256,6 +256,29 @@ class SlowReadersEngine : public client::CopyEngine {
   std::map<std::pair<uint32_t, uint64_t>, std::string> installed_by_;
 };
 
+// A session on the fixture's "raw" image with one file reader (so its queue drains slowly).
+client::SessionOptions OneReaderOptions(const net::Endpoint& endpoint) {
+  client::SessionOptions options;
+  options.endpoint = endpoint.ToString();
+  options.image = "raw";
+  options.file_readers = 1;
+  return options;
+}
+
+// The image's last chunk: the last one the stream sends (table order, no profile).
+struct LastChunk {
+  uint32_t bo = 0;
+  uint64_t last_byte = 0;  // offset of the BO's last byte
+  uint64_t offset = 0;     // the chunk's offset in the BO
+};
+LastChunk LastChunkOf(const client::RestoreSession& session) {
+  LastChunk last;
+  last.bo = static_cast<uint32_t>(session.bos().size() - 1);
+  last.last_byte = session.bos()[last.bo].size - 1;
+  last.offset = last.last_byte / session.chunk_size() * session.chunk_size();
+  return last;
+}
+
 // Waits until the stream has filled the session's window (the readers' queue is full).
 void WaitForFullWindow(const client::RestoreSession& session, uint64_t window) {
   for (int i = 0; i < 1000 && session.progress().received_bytes < window; ++i)
@@ -268,23 +291,17 @@ void WaitForFullWindow(const client::RestoreSession& session, uint64_t window) {
 // server again (the chunk was already on its way).
 TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
   SlowReadersEngine engine;
-  client::SessionOptions options;
-  options.endpoint = server_->unix_endpoint().ToString();
-  options.image = "raw";
-  options.file_readers = 1;
-  client::RestoreSession session(options, engine);
+  client::RestoreSession session(OneReaderOptions(server_->unix_endpoint()), engine);
   ASSERT_TRUE(session.Start().ok());
   const client::Progress start = session.progress();
   ASSERT_GE(start.total_chunks, 8u);
   // Every chunk's reference has arrived (the window holds the whole image): all are queued.
   WaitForFullWindow(session, start.total_bytes);
   ASSERT_EQ(session.progress().received_bytes, start.total_bytes);
-  const uint32_t last_bo = static_cast<uint32_t>(session.bos().size() - 1);
-  const uint64_t last_size = session.bos()[last_bo].size;
-  const uint64_t last_offset = (last_size - 1) / session.chunk_size() * session.chunk_size();
-  ASSERT_TRUE(session.Ensure(last_bo, last_size - 1, 1, 30s).ok());
+  const LastChunk last = LastChunkOf(session);
+  ASSERT_TRUE(session.Ensure(last.bo, last.last_byte, 1, 30s).ok());
   const client::Progress at_ensure = session.progress();
-  EXPECT_EQ(engine.InstalledBy(last_bo, last_offset), "gl-demand")
+  EXPECT_EQ(engine.InstalledBy(last.bo, last.offset), "gl-demand")
       << "the chunk was left in the readers' queue";
   EXPECT_EQ(at_ensure.demand_chunks, 0u) << "a queued chunk was asked for again";
   ASSERT_TRUE(session.WaitComplete(60s).ok());
@@ -299,10 +316,7 @@ TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
 // the thread that received it, never by a file reader in queue order.
 TEST_F(ImageFilesTest, ChunkWaitedForBeforeItArrivesSkipsTheReadersQueue) {
   SlowReadersEngine engine;
-  client::SessionOptions options;
-  options.endpoint = server_->unix_endpoint().ToString();
-  options.image = "raw";
-  options.file_readers = 1;
+  client::SessionOptions options = OneReaderOptions(server_->unix_endpoint());
   options.demand_connection = false;
   options.window_bytes = 1 << 20;  // the fixture server's --max-frame
   options.file_window_bytes = 2 << 20;
@@ -311,13 +325,11 @@ TEST_F(ImageFilesTest, ChunkWaitedForBeforeItArrivesSkipsTheReadersQueue) {
   const client::Progress start = session.progress();
   ASSERT_GT(start.total_bytes, options.file_window_bytes);
   WaitForFullWindow(session, options.file_window_bytes);
-  const uint32_t last_bo = static_cast<uint32_t>(session.bos().size() - 1);
-  const uint64_t last_size = session.bos()[last_bo].size;
-  const uint64_t last_offset = (last_size - 1) / session.chunk_size() * session.chunk_size();
-  ASSERT_FALSE(session.IsResident(last_bo, last_size - 1, 1));
-  ASSERT_TRUE(session.Ensure(last_bo, last_size - 1, 1, 30s).ok());
+  const LastChunk last = LastChunkOf(session);
+  ASSERT_FALSE(session.IsResident(last.bo, last.last_byte, 1));
+  ASSERT_TRUE(session.Ensure(last.bo, last.last_byte, 1, 30s).ok());
   EXPECT_EQ(session.progress().demand_chunks, 1u);
-  EXPECT_EQ(engine.InstalledBy(last_bo, last_offset), "gl-stream")
+  EXPECT_EQ(engine.InstalledBy(last.bo, last.offset), "gl-stream")
       << "the chunk waited in the readers' queue";
   ASSERT_TRUE(session.WaitComplete(60s).ok());
   ExpectCheckpointBytes(session, engine.host(), "raw");
