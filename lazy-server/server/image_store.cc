@@ -4,9 +4,12 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <system_error>
+#include <vector>
 
 namespace gpulazy::server {
 namespace fs = std::filesystem;
@@ -18,6 +21,8 @@ Status NotFoundName(std::string_view name) {
   return NotFound("image '{}' not found", name.substr(0, 256));
 }
 
+constexpr size_t kMaxStampedFiles = 4096;
+
 bool IsBeneath(const fs::path& path, const fs::path& root) {
   const std::string& p = path.native();
   const std::string& r = root.native();
@@ -25,22 +30,31 @@ bool IsBeneath(const fs::path& path, const fs::path& root) {
   return p.size() == r.size() || r.ends_with('/') || p[r.size()] == '/';
 }
 
-// Identity of an image's current contents: the directory and the manifest file (which a
-// conversion or a new profile rewrites by rename, so inode and mtime change).
+// Identity of an image's current contents: the directory and every file directly in it (device,
+// inode, mtime, size). A conversion or a new profile renames its manifest into place; a
+// checkpoint rewritten in place changes its pages files' mtime or size. Either way the image is
+// opened afresh, so checksums cached for the old bytes are never served for new ones.
 std::string Stamp(const fs::path& dir) {
-  std::string stamp;
-  for (const fs::path& p : {dir, dir / image::kManifestFileName}) {
+  auto identity = [](const fs::path& p) -> std::string {
     struct stat st {};
-    if (::stat(p.c_str(), &st) != 0) {
-      stamp += "-;";
-      continue;
-    }
-    stamp += fmt::format("{}:{}:{}.{}:{};", st.st_dev, st.st_ino, st.st_mtim.tv_sec,
-                         st.st_mtim.tv_nsec, st.st_size);
+    if (::lstat(p.c_str(), &st) != 0) return "-;";
+    return fmt::format("{}:{}:{}.{}:{};", st.st_dev, st.st_ino, st.st_mtim.tv_sec,
+                       st.st_mtim.tv_nsec, st.st_size);
+  };
+  std::string stamp = identity(dir);
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    // An image directory holds tens to hundreds of files; past this many the rest go unnoticed
+    // rather than make every open slow.
+    if (names.size() >= kMaxStampedFiles) break;
+    names.push_back(it->path().filename().string());
   }
+  std::sort(names.begin(), names.end());  // directory order is not stable across rewrites
+  for (const std::string& name : names)
+    stamp += name + "=" + identity(dir / name);
   return stamp;
 }
-
 }  // namespace
 
 ImageStore::ImageStore(const std::vector<fs::path>& roots, uint32_t raw_chunk_size,

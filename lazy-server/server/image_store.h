@@ -61,9 +61,9 @@ class ImageStore {
  private:
   struct Entry {
     std::filesystem::path dir;
-    // Changes when the image is rewritten (converted, re-profiled, files renamed into place).
-    // Opened images are treated as immutable otherwise: a pages file rewritten in place keeps
-    // the stamp, and its ImageSource keeps serving the checksums it cached (docs/server.md).
+    // Changes when the image is rewritten: converted, re-profiled, files renamed into place,
+    // added, removed, or rewritten in place (mtime, size). Then the image is opened afresh, so
+    // its ImageSource never serves checksums cached for older bytes (docs/server.md).
     std::string stamp;
     std::shared_ptr<const OpenedImage> image;
   };

@@ -3,11 +3,15 @@
 #include "lazy-server/server/scheduler.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
+#include "lazy-server/image/synth.h"
 #include "lazy-server/server/image_store.h"
 
 namespace gpulazy::server {
@@ -425,6 +429,50 @@ TEST_F(ImageStoreTest, OpenOfNonImageSaysNotFoundWithoutRoot) {
   ASSERT_FALSE(opened.ok());
   EXPECT_EQ(opened.status().message().find(root_.string()), std::string::npos)
       << opened.status().message();
+}
+
+// An opened image is cached until its files change: a checkpoint whose pages file is rewritten
+// in place (same name and inode, new bytes) is opened afresh, so checksums cached for the old
+// bytes are never served for the new ones. Unchanged, the cached image is reused.
+TEST_F(ImageStoreTest, PagesFileRewrittenInPlaceReopensTheImage) {
+  image::SynthOptions synth;
+  synth.out = root_ / "ckpt";
+  synth.gpus = 1;
+  synth.bos = 4;
+  synth.total_bytes = 1 << 20;
+  ASSERT_TRUE(image::SynthesizeCheckpoint(synth).ok());
+  ImageStore store({root_}, 1 << 20, 4);
+  Result<std::shared_ptr<const OpenedImage>> first = store.Open("ckpt");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  Result<std::shared_ptr<const OpenedImage>> again = store.Open("ckpt");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(first->get(), again->get()) << "an unchanged image is opened from the cache";
+
+  std::filesystem::path pages;
+  for (const auto& entry : std::filesystem::directory_iterator(root_ / "ckpt"))
+    if (entry.path().filename().string().starts_with("amdgpu-pages-")) pages = entry.path();
+  ASSERT_FALSE(pages.empty());
+  auto inode_of = [](const std::filesystem::path& p) {
+    struct stat st {};
+    return ::stat(p.c_str(), &st) == 0 ? st.st_ino : 0;
+  };
+  const ino_t inode = inode_of(pages);
+  // File times tick with the kernel's coarse clock: let one tick pass, as any real rewrite does.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  {
+    // The last byte: BO contents (the file starts with a header).
+    std::fstream file(pages, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(-1, std::ios::end);
+    char byte = 0;
+    file.read(&byte, 1);
+    file.seekp(-1, std::ios::end);
+    byte = static_cast<char>(byte ^ 0x5a);
+    file.write(&byte, 1);
+  }
+  ASSERT_EQ(inode_of(pages), inode) << "rewritten in place, not replaced";
+  Result<std::shared_ptr<const OpenedImage>> rewritten = store.Open("ckpt");
+  ASSERT_TRUE(rewritten.ok()) << rewritten.status().ToString();
+  EXPECT_NE(first->get(), rewritten->get()) << "a rewritten pages file kept the cached image";
 }
 
 }  // namespace
