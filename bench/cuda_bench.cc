@@ -379,7 +379,8 @@ int Run(int argc, char** argv) {
   common.bin_dir = GPULAZY_DEFAULT_BIN_DIR;
   std::string work_dir = "/tmp", bin_dir = common.bin_dir.string(), size_text = "4G",
               window_text = "64M",
-              file_window_text = std::to_string(client::SessionOptions{}.file_window_bytes);
+              file_window_text =
+                  std::to_string(client::SessionOptions{}.file_window_bytes >> 20) + "M";
   std::vector<std::string> experiments = {"stream", "layers"};
   std::vector<std::string> layer_sizes = {"3100M", "16G"};
   // The stream experiment's cases beside the ceiling (all by default; fewer for profiling).
