@@ -138,6 +138,10 @@ struct Link : std::enable_shared_from_this<Link> {
   // reference and are read from them. Null: chunks travel through the socket.
   std::shared_ptr<const ImageFileSet> files;
   uint64_t credit_outstanding = 0;  // granted to the server and not yet used by it
+  // Credit of installed chunks not yet sent back (any thread adds; the stream thread takes it
+  // all): completions that land while one return is queued ride along with it, so a stream of
+  // small chunks sends one Credit frame per wake-up of the stream thread, not one per chunk.
+  std::atomic<uint64_t> credit_to_return{0};
   bool closed = false;
   bool aborting = false;
   bool complete = false;  // closed because every chunk is resident
@@ -1482,11 +1486,14 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   if (wakes) cv_.notify_all();
   if (staging) ReturnBuffer(std::move(*staging));
   if (complete) spdlog::info("image {}: every chunk is resident", options_.image);
-  if (credit == 0 && !complete) return;
+  const bool post_credit =
+      credit > 0 && link->credit_to_return.fetch_add(credit, std::memory_order_acq_rel) == 0;
+  if (!post_credit && !complete) return;
   // Credit and the connection are the stream thread's. `link` is the stream half the chunk came
   // on (null for a demand-connection chunk); completion closes whichever link is current.
-  asio::post(io_, [this, link, credit, complete] {
-    if (credit > 0) ReturnCredit(link, credit);
+  asio::post(io_, [this, link, post_credit, complete] {
+    if (post_credit)
+      ReturnCredit(link, link->credit_to_return.exchange(0, std::memory_order_acq_rel));
     if (complete && link_) {
       link_->complete = true;
       link_->Close();
