@@ -3,8 +3,8 @@
 //
 // Background installs (file readers, the stream thread) enter with lock() and may hammer the
 // gate back to back: with 4 KiB chunks four readers keep a plain mutex held nearly all the time,
-// and a plain mutex gives a newly arriving locker no precedence, so a fault's chunk waited behind
-// an unbounded number of background installs (docs/benchmarks.md, issue 4). An urgent caller
+// and a plain mutex gives a newly arriving locker no precedence, so a fault's chunk could wait
+// behind any number of background installs (docs/benchmarks.md, issue 4). An urgent caller
 // (the demand thread installing a chunk a fault or Ensure waits for) announces itself first;
 // background lockers do not take the gate while one is announced, and one that took it in the
 // meantime steps back. An urgent caller therefore waits for at most the install in progress.

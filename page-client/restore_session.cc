@@ -55,6 +55,11 @@ bool SameBo(const BoEntry& a, const BoEntry& b) {
          a.size == b.size && a.chunk_count == b.chunk_count;
 }
 
+// A chunk on the demand connection is one someone waits for: its engine calls go first.
+Urgency UrgencyOf(bool on_stream) {
+  return on_stream ? Urgency::kBackground : Urgency::kUrgent;
+}
+
 }  // namespace
 
 // Threads, and who owns what. Two io_contexts, each run by one thread:
@@ -1182,8 +1187,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
   *transport = false;
-  // A chunk on the demand connection is one someone waits for: its engine calls go first.
-  const Urgency urgency = on_stream ? Urgency::kBackground : Urgency::kUrgent;
+  const Urgency urgency = UrgencyOf(on_stream);
   if (data.has_in_file())
     co_return ReceiveByReference(link, limits, files, data, payload_length, on_stream);
   bool duplicate = false;
@@ -1453,7 +1457,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
   Status written;
   {
-    EngineHold engine_hold(engine_gate_, on_stream ? Urgency::kBackground : Urgency::kUrgent);
+    EngineHold engine_hold(engine_gate_, UrgencyOf(on_stream));
     written = engine_.Write(
         bo, uint64_t{chunk} * chunk_size_, raw,
         [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](

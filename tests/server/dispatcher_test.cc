@@ -95,13 +95,24 @@ class DispatcherTest : public ::testing::Test {
         std::make_shared<const ImageLayout>(ImageLayout::FromManifest(source_->manifest(), false));
   }
 
-  // Receives chunks on the disk threads. While `hold_background` is set, a background read
-  // stays in OnChunkRead (its disk thread busy) until released.
-  class Sink : public ChunkSink {
+  // What the tests' sinks share: the image their chunks come from, the dispatcher they finish
+  // chunks on.
+  class SinkBase : public ChunkSink {
    public:
-    Sink(const image::ImageSource& source, Dispatcher* dispatcher)
+    SinkBase(const image::ImageSource& source, Dispatcher* dispatcher)
         : source_(source), dispatcher_(dispatcher) {}
     const image::ImageSource& source() const override { return source_; }
+
+   protected:
+    const image::ImageSource& source_;
+    Dispatcher* dispatcher_;
+  };
+
+  // Receives chunks on the disk threads. While `hold_background` is set, a background read
+  // stays in OnChunkRead (its disk thread busy) until released.
+  class Sink : public SinkBase {
+   public:
+    using SinkBase::SinkBase;
     void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
       std::unique_lock lock(mu_);
       if (item.priority == wire::PRIORITY_DEMAND) {
@@ -130,10 +141,6 @@ class DispatcherTest : public ::testing::Test {
     bool demand_done_ = false;
     bool demand_ok_ = false;
     std::vector<uint8_t> demand_bytes_;
-
-   private:
-    const image::ImageSource& source_;
-    Dispatcher* dispatcher_;
   };
 
   testing::TempDir dir_;
@@ -224,11 +231,9 @@ TEST_F(DispatcherTest, StreamReusesPooledBuffers) {
 // the test's own, inside Update) with no disk thread and no buffer. A sink that finishes every
 // chunk inside OnChunkRead pumps again from there; that must loop, not recurse once per chunk.
 TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecursion) {
-  class RecordingSink : public ChunkSink {
+  class RecordingSink : public SinkBase {
    public:
-    RecordingSink(const image::ImageSource& source, Dispatcher* dispatcher)
-        : source_(source), dispatcher_(dispatcher) {}
-    const image::ImageSource& source() const override { return source_; }
+    using SinkBase::SinkBase;
     void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
       ++depth_;
       max_depth_ = std::max(max_depth_, depth_);
@@ -251,10 +256,6 @@ TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecur
     int max_depth_ = 0;
     std::set<std::thread::id> threads_;
     std::vector<uint32_t> chunks_;
-
-   private:
-    const image::ImageSource& source_;
-    Dispatcher* dispatcher_;
   };
   DispatcherOptions options;
   options.disk_threads = 1;
