@@ -5,6 +5,7 @@ add_library(gpulazy_client STATIC
   ${CMAKE_CURRENT_LIST_DIR}/engine_gate.cc
   ${CMAKE_CURRENT_LIST_DIR}/file_chunks.cc
   ${CMAKE_CURRENT_LIST_DIR}/host_engine.cc
+  ${CMAKE_CURRENT_LIST_DIR}/populate_ahead.cc
   ${CMAKE_CURRENT_LIST_DIR}/residency.cc
   ${CMAKE_CURRENT_LIST_DIR}/restore_session.cc
   ${CMAKE_CURRENT_LIST_DIR}/server_connection.cc)

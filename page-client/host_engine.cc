@@ -60,6 +60,7 @@ Status HostCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
     return InvalidArgument("host engine: BO {} already has a destination", bo);
   GPULAZY_ASSIGN_OR_RETURN(MemfdRegion region,
                            MemfdRegion::Create(fmt::format("gpulazy-bo-{}", bo), size));
+  populate_.AddRegion(bo, region.bytes());
   regions_.emplace(bo, std::move(region));
   return Status::Ok();
 }
@@ -80,6 +81,7 @@ Status HostCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
     return OutOfRange(
         "host engine: write of {} bytes at offset {} past the end of BO {} ({} bytes)", raw.size(),
         offset, bo, region->size());
+  populate_.WritingAt(bo, offset, raw.size());
   if (!raw.empty()) std::memcpy(region->bytes().data() + offset, raw.data(), raw.size());
   bytes_written_.fetch_add(raw.size(), std::memory_order_relaxed);
   if (done) done(Status::Ok());
@@ -93,6 +95,7 @@ std::optional<std::span<uint8_t>> HostCopyEngine::ReceiveTarget(uint32_t bo, uin
   if (!region.ok()) return std::nullopt;  // Write will say why
   const uint64_t size = (*region)->size();
   if (offset > size || length > size - offset || length == 0) return std::nullopt;
+  populate_.WritingAt(bo, offset, length);
   return (*region)->bytes().subspan(static_cast<size_t>(offset), static_cast<size_t>(length));
 }
 

@@ -2,6 +2,7 @@
 // BO (mapped shared, so the userfaultfd pager and demos can map or pass the same memory).
 // Writes are memcpy and complete inside Write. Every write is bounds-checked. The session may
 // also receive RAW chunks straight into the memfds (ReceiveTarget), verifying them in place.
+// A helper thread faults the memfds' pages in just ahead of the writes (PopulateAhead).
 // Thread-safety: as CopyEngine; Write may also run concurrently for disjoint ranges, and the
 // accessors are safe once AddDestination has returned.
 #pragma once
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "page-client/copy_engine.h"
+#include "page-client/populate_ahead.h"
 
 namespace gpulazy::client {
 
@@ -47,12 +49,18 @@ struct HostEngineOptions {
   // reports it resident (the contract of this engine's Mapping/Fd: the bytes of a chunk that is
   // not resident are unspecified; they are zeros or an in-progress, unverified receive).
   bool receive_in_place = true;
+  // Fault destination pages in on a helper thread up to this many bytes past each write
+  // (PopulateAhead), so the receiving thread copies into existing pages; 0 turns it off.
+  uint64_t populate_ahead_bytes = 32u << 20;
+  // Added to that thread's nice value: it should use only cores the restore leaves idle.
+  int populate_nice = 10;
 };
 
 class HostCopyEngine : public CopyEngine {
  public:
-  HostCopyEngine() = default;
-  explicit HostCopyEngine(HostEngineOptions options) : options_(options) {}
+  HostCopyEngine() : HostCopyEngine(HostEngineOptions{}) {}
+  explicit HostCopyEngine(HostEngineOptions options)
+      : options_(options), populate_(options.populate_ahead_bytes, options.populate_nice) {}
 
   std::string_view name() const override { return "host"; }
   Status AddDestination(uint32_t bo, uint64_t size) override;
@@ -67,6 +75,8 @@ class HostCopyEngine : public CopyEngine {
   // The BO's memfd (owned by the engine; dup it to keep it past the engine's life).
   Result<int> Fd(uint32_t bo) const;
   uint64_t bytes_written() const;
+  // Bytes the populate-ahead thread faulted in (0 when it is off).
+  uint64_t populated_bytes() const { return populate_.populated_bytes(); }
 
  private:
   Result<const MemfdRegion*> Find(uint32_t bo) const;
@@ -75,6 +85,7 @@ class HostCopyEngine : public CopyEngine {
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
   std::map<uint32_t, MemfdRegion> regions_;
   std::atomic<uint64_t> bytes_written_{0};
+  PopulateAhead populate_;  // last: its thread stops before the regions are unmapped
 };
 
 }  // namespace gpulazy::client

@@ -6,8 +6,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 
@@ -17,6 +21,7 @@
 #include "page-client/host_engine.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/threads.h"
+#include "page-client/populate_ahead.h"
 #include "page-client/residency.h"
 #include "proto/checksum.h"
 #include "tests/support/threads.h"
@@ -109,6 +114,94 @@ TEST(HostCopyEngine, WritesLandInTheMemfd) {
   ASSERT_EQ(::pread(*fd, &b, 1, 4050), 1);
   EXPECT_EQ(b, 0xab);
   EXPECT_EQ(engine.bytes_written(), 100u);
+}
+
+// Bytes of [from, to) of a shared mapping whose pages exist (mincore), in whole pages.
+uint64_t ResidentBytes(std::span<uint8_t> memory, uint64_t from, uint64_t to) {
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> pages((to - from) / page);
+  EXPECT_EQ(::mincore(memory.data() + from, to - from, pages.data()), 0) << std::strerror(errno);
+  return page * static_cast<uint64_t>(std::count_if(pages.begin(), pages.end(),
+                                                    [](unsigned char p) { return p & 1; }));
+}
+
+// Polls until the thread has populated at least `bytes` (it works asynchronously).
+bool PopulatedAtLeast(const std::function<uint64_t()>& populated, uint64_t bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (populated() < bytes) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+TEST(PopulateAhead, FaultsInPagesAheadOfTheWriterAndNoFurther) {
+  constexpr uint64_t kMiB = 1u << 20;
+  Result<MemfdRegion> region = MemfdRegion::Create("populate-test", 64 * kMiB);
+  ASSERT_TRUE(region.ok()) << region.status().message();
+  const std::span<uint8_t> memory = region->bytes();
+  PopulateAhead populate(8 * kMiB);
+  populate.AddRegion(5, memory);
+  populate.WritingAt(5, 0, 2 * kMiB);
+  ASSERT_TRUE(PopulatedAtLeast([&] { return populate.populated_bytes(); }, 8 * kMiB));
+  EXPECT_EQ(ResidentBytes(memory, 2 * kMiB, 10 * kMiB), 8 * kMiB);  // ahead of the write
+  EXPECT_EQ(ResidentBytes(memory, 0, 2 * kMiB), 0u);                // the writer's own range
+  EXPECT_EQ(ResidentBytes(memory, 10 * kMiB, 64 * kMiB), 0u);       // bounded by `ahead`
+  // The writer jumps (another run of chunks): the thread follows it there.
+  populate.WritingAt(5, 40 * kMiB, 2 * kMiB);
+  ASSERT_TRUE(PopulatedAtLeast([&] { return populate.populated_bytes(); }, 16 * kMiB));
+  EXPECT_EQ(ResidentBytes(memory, 42 * kMiB, 50 * kMiB), 8 * kMiB);
+  EXPECT_EQ(ResidentBytes(memory, 10 * kMiB, 42 * kMiB), 0u);
+  EXPECT_EQ(ResidentBytes(memory, 50 * kMiB, 64 * kMiB), 0u);
+  // Near the end it stops at the region's end; unknown regions and bad ranges are ignored.
+  populate.WritingAt(5, 60 * kMiB, 2 * kMiB);
+  populate.WritingAt(6, 0, 2 * kMiB);
+  populate.WritingAt(5, 63 * kMiB, 2 * kMiB);
+  ASSERT_TRUE(PopulatedAtLeast([&] { return populate.populated_bytes(); }, 18 * kMiB));
+  EXPECT_EQ(ResidentBytes(memory, 62 * kMiB, 64 * kMiB), 2 * kMiB);
+  EXPECT_EQ(populate.populated_bytes(), 18 * kMiB);
+}
+
+TEST(PopulateAhead, OffMeansNoThreadAndNothingPopulated) {
+  Result<MemfdRegion> region = MemfdRegion::Create("populate-off", 8u << 20);
+  ASSERT_TRUE(region.ok()) << region.status().message();
+  PopulateAhead populate(0);
+  EXPECT_FALSE(populate.enabled());
+  populate.AddRegion(0, region->bytes());
+  populate.WritingAt(0, 0, 4096);
+  EXPECT_EQ(populate.populated_bytes(), 0u);
+  EXPECT_EQ(ResidentBytes(region->bytes(), 0, 8u << 20), 0u);
+}
+
+TEST(PopulateAhead, StopsPromptlyWhenDestroyedMidRegion) {
+  Result<MemfdRegion> region = MemfdRegion::Create("populate-stop", 256u << 20);
+  ASSERT_TRUE(region.ok()) << region.status().message();
+  uint64_t populated = 0;
+  {
+    PopulateAhead populate(256u << 20);
+    populate.AddRegion(0, region->bytes());
+    populate.WritingAt(0, 0, 0);
+    ASSERT_TRUE(PopulatedAtLeast([&] { return populate.populated_bytes(); }, 2u << 20));
+    populated = populate.populated_bytes();
+  }  // joins: a thread that ignored the stop would populate all 256 MiB first
+  EXPECT_LT(ResidentBytes(region->bytes(), 0, 256u << 20), 256u << 20);
+  EXPECT_GE(ResidentBytes(region->bytes(), 0, 256u << 20), populated);
+}
+
+TEST(HostCopyEngine, PopulatesTheDestinationAheadOfReceives) {
+  HostCopyEngine engine;  // default options: on, 32 MiB ahead
+  ASSERT_TRUE(engine.AddDestination(1, 16u << 20).ok());
+  std::optional<std::span<uint8_t>> target = engine.ReceiveTarget(1, 0, 2u << 20);
+  ASSERT_TRUE(target.has_value());
+  ASSERT_TRUE(PopulatedAtLeast([&] { return engine.populated_bytes(); }, 14u << 20));
+  Result<std::span<uint8_t>> mapping = engine.Mapping(1);
+  ASSERT_TRUE(mapping.ok());
+  EXPECT_EQ(ResidentBytes(*mapping, 2u << 20, 16u << 20), 14u << 20);
+  // The option turns it off.
+  HostCopyEngine quiet(HostEngineOptions{.populate_ahead_bytes = 0});
+  ASSERT_TRUE(quiet.AddDestination(1, 16u << 20).ok());
+  ASSERT_TRUE(quiet.ReceiveTarget(1, 0, 2u << 20).has_value());
+  EXPECT_EQ(quiet.populated_bytes(), 0u);
 }
 
 TEST(HostCopyEngine, RejectsOutOfBoundsAndUnknownBos) {
