@@ -33,7 +33,7 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
 
   bench::StreamOptions stream;
-  std::string stream_size = "1G", stream_window = "16M";
+  std::string stream_size = "1G", stream_window = "16M", stream_populate = "32M";
   CLI::App* stream_cmd =
       app.add_subcommand("stream", "streaming throughput vs raw page-cache reads");
   stream_cmd->add_option("--size", stream_size, "image content bytes")->capture_default_str();
@@ -51,6 +51,16 @@ int Run(int argc, char** argv) {
                    "unix-files: client reader threads per session (and ceiling threads)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  stream_cmd
+      ->add_option("--populate-ahead", stream_populate,
+                   "host engine: fault destination pages in this far ahead of the writes on a "
+                   "helper thread, the memfd ceiling likewise (0: off)")
+      ->capture_default_str();
+  stream_cmd
+      ->add_option("--populate-nice", stream.populate_nice,
+                   "added to the nice value of that helper thread")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 19));
 
   bench::DemandOptions demand;
   std::string demand_size = "2G", demand_window = "16M";
@@ -94,10 +104,13 @@ int Run(int argc, char** argv) {
   if (stream_cmd->parsed()) {
     auto size = ParseSize(stream_size);
     auto window = ParseSize(stream_window);
+    auto populate = ParseSize(stream_populate);
     if (!size.ok()) return Fail(size.status());
     if (!window.ok()) return Fail(window.status());
+    if (!populate.ok()) return Fail(populate.status());
     stream.size = *size;
     stream.window = *window;
+    stream.populate_ahead = *populate;
     if (stream.engine != "host" && stream.engine != "discard")
       return Fail(InvalidArgument("--engine {}: use host or discard", stream.engine));
     Status status = bench::RunStreamBench(common, stream);

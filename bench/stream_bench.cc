@@ -14,6 +14,7 @@
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
 #include "page-client/host_engine.h"
+#include "page-client/populate_ahead.h"
 #include "page-client/restore_session.h"
 
 namespace gpulazy::bench {
@@ -31,10 +32,13 @@ enum class CeilingMemory {
 // Reads every pages file of the image into memory once per session, each session's copy by
 // `threads_per_session` threads (8 MiB blocks dealt round-robin), into `memory`. One thread per
 // session is the socket path's shape (one connection); by reference a session reads on its file
-// readers, so its ceiling gets as many threads.
+// readers, so its ceiling gets as many threads. Into memfd memory with `populate_ahead` > 0,
+// each session also gets the engine's populate-ahead thread, fed by its readers as the engine's
+// is fed by the session: the same helper on both sides of the ratio.
 Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64_t total,
                                       uint32_t sessions, uint32_t threads_per_session,
-                                      CeilingMemory memory_kind) {
+                                      CeilingMemory memory_kind, uint64_t populate_ahead,
+                                      int populate_nice) {
   const bool into_fresh_memory = memory_kind != CeilingMemory::kReused;
   constexpr uint64_t kBlock = 8u << 20;
   // The blocks of the concatenated pages files (past each file's 8-byte CRIU header, like the
@@ -63,6 +67,7 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
   const uint64_t per_session = at;
   std::vector<void*> copies(sessions, nullptr);
   std::vector<client::MemfdRegion> memfds;
+  std::vector<std::unique_ptr<client::PopulateAhead>> populaters;
   const size_t copy_length = into_fresh_memory ? std::max<uint64_t>(per_session, 1) : kBlock;
   const uint32_t threads = sessions * threads_per_session;
   std::vector<Status> statuses(threads);
@@ -74,6 +79,8 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
       GPULAZY_ASSIGN_OR_RETURN(client::MemfdRegion region,
                                client::MemfdRegion::Create("ceiling", copy_length));
       copies[s] = region.bytes().data();
+      populaters.push_back(std::make_unique<client::PopulateAhead>(populate_ahead, populate_nice));
+      populaters.back()->AddRegion(0, region.bytes());
       memfds.push_back(std::move(region));
       continue;
     }
@@ -90,6 +97,7 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
         const Block& block = blocks[b];
         uint8_t* target =
             into_fresh_memory ? static_cast<uint8_t*>(copies[session]) + block.at : scratch.data();
+        if (!populaters.empty()) populaters[session]->WritingAt(0, block.at, block.length);
         Status read = ReadExactAt(fds[block.file].get(), block.offset,
                                   {target, static_cast<size_t>(block.length)}, files[block.file]);
         if (!read.ok()) {
@@ -102,6 +110,7 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
   for (std::thread& worker : workers)
     worker.join();
   const double seconds = SecondsSince(start);
+  populaters.clear();  // before the memory they populate goes
   if (memory_kind != CeilingMemory::kMemfd)
     for (void* memory : copies)
       munmap(memory, copy_length);
@@ -148,7 +157,8 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   std::vector<std::unique_ptr<client::RestoreSession>> clients;
   for (uint32_t s = 0; s < sessions; ++s) {
     if (options.engine == "host")
-      engines.push_back(std::make_unique<client::HostCopyEngine>());
+      engines.push_back(std::make_unique<client::HostCopyEngine>(client::HostEngineOptions{
+          .populate_ahead_bytes = options.populate_ahead, .populate_nice = options.populate_nice}));
     else
       engines.push_back(std::make_unique<DiscardEngine>());
     client::SessionOptions session;
@@ -210,14 +220,15 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json ceiling, RunInChild([&] {
                                  return MeasureCeiling(
                                      files, options.size, sessions, ceiling_threads,
-                                     host ? CeilingMemory::kMemfd : CeilingMemory::kReused);
+                                     host ? CeilingMemory::kMemfd : CeilingMemory::kReused,
+                                     options.populate_ahead, options.populate_nice);
                                }));
       std::optional<double> anonymous_Bps;
       if (host) {
         GPULAZY_ASSIGN_OR_RETURN(nlohmann::json anonymous, RunInChild([&] {
                                    return MeasureCeiling(files, options.size, sessions,
-                                                         ceiling_threads,
-                                                         CeilingMemory::kAnonymous);
+                                                         ceiling_threads, CeilingMemory::kAnonymous,
+                                                         0, 0);
                                  }));
         anonymous_Bps = anonymous["throughput_Bps"].get<double>();
       }
@@ -240,6 +251,8 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"ceiling_threads_per_session", ceiling_threads},
                                {"ratio", throughput / ceiling_Bps},
                                {"ceiling_memory", host ? "memfd" : "reused"},
+                               {"populate_ahead_bytes", host ? options.populate_ahead : 0},
+                               {"populate_nice", options.populate_nice},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
                                {"ceiling_peak_rss_bytes", ceiling["peak_rss_bytes"]},
                                {"verified", pipeline["verified"]},

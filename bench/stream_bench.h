@@ -19,6 +19,10 @@ struct StreamOptions {
   std::string engine = "host";  // host (memcpy into memfds) or discard
   uint64_t window = 16u << 20;
   uint32_t file_readers = 4;  // unix-files: the client's reader threads per session
+  // The host engine's populate-ahead distance (HostEngineOptions); the memfd ceiling gets the
+  // same helper. 0: neither populates ahead.
+  uint64_t populate_ahead = 32u << 20;
+  int populate_nice = 10;
 };
 
 Status RunStreamBench(const CommonOptions& common, const StreamOptions& options);
