@@ -211,14 +211,14 @@ void PinPageCache(const File& file, size_t window, int in_flight) {
   cudaFree(device);
 }
 
-void ReadDma(const File& file) {
-  constexpr size_t kChunk = 2 * kMiB;
+void ReadDma(const File& file, size_t chunk_bytes) {
+  const size_t kChunk = chunk_bytes;
   const size_t chunks = file.size / kChunk;
   const size_t size = chunks * kChunk;
   void* device = nullptr;
   Check(cudaMalloc(&device, size), "allocating device memory");
   const double ceiling = CeilingBps(device, size);
-  for (int threads : {8, 16, 24, 32}) {
+  for (int threads : {16, 24}) {
     for (int slots_per_thread : {0, 2, 4}) {  // 0: read only, no DMA
       const bool dma = slots_per_thread > 0;
       const int slots = dma ? slots_per_thread : 1;
@@ -259,9 +259,10 @@ void ReadDma(const File& file) {
         w.join();
       const double bps = static_cast<double>(size) / SecondsSince(start);
       std::printf(
-          "{\"probe\":\"read-dma\",\"mode\":\"%s\",\"threads\":%d,\"slots_per_thread\":%d,"
-          "\"GBps\":%.2f,\"ratio\":%.3f}\n",
-          dma ? "read+dma" : "read-only", threads, slots_per_thread, bps / 1e9, bps / ceiling);
+          "{\"probe\":\"read-dma\",\"mode\":\"%s\",\"chunk_KiB\":%zu,\"threads\":%d,"
+          "\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f}\n",
+          dma ? "read+dma" : "read-only", kChunk >> 10, threads, slots_per_thread, bps / 1e9,
+          bps / ceiling);
       for (cudaEvent_t ev : events)
         cudaEventDestroy(ev);
       for (cudaStream_t s : streams)
@@ -280,7 +281,8 @@ void ReadDma(const File& file) {
 int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(stderr,
-                 "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE\n",
+                 "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE "
+                 "[CHUNK_KIB=2048]\n",
                  argv[0]);
     return 2;
   }
@@ -297,7 +299,9 @@ int main(int argc, char** argv) {
     if (window == 0 || in_flight < 1) return 2;
     PinPageCache(file, window, in_flight);
   } else if (probe == "read-dma") {
-    ReadDma(file);
+    const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
+    if (chunk == 0 || chunk > 64 * kMiB) return 2;
+    ReadDma(file, chunk);
   } else {
     std::fprintf(stderr, "gpulazy-cuda-probes: unknown probe %s\n", probe.c_str());
     return 2;
