@@ -212,9 +212,8 @@ void PinPageCache(const File& file, size_t window, int in_flight) {
 }
 
 void ReadDma(const File& file, size_t chunk_bytes) {
-  const size_t kChunk = chunk_bytes;
-  const size_t chunks = file.size / kChunk;
-  const size_t size = chunks * kChunk;
+  const size_t chunks = file.size / chunk_bytes;
+  const size_t size = chunks * chunk_bytes;
   void* device = nullptr;
   Check(cudaMalloc(&device, size), "allocating device memory");
   const double ceiling = CeilingBps(device, size);
@@ -224,7 +223,7 @@ void ReadDma(const File& file, size_t chunk_bytes) {
       const int slots = dma ? slots_per_thread : 1;
       std::vector<void*> pinned(static_cast<size_t>(threads * slots));
       for (void*& p : pinned)
-        Check(cudaMallocHost(&p, kChunk), "pinning a slot");
+        Check(cudaMallocHost(&p, chunk_bytes), "pinning a slot");
       std::vector<cudaStream_t> streams(static_cast<size_t>(threads));
       for (cudaStream_t& s : streams)
         Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
@@ -243,10 +242,10 @@ void ReadDma(const File& file, size_t chunk_bytes) {
             const size_t j = turn % static_cast<size_t>(slots);
             const size_t slot = static_cast<size_t>(t * slots) + j;
             if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
-            file.ReadFully(static_cast<char*>(pinned[slot]), kChunk, chunk * kChunk);
+            file.ReadFully(static_cast<char*>(pinned[slot]), chunk_bytes, chunk * chunk_bytes);
             if (!dma) continue;
-            Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * kChunk, pinned[slot],
-                                  kChunk, cudaMemcpyHostToDevice, streams[static_cast<size_t>(t)]),
+            Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * chunk_bytes, pinned[slot],
+                                  chunk_bytes, cudaMemcpyHostToDevice, streams[static_cast<size_t>(t)]),
                   "copying a chunk");
             Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]),
                   "recording an event");
@@ -261,7 +260,7 @@ void ReadDma(const File& file, size_t chunk_bytes) {
       std::printf(
           "{\"probe\":\"read-dma\",\"mode\":\"%s\",\"chunk_KiB\":%zu,\"threads\":%d,"
           "\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f}\n",
-          dma ? "read+dma" : "read-only", kChunk >> 10, threads, slots_per_thread, bps / 1e9,
+          dma ? "read+dma" : "read-only", chunk_bytes >> 10, threads, slots_per_thread, bps / 1e9,
           bps / ceiling);
       for (cudaEvent_t ev : events)
         cudaEventDestroy(ev);
@@ -272,7 +271,7 @@ void ReadDma(const File& file, size_t chunk_bytes) {
     }
   }
   std::printf("{\"probe\":\"read-dma\",\"sample_ok\":%s}\n",
-              SampleMatches(file, device, size / 3 / kChunk * kChunk) ? "true" : "false");
+              SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true" : "false");
   cudaFree(device);
 }
 

@@ -33,7 +33,8 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
 
   bench::StreamOptions stream;
-  std::string stream_size = "1G", stream_window = "16M", stream_populate = "32M";
+  std::string stream_size = "1G", stream_window = "16M",
+              stream_populate = std::to_string(stream.populate_ahead >> 20) + "M";
   CLI::App* stream_cmd =
       app.add_subcommand("stream", "streaming throughput vs raw page-cache reads");
   stream_cmd->add_option("--size", stream_size, "image content bytes")->capture_default_str();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bench/harness.h"
+#include "page-client/host_engine.h"
 
 namespace gpulazy::bench {
 
@@ -21,8 +22,8 @@ struct StreamOptions {
   uint32_t file_readers = 4;  // unix-files: the client's reader threads per session
   // The host engine's populate-ahead distance (HostEngineOptions); the memfd ceiling gets the
   // same helper. 0: neither populates ahead.
-  uint64_t populate_ahead = 32u << 20;
-  int populate_nice = 10;
+  uint64_t populate_ahead = client::HostEngineOptions{}.populate_ahead_bytes;
+  int populate_nice = client::HostEngineOptions{}.populate_nice;
 };
 
 Status RunStreamBench(const CommonOptions& common, const StreamOptions& options);

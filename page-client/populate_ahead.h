@@ -11,8 +11,8 @@
 //
 // The thread runs at a lower priority (nice +10 by default): it is worth having only on cores
 // nobody else needs. When the restore's own threads keep every core busy (many sessions, file
-// readers) populating early saves nothing, and at full priority it measured slower
-// (docs/benchmarks.md, issue 3).
+// readers) populating early saves nothing (docs/benchmarks.md, issue 3; nice +10 and 0
+// measured alike there, the lower priority is kept so that it yields on a busy host).
 //
 // Correctness never depends on it: a writer that gets ahead simply takes its own faults, and a
 // page both touch is allocated once (the kernel's page lock). Kernels without
