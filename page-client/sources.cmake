@@ -5,7 +5,7 @@ add_library(gpulazy_net STATIC
   ${CMAKE_CURRENT_LIST_DIR}/net/frame_stream.cc
   ${CMAKE_CURRENT_LIST_DIR}/net/stream.cc
   ${CMAKE_CURRENT_LIST_DIR}/net/threads.cc)
-target_link_libraries(gpulazy_net PUBLIC gpulazy_proto gpulazy_image Boost::system OpenSSL::SSL OpenSSL::Crypto
+target_link_libraries(gpulazy_net PUBLIC gpulazy_proto gpulazy_image Boost::system OpenSSL::SSL OpenSSL::Crypto spdlog::spdlog
                       Threads::Threads)
 
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/client.cmake)

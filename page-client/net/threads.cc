@@ -1,6 +1,7 @@
 #include "page-client/net/threads.h"
 
 #include <pthread.h>
+#include <spdlog/spdlog.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -11,6 +12,19 @@
 #include <string>
 
 namespace gpulazy::net {
+
+namespace {
+
+// spdlog builds its registry (and default logger) on first use, inside libspdlog. That is
+// thread-safe, but the library is not built with ThreadSanitizer, so TSan cannot see the
+// static-init guard when two of our threads log for the first time at once, and reports a race
+// on the logger's level (seen: 64 restore sessions starting together, CI). Building it here,
+// during static initialization and so before any of our threads exists, removes that window
+// for every program that starts threads through this file.
+[[maybe_unused]] const spdlog::logger* const kLoggerBuiltBeforeAnyThread =
+    spdlog::default_logger_raw();
+
+}  // namespace
 
 void NameThisThread(std::string_view name) {
   const std::string truncated(name.substr(0, 15));
