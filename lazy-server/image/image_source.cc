@@ -26,6 +26,7 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
     if (!fd.valid()) return ErrnoError(errno, "{}: dup of {}", dir.string(), chunk_file);
     GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), dir / chunk_file));
     source->files_.push_back(StoredFile{chunk_file, std::move(fd), size});
+    source->MapCacheProbes();
     source->lazy_.emplace(std::move(lazy));
     return std::shared_ptr<const ImageSource>(std::move(source));
   }
@@ -56,6 +57,7 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
     GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), dir / name));
     source->files_.push_back(StoredFile{name, std::move(fd), size});
   }
+  source->MapCacheProbes();
   const uint64_t cs = raw_chunk_size;
   for (const ContentBo& content : checkpoint.content_bos()) {
     manifest::Bo* bo = m.add_bos();
@@ -167,6 +169,11 @@ Result<ImageSource::DiskRange> ImageSource::LocateChunk(uint32_t bo, uint32_t ch
   return range;
 }
 
+bool ImageSource::InPageCache(const DiskRange& range) const {
+  if (range.file >= files_.size()) return false;
+  return files_[range.file].cache_probe.Cached(range.offset, range.length);
+}
+
 Result<StoredChunk> ImageSource::LocateStoredChunk(uint32_t bo, uint32_t chunk) const {
   GPULAZY_ASSIGN_OR_RETURN(const manifest::Chunk* c, FindChunk(manifest_, dir_, bo, chunk));
   GPULAZY_ASSIGN_OR_RETURN(DiskRange range, LocateChunk(bo, chunk));
@@ -184,6 +191,14 @@ Result<StoredChunk> ImageSource::LocateStoredChunk(uint32_t bo, uint32_t chunk) 
   }
   out.in_file = range;
   return out;
+}
+
+void ImageSource::MapCacheProbes() {
+  // Best effort: a file we cannot map is simply never "cached", and is read into buffers.
+  for (StoredFile& file : files_) {
+    Result<PageCacheProbe> probe = PageCacheProbe::Map(file.fd.get(), file.size, dir_ / file.name);
+    if (probe.ok()) file.cache_probe = std::move(*probe);
+  }
 }
 
 Result<const ImageSource::StoredFile*> ImageSource::FileNamed(const std::string& name) const {

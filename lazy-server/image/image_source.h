@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
 #include "proto/manifest.pb.h"
 #include "proto/status.h"
@@ -90,12 +91,16 @@ class ImageSource {
   struct StoredFile {
     std::string name;  // inside dir()
     UniqueFd fd;
-    uint64_t size = 0;  // when opened
+    uint64_t size = 0;           // when opened
+    PageCacheProbe cache_probe;  // of [0, size); probes nothing if the file could not be mapped
   };
   const std::vector<StoredFile>& files() const { return files_; }
   // Where a chunk's stored bytes sit on disk (read-ahead hints, clients that read them).
   using DiskRange = image::DiskRange;
   Result<DiskRange> LocateChunk(uint32_t bo, uint32_t chunk) const;
+  // Every byte of `range` (from LocateChunk) is in the page cache right now: sending it straight
+  // from the file will not wait for the disk. False when unknown (PageCacheProbe).
+  bool InPageCache(const DiskRange& range) const;
   // A chunk's description with in_file set and no bytes read: for a reader that holds files()
   // (the page server's clients on the same host). A lazy image gives its manifest's checksum; a
   // CRIU checkpoint gives the cached one when a read has computed it, else none (has_checksum
@@ -107,6 +112,7 @@ class ImageSource {
   Result<UniqueFd> ReopenFile(uint32_t index) const;
 
  private:
+  void MapCacheProbes();
   // The index in files_ of the file with this name; the manifest names only files we opened.
   Result<const StoredFile*> FileNamed(const std::string& name) const;
 

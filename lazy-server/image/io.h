@@ -33,6 +33,32 @@ class UniqueFd {
   int fd_ = -1;
 };
 
+// Says whether a range of a file is in the page cache: mincore on a read-only mapping of the
+// file that is never read through (so a file that shrinks cannot fault us with SIGBUS). Linux
+// reports page-cache residency of a mapped file only to a process that owns the file or may
+// write it (since 5.0); for anyone else a range counts as cached only where this process has
+// it mapped, i.e. never here: the answer is then "not cached", which costs a caller relying on
+// it only its fast path. A file of size 0 has nothing cached.
+class PageCacheProbe {
+ public:
+  PageCacheProbe() = default;  // probes nothing: Cached() is false
+  // Maps the first `size` bytes of `fd`; `what` names the file in errors.
+  static Result<PageCacheProbe> Map(int fd, uint64_t size, const std::filesystem::path& what);
+  PageCacheProbe(PageCacheProbe&& other) noexcept;
+  PageCacheProbe& operator=(PageCacheProbe&& other) noexcept;
+  PageCacheProbe(const PageCacheProbe&) = delete;
+  PageCacheProbe& operator=(const PageCacheProbe&) = delete;
+  ~PageCacheProbe();
+
+  // Every page of [offset, offset + length) is cached. False for an empty or out-of-range
+  // range, and on any error.
+  bool Cached(uint64_t offset, uint64_t length) const;
+
+ private:
+  void* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
 Result<UniqueFd> OpenForRead(const std::filesystem::path& path);
 // Opens `relative` below the directory `dir_fd` with openat2(RESOLVE_BENEATH |
 // RESOLVE_NO_MAGICLINKS): absolute names, ".." and symlinks that would leave the directory

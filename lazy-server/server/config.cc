@@ -118,6 +118,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_flag("--pass-files,!--no-pass-files", config.pass_files,
                "hand image files to Unix-socket clients that ask, so they read chunks themselves "
                "(default on; --no-pass-files: every byte travels through the socket)");
+  app.add_flag("--sendfile,!--no-sendfile", config.send_from_files,
+               "send cached chunks straight from the image files to plain sockets (sendfile; "
+               "default on; --no-sendfile: read every chunk into a buffer first)");
   app.add_option("--max-sessions", config.max_sessions, "open sessions at most")
       ->capture_default_str();
   app.add_option("--max-connections", config.max_connections, "open connections at most")

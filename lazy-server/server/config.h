@@ -76,6 +76,9 @@ struct ServerConfig {
   // Clients on Unix sockets may ask for an image's files (SCM_RIGHTS) and read chunks from them
   // themselves, the server still choosing the order (docs/protocol.md, "Image files").
   bool pass_files = true;
+  // Chunks whose stored bytes are in the page cache and whose checksum is known go from the
+  // image file to a plain (not TLS) socket by sendfile: no copy through our buffers.
+  bool send_from_files = true;
 };
 
 // Parses argv (and --config FILE). On --help or a usage error, exit_code says how main should

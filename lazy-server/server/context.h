@@ -31,6 +31,7 @@ struct ServerTotals {
   std::atomic<uint64_t> sessions_opened{0};
   std::atomic<uint64_t> sessions_open{0};
   std::atomic<uint64_t> bytes_sent{0};
+  std::atomic<uint64_t> bytes_sendfile{0};  // of bytes_sent: by sendfile from the image files
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> frames_received{0};

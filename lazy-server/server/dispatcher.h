@@ -36,12 +36,17 @@ namespace gpulazy::server {
 // from the pool (returned when this is destroyed).
 // A chunk sent by reference has no buffer (info.stored_length 0): in_file says where the
 // client reads its stored bytes, and has_checksum whether the checksum is known yet.
+// A chunk sent from the page cache has no buffer either: its info.stored_length bytes travel
+// on the wire, but the kernel takes them from from_file (sendfile), never read by us.
 struct LoadedChunk {
   image::ChunkInfo info;
   ChunkBuffer buffer;
   std::optional<image::DiskRange> in_file;
+  std::optional<image::DiskRange> from_file;
   bool has_checksum = true;
-  std::span<const uint8_t> bytes() const { return buffer.span().first(info.stored_length); }
+  std::span<const uint8_t> bytes() const {
+    return from_file ? std::span<const uint8_t>() : buffer.span().first(info.stored_length);
+  }
 };
 
 // Receives chunks read for a session (Session implements it). Called on a disk thread, or for
@@ -51,6 +56,9 @@ class ChunkSink {
   virtual ~ChunkSink() = default;
   virtual const image::ImageSource& source() const = 0;
   virtual void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) = 0;
+  // The connection `item` goes out on may send its bytes straight from the image file
+  // (LoadedChunk::from_file): a plain (not TLS) socket, and the server allows it.
+  virtual bool SendsFromFiles(const WorkItem& item) const = 0;
 };
 
 struct DispatcherOptions {
@@ -114,7 +122,8 @@ class Dispatcher {
   Job MakeJob(const WorkItem& item, Lane lane);  // mu_ held
   void Read(const Job& job);
   // The chunk's stored bytes in a pooled buffer.
-  Result<LoadedChunk> ReadInto(const image::ImageSource& source, const WorkItem& item);
+  Result<LoadedChunk> ReadInto(const image::ImageSource& source, const WorkItem& item,
+                               bool from_file_allowed);
   Result<LoadedChunk> Locate(const image::ImageSource& source, const WorkItem& item);
   // A read of `lane` finished (or was skipped): frees its slot and pumps.
   void Finished(Lane lane);

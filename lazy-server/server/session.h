@@ -40,6 +40,7 @@ class Connection;
 struct SessionStats {
   std::atomic<uint64_t> bytes_sent{0};          // payload bytes on the wire
   std::atomic<uint64_t> bytes_by_reference{0};  // stored bytes the client read from its files
+  std::atomic<uint64_t> bytes_sendfile{0};      // of bytes_sent: sent from the files by sendfile
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> stream_done{0};
@@ -79,6 +80,7 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   // ChunkSink
   const image::ImageSource& source() const override { return *image_->source; }
   void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override;
+  bool SendsFromFiles(const WorkItem& item) const override;
 
  private:
   ServerContext& ctx_;
@@ -109,6 +111,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   ~Connection();
 
   uint64_t id() const { return id_; }
+  // Its payloads may go out by sendfile: a plain socket (TLS encrypts in user space).
+  bool can_send_from_files() const { return !socket_.is_tls(); }
   // Spawns Run on the connection's strand. refuse_code != 0: answer that error and close.
   void Start(wire::ErrorCode refuse_code = wire::ERROR_NONE, std::string refuse_message = {});
   // Any thread: stop reading, finish the write in flight, send ERROR_SHUTTING_DOWN, close.

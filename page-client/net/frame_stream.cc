@@ -1,6 +1,13 @@
 #include "page-client/net/frame_stream.h"
 
+#include <pthread.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+
 #include <array>
+#include <cerrno>
+#include <csignal>
+#include <limits>
 #include <string>
 
 namespace gpulazy::net {
@@ -39,6 +46,31 @@ Status ReadError(const error_code& ec, bool inside_frame) {
 template <typename Header>
 Result<wire::Header> ParseHeader(const Header& bytes) {
   return DecodeFrameHeader(std::span<const uint8_t>(bytes.data(), bytes.size()));
+}
+
+// sendfile has no MSG_NOSIGNAL: a peer gone mid-send raises SIGPIPE, which kills a process
+// that has not ignored it (a server embedded in CRIU must leave CRIU's signals alone). So the
+// signal is blocked on this thread around the call, and one it raised is taken back before the
+// mask is restored; the call's EPIPE says what happened.
+ssize_t SendfileWithoutSigpipe(int socket, int fd, off_t* offset, size_t length) {
+  sigset_t pipe_only;
+  sigemptyset(&pipe_only);
+  sigaddset(&pipe_only, SIGPIPE);
+  sigset_t old_mask;
+  pthread_sigmask(SIG_BLOCK, &pipe_only, &old_mask);
+  sigset_t pending;
+  sigpending(&pending);
+  const bool was_pending = sigismember(&pending, SIGPIPE) == 1;
+  const ssize_t sent = ::sendfile(socket, fd, offset, length);
+  const int error = errno;
+  if (sent < 0 && error == EPIPE && !was_pending) {
+    const timespec no_wait{};
+    while (sigtimedwait(&pipe_only, nullptr, &no_wait) < 0 && errno == EINTR) {
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+  errno = error;
+  return sent;
 }
 
 }  // namespace
@@ -96,6 +128,55 @@ Awaitable<Status> WriteFrame(AsyncStream& socket, const wire::Header& header,
   error_code ec;
   co_await asio::async_write(socket, buffers, asio::redirect_error(asio::use_awaitable, ec));
   if (ec) co_return SocketError(ec, "writing a frame");
+  co_return Status::Ok();
+}
+
+Awaitable<Status> WriteFrameFromFile(Stream& stream, const wire::Header& header, int fd,
+                                     uint64_t offset, uint32_t length, const FrameLimits& limits) {
+  if (stream.is_tls())
+    co_return Unsupported(
+        "sending a frame from a file: the stream is TLS (encrypted in user "
+        "space, so its bytes must pass through us)");
+  if (length > limits.max_payload)
+    co_return ResourceExhausted("payload of {} bytes exceeds {}", length, limits.max_payload);
+  if (offset > static_cast<uint64_t>(std::numeric_limits<off_t>::max()) - length)
+    co_return OutOfRange("file range [{}, +{}) does not fit an off_t", offset, length);
+  Result<std::string> head = EncodeFrameHead(header, length, limits);
+  if (!head.ok()) co_return head.status();
+  Socket& socket = stream.socket();
+  error_code ec;
+  // MSG_MORE: on TCP the header waits for the payload instead of leaving as its own segment.
+  for (size_t done = 0; done < head->size();) {
+    done += co_await socket.async_send(asio::buffer(*head) + done, MSG_MORE,
+                                       asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) co_return SocketError(ec, "writing a frame header");
+  }
+  // sendfile must not block the event loop on a full socket: EAGAIN waits for writability.
+  socket.native_non_blocking(true, ec);
+  if (ec) co_return SocketError(ec, "making the socket non-blocking for sendfile");
+  auto at = static_cast<off_t>(offset);
+  uint64_t left = length;
+  while (left > 0) {
+    const ssize_t sent = SendfileWithoutSigpipe(socket.native_handle(), fd, &at, left);
+    if (sent > 0) {
+      left -= static_cast<uint64_t>(sent);
+      continue;
+    }
+    if (sent == 0)
+      co_return Corrupt(
+          "sending a frame from a file: the file ends at offset {}, {} bytes short "
+          "of the frame's payload (file shrank?)",
+          at, left);
+    const int error = errno;
+    if (error == EINTR) continue;
+    if (error == EAGAIN) {
+      co_await socket.async_wait(Socket::wait_write, asio::redirect_error(asio::use_awaitable, ec));
+      if (ec) co_return SocketError(ec, "waiting to send a frame's payload");
+      continue;
+    }
+    co_return SocketError(error_code(error, boost::system::system_category()),
+                          "sending a frame's payload from a file");
+  }
   co_return Status::Ok();
 }
 

@@ -45,6 +45,15 @@ Awaitable<Result<wire::Header>> ReadFrame(AsyncStream& socket, const FrameLimits
 template <typename AsyncStream>
 Awaitable<Status> WriteFrame(AsyncStream& socket, const wire::Header& header,
                              std::span<const uint8_t> payload, const FrameLimits& limits);
+// Writes a frame whose `length` payload bytes the kernel takes from `fd` at `offset`
+// (sendfile): they go from the page cache to the socket without entering this process, which
+// saves the read into a buffer and the copy into the socket. Plain streams only: TLS encrypts
+// in user space (kUnsupported). A file that ends before offset + length is kCorrupt, with the
+// frame cut short: the caller must close the connection (the peer sees a truncated frame,
+// never wrong bytes). If the bytes are not in the page cache the call blocks on the disk, so
+// callers send from files whose range they know to be cached.
+Awaitable<Status> WriteFrameFromFile(Stream& stream, const wire::Header& header, int fd,
+                                     uint64_t offset, uint32_t length, const FrameLimits& limits);
 // Plain connection, no TLS and no policy: Connect(endpoint, transport) in stream.h is what
 // clients use.
 Awaitable<Result<Socket>> Connect(const Endpoint& endpoint);

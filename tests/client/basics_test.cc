@@ -1,11 +1,15 @@
-// Endpoint parsing, the host copy engine, residency tracking and chunk decoding.
+// Endpoint parsing, frames sent from files, the host copy engine, residency tracking and chunk
+// decoding.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <lz4.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -15,15 +19,18 @@
 #include <string>
 #include <thread>
 
+#include "lazy-server/image/io.h"
 #include "page-client/chunk_codec.h"
 #include "page-client/engine_gate.h"
 #include "page-client/file_chunks.h"
 #include "page-client/host_engine.h"
 #include "page-client/net/endpoint.h"
+#include "page-client/net/frame_stream.h"
 #include "page-client/net/threads.h"
 #include "page-client/populate_ahead.h"
 #include "page-client/residency.h"
 #include "proto/checksum.h"
+#include "tests/support/temp_dir.h"
 #include "tests/support/threads.h"
 
 namespace gpulazy::client {
@@ -53,6 +60,116 @@ TEST(Endpoint, RejectsMalformed) {
 
 // Each pool thread runs the function exactly once, named and made nicer by it; the calling
 // thread keeps its name and priority.
+// A frame sent from a file (sendfile) against one read back by the ordinary frame reader, over
+// a Unix socket pair: `payload_at`/`payload_length` name the file range sent.
+struct FromFileRun {
+  Status written;
+  Result<wire::Header> read = Internal("not read");
+  std::vector<uint8_t> payload;
+};
+FromFileRun SendFromFile(int file_fd, uint64_t payload_at, uint32_t payload_length, bool tls,
+                         bool reader_gone = false) {
+  namespace asio = boost::asio;
+  int fds[2];
+  EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  asio::io_context io;
+  const asio::generic::stream_protocol unix_stream(AF_UNIX, SOCK_STREAM);
+  net::Socket writer_socket(io, unix_stream, fds[0]);
+  net::Socket reader_socket(io, unix_stream, fds[1]);
+  auto tls_context = std::make_shared<net::TlsContext>(net::TlsContext::tls_server);
+  net::Stream writer =
+      tls ? net::Stream(std::move(writer_socket), tls_context, net::Stream::Side::kServer)
+          : net::Stream(std::move(writer_socket));
+  net::Stream reader(std::move(reader_socket));
+  FromFileRun run;
+  FrameLimits limits;
+  wire::Header header;
+  header.set_request_id(77);
+  header.mutable_chunk()->set_bo(3);
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        run.written = co_await net::WriteFrameFromFile(writer, header, file_fd, payload_at,
+                                                       payload_length, limits);
+        boost::system::error_code ignored;
+        writer.close(ignored);  // what the server does after a failed write
+      },
+      asio::detached);
+  if (reader_gone) {
+    boost::system::error_code ignored;
+    reader.close(ignored);
+  } else {
+    asio::co_spawn(
+        io,
+        [&]() -> asio::awaitable<void> {
+          run.read = co_await net::ReadFrame(reader, limits, &run.payload);
+        },
+        asio::detached);
+  }
+  io.run();
+  return run;
+}
+
+class FrameFromFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Larger than a socket pair's buffer: the writer must wait for room, more than once.
+    bytes_.resize(3u << 20);
+    for (size_t i = 0; i < bytes_.size(); ++i)
+      bytes_[i] = static_cast<uint8_t>(i * 131 + (i >> 12));
+    fd_.reset(::open((dir_.path() / "pages").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    ASSERT_TRUE(fd_.valid());
+    ASSERT_EQ(::pwrite(fd_.get(), bytes_.data(), bytes_.size(), 0),
+              static_cast<ssize_t>(bytes_.size()));
+  }
+  testing::TempDir dir_;
+  UniqueFd fd_;
+  std::vector<uint8_t> bytes_;
+};
+
+TEST_F(FrameFromFileTest, PayloadArrivesAsTheFileRange) {
+  const uint64_t at = 4096 + 17;  // not page aligned
+  const uint32_t length = static_cast<uint32_t>(bytes_.size() - at - 5);
+  FromFileRun run = SendFromFile(fd_.get(), at, length, /*tls=*/false);
+  ASSERT_TRUE(run.written.ok()) << run.written.ToString();
+  ASSERT_TRUE(run.read.ok()) << run.read.status().ToString();
+  EXPECT_EQ(run.read->request_id(), 77u);
+  EXPECT_EQ(run.read->chunk().bo(), 3u);
+  ASSERT_EQ(run.payload.size(), length);
+  EXPECT_TRUE(std::equal(run.payload.begin(), run.payload.end(), bytes_.begin() + at));
+}
+
+// The file is shorter than the frame promised (it shrank after the server sized the chunk): the
+// writer says so, and the reader sees a truncated frame, never a short or padded payload.
+TEST_F(FrameFromFileTest, AFileThatEndsEarlyCutsTheFrameAndSaysWhy) {
+  const uint32_t length = 1u << 20;
+  FromFileRun run = SendFromFile(fd_.get(), bytes_.size() - 1000, length, /*tls=*/false);
+  EXPECT_EQ(run.written.code(), Code::kCorrupt) << run.written.ToString();
+  // 1000 bytes were there to send: the rest is missing.
+  EXPECT_NE(run.written.message().find(std::to_string(length - 1000) + " bytes short"),
+            std::string::npos)
+      << run.written.ToString();
+  EXPECT_EQ(run.read.status().code(), Code::kCorrupt) << run.read.status().ToString();
+}
+
+// sendfile has no MSG_NOSIGNAL: a reader that is gone must give an error, not a SIGPIPE (which
+// gtest does not ignore: this process would die).
+TEST_F(FrameFromFileTest, AReaderGoneIsAnErrorNotASignal) {
+  FromFileRun run = SendFromFile(fd_.get(), 0, 2u << 20, /*tls=*/false, /*reader_gone=*/true);
+  EXPECT_EQ(run.written.code(), Code::kUnavailable) << run.written.ToString();
+  sigset_t pending;
+  sigpending(&pending);
+  EXPECT_EQ(sigismember(&pending, SIGPIPE), 0) << "a SIGPIPE was left pending";
+}
+
+TEST_F(FrameFromFileTest, TlsStreamsAndOversizedPayloadsAreRefused) {
+  FromFileRun tls = SendFromFile(fd_.get(), 0, 4096, /*tls=*/true);
+  EXPECT_EQ(tls.written.code(), Code::kUnsupported) << tls.written.ToString();
+  EXPECT_FALSE(tls.read.ok()) << "nothing may have been written on the TLS stream";
+  FromFileRun huge = SendFromFile(fd_.get(), 0, FrameLimits{}.max_payload + 1, /*tls=*/false);
+  EXPECT_EQ(huge.written.code(), Code::kResourceExhausted) << huge.written.ToString();
+}
+
 TEST(Threads, EachPoolThreadIsNamedAndLoweredOnce) {
   const int base = testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice;
   ASSERT_LE(base, 19 - 4) << "the test needs room to lower a priority";

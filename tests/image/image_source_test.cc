@@ -1,7 +1,10 @@
 #include "lazy-server/image/image_source.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <linux/magic.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -299,6 +302,45 @@ TEST(ImageSourceTest, LocatedCriuChunksCarryAChecksumOnlyOnceOneWasComputed) {
   EXPECT_TRUE(after->has_checksum);
   EXPECT_EQ(after->checksum, Checksum64(at_range));
   EXPECT_EQ(s.checksums_computed(), 1u);
+}
+
+// Whether a chunk's bytes are in the page cache decides if the server may send them straight
+// from the file: a wrong "yes" would stall a network thread on the disk, a wrong "no" only
+// costs a copy. Bytes just read are cached; ranges past the file never are; bytes the kernel
+// dropped (POSIX_FADV_DONTNEED on a clean file) are not.
+TEST(ImageSourceTest, InPageCacheTellsCachedRangesFromOthers) {
+  TempDir dir;
+  WriteSample(dir.path());
+  auto source = ImageSource::Open(dir.path(), kChunk);
+  ASSERT_TRUE(source.ok());
+  const ImageSource& s = **source;
+  auto range = s.LocateChunk(0, 1);
+  ASSERT_TRUE(range.ok()) << range.status().ToString();
+  ASSERT_TRUE(s.ReadChunk(0, 1).ok());
+  EXPECT_TRUE(s.InPageCache(*range)) << "a chunk just read is in the page cache";
+
+  ImageSource::DiskRange past = *range;
+  past.offset = s.files().at(past.file).size;  // starts at the end of the file
+  EXPECT_FALSE(s.InPageCache(past));
+  ImageSource::DiskRange empty = *range;
+  empty.length = 0;
+  EXPECT_FALSE(s.InPageCache(empty));
+  ImageSource::DiskRange no_file = *range;
+  no_file.file = static_cast<uint32_t>(s.files().size());
+  EXPECT_FALSE(s.InPageCache(no_file));
+
+  // Clean pages of a disk file can be dropped; tmpfs pages are the file itself and stay.
+  const int fd = s.files().at(range->file).fd.get();
+  struct statfs fs {};
+  ASSERT_EQ(::fstatfs(fd, &fs), 0);
+  if (fs.f_type != TMPFS_MAGIC) {
+    ASSERT_EQ(::fdatasync(fd), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    EXPECT_FALSE(s.InPageCache(*range)) << "dropped from the page cache, still reported cached";
+    ASSERT_TRUE(s.ReadChunk(0, 1).ok());
+    EXPECT_TRUE(s.InPageCache(*range)) << "read again: cached again";
+  }
+  EXPECT_FALSE(PageCacheProbe().Cached(0, 1)) << "an empty probe knows of nothing cached";
 }
 
 TEST(ImageSourceTest, LazyImagesUseRecordedChecksums) {

@@ -2,7 +2,10 @@
 // (tiny) CRIU checkpoint, a fake ChunkSink that can hold background reads on their disk thread.
 #include "lazy-server/server/dispatcher.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/magic.h>
+#include <sys/vfs.h>
 
 #include <algorithm>
 #include <chrono>
@@ -102,6 +105,8 @@ class DispatcherTest : public ::testing::Test {
     SinkBase(const image::ImageSource& source, Dispatcher* dispatcher)
         : source_(source), dispatcher_(dispatcher) {}
     const image::ImageSource& source() const override { return source_; }
+    bool SendsFromFiles(const WorkItem&) const override { return sends_from_files_; }
+    bool sends_from_files_ = false;
 
    protected:
     const image::ImageSource& source_;
@@ -225,6 +230,90 @@ TEST_F(DispatcherTest, StreamReusesPooledBuffers) {
   EXPECT_GE(c.reused, kChunks - 2);
   EXPECT_EQ(c.out, 0u);
   EXPECT_EQ(dispatcher.lanes().bulk_reads, kChunks);
+}
+
+// A connection that can send from files gets, for a chunk whose bytes are cached and whose
+// checksum is known, only where the bytes are: no buffer, no read. A plain checkpoint's chunk is
+// read (and hashed) the first time; bytes not in the page cache are read on the disk thread, so
+// a network thread never waits for the disk.
+TEST_F(DispatcherTest, CachedChunksWithKnownChecksumsAreSentFromTheFile) {
+  class RecordingSink : public SinkBase {
+   public:
+    using SinkBase::SinkBase;
+    void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
+      std::lock_guard lock(mu_);
+      EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
+      uint32_t sent = 0;
+      if (chunk.ok()) {
+        sent = chunk->info.stored_length;
+        auto raw = source_.ReadChunk(item.bo, item.chunk);
+        EXPECT_TRUE(raw.ok());
+        std::vector<uint8_t> bytes;
+        if (chunk->from_file) {
+          ++from_file_;
+          EXPECT_EQ(chunk->buffer.span().size(), 0u) << "sent from the file, yet a buffer";
+          EXPECT_EQ(chunk->from_file->length, chunk->info.stored_length);
+          bytes.resize(chunk->from_file->length);
+          EXPECT_TRUE(ReadExactAt(chunk->from_file->fd, chunk->from_file->offset, bytes, "f").ok());
+        } else {
+          ++buffered_;
+          bytes.assign(chunk->bytes().begin(), chunk->bytes().end());
+        }
+        EXPECT_EQ(bytes, raw->bytes) << "BO " << item.bo << " chunk " << item.chunk;
+        EXPECT_EQ(chunk->info.checksum, raw->checksum);
+      }
+      ++done_;
+      chunk = Result<LoadedChunk>(Internal("dropped"));
+      dispatcher_->Done(item, sent);
+    }
+    std::mutex mu_;
+    uint32_t done_ = 0;
+    uint32_t from_file_ = 0;
+    uint32_t buffered_ = 0;
+  };
+  DispatcherOptions options;
+  options.disk_threads = 1;
+  options.demand_threads = 1;
+  options.read_ahead = 0;  // no hints: what is cached is what the test made cached
+  options.buffer_bytes = kChunk;
+  Dispatcher dispatcher(options);
+  auto stream_all = [&](SessionId id, bool sends_from_files) {
+    auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
+    sink->sends_from_files_ = sends_from_files;
+    dispatcher.AddSession(id, layout_, sink);
+    dispatcher.Update([&](Scheduler& s) {
+      ASSERT_TRUE(s.StreamAll(id).ok());
+      s.AddCredit(id, 1 << 30);
+    });
+    const auto deadline = Clock::now() + 10s;
+    for (;;) {
+      {
+        std::lock_guard lock(sink->mu_);
+        if (sink->done_ == kChunks || Clock::now() > deadline) break;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    dispatcher.RemoveSession(id);
+    std::lock_guard lock(sink->mu_);
+    EXPECT_EQ(sink->done_, kChunks);
+    return std::pair{sink->from_file_, sink->buffered_};
+  };
+  // First: nothing hashed yet, every chunk is read. Then every chunk is cached and hashed.
+  EXPECT_EQ(stream_all(1, true), std::pair(0u, kChunks));
+  EXPECT_EQ(stream_all(2, true), std::pair(kChunks, 0u));
+  // A TLS connection (or --no-sendfile) reads every chunk, cached or not.
+  EXPECT_EQ(stream_all(3, false), std::pair(0u, kChunks));
+  // Dropped from the page cache (where the file system lets us): read again, not sent blind.
+  const int fd = source_->files().at(0).fd.get();
+  struct statfs fs {};
+  ASSERT_EQ(::fstatfs(fd, &fs), 0);
+  if (fs.f_type != TMPFS_MAGIC) {
+    // RANDOM: no kernel read-ahead either, so reading one chunk does not cache the next.
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    EXPECT_EQ(stream_all(4, true), std::pair(0u, kChunks));
+  }
+  dispatcher.Stop();
 }
 
 // By reference there is nothing to read: each chunk is located on the thread that pumps (here
