@@ -13,7 +13,7 @@ build=${1:-$root/build-tsan}
 targets=(client_basics_test client_session_test client_local_restore_test server_unit_test server_integration_test
   server_image_files_test e2e_restore_test e2e_load_test gpulazy-server gpulazy-client)
 suites='RestoreSession|RestoreSessionInPlace|LocalRestore|SchedulerTest|DispatcherTest|ImageStoreTest'
-suites+='|ServerTest|ServerShutdownTest|ServerLimitsTest|ImageFilesTest|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine'
+suites+='|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ImageFilesTest|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine'
 
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
