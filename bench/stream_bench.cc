@@ -229,11 +229,14 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
       // Like for like in memory too: the host engine's destinations are memfds, whose fresh
       // pages cost more than anonymous ones; the anonymous ceiling is reported beside it.
       const bool host = options.engine == "host";
+      // A session reading files writes with several readers, and the host engine then stops
+      // its populate helper (CopyEngine::ExpectWriters): so does the ceiling.
+      const uint64_t populate_ahead = host && !read_files ? options.populate_ahead : 0;
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json ceiling, RunInChild([&] {
                                  return MeasureCeiling(
                                      files, options.size, sessions, ceiling_threads,
                                      host ? CeilingMemory::kMemfd : CeilingMemory::kReused,
-                                     options.populate_ahead, options.populate_nice);
+                                     populate_ahead, options.populate_nice);
                                }));
       std::optional<double> anonymous_Bps;
       if (host) {
@@ -263,7 +266,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"ceiling_threads_per_session", ceiling_threads},
                                {"ratio", throughput / ceiling_Bps},
                                {"ceiling_memory", host ? "memfd" : "reused"},
-                               {"populate_ahead_bytes", host ? options.populate_ahead : 0},
+                               {"populate_ahead_bytes", populate_ahead},
                                {"populate_nice", options.populate_nice},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
                                {"ceiling_peak_rss_bytes", ceiling["peak_rss_bytes"]},

@@ -76,6 +76,11 @@ class CopyEngine {
     (void)bo, (void)offset, (void)length;
   }
 
+  // A hint: from now on the restore writes with `writers` threads at once (file readers,
+  // local readers). An engine may drop helpers that only pay off for a single writer. Any
+  // thread, any time, also while writes are in flight.
+  virtual void ExpectWriters(uint32_t writers) { (void)writers; }
+
   // Returns once every accepted write has completed (its `done` has run); the first failure
   // since the last Flush, if any. An engine that holds writes (waiting for a destination to be
   // bound, say) must complete or refuse them before the session that issued them is destroyed:

@@ -69,6 +69,11 @@ class HostCopyEngine : public CopyEngine {
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                   uint64_t length) override;
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
+  // Several writers take their own page faults in parallel; a populate helper then only
+  // competes with them for cores (docs/benchmarks.md, issue 3): it is stopped.
+  void ExpectWriters(uint32_t writers) override {
+    if (writers > 1) populate_.Stop();
+  }
 
   // The BO's memory: kNotFound for a BO without a destination.
   Result<std::span<uint8_t>> Mapping(uint32_t bo) const;

@@ -76,6 +76,7 @@ class LocalRestore::Impl {
     for (uint32_t bo = 0; bo < bos_.size(); ++bo)
       GPULAZY_RETURN_IF_ERROR(engine_.AddDestination(bo, bos_[bo].size));
     BuildOrder(m);
+    engine_.ExpectWriters(options_.readers);
     readers_.reserve(options_.readers);
     for (uint32_t i = 0; i < options_.readers; ++i)
       readers_.emplace_back([this] {

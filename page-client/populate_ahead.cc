@@ -25,11 +25,17 @@ PopulateAhead::PopulateAhead(uint64_t ahead_bytes, int nice_increment)
 }
 
 PopulateAhead::~PopulateAhead() {
+  Stop();
+}
+
+void PopulateAhead::Stop() {
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
   }
   wake_.notify_all();
+  // Two callers at once (a hint and the destructor) must not both join.
+  std::lock_guard join_lock(join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 

@@ -44,6 +44,8 @@ class PopulateAhead {
   PopulateAhead(const PopulateAhead&) = delete;
   PopulateAhead& operator=(const PopulateAhead&) = delete;
 
+  // Stops (and joins) the thread; WritingAt does nothing afterwards. Idempotent.
+  void Stop();
   // Registers region `id` (a BO number, say). Re-registering an id is ignored.
   void AddRegion(uint32_t id, std::span<uint8_t> memory);
   // Someone is about to write [offset, offset + length) of region `id`: populate what follows,
@@ -78,6 +80,7 @@ class PopulateAhead {
   uint64_t populated_bytes_ = 0;
   bool unsupported_ = false;
   bool stopping_ = false;
+  std::mutex join_mu_;  // serializes Stop's join
   std::thread thread_;  // last: started after every member above exists
 };
 

@@ -791,6 +791,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
         co_await FetchImageFiles(endpoint_, join, options_.handshake_timeout);
     if (fetched.ok()) {
       files = *fetched;
+      engine_.ExpectWriters(options_.file_readers);
       if (first)
         spdlog::info("image {}: reading chunks from {} passed image file(s) on {} threads",
                      options_.image, files->files.size(), options_.file_readers);

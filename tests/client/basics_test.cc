@@ -321,6 +321,41 @@ TEST(HostCopyEngine, PopulatesTheDestinationAheadOfReceives) {
   EXPECT_EQ(quiet.populated_bytes(), 0u);
 }
 
+// A running helper fills megabytes within milliseconds (the tests above); a stopped one, given
+// far longer, must fill nothing.
+TEST(PopulateAhead, StopEndsTheHelperForGood) {
+  Result<MemfdRegion> region = MemfdRegion::Create("populate-stopped", 16u << 20);
+  ASSERT_TRUE(region.ok()) << region.status().message();
+  PopulateAhead populate(8u << 20);
+  populate.AddRegion(0, region->bytes());
+  populate.Stop();
+  populate.Stop();  // idempotent, and the destructor after it too
+  populate.WritingAt(0, 0, 2u << 20);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(populate.populated_bytes(), 0u);
+  EXPECT_EQ(ResidentBytes(region->bytes(), 0, 16u << 20), 0u);
+}
+
+// Several writers (file readers, local readers) fault their own pages in parallel: the engine
+// drops its helper when told to expect them, and keeps it for one.
+TEST(HostCopyEngine, SeveralWritersStopThePopulateHelper) {
+  HostCopyEngine one;
+  one.ExpectWriters(1);
+  ASSERT_TRUE(one.AddDestination(1, 16u << 20).ok());
+  ASSERT_TRUE(one.ReceiveTarget(1, 0, 2u << 20).has_value());
+  ASSERT_TRUE(PopulatedAtLeast([&] { return one.populated_bytes(); }, 14u << 20));
+
+  HostCopyEngine many;
+  many.ExpectWriters(4);
+  ASSERT_TRUE(many.AddDestination(1, 16u << 20).ok());
+  ASSERT_TRUE(many.ReceiveTarget(1, 0, 2u << 20).has_value());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(many.populated_bytes(), 0u);
+  Result<std::span<uint8_t>> mapping = many.Mapping(1);
+  ASSERT_TRUE(mapping.ok());
+  EXPECT_EQ(ResidentBytes(*mapping, 2u << 20, 16u << 20), 0u);
+}
+
 TEST(HostCopyEngine, RejectsOutOfBoundsAndUnknownBos) {
   HostCopyEngine engine;
   ASSERT_TRUE(engine.AddDestination(0, 4096).ok());

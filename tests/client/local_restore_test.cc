@@ -146,6 +146,8 @@ TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
        ++i, std::this_thread::sleep_for(std::chrono::milliseconds(10)))
     named = gpulazy::testing::NiceOfThreadsNamed("gl-local-reader").size();
   EXPECT_EQ(named, 2u);
+  // Two readers fault their own pages in: the host engine's populate helper was stopped.
+  EXPECT_TRUE(gpulazy::testing::NiceOfThreadsNamed("gl-populate").empty());
   ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(120)).ok());
   ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine, dir));
 }

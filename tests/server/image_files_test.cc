@@ -196,8 +196,37 @@ TEST_F(ImageFilesTest, SessionReadingFilesGrantsItsFileWindow) {
   }
 }
 
-// Background work runs nicer: the session's stream thread and file readers by
-// background_nice, its demand thread (serving faults) at the caller's priority.
+// Reading the passed files, several reader threads write into the engine at once: the host
+// engine's populate helper (a thread named gl-populate) is stopped; through the socket the one
+// receiving thread keeps it.
+TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
+  using gpulazy::testing::NiceOfThreadsNamed;
+  for (const bool read_files : {true, false}) {
+    SCOPED_TRACE(read_files ? "reading files" : "through the socket");
+    client::HostCopyEngine engine;
+    ASSERT_EQ(NiceOfThreadsNamed("gl-populate").size(), 1u);
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "raw";
+    options.read_files = read_files;
+    options.file_readers = 2;
+    options.stream_all = false;
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    const size_t want = read_files ? 0 : 1;
+    size_t helpers = NiceOfThreadsNamed("gl-populate").size();
+    for (int i = 0; i < 200 && helpers != want; ++i) {
+      std::this_thread::sleep_for(10ms);
+      helpers = NiceOfThreadsNamed("gl-populate").size();
+    }
+    EXPECT_EQ(helpers, want);
+    EXPECT_EQ(session.progress().reading_files, read_files);
+  }
+}
+
+// Background work runs nicer: the session's stream thread and file readers by// Background work
+// runs nicer: the session's stream thread and file readers by background_nice, its demand thread
+// (serving faults) at the caller's priority.
 TEST_F(ImageFilesTest, SessionBackgroundThreadsRunNicerThanItsDemandThread) {
   using gpulazy::testing::NiceOfThreadsNamed;
   const int base = gpulazy::testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice;
