@@ -201,10 +201,19 @@ TEST_F(ImageFilesTest, SessionReadingFilesGrantsItsFileWindow) {
 // receiving thread keeps it.
 TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
   using gpulazy::testing::NiceOfThreadsNamed;
+  // The helper names itself once it runs: wait for the count rather than read it once.
+  auto helpers_become = [](size_t want) {
+    size_t helpers = NiceOfThreadsNamed("gl-populate").size();
+    for (int i = 0; i < 200 && helpers != want; ++i) {
+      std::this_thread::sleep_for(10ms);
+      helpers = NiceOfThreadsNamed("gl-populate").size();
+    }
+    return helpers;
+  };
   for (const bool read_files : {true, false}) {
     SCOPED_TRACE(read_files ? "reading files" : "through the socket");
     client::HostCopyEngine engine;
-    ASSERT_EQ(NiceOfThreadsNamed("gl-populate").size(), 1u);
+    ASSERT_EQ(helpers_become(1), 1u);
     client::SessionOptions options;
     options.endpoint = server_->unix_endpoint().ToString();
     options.image = "raw";
@@ -214,12 +223,7 @@ TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
     client::RestoreSession session(options, engine);
     ASSERT_TRUE(session.Start().ok());
     const size_t want = read_files ? 0 : 1;
-    size_t helpers = NiceOfThreadsNamed("gl-populate").size();
-    for (int i = 0; i < 200 && helpers != want; ++i) {
-      std::this_thread::sleep_for(10ms);
-      helpers = NiceOfThreadsNamed("gl-populate").size();
-    }
-    EXPECT_EQ(helpers, want);
+    EXPECT_EQ(helpers_become(want), want);
     EXPECT_EQ(session.progress().reading_files, read_files);
   }
 }
