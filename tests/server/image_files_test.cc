@@ -200,15 +200,9 @@ TEST_F(ImageFilesTest, SessionReadingFilesGrantsItsFileWindow) {
 // engine's populate helper (a thread named gl-populate) is stopped; through the socket the one
 // receiving thread keeps it.
 TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
-  using gpulazy::testing::NiceOfThreadsNamed;
   // The helper names itself once it runs: wait for the count rather than read it once.
   auto helpers_become = [](size_t want) {
-    size_t helpers = NiceOfThreadsNamed("gl-populate").size();
-    for (int i = 0; i < 200 && helpers != want; ++i) {
-      std::this_thread::sleep_for(10ms);
-      helpers = NiceOfThreadsNamed("gl-populate").size();
-    }
-    return helpers;
+    return gpulazy::testing::NiceOfThreadsNamedAwaiting("gl-populate", want).size();
   };
   for (const bool read_files : {true, false}) {
     SCOPED_TRACE(read_files ? "reading files" : "through the socket");
@@ -246,7 +240,8 @@ TEST_F(ImageFilesTest, SessionBackgroundThreadsRunNicerThanItsDemandThread) {
   ASSERT_TRUE(session.Start().ok());
   EXPECT_EQ(NiceOfThreadsNamed("gl-stream"), std::vector<int>{base + 5});
   EXPECT_EQ(NiceOfThreadsNamed("gl-file-reader"), (std::vector<int>{base + 5, base + 5}));
-  EXPECT_EQ(NiceOfThreadsNamed("gl-demand"), std::vector<int>{base});
+  // The demand thread may not have run yet when Start returns (it joins later).
+  EXPECT_EQ(gpulazy::testing::NiceOfThreadsNamedAwaiting("gl-demand", 1), std::vector<int>{base});
   EXPECT_EQ(gpulazy::testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice, base);
 
   client::SessionOptions bad = options;

@@ -4,11 +4,13 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace gpulazy::testing {
@@ -50,6 +52,20 @@ inline std::vector<int> NiceOfThreadsNamed(const std::string& name, pid_t pid = 
   for (const auto& [tid, info] : ListThreads(pid))
     if (info.name == name) out.push_back(info.nice);
   return out;
+}
+
+// NiceOfThreadsNamed once `count` threads carry the name, or after `patience` whatever is
+// there: a thread names itself when it starts, which may be after its creator returned.
+inline std::vector<int> NiceOfThreadsNamedAwaiting(
+    const std::string& name, size_t count, pid_t pid = 0,
+    std::chrono::milliseconds patience = std::chrono::milliseconds(2000)) {
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  std::vector<int> nice = NiceOfThreadsNamed(name, pid);
+  while (nice.size() != count && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    nice = NiceOfThreadsNamed(name, pid);
+  }
+  return nice;
 }
 
 }  // namespace gpulazy::testing
