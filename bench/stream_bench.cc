@@ -209,11 +209,10 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
   {
     StreamOptions warm = options;
     warm.engine = "discard";
-    GPULAZY_ASSIGN_OR_RETURN(nlohmann::json warmed, RunInChild([&] {
-                               return MeasurePipeline(image_dir, server.unix_endpoint(), false, 1,
-                                                      warm);
-                             }));
-    (void)warmed;
+    GPULAZY_RETURN_IF_ERROR(RunInChild([&] {
+                              return MeasurePipeline(image_dir, server.unix_endpoint(), false, 1,
+                                                     warm);
+                            }).status());
   }
   for (const std::string& transport : options.transports) {
     // unix: every byte through the socket; unix-files: the client reads the image files the

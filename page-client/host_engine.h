@@ -69,8 +69,9 @@ class HostCopyEngine : public CopyEngine {
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                   uint64_t length) override;
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
-  // Several writers take their own page faults in parallel; a populate helper then only
-  // competes with them for cores (docs/benchmarks.md, issue 3): it is stopped.
+  // Several writers take their own page faults in parallel, so the populate helper is stopped:
+  // it has nothing to do they do not do already (docs/benchmarks.md, issue 3: measured 10 %
+  // slower with it by reference in session 7; within noise in session 8).
   void ExpectWriters(uint32_t writers) override {
     if (writers > 1) populate_.Stop();
   }

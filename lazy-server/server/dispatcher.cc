@@ -184,23 +184,20 @@ void Dispatcher::Read(const Job& job) {
 Result<LoadedChunk> Dispatcher::ReadInto(const image::ImageSource& source, const WorkItem& item,
                                          bool from_file_allowed) {
   GPULAZY_ASSIGN_OR_RETURN(uint32_t length, source.StoredLength(item.bo, item.chunk));
-  LoadedChunk chunk;
   // Cached bytes whose checksum is known need not pass through us: the connection sends them
   // from the file (sendfile), which spares the copy into a buffer and the copy out of it. A
   // plain checkpoint's chunk is read once anyway, to hash it; bytes not in the page cache are
   // read here, on a disk thread, since a network thread must never wait for the disk.
   if (from_file_allowed && length > 0) {
-    Result<image::StoredChunk> located = source.LocateStoredChunk(item.bo, item.chunk);
+    Result<LoadedChunk> located = Locate(source, item);
     if (located.ok() && located->has_checksum && located->in_file &&
         located->in_file->length == length && source.InPageCache(*located->in_file)) {
-      chunk.info.codec = located->codec;
-      chunk.info.raw_length = located->raw_length;
-      chunk.info.stored_length = length;
-      chunk.info.checksum = located->checksum;
-      chunk.from_file = located->in_file;
-      return chunk;
+      located->info.stored_length = length;
+      located->from_file = std::exchange(located->in_file, std::nullopt);
+      return located;
     }
   }
+  LoadedChunk chunk;
   chunk.buffer = buffers_.Acquire(length);
   GPULAZY_ASSIGN_OR_RETURN(chunk.info,
                            source.ReadChunkInto(item.bo, item.chunk, chunk.buffer.span()));

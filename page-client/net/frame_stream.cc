@@ -152,8 +152,11 @@ Awaitable<Status> WriteFrameFromFile(Stream& stream, const wire::Header& header,
     if (ec) co_return SocketError(ec, "writing a frame header");
   }
   // sendfile must not block the event loop on a full socket: EAGAIN waits for writability.
-  socket.native_non_blocking(true, ec);
-  if (ec) co_return SocketError(ec, "making the socket non-blocking for sendfile");
+  // Set once per socket (the flag stays), not once per frame.
+  if (!socket.native_non_blocking()) {
+    socket.native_non_blocking(true, ec);
+    if (ec) co_return SocketError(ec, "making the socket non-blocking for sendfile");
+  }
   auto at = static_cast<off_t>(offset);
   uint64_t left = length;
   while (left > 0) {

@@ -382,10 +382,15 @@ TEST_F(ServerTest, FrameErrorsCloseOnlyTheBadConnection) {
 }
 
 // The bytes_sent and bytes_sendfile of `session` in a stats reply.
-std::pair<uint64_t, uint64_t> SentAndSendfile(TestClient& client, uint64_t session) {
+// The client's stats reply, parsed ({} when the request failed, which is reported).
+nlohmann::json StatsOf(TestClient& client) {
   Result<std::string> stats = client.Stats();
   EXPECT_TRUE(stats.ok()) << stats.status().ToString();
-  nlohmann::json doc = nlohmann::json::parse(stats.ok() ? *stats : "{}");
+  return nlohmann::json::parse(stats.ok() ? *stats : "{}");
+}
+
+std::pair<uint64_t, uint64_t> SentAndSendfile(TestClient& client, uint64_t session) {
+  const nlohmann::json doc = StatsOf(client);
   for (const auto& s : doc["sessions"])
     if (s["session"] == session)
       return {s["bytes_sent"].get<uint64_t>(), s["bytes_sendfile"].get<uint64_t>()};
@@ -399,9 +404,7 @@ std::pair<uint64_t, uint64_t> SentAndSendfile(TestClient& client, uint64_t sessi
 // sendfile: the later rounds send bytes from the file.
 TEST_F(ServerTest, CriuChecksumsAreHashedOnceAcrossSessions) {
   auto checksums_computed = [&](TestClient& client, const std::string& image) {
-    Result<std::string> stats = client.Stats();
-    EXPECT_TRUE(stats.ok()) << stats.status().ToString();
-    nlohmann::json doc = nlohmann::json::parse(stats.ok() ? *stats : "{}");
+    const nlohmann::json doc = StatsOf(client);
     uint64_t computed = 0;
     for (const auto& session : doc["sessions"])
       if (session["image"] == image)
@@ -465,9 +468,7 @@ TEST(ServerSendfileTest, NoSendfileSendsEveryByteFromBuffers) {
   ServerProcess server(dir.path(), root, {"--no-sendfile", "--disk-threads", "2"});
   ASSERT_TRUE(server.ready()) << server.Log();
   auto buffers = [](TestClient& client) {
-    Result<std::string> stats = client.Stats();
-    EXPECT_TRUE(stats.ok()) << stats.status().ToString();
-    nlohmann::json doc = nlohmann::json::parse(stats.ok() ? *stats : "{}");
+    const nlohmann::json doc = StatsOf(client);
     return std::pair{doc["server"]["disk"]["buffers"]["allocated"].get<uint64_t>(),
                      doc["server"]["disk"]["buffers"]["reused"].get<uint64_t>()};
   };
