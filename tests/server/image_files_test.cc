@@ -216,9 +216,13 @@ TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
     options.stream_all = false;
     client::RestoreSession session(options, engine);
     ASSERT_TRUE(session.Start().ok());
+    // The files arrive after Start returns: wait until the session reads them (or, through the
+    // socket, a while: it never will), then count the helpers.
+    for (int i = 0; i < 200 && session.progress().reading_files != read_files; ++i)
+      std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(session.progress().reading_files, read_files);
     const size_t want = read_files ? 0 : 1;
     EXPECT_EQ(helpers_become(want), want);
-    EXPECT_EQ(session.progress().reading_files, read_files);
   }
 }
 
