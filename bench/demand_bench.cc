@@ -46,8 +46,10 @@ Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const 
   };
   GPULAZY_ASSIGN_OR_RETURN(net::Socket stream, net::ConnectBlocking(io, endpoint));
   wire::Header hello;
-  hello.mutable_hello()->set_min_version(kProtocolVersion);
-  hello.mutable_hello()->set_max_version(kProtocolVersion);
+  // Version 1: this frame-level client reads the BO table from the reply's header, where the
+  // bench's image (a few BOs) fits; version 2 would send it as payload frames.
+  hello.mutable_hello()->set_min_version(kMinProtocolVersion);
+  hello.mutable_hello()->set_max_version(kMinProtocolVersion);
   hello.mutable_hello()->set_client_name("bench-lone");
   GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(stream, hello, {}, limits));
   GPULAZY_RETURN_IF_ERROR(expect(stream, wire::Header::kHelloReply).status());

@@ -8,6 +8,7 @@
 #include "bench/demand_bench.h"
 #include "bench/restore_bench.h"  // issue 4: restore modes
 #include "bench/stream_bench.h"
+#include "lazy-server/image/io.h"
 #include "proto/size.h"
 
 namespace {
@@ -85,6 +86,9 @@ int Run(int argc, char** argv) {
   // Results go to stdout (one JSON object per line with --json); the library's progress logs
   // would interleave with them.
   spdlog::set_level(spdlog::level::warn);
+  // Every restore keeps a descriptor per BO (host engine memfds).
+  gpulazy::Result<uint64_t> fds = gpulazy::RaiseOpenFileLimit();
+  if (!fds.ok()) spdlog::warn("{}", fds.status().ToString());
   common.work_dir = work_dir;
   common.bin_dir = bin_dir;
 

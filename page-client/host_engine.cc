@@ -14,7 +14,12 @@ Result<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_t size) 
     return OutOfRange("memfd {}: size {} does not fit the address space", name, size);
   MemfdRegion region;
   region.fd_ = ::memfd_create(name.c_str(), MFD_CLOEXEC);
-  if (region.fd_ < 0) return ErrnoError(errno, "memfd_create {}", name);
+  if (region.fd_ < 0) {
+    if (errno == EMFILE)  // the engine holds one memfd per BO
+      return ErrnoError(errno, "memfd_create {} (one descriptor per BO: raise RLIMIT_NOFILE)",
+                        name);
+    return ErrnoError(errno, "memfd_create {}", name);
+  }
   if (::ftruncate(region.fd_, static_cast<off_t>(size)) != 0)
     return ErrnoError(errno, "ftruncate memfd {} to {} bytes", name, size);
   region.size_ = size;

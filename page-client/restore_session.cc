@@ -736,7 +736,7 @@ Status RestoreSession::Impl::CheckSameImage(const wire::OpenImageReply& reply) c
 asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   // Fatal problems go through Fail (no retry); a returned error means "retry may help".
   wire::Hello hello;
-  hello.set_min_version(kProtocolVersion);
+  hello.set_min_version(kMinProtocolVersion);
   hello.set_max_version(kProtocolVersion);
   hello.set_client_name(options_.client_name);
   hello.set_token(options_.token);
@@ -756,8 +756,9 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     spdlog::info("image {}: window raised from {} to the server's max payload {} bytes",
                  options_.image, options_.window_bytes, limits.max_payload);
 
-  Result<wire::OpenImageReply> reply = co_await OpenImage(stream->socket, options_.image, limits,
-                                                          options_.handshake_timeout, &refused);
+  Result<wire::OpenImageReply> reply =
+      co_await OpenImage(stream->socket, options_.image, stream->reply.version(), limits,
+                         options_.handshake_timeout, &refused);
   if (!reply.ok()) {
     if (refused) Fail(reply.status());
     co_return reply.status();
@@ -830,12 +831,8 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     if (!first) ++counters_.reconnects;
     counters_.reading_files = files != nullptr;
   }
-  if (!held.empty()) {
-    wire::Header have;
-    for (const ChunkRun& run : held)
-      *have.mutable_have()->add_ranges() = ToRange(run);
+  for (wire::Header& have : HaveFrames(held))
     link->stream_writer.Send(std::move(have));
-  }
   // By reference the credit bounds the file ranges queued for the readers (no payload buffers),
   // so it may be larger; too small a window starves the readers (docs/benchmarks.md).
   const uint64_t window = files ? std::max(window_, options_.file_window_bytes) : window_;

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <memory>
 
@@ -123,9 +124,11 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
   if (!reply->has_hello_reply())
     co_return Corrupt("{}: expected HelloReply, got header body {}", endpoint.ToString(),
                       static_cast<int>(reply->body_case()));
-  if (reply->hello_reply().version() != kProtocolVersion)
-    co_return Unsupported("{}: server chose protocol version {}, we speak {}", endpoint.ToString(),
-                          reply->hello_reply().version(), kProtocolVersion);
+  const uint32_t version = reply->hello_reply().version();
+  if (version < std::max(hello.min_version(), kMinProtocolVersion) ||
+      version > std::min(hello.max_version(), kProtocolVersion))
+    co_return Unsupported("{}: server chose protocol version {}, we offered {}..{}",
+                          endpoint.ToString(), version, hello.min_version(), hello.max_version());
   handshake.reply = reply->hello_reply();
   co_return std::move(handshake);
 }
@@ -192,10 +195,10 @@ net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
 }
 
 net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
-                                                       const std::string& image,
+                                                       const std::string& image, uint32_t version,
                                                        const FrameLimits& limits,
                                                        std::chrono::milliseconds timeout,
-                                                       bool* refused) {
+                                                       bool* refused, uint64_t max_table_bytes) {
   *refused = false;
   HandshakeDeadline deadline(co_await asio::this_coro::executor, &socket, timeout);
   wire::Header header;
@@ -216,7 +219,58 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
   if (!reply->has_open_image_reply())
     co_return Corrupt("opening image {}: expected OpenImageReply, got header body {}", image,
                       static_cast<int>(reply->body_case()));
-  co_return std::move(*reply->mutable_open_image_reply());
+  wire::OpenImageReply opened = std::move(*reply->mutable_open_image_reply());
+  if (version < 2) {
+    if (!payload.empty())
+      co_return Corrupt("opening image {}: a version 1 OpenImageReply with a payload", image);
+    co_return opened;
+  }
+  // Version 2: the BO table and the hot set follow as payload (docs/protocol.md, OpenImage).
+  if (opened.bos_size() != 0 || opened.has_profile())
+    co_return Corrupt("opening image {}: a version 2 OpenImageReply lists its table in the header",
+                      image);
+  Result<ImageTableAssembler> table =
+      ImageTableAssembler::Begin(opened.table_bytes(), max_table_bytes);
+  if (!table.ok()) co_return table.status().Context(fmt::format("opening image {}", image));
+  Status added = table->Add(payload, /*continuation=*/false);
+  while (added.ok() && !table->complete()) {
+    reply = co_await net::ReadFrame(socket, limits, &payload);
+    if (!reply.ok()) {
+      if (!socket.is_open())
+        co_return TimedOut(
+            "opening image {}: image table incomplete after {} ms ({} bytes missing)", image,
+            timeout.count(), table->missing());
+      co_return reply.status().Context(fmt::format("opening image {}: reading its table", image));
+    }
+    if (reply->has_error()) {
+      *refused = !IsRetryableServerError(reply->error());
+      co_return ErrorFrameStatus(reply->error(), fmt::format("opening image {}", image));
+    }
+    if (!reply->has_image_table_part())
+      co_return Corrupt("opening image {}: expected ImageTablePart, got header body {}", image,
+                        static_cast<int>(reply->body_case()));
+    added = table->Add(payload, /*continuation=*/true);
+  }
+  if (!added.ok()) co_return added.Context(fmt::format("opening image {}", image));
+  Result<wire::ImageTable> parsed = table->Finish();
+  if (!parsed.ok()) co_return parsed.status().Context(fmt::format("opening image {}", image));
+  opened.mutable_bos()->Swap(parsed->mutable_bos());
+  opened.mutable_profile()->Swap(parsed->mutable_profile());
+  co_return opened;
+}
+
+std::vector<wire::Header> HaveFrames(const std::vector<ChunkRun>& held,
+                                     size_t max_ranges_per_frame) {
+  std::vector<wire::Header> frames;
+  const size_t per_frame = std::max<size_t>(1, max_ranges_per_frame);
+  for (size_t i = 0; i < held.size(); ++i) {
+    if (i % per_frame == 0) frames.emplace_back().mutable_have();
+    wire::ChunkRange* range = frames.back().mutable_have()->add_ranges();
+    range->set_bo(held[i].bo);
+    range->set_first_chunk(held[i].first);
+    range->set_chunk_count(held[i].count);
+  }
+  return frames;
 }
 
 FrameWriter::FrameWriter(net::Stream& socket, FrameLimits limits)

@@ -15,6 +15,8 @@
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
 #include "page-client/net/stream.h"
+#include "page-client/residency.h"
+#include "proto/image_table.h"
 #include "proto/status.h"
 #include "proto/wire.pb.h"
 
@@ -39,12 +41,22 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
                                                   const wire::Hello& hello,
                                                   std::chrono::milliseconds timeout, bool* refused);
 
-// Sends OpenImage and reads its reply within `timeout`; *refused as for ConnectAndHello.
-net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
-                                                       const std::string& image,
-                                                       const FrameLimits& limits,
-                                                       std::chrono::milliseconds timeout,
-                                                       bool* refused);
+// Sends OpenImage and reads its reply within `timeout`; *refused as for ConnectAndHello. With
+// protocol `version` 2 the reply's BO table and hot set arrive as payload frames after it; they
+// are read (at most `max_table_bytes` of them) and returned in the reply's bos and profile, as
+// version 1 carries them.
+net::Awaitable<Result<wire::OpenImageReply>> OpenImage(
+    net::Stream& socket, const std::string& image, uint32_t version, const FrameLimits& limits,
+    std::chrono::milliseconds timeout, bool* refused,
+    uint64_t max_table_bytes = kDefaultMaxImageTableBytes);
+
+// Ranges per Have frame: 2048 ranges of at most 20 serialized bytes each stay well inside the
+// 64 KiB frame header, whatever the image's BO count.
+inline constexpr size_t kMaxRangesPerHave = 2048;
+// After a reconnect, the Have frames that tell the server which runs we hold: as many frames as
+// the runs need, none when there are none.
+std::vector<wire::Header> HaveFrames(const std::vector<ChunkRun>& held,
+                                     size_t max_ranges_per_frame = kMaxRangesPerHave);
 
 // The files a server passed for a session (docs/protocol.md, "Image files"): regular files,
 // read-only, each as large as the server said. Immutable; shared by the readers using it.

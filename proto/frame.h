@@ -15,7 +15,10 @@
 namespace gpulazy {
 
 inline constexpr size_t kFramePrefixSize = 8;
-inline constexpr uint32_t kProtocolVersion = 1;
+// Versions this code speaks (docs/protocol.md): 2 carries an image's table as payload after
+// OpenImageReply; 1 carries it in the reply's header.
+inline constexpr uint32_t kMinProtocolVersion = 1;
+inline constexpr uint32_t kProtocolVersion = 2;
 
 struct FrameLimits {
   uint32_t max_header = 64 * 1024;

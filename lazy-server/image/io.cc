@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -222,6 +223,17 @@ bool PageCacheProbe::Cached(uint64_t offset, uint64_t length) const {
   for (unsigned char r : resident)
     if ((r & 1) == 0) return false;
   return true;
+}
+
+Result<uint64_t> RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return ErrnoError(errno, "getrlimit(RLIMIT_NOFILE)");
+  if (limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0)
+      return ErrnoError(errno, "raising the open file limit to {}", limit.rlim_max);
+  }
+  return static_cast<uint64_t>(limit.rlim_cur);
 }
 
 }  // namespace gpulazy

@@ -84,4 +84,9 @@ Result<std::vector<uint8_t>> ReadWholeFileInDir(const std::filesystem::path& dir
 // Writes to a temporary file beside `path`, fsyncs and renames, so readers never see half a file.
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes);
 
+// Raises this process's soft limit on open descriptors to its hard limit and returns the new
+// soft limit. Restores keep a descriptor per BO (the host engine's memfds), and a ROCm process
+// has thousands of BOs: more than the usual soft limit of 1024.
+Result<uint64_t> RaiseOpenFileLimit();
+
 }  // namespace gpulazy

@@ -11,6 +11,8 @@
 #include <system_error>
 #include <vector>
 
+#include "proto/image_table.h"
+
 namespace gpulazy::server {
 namespace fs = std::filesystem;
 namespace {
@@ -166,6 +168,8 @@ Result<std::shared_ptr<const OpenedImage>> ImageStore::Open(std::string_view nam
   opened->source = *source;
   opened->layout = std::make_shared<const ImageLayout>(
       ImageLayout::FromManifest((*source)->manifest(), (*source)->is_lazy()));
+  opened->table = std::make_shared<const std::string>(
+      MakeImageTable((*source)->manifest()).SerializeAsString());
   spdlog::info("image '{}': opened ({} image, {} BOs, {} chunks of {} bytes)", name,
                (*source)->is_lazy() ? "lazy" : "CRIU", opened->layout->bo_count(),
                opened->layout->total_chunks(), (*source)->chunk_size());

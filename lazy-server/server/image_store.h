@@ -36,6 +36,9 @@ struct OpenedImage {
   std::string relative;       // dir below its root (what grants are checked against)
   std::shared_ptr<const image::ImageSource> source;
   std::shared_ptr<const ImageLayout> layout;
+  // The serialized wire::ImageTable that protocol version 2 sends after OpenImageReply, built
+  // once per opened image and shared by its sessions' replies.
+  std::shared_ptr<const std::string> table;
 };
 
 class ImageStore {

@@ -8,6 +8,7 @@
 #include <cerrno>
 
 #include "page-client/net/fd_passing.h"
+#include "proto/image_table.h"
 
 namespace gpulazy::server {
 namespace asio = boost::asio;
@@ -314,13 +315,17 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     co_return;
   }
   const wire::Hello& hello = frame.hello();
-  if (hello.min_version() > kProtocolVersion || hello.max_version() < kProtocolVersion) {
+  // The highest version both speak.
+  const uint32_t version = std::min(hello.max_version(), kProtocolVersion);
+  if (version < std::max(hello.min_version(), kMinProtocolVersion)) {
     Fail(wire::ERROR_UNSUPPORTED_VERSION,
-         fmt::format("server speaks protocol version {}; client offers {}..{}", kProtocolVersion,
-                     hello.min_version(), hello.max_version()),
+         fmt::format("server speaks protocol versions {}..{}; client offers {}..{}",
+                     kMinProtocolVersion, kProtocolVersion, hello.min_version(),
+                     hello.max_version()),
          rid);
     co_return;
   }
+  version_ = version;
   if (!ctx_.config.token.empty() && !net::ConstantTimeEqual(hello.token(), ctx_.config.token)) {
     spdlog::warn("{}: bad token", Tag());
     Fail(wire::ERROR_UNAUTHENTICATED, "bad or missing token", rid);
@@ -352,7 +357,7 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   wire::Header reply;
   reply.set_request_id(rid);
   wire::HelloReply* body = reply.mutable_hello_reply();
-  body->set_version(kProtocolVersion);
+  body->set_version(version_);
   body->set_server_name(ctx_.config.server_name);
   body->set_max_payload(ctx_.limits.max_payload);
   Enqueue(std::move(reply));
@@ -474,36 +479,28 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
   const manifest::Manifest& manifest = image.source->manifest();
   body->set_chunk_size(manifest.chunk_size());
   body->set_lazy_image(image.source->is_lazy());
-  for (const manifest::Bo& bo : manifest.bos()) {
-    wire::BoInfo* info = body->add_bos();
-    info->set_process_id(bo.process_id());
-    info->set_bo_index(bo.bo_index());
-    info->set_gpu_id(bo.gpu_id());
-    info->set_gpu_va(bo.gpu_va());
-    info->set_size(bo.size());
-    info->set_alloc_flags(bo.alloc_flags());
-    info->set_chunk_count(static_cast<uint32_t>(bo.chunks_size()));
-  }
-  *body->mutable_profile() = manifest.profile();
   const SessionId id = ctx_.NextSessionId();
   body->set_session(id);
   std::string secret = RandomSecret();
   body->set_session_secret(secret);
-  // The reply travels in a frame header (64 KiB at most): a long profile is cut to its hot
-  // set, which is all a client needs (docs/protocol.md, OpenImage).
-  if (reply.ByteSizeLong() > ctx_.limits.max_header) {
-    auto* order = body->mutable_profile()->mutable_order();
-    const int keep = static_cast<int>(
-        std::min<uint64_t>(manifest.profile().hot_count(), static_cast<uint64_t>(order->size())));
-    order->DeleteSubrange(keep, order->size() - keep);
-  }
-  if (reply.ByteSizeLong() > ctx_.limits.max_header) {
-    SendError(wire::ERROR_LIMIT,
-              fmt::format("image '{}' has too many BOs ({}) or too large a hot set for one "
-                          "OpenImageReply",
-                          name, manifest.bos_size()),
-              rid);
-    co_return;
+  if (version_ >= 2) {
+    body->set_table_bytes(image.table->size());
+  } else {
+    // Version 1: the table travels in the reply's header (64 KiB at most). A long profile is
+    // cut to its hot set, which is all a client needs (docs/protocol.md, OpenImage).
+    wire::ImageTable table = MakeImageTable(manifest);
+    body->mutable_bos()->Swap(table.mutable_bos());
+    *body->mutable_profile() = manifest.profile();
+    if (reply.ByteSizeLong() > ctx_.limits.max_header)
+      body->mutable_profile()->Swap(table.mutable_profile());  // the hot set alone
+    if (reply.ByteSizeLong() > ctx_.limits.max_header) {
+      SendError(wire::ERROR_LIMIT,
+                fmt::format("image '{}' has too many BOs ({}) or too large a hot set for a "
+                            "protocol version 1 OpenImageReply; a version 2 client has no limit",
+                            name, manifest.bos_size()),
+                rid);
+      co_return;
+    }
   }
 
   auto session = std::make_shared<Session>(ctx_, id, std::move(secret), *opened);
@@ -521,7 +518,11 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
     const uint64_t credit = std::exchange(pending_credit_, 0);
     ctx_.dispatcher.Update([&](Scheduler& s) { s.AddCredit(id, credit); });
   }
-  Enqueue(std::move(reply));
+  if (version_ >= 2) {
+    EnqueueOpenImageReply(std::move(reply), image);
+  } else {
+    Enqueue(std::move(reply));
+  }
   spdlog::info("{}: session {} opened image '{}' ({} BOs, {} chunks, hot set {})", Tag(), id, name,
                image.layout->bo_count(), image.layout->total_chunks(), image.layout->hot_end());
 }
@@ -647,7 +648,8 @@ void Connection::SendStreamDone(const StreamDoneInfo& info) {
   Enqueue(std::move(header));
 }
 
-void Connection::Enqueue(wire::Header header) {
+void Connection::Enqueue(wire::Header header, std::shared_ptr<const std::string> payload,
+                         std::string_view payload_bytes) {
   if (closed_) return;
   const size_t bytes = header.ByteSizeLong();
   if (control_bytes_ + bytes > kMaxQueuedControlBytes) {
@@ -655,9 +657,24 @@ void Connection::Enqueue(wire::Header header) {
     return;
   }
   control_bytes_ += bytes;
-  control_.push_back(std::move(header));
+  control_.push_back(ControlFrame{std::move(header), std::move(payload), payload_bytes});
   NoteControlQueue();
   Wake();
+}
+
+void Connection::EnqueueOpenImageReply(wire::Header reply, const OpenedImage& image) {
+  const uint64_t request_id = reply.request_id();
+  const std::shared_ptr<const std::string>& table = image.table;
+  const std::string_view all(*table);
+  const size_t piece = ctx_.limits.max_payload;
+  std::string_view first = all.substr(0, piece);
+  Enqueue(std::move(reply), table, first);
+  for (size_t offset = first.size(); offset < all.size(); offset += piece) {
+    wire::Header part;
+    part.set_request_id(request_id);
+    part.mutable_image_table_part();
+    Enqueue(std::move(part), table, all.substr(offset, piece));
+  }
 }
 
 void Connection::NoteControlQueue() {
@@ -687,7 +704,7 @@ void Connection::DropUnreadReplies() {
                   control_bytes_, kMaxQueuedControlBytes));
   ctx_.totals.errors_sent.fetch_add(1);
   control_bytes_ = header.ByteSizeLong();
-  control_.push_back(std::move(header));
+  control_.push_back(ControlFrame{std::move(header), nullptr, {}});
   NoteControlQueue();
   ctx_.totals.reply_cutoffs.fetch_add(1);
   // Stop reading (wakes a pending read with end-of-file) and give the client the shutdown grace
@@ -787,13 +804,15 @@ net::Awaitable<void> Connection::WriteLoop() {
       continue;
     }
     if (!control_.empty()) {
-      wire::Header header = std::move(control_.front());
+      ControlFrame frame = std::move(control_.front());
       control_.pop_front();
-      control_bytes_ -= std::min(control_bytes_, header.ByteSizeLong());
+      control_bytes_ -= std::min(control_bytes_, frame.header.ByteSizeLong());
       NoteControlQueue();
       if (reader_paused_ && control_.size() < kMaxQueuedControl) reader_resume_.cancel();
       BeginWrite();
-      Status status = co_await net::WriteFrame(socket_, header, {}, ctx_.limits);
+      const std::span<const uint8_t> payload(
+          reinterpret_cast<const uint8_t*>(frame.payload_bytes.data()), frame.payload_bytes.size());
+      Status status = co_await net::WriteFrame(socket_, frame.header, payload, ctx_.limits);
       EndWrite();
       if (!status.ok()) {
         Close(fmt::format("write failed: {}", status.ToString()));

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "lazy-server/server/access.h"
@@ -150,7 +151,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void SendStatsReply(uint64_t request_id);
   void SendStreamDone(const StreamDoneInfo& info);
 
-  void Enqueue(wire::Header header);
+  // A reply frame; `payload` (with `payload_bytes`, a piece of it) rides along when set: the
+  // image table of protocol version 2, shared with every session of the image.
+  struct ControlFrame {
+    wire::Header header;
+    std::shared_ptr<const std::string> payload;
+    std::string_view payload_bytes;  // within *payload
+  };
+  void Enqueue(wire::Header header, std::shared_ptr<const std::string> payload = nullptr,
+               std::string_view payload_bytes = {});
+  // Version 2: the OpenImageReply in `reply`, its payload the first piece of the image's table,
+  // and ImageTablePart frames with the rest, each piece at most the frame payload limit.
+  void EnqueueOpenImageReply(wire::Header reply, const OpenedImage& image);
   // control_ changed: publish its size for stats and raise the server's high-water marks.
   void NoteControlQueue();
   // The client lets replies pile up past kMaxQueuedControlBytes: drop them, queue one
@@ -184,12 +196,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   PeerIdentity identity_;
   ImageGrant grant_;  // which images this peer may open and see in stats (set at Hello)
   Role role_ = Role::kNew;
+  uint32_t version_ = 0;                            // the protocol version agreed in Hello
   wire::ErrorCode refuse_code_ = wire::ERROR_NONE;  // set: answer this and close
   std::string refuse_message_;
   std::shared_ptr<Session> session_;
 
-  std::deque<wire::Header> control_;
-  size_t control_bytes_ = 0;  // serialized size of control_'s headers
+  std::deque<ControlFrame> control_;
+  // Serialized size of control_'s headers. An image table's payload is left out: it is sent once
+  // per stream connection, in answer to its one OpenImage, and shared, not copied.
+  size_t control_bytes_ = 0;
   std::deque<ReadyChunk> chunks_;
   uint64_t next_stream_seq_ = 0;
   std::set<uint64_t> stream_seq_done_;     // finished out of order (demand chunks)

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <string>
 
+#include "lazy-server/image/io.h"
 #include "page-client/cli/commands.h"
 #include "proto/size.h"
 
@@ -90,6 +91,9 @@ static int Run(int argc, char** argv) {
     fetch.file_window_bytes = *file_bytes;
     fetch.demand_connection = !no_demand;
     fetch.read_files = !no_read_files;
+    // The host engine holds a descriptor per BO; best effort, the engine says so if it runs out.
+    gpulazy::Result<uint64_t> fds = gpulazy::RaiseOpenFileLimit();
+    if (!fds.ok()) spdlog::warn("{}", fds.status().ToString());
     return RunFetch(fetch);
   }
   return RunStats(stats);

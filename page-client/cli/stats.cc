@@ -22,7 +22,7 @@ Result<std::string> FetchStats(const StatsOptions& options) {
   FrameLimits limits;
   std::vector<uint8_t> payload;
   wire::Header hello;
-  hello.mutable_hello()->set_min_version(kProtocolVersion);
+  hello.mutable_hello()->set_min_version(kMinProtocolVersion);
   hello.mutable_hello()->set_max_version(kProtocolVersion);
   hello.mutable_hello()->set_client_name("gpulazy-client stats");
   hello.mutable_hello()->set_token(token);

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -180,7 +181,8 @@ void FakeServer::Serve(int fd) {
   wire::Header header;
   if (ReadFrame(fd, &header) && header.has_hello()) {
     wire::Header reply;
-    reply.mutable_hello_reply()->set_version(1);
+    reply.mutable_hello_reply()->set_version(
+        std::min(header.hello().max_version(), options_.version));
     reply.mutable_hello_reply()->set_server_name("fake");
     reply.mutable_hello_reply()->set_max_payload(options_.max_payload);
     if (WriteFrame(fd, reply)) {
@@ -242,6 +244,44 @@ void FakeServer::SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority p
   WriteFrame(fd, header, payload);
 }
 
+bool FakeServer::SendOpenImageReply(int fd, wire::Header reply, bool version2) {
+  if (!version2) return WriteFrame(fd, reply);
+  using Fault = FakeServerOptions::TableFault;
+  wire::OpenImageReply* open = reply.mutable_open_image_reply();
+  wire::ImageTable table;
+  *table.mutable_bos() = open->bos();
+  *table.mutable_profile() = open->profile();
+  if (options_.table_fault != Fault::kBosInHeader) open->clear_bos();
+  open->clear_profile();
+  std::string bytes = table.SerializeAsString();
+  if (options_.table_fault == Fault::kGarbage) bytes.assign(100, '\xff');
+  open->set_table_bytes(bytes.size());
+  if (options_.table_fault == Fault::kAnnouncesTooMuch) {
+    open->set_table_bytes(1ull << 40);
+    return WriteFrame(fd, reply);
+  }
+  if (options_.table_fault == Fault::kPieceOverruns) open->set_table_bytes(bytes.size() - 10);
+  auto piece = [&](size_t offset) {
+    const size_t length = std::min<size_t>(options_.table_piece, bytes.size() - offset);
+    return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()) + offset,
+                                    length);
+  };
+  const bool empty_first = options_.table_fault == Fault::kEmptyPart;
+  std::span<const uint8_t> first = empty_first ? std::span<const uint8_t>() : piece(0);
+  if (!WriteFrame(fd, reply, first)) return false;
+  wire::Header part;
+  part.mutable_image_table_part();
+  if (empty_first) return WriteFrame(fd, part);
+  if (options_.table_fault == Fault::kOtherFrameBetween && first.size() < bytes.size()) {
+    wire::Header done;
+    done.mutable_stream_done();
+    return WriteFrame(fd, done);
+  }
+  for (size_t offset = first.size(); offset < bytes.size(); offset += options_.table_piece)
+    if (!WriteFrame(fd, part, piece(offset))) return false;
+  return true;
+}
+
 // The stream connection: a reader thread takes Have, Credit and Request frames; this thread
 // sends chunks under credit.
 void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
@@ -283,7 +323,8 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
     }
   }
   *open->mutable_profile() = image_.profile;
-  if (!WriteFrame(fd, reply)) return;
+  if (!SendOpenImageReply(fd, std::move(reply), hello.max_version() >= 2 && options_.version >= 2))
+    return;
 
   // Shared with the reader thread under mutex_.
   struct State {

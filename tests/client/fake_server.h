@@ -47,6 +47,21 @@ struct FakeServerOptions {
   bool different_image_after_first = false;
   // Hold stream_all chunks until Resume() (demand still flows).
   bool paused = false;
+  // The highest protocol version spoken. 2 (when the client offers it) sends the image table as
+  // payload after OpenImageReply, in pieces of at most table_piece bytes.
+  uint32_t version = 1;
+  uint32_t table_piece = 64 * 1024;
+  // A version-2 table gone wrong, for the client's checks of what it is sent.
+  enum class TableFault {
+    kNone,
+    kAnnouncesTooMuch,   // table_bytes of 1 TiB, then nothing
+    kPieceOverruns,      // table_bytes 10 short of what the pieces carry
+    kGarbage,            // bytes that do not parse as an ImageTable
+    kBosInHeader,        // the reply lists the BOs in its header as well
+    kOtherFrameBetween,  // a StreamDone where the next table part belongs
+    kEmptyPart,          // an empty ImageTablePart while bytes are missing
+  };
+  TableFault table_fault = TableFault::kNone;
 };
 
 class FakeServer {
@@ -72,6 +87,9 @@ class FakeServer {
   void Serve(int fd);
   void ServeStream(int fd, const wire::Hello& hello);
   void ServeDemand(int fd, const wire::Hello& hello);
+  // The OpenImageReply as version 1 (table in the header) or 2 (table as payload frames, with
+  // options_.table_fault applied).
+  bool SendOpenImageReply(int fd, wire::Header reply, bool version2);
   // `before_write` runs with the payload size before the frame is written: credit must be
   // accounted for before the client can see the chunk (and return its credit).
   void SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority priority, uint64_t request_id,

@@ -6,7 +6,10 @@
 //   - TryDecodeFrame over the buffer and net::ReadFrame over a socketpair carrying the same
 //     bytes agree: the same frames (header and payload), then the same kind of end (an error
 //     of the same code; a truncated frame is kCorrupt; nothing left is a clean close);
-//   - every decoded header re-encodes within the limits and decodes to the same message.
+//   - every decoded header re-encodes within the limits and decodes to the same message;
+//   - a version-2 OpenImageReply and the ImageTablePart frames after it assemble as the client
+//     does (proto/image_table.h): never past the announced length, and a table that parses
+//     re-serializes.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +22,7 @@
 #include "page-client/net/asio.h"
 #include "page-client/net/frame_stream.h"
 #include "proto/frame.h"
+#include "proto/image_table.h"
 
 namespace {
 
@@ -100,6 +104,33 @@ Outcome DecodeSocket(std::span<const uint8_t> bytes, const FrameLimits& limits, 
   return out;
 }
 
+// The client's assembly of a version-2 image table from the frames after an OpenImageReply.
+void CheckImageTable(const std::vector<Decoded>& frames) {
+  for (size_t i = 0; i < frames.size(); ++i) {
+    gpulazy::wire::Header header;
+    if (!header.ParseFromString(frames[i].header) || !header.has_open_image_reply()) continue;
+    auto table = gpulazy::ImageTableAssembler::Begin(header.open_image_reply().table_bytes());
+    if (!table.ok()) return;
+    Status added = table->Add(frames[i].payload, false);
+    for (size_t j = i + 1; added.ok() && !table->complete() && j < frames.size(); ++j) {
+      gpulazy::wire::Header part;
+      if (!part.ParseFromString(frames[j].header) || !part.has_image_table_part()) return;
+      const uint64_t missing = table->missing();
+      added = table->Add(frames[j].payload, true);
+      if (added.ok() && table->missing() != missing - frames[j].payload.size())
+        Die("a table piece was not counted");
+    }
+    if (!added.ok() || !table->complete()) return;
+    Result<gpulazy::wire::ImageTable> parsed = table->Finish();
+    if (parsed.ok()) {
+      gpulazy::wire::ImageTable again;
+      if (!again.ParseFromString(parsed->SerializeAsString()))
+        Die("a parsed table does not re-parse");
+    }
+    return;
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -124,6 +155,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Die("clean end of stream not reported as a closed connection");
   }
 
+  CheckImageTable(from_buffer.frames);
   for (const Decoded& frame : from_buffer.frames) {
     gpulazy::wire::Header header;
     if (!header.ParseFromString(frame.header)) Die("a decoded header does not re-parse");

@@ -131,6 +131,22 @@ void FrameCorpus(Corpus& corpus, const manifest::Manifest& m, const image::LazyI
   corpus.Add("frame", "server-session", Concat({Frame(reply), Frame(chunk, stored), Frame(done)}));
   corpus.Add("frame", "error", Frame(error));
 
+  // Version 2: the same reply with its table as payload, in a first piece and two parts.
+  wire::ImageTable table;
+  table.mutable_bos()->Swap(body->mutable_bos());
+  const std::string table_bytes = table.SerializeAsString();
+  body->set_table_bytes(table_bytes.size());
+  const size_t third = table_bytes.size() / 3;
+  auto piece = [&](size_t offset, size_t length) {
+    return FromString(table_bytes.substr(offset, length));
+  };
+  wire::Header part;
+  part.set_request_id(2);
+  part.mutable_image_table_part();
+  corpus.Add("frame", "server-table-v2",
+             Concat({Frame(reply, piece(0, third)), Frame(part, piece(third, third)),
+                     Frame(part, piece(2 * third, std::string::npos)), Frame(done)}));
+
   // Edges: at the limits, one byte past them, truncated, unknown and empty bodies.
   const FrameLimits limits;
   corpus.Add("frame", "edge-empty-header", Prefix(0, 0));

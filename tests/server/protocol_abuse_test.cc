@@ -409,7 +409,8 @@ TEST_F(ProtocolAbuseTest, RequestsBeforeHelloOrOpenImage) {
     ASSERT_TRUE(client.Send(*first).ok());
     ExpectErrorThenClose(client, wire::ERROR_BAD_REQUEST, "must be Hello");
   }
-  for (auto [min, max] : {std::pair{0u, 0u}, std::pair{5u, 1u}, std::pair{2u, UINT32_MAX}}) {
+  for (auto [min, max] :
+       {std::pair{0u, 0u}, std::pair{5u, 1u}, std::pair{kProtocolVersion + 1, UINT32_MAX}}) {
     TestClient client(server_->unix_endpoint());
     ASSERT_TRUE(client.Send(HelloHeader(min, max)).ok());
     ExpectErrorThenClose(client, wire::ERROR_UNSUPPORTED_VERSION, "version");

@@ -356,8 +356,8 @@ TEST_F(ServerTest, FrameErrorsCloseOnlyTheBadConnection) {
   {  // a version the server does not speak
     TestClient client(server_->unix_endpoint());
     wire::Header header;
-    header.mutable_hello()->set_min_version(2);
-    header.mutable_hello()->set_max_version(5);
+    header.mutable_hello()->set_min_version(kProtocolVersion + 1);
+    header.mutable_hello()->set_max_version(kProtocolVersion + 4);
     ASSERT_TRUE(client.Send(header).ok());
     expect_error_then_close(client, wire::ERROR_UNSUPPORTED_VERSION);
   }

@@ -16,6 +16,7 @@
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "proto/criu_file.h"
+#include "proto/image_table.h"
 
 namespace gpulazy::server::testing {
 namespace fs = std::filesystem;
@@ -172,12 +173,12 @@ bool TestClient::WaitClosed(std::chrono::milliseconds timeout) {
 }
 
 Result<wire::HelloReply> TestClient::Hello(uint64_t join_session, std::string join_secret,
-                                           std::string token) {
+                                           std::string token, uint32_t max_version) {
   wire::Header header;
   header.set_request_id(1000);
   wire::Hello* hello = header.mutable_hello();
   hello->set_min_version(1);
-  hello->set_max_version(1);
+  hello->set_max_version(max_version);
   hello->set_client_name("server-test");
   hello->set_join_session(join_session);
   hello->set_join_secret(std::move(join_secret));
@@ -185,6 +186,7 @@ Result<wire::HelloReply> TestClient::Hello(uint64_t join_session, std::string jo
   GPULAZY_RETURN_IF_ERROR(Send(header));
   GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
   if (!frame.header.has_hello_reply()) return Unexpected(frame.header, "HelloReply");
+  version_ = frame.header.hello_reply().version();
   return frame.header.hello_reply();
 }
 
@@ -195,7 +197,25 @@ Result<wire::OpenImageReply> TestClient::Open(const std::string& image, uint64_t
   GPULAZY_RETURN_IF_ERROR(Send(header));
   GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
   if (!frame.header.has_open_image_reply()) return Unexpected(frame.header, "OpenImageReply");
-  return frame.header.open_image_reply();
+  wire::OpenImageReply reply = frame.header.open_image_reply();
+  if (version_ < 2) return reply;
+  GPULAZY_ASSIGN_OR_RETURN(ImageTableAssembler table,
+                           ImageTableAssembler::Begin(reply.table_bytes()));
+  GPULAZY_RETURN_IF_ERROR(table.Add(frame.payload, false));
+  table_frames_ = 1;
+  while (!table.complete()) {
+    GPULAZY_ASSIGN_OR_RETURN(frame, Read());
+    if (!frame.header.has_image_table_part()) return Unexpected(frame.header, "ImageTablePart");
+    if (frame.header.request_id() != request_id)
+      return Internal("table part answers request {}, not {}", frame.header.request_id(),
+                      request_id);
+    GPULAZY_RETURN_IF_ERROR(table.Add(frame.payload, true));
+    ++table_frames_;
+  }
+  GPULAZY_ASSIGN_OR_RETURN(wire::ImageTable parsed, table.Finish());
+  *reply.mutable_bos() = parsed.bos();
+  *reply.mutable_profile() = parsed.profile();
+  return reply;
 }
 
 Status TestClient::Credit(uint64_t bytes) {

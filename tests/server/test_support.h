@@ -70,9 +70,14 @@ class TestClient {
   bool WaitClosed(std::chrono::milliseconds timeout = 5s);
 
   // Request/response helpers; each fails the Result on an unexpected frame.
+  // Offers protocol versions 1..max_version; the version the server picks is kept for Open.
   Result<wire::HelloReply> Hello(uint64_t join_session = 0, std::string join_secret = {},
-                                 std::string token = {});
+                                 std::string token = {}, uint32_t max_version = 1);
+  // With version 2 also reads the image table's frames and returns the reply with bos and
+  // profile filled in from it, as version 1 sends them.
   Result<wire::OpenImageReply> Open(const std::string& image, uint64_t request_id = 1);
+  // Frames the last version-2 Open read its table from (the reply included).
+  int table_frames() const { return table_frames_; }
   Status Credit(uint64_t bytes);
   Status StreamAll(uint64_t request_id = 2);
   Status Request(wire::Priority priority, uint32_t bo, uint32_t first, uint32_t count,
@@ -84,6 +89,8 @@ class TestClient {
  private:
   boost::asio::io_context io_;
   net::Socket socket_;
+  uint32_t version_ = 1;
+  int table_frames_ = 0;
 };
 
 // A synthetic checkpoint for server tests (SynthesizeCheckpoint on 2 GPUs), converted to a lazy
