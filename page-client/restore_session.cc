@@ -608,11 +608,23 @@ std::string RestoreSession::Impl::What(uint32_t bo, uint32_t chunk) const {
 
 asio::awaitable<void> RestoreSession::Impl::Main() {
   try {
+    auto resident_chunks = [this] {
+      std::lock_guard lock(mutex_);
+      return residency_.resident_chunks();
+    };
+    Clock::time_point attempt_began = Clock::now();
+    uint64_t resident_before = 0;
     Status status = co_await RunAttempt(/*first=*/true);
     uint32_t attempts = 0;
     Clock::time_point lost_at;
     for (;;) {
-      if (attempt_opened_) attempts = 0;
+      // A connection that opened the image and then brought chunks in, or held for a while, was
+      // a working one: counting starts again. One that breaks the same way each time it opens
+      // (a server that drops it at once, a frame we cannot send) counts as a failed attempt, so
+      // the session gives up with that reason instead of reconnecting forever.
+      if (attempt_opened_ && (resident_chunks() > resident_before ||
+                              Clock::now() - attempt_began >= options_.reconnect.max_backoff))
+        attempts = 0;
       attempt_opened_ = false;
       {
         std::lock_guard lock(mutex_);
@@ -639,6 +651,8 @@ asio::awaitable<void> RestoreSession::Impl::Main() {
       boost::system::error_code ec;
       co_await backoff_timer_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
       if (cancelled_ || Failed()) break;
+      attempt_began = Clock::now();
+      resident_before = resident_chunks();
       status = co_await RunAttempt(/*first=*/false);
     }
   } catch (const std::exception& e) {

@@ -325,6 +325,10 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
   *open->mutable_profile() = image_.profile;
   if (!SendOpenImageReply(fd, std::move(reply), hello.max_version() >= 2 && options_.version >= 2))
     return;
+  if (options_.drop_every_stream_after_open) {
+    ::shutdown(fd, SHUT_RDWR);
+    return;
+  }
 
   // Shared with the reader thread under mutex_.
   struct State {

@@ -40,6 +40,9 @@ struct FakeServerOptions {
   std::map<ChunkKey, int> corrupt_copies;
   // Close the stream connection after this many stream chunks in total (once; -1: never).
   int drop_after_chunks = -1;
+  // Close every stream connection right after its OpenImageReply (a server that fails the same
+  // way each time).
+  bool drop_every_stream_after_open = false;
   // Restart (close everything, refuse connections for restart_downtime_ms) instead of a plain drop.
   bool restart_on_drop = false;
   int restart_downtime_ms = 150;

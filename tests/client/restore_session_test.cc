@@ -311,6 +311,24 @@ TEST(RestoreSession, GivesUpWhenTheServerStaysAway) {
   EXPECT_NE(status.message().find("gave up"), std::string::npos) << status.message();
 }
 
+// A server that opens the image and drops the connection at once, every time: each such
+// attempt counts, so the session gives up with the reason instead of reconnecting forever.
+TEST(RestoreSession, GivesUpWhenEveryConnectionBreaksRightAfterOpening) {
+  FakeImage image = FakeImage::Make({128 * 1024}, 4096, 18);
+  FakeServerOptions server_options;
+  server_options.drop_every_stream_after_open = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.reconnect.max_attempts = 3;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kUnavailable) << status.ToString();
+  EXPECT_NE(status.message().find("gave up after 3"), std::string::npos) << status.message();
+  EXPECT_EQ(server.sessions(), 4);  // the first connection and 3 reconnects
+}
+
 TEST(RestoreSession, RefusesADifferentImageAfterReconnect) {
   FakeImage image = FakeImage::Make({128 * 1024}, 4096, 19);
   FakeServerOptions server_options;
