@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "plugin/topology.h"
@@ -90,12 +91,13 @@ class PluginHostTest : public ::testing::Test {
   // matches it, and the --expect file the simulator's tasks compare against.
   // `where` defaults to the image directory; the dump test puts it where the fake KFD keeps
   // the "live" process state.
-  void Make(uint32_t processes, uint64_t bytes_per_process = 4u << 20, fs::path where = {}) {
+  void Make(uint32_t processes, uint64_t bytes_per_process = 4u << 20, fs::path where = {},
+            uint32_t bos_per_process = 8) {
     if (where.empty()) where = images_;
     image::SynthOptions o;
     o.out = where;
     o.gpus = 2;
-    o.bos = 8;
+    o.bos = bos_per_process;
     o.total_bytes = processes * bytes_per_process;
     o.seed = 7;
     o.processes = processes;
@@ -326,6 +328,26 @@ TEST_P(RealServerTest, TreeRestoresFromGpulazyServer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, RealServerTest, ::testing::Values("eager", "parallel", "lazy"));
+
+// A process with thousands of BOs, as real ROCm processes have: more than a protocol version 1
+// OpenImageReply could list, so this restore needs version 2's image table.
+TEST_F(PluginHostTest, ThousandsOfBosRestoreLazilyFromARealServer) {
+  // The fake KFD's dmabufs and the host engine's memfds: a descriptor or two per BO.
+  Result<uint64_t> fds = RaiseOpenFileLimit();
+  ASSERT_TRUE(fds.ok()) << fds.status().ToString();
+  ASSERT_GT(*fds, 8000u) << "RLIMIT_NOFILE's hard limit is too low for this test";
+  ASSERT_NO_FATAL_FAILURE(Make(1, 24u << 20, {}, 3000));
+  auto cp = image::CriuCheckpoint::Open(images_);
+  ASSERT_TRUE(cp.ok());
+  ASSERT_GT(cp->content_bos().size(), 2000u);
+  pid_t server = StartServer();
+  ASSERT_GT(server, 0);
+  Outcome out =
+      Sim({"1"}, {{"GPULAZY_MODE", "lazy"}, {"GPULAZY_SERVER", "unix:" + server_socket()}});
+  StopServer(server);
+  EXPECT_EQ(out.exit_code, 0) << out.output.substr(0, 20000);
+  EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output.substr(0, 20000);
+}
 
 // ---- a task dying mid-restore ----
 //
