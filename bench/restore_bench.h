@@ -33,6 +33,8 @@ struct RestoreOptions {
   std::string svg;                    // write a timeline plot here
   bool mechanisms = false;            // instead: compare MISSING+COPY and MINOR+CONTINUE, no server
   bool read_files = true;  // by reference from the passed image files, else through the socket
+  // By reference: read a faulting chunk from the files via the chunk table, not via the server.
+  bool local_demand = true;
   // Added to the nice value of the restore's background threads, client and server (the
   // plugin's default in parallel and lazy modes); 0 = everything at one priority.
   int background_nice = 10;

@@ -36,6 +36,9 @@ constexpr uint32_t kMaxAcceptedPayload = 64u << 20;
 constexpr size_t kMaxBos = 1u << 20;
 constexpr size_t kMaxSecretBytes = 1024;
 constexpr size_t kMaxSpareBuffers = 64;
+// A serialized ChunkLocations entry is at most about 30 bytes: images whose table could pass
+// the client's table limit do without one.
+constexpr uint64_t kChunkTableBytesPerChunk = 32;
 
 wire::ChunkRange ToRange(const ChunkRun& run) {
   wire::ChunkRange range;
@@ -233,6 +236,9 @@ class RestoreSession::Impl {
   // Demand bookkeeping: the demand thread (or the stream thread without a demand connection).
   void RestartDemand();  // a new connection: re-send every demand still pending
   void QueueDemand(const std::vector<ChunkId>& chunks);
+  // With a chunk table: claims and reads each chunk from the passed files on this thread;
+  // returns those it cannot (no table, not located) for the server.
+  std::vector<ChunkId> ReadLocally(const std::vector<ChunkId>& chunks);
   void PumpDemand();
   template <typename F>
   void OnDemandThread(F&& f);
@@ -802,14 +808,36 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   join.set_join_secret(reply->session_secret());
   std::shared_ptr<const ImageFileSet> files;
   if (readers_) {
-    Result<std::shared_ptr<const ImageFileSet>> fetched =
-        co_await FetchImageFiles(endpoint_, join, options_.handshake_timeout);
+    // With a chunk table a chunk someone waits for is read from the files at once, without a
+    // round trip to the server (protocol version 2; not for tables larger than a client takes).
+    uint64_t total_chunks;
+    {
+      std::lock_guard lock(mutex_);
+      total_chunks = residency_.total_chunks();
+    }
+    std::optional<ChunkTableShape> shape;
+    if (options_.local_demand && stream->reply.version() >= 2 &&
+        total_chunks * kChunkTableBytesPerChunk <= kDefaultMaxImageTableBytes) {
+      shape.emplace();
+      for (const BoEntry& bo : bos_)
+        shape->bo_sizes.push_back(bo.size);
+      shape->chunk_size = chunk_size_;
+      shape->lazy_image = lazy_image_;
+      shape->max_payload = limits.max_payload;
+    }
+    Result<std::shared_ptr<const ImageFileSet>> fetched = co_await FetchImageFiles(
+        endpoint_, join, options_.handshake_timeout, shape ? &*shape : nullptr);
+    if (!fetched.ok() && fetched.status().code() == Code::kCorrupt) {
+      Fail(fetched.status().Context(fmt::format("image {}", options_.image)));
+      co_return fetched.status();
+    }
     if (fetched.ok()) {
       files = *fetched;
       engine_.ExpectWriters(options_.file_readers);
       if (first)
-        spdlog::info("image {}: reading chunks from {} passed image file(s) on {} threads",
-                     options_.image, files->files.size(), options_.file_readers);
+        spdlog::info("image {}: reading chunks from {} passed image file(s) on {} threads{}",
+                     options_.image, files->files.size(), options_.file_readers,
+                     files->chunk_table.empty() ? "" : "; chunks waited for are read at once");
     } else if (fetched.status().code() == Code::kInvalidArgument) {
       // The server will not pass files (--no-pass-files, TLS, an older server): the socket
       // carries the chunks.
@@ -1073,9 +1101,12 @@ void RestoreSession::Impl::RestartDemand() {
   // held is asked for again (in the snapshot above, so a demand queued meanwhile is not lost).
   demand_in_flight_ = 0;
   demand_queue_.clear();
+  std::vector<ChunkId> chunks;
   for (const ChunkRun& run : pending)
     for (uint32_t i = 0; i < run.count; ++i)
-      demand_queue_.emplace_back(run.bo, run.first + i);
+      chunks.emplace_back(run.bo, run.first + i);
+  chunks = ReadLocally(chunks);
+  demand_queue_.assign(chunks.begin(), chunks.end());
   if (!pending.empty())
     spdlog::info("image {}: asking for {} pending demand run(s) on the new connection",
                  options_.image, pending.size());
@@ -1083,8 +1114,46 @@ void RestoreSession::Impl::RestartDemand() {
 }
 
 void RestoreSession::Impl::QueueDemand(const std::vector<ChunkId>& chunks) {
-  demand_queue_.insert(demand_queue_.end(), chunks.begin(), chunks.end());
+  std::vector<ChunkId> rest = ReadLocally(chunks);
+  demand_queue_.insert(demand_queue_.end(), rest.begin(), rest.end());
   PumpDemand();
+}
+
+std::vector<RestoreSession::Impl::ChunkId> RestoreSession::Impl::ReadLocally(
+    const std::vector<ChunkId>& chunks) {
+  // The current connection's files (the previous ones stay open while it reconnects).
+  const std::shared_ptr<const ImageFileSet> files =
+      options_.demand_connection ? (demand_link_ ? demand_link_->files : nullptr)
+                                 : (link_ ? link_->files : nullptr);
+  if (!files || files->chunk_table.empty()) return chunks;
+  std::vector<ChunkId> rest;
+  for (const ChunkId& id : chunks) {
+    const ImageFileSet::Location* where = files->Locate(id.first, id.second);
+    if (where == nullptr) {
+      rest.push_back(id);
+      continue;
+    }
+    FileChunk c;
+    {
+      std::lock_guard lock(mutex_);
+      // Held: resident, or claimed by a connection or reader whose landing wakes the waiter
+      // (a queued one is expedited by Ensure).
+      if (!residency_.MarkLanding(id.first, id.second)) continue;
+      ++counters_.local_demand_chunks;
+      c.raw_length = residency_.ChunkLength(id.first, id.second);
+    }
+    c.bo = id.first;
+    c.chunk = id.second;
+    c.dest_offset = uint64_t{id.second} * chunk_size_;
+    c.codec = where->codec;
+    if (where->has_checksum) c.checksum = where->checksum;
+    c.fd = files->files[where->file].fd.get();
+    c.file_offset = where->offset;
+    c.stored_length = where->stored_length;
+    // Read here: this thread has nothing else to do meanwhile, and `files` stays open.
+    ReadByReference(nullptr, c, /*on_stream=*/false, Urgency::kUrgent);
+  }
+  return rest;
 }
 
 void RestoreSession::Impl::PumpDemand() {

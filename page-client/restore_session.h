@@ -69,6 +69,10 @@ struct SessionOptions {
   // that will not pass them is told nothing more: the chunks then travel through the socket.
   bool read_files = true;
   uint32_t file_readers = 4;
+  // While reading files, also take the image's chunk table (where every chunk is stored) and
+  // read a chunk Ensure waits for from the files at once, on the demand thread, instead of
+  // asking the server for it (a round trip through two more threads). Protocol version 2.
+  bool local_demand = true;
   // The window while reading by reference (never below window_bytes). Its chunks arrive as
   // file ranges queued for the readers, not as payloads, so it bounds queued reads rather than
   // memory: 256 MiB keeps 16 readers fed where 64 MiB did not (docs/benchmarks.md).
@@ -97,12 +101,13 @@ struct Progress {
   uint64_t resident_chunks = 0;
   uint64_t hot_chunks = 0;  // chunks in the profile's hot set
   uint64_t hot_resident_chunks = 0;
-  uint64_t received_bytes = 0;  // payload bytes off the wire, duplicates included
-  uint64_t demand_chunks = 0;   // chunks asked for by Ensure
-  uint64_t refetches = 0;       // chunks asked for again after a bad copy
-  uint64_t duplicates = 0;      // copies of chunks already held, ignored
-  uint64_t reconnects = 0;      // successful re-opens after a lost connection
-  bool reading_files = false;   // the current connection passed the image files (by reference)
+  uint64_t received_bytes = 0;       // payload bytes off the wire, duplicates included
+  uint64_t demand_chunks = 0;        // chunks asked for by Ensure
+  uint64_t local_demand_chunks = 0;  // of those, read from the passed files without the server
+  uint64_t refetches = 0;            // chunks asked for again after a bad copy
+  uint64_t duplicates = 0;           // copies of chunks already held, ignored
+  uint64_t reconnects = 0;           // successful re-opens after a lost connection
+  bool reading_files = false;        // the current connection passed the image files (by reference)
   bool complete = false;
 };
 

@@ -1,6 +1,7 @@
 #include "page-client/server_connection.h"
 
 #include <fcntl.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -151,8 +152,74 @@ Status CheckPassedFile(const ImageFileSet::File& file) {
 
 }  // namespace
 
+const ImageFileSet::Location* ImageFileSet::Locate(uint32_t bo, uint32_t chunk) const {
+  if (bo >= first_chunk.size()) return nullptr;
+  const uint64_t index = first_chunk[bo] + chunk;
+  const uint64_t end = bo + 1 < first_chunk.size() ? first_chunk[bo + 1] : chunk_table.size();
+  return index < end ? &chunk_table[index] : nullptr;
+}
+
+Status AdoptChunkTable(const wire::ChunkLocations& table, const ChunkTableShape& shape,
+                       ImageFileSet* set) {
+  if (shape.chunk_size == 0) return InvalidArgument("chunk table for a chunk size of 0");
+  std::vector<uint64_t> first_chunk;
+  uint64_t total = 0;
+  for (uint64_t size : shape.bo_sizes) {
+    first_chunk.push_back(total);
+    total += (size + shape.chunk_size - 1) / shape.chunk_size;
+  }
+  const auto n = static_cast<int>(std::min<uint64_t>(total, INT32_MAX));
+  if (total > INT32_MAX || table.file_size() != n || table.offset_size() != n ||
+      table.stored_length_size() != n || table.codec_size() != n || table.checksum_size() != n ||
+      table.has_checksum_size() != n)
+    return Corrupt("chunk table lists {}/{}/{}/{}/{}/{} entries for {} chunks", table.file_size(),
+                   table.offset_size(), table.stored_length_size(), table.codec_size(),
+                   table.checksum_size(), table.has_checksum_size(), total);
+  std::vector<ImageFileSet::Location> locations;
+  locations.reserve(total);
+  for (size_t bo = 0; bo < shape.bo_sizes.size(); ++bo) {
+    const uint64_t end = bo + 1 < first_chunk.size() ? first_chunk[bo + 1] : total;
+    for (uint64_t i = first_chunk[bo]; i < end; ++i) {
+      const int at = static_cast<int>(i);
+      const uint64_t chunk = i - first_chunk[bo];
+      const uint64_t raw =
+          std::min<uint64_t>(shape.chunk_size, shape.bo_sizes[bo] - chunk * shape.chunk_size);
+      ImageFileSet::Location where;
+      where.file = table.file(at);
+      where.offset = table.offset(at);
+      where.stored_length = table.stored_length(at);
+      where.codec = table.codec(at);
+      where.checksum = table.checksum(at);
+      where.has_checksum = table.has_checksum(at);
+      const std::string what = fmt::format("chunk table: BO {} chunk {}", bo, chunk);
+      if (where.file >= set->files.size())
+        return Corrupt("{} is in file {}; {} were passed", what, where.file, set->files.size());
+      const ImageFileSet::File& file = set->files[where.file];
+      if (where.offset > file.size || where.stored_length > file.size - where.offset)
+        return Corrupt("{} at [{}, +{}) lies past the end of {} ({} bytes)", what, where.offset,
+                       where.stored_length, file.name, file.size);
+      if (where.stored_length > shape.max_payload)
+        return Corrupt("{} stores {} bytes (limit {})", what, where.stored_length,
+                       shape.max_payload);
+      const bool fits = (where.codec == manifest::CODEC_RAW && where.stored_length == raw) ||
+                        (where.codec == manifest::CODEC_ZERO && where.stored_length == 0) ||
+                        (where.codec == manifest::CODEC_LZ4 && where.stored_length > 0);
+      if (!fits)
+        return Corrupt("{}: codec {} with {} stored bytes for {} raw bytes", what,
+                       static_cast<int>(where.codec), where.stored_length, raw);
+      if (shape.lazy_image && !where.has_checksum)
+        return Corrupt("{} of a lazy image comes without its checksum", what);
+      locations.push_back(where);
+    }
+  }
+  set->chunk_table = std::move(locations);
+  set->first_chunk = std::move(first_chunk);
+  return Status::Ok();
+}
+
 net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
-    const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout) {
+    const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout,
+    const ChunkTableShape* shape) {
   const std::string where = fmt::format("image files from {}", endpoint.ToString());
   Result<net::Socket> connected = co_await net::Connect(endpoint);
   if (!connected.ok()) co_return connected.status().Context(where);
@@ -160,6 +227,8 @@ net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
   HandshakeDeadline deadline(co_await asio::this_coro::executor, &stream, timeout);
   FrameLimits limits;
   join.set_want_files(true);
+  join.set_want_chunk_table(shape != nullptr);
+  if (shape != nullptr) limits.max_payload = std::max(limits.max_payload, shape->max_payload);
   wire::Header hello;
   *hello.mutable_hello() = std::move(join);
   Status sent = co_await net::WriteFrame(stream, hello, {}, limits);
@@ -191,6 +260,46 @@ net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
     if (!valid.ok()) co_return valid.Context(where);
     set->files.push_back(std::move(file));
   }
+  if (shape == nullptr) co_return std::shared_ptr<const ImageFileSet>(std::move(set));
+
+  // The chunk table: a ChunkTable frame and its pieces, as an image table travels.
+  std::vector<uint8_t> payload;
+  Result<wire::Header> head = co_await net::ReadFrame(stream, limits, &payload);
+  if (!head.ok()) {
+    if (!stream.is_open())
+      co_return TimedOut("{}: no chunk table within {} ms", where, timeout.count());
+    if (head.status().code() == Code::kUnavailable) {
+      // Closed after the files: a server that keeps no chunk table for us.
+      spdlog::info("{}: no chunk table; chunks waited for are asked of the server", where);
+      co_return std::shared_ptr<const ImageFileSet>(std::move(set));
+    }
+    co_return head.status().Context(where);
+  }
+  if (head->has_error()) co_return ErrorFrameStatus(head->error(), where);
+  if (!head->has_chunk_table())
+    co_return Corrupt("{}: expected ChunkTable, got header body {}", where,
+                      static_cast<int>(head->body_case()));
+  Result<ImageTableAssembler> table = ImageTableAssembler::Begin(head->chunk_table().table_bytes());
+  if (!table.ok()) co_return table.status().Context(where);
+  Status added = table->Add(payload, /*continuation=*/false);
+  while (added.ok() && !table->complete()) {
+    head = co_await net::ReadFrame(stream, limits, &payload);
+    if (!head.ok()) {
+      if (!stream.is_open())
+        co_return TimedOut("{}: chunk table incomplete after {} ms", where, timeout.count());
+      co_return head.status().Context(fmt::format("{}: reading the chunk table", where));
+    }
+    if (head->has_error()) co_return ErrorFrameStatus(head->error(), where);
+    if (!head->has_image_table_part())
+      co_return Corrupt("{}: expected ImageTablePart, got header body {}", where,
+                        static_cast<int>(head->body_case()));
+    added = table->Add(payload, /*continuation=*/true);
+  }
+  if (!added.ok()) co_return added.Context(where);
+  Result<wire::ChunkLocations> locations = table->FinishAs<wire::ChunkLocations>();
+  if (!locations.ok()) co_return locations.status().Context(where);
+  Status adopted = AdoptChunkTable(*locations, *shape, set.get());
+  if (!adopted.ok()) co_return adopted.Context(where);
   co_return std::shared_ptr<const ImageFileSet>(std::move(set));
 }
 

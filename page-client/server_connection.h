@@ -60,20 +60,53 @@ std::vector<wire::Header> HaveFrames(const std::vector<ChunkRun>& held,
 
 // The files a server passed for a session (docs/protocol.md, "Image files"): regular files,
 // read-only, each as large as the server said. Immutable; shared by the readers using it.
+// With a chunk table (want_chunk_table), also where each chunk of the image is stored in them,
+// checked against the files and the image's BO table (ChunkTableShape) before it is kept.
 struct ImageFileSet {
   struct File {
     std::string name;  // for messages only
     UniqueFd fd;
     uint64_t size = 0;
   };
+  struct Location {
+    uint64_t offset = 0;
+    uint32_t stored_length = 0;
+    uint32_t file = 0;  // index into files
+    uint64_t checksum = 0;
+    manifest::Codec codec = manifest::CODEC_RAW;
+    bool has_checksum = false;
+  };
   std::vector<File> files;
+  std::vector<Location> chunk_table;  // in table order; empty: the server sent none
+  std::vector<uint64_t> first_chunk;  // per BO: the index of its chunk 0 in chunk_table
+
+  // Where chunk `chunk` of BO `bo` is stored; nullptr without a table or out of range.
+  const Location* Locate(uint32_t bo, uint32_t chunk) const;
 };
+
+// What a chunk table must fit: the image's BO table as the session adopted it.
+struct ChunkTableShape {
+  std::vector<uint64_t> bo_sizes;
+  uint32_t chunk_size = 0;
+  bool lazy_image = false;   // every chunk carries its manifest checksum
+  uint32_t max_payload = 0;  // no chunk stores more bytes
+};
+
+// Checks a server's ChunkLocations against the passed files and `shape` and returns its entries
+// (filling set->chunk_table and first_chunk). Every entry is untrusted: a file index past the
+// list, a range past its file, a stored length over max_payload or unlike its codec, an unknown
+// codec, a lazy image's chunk without checksum, or lists of the wrong length are kCorrupt.
+Status AdoptChunkTable(const wire::ChunkLocations& table, const ChunkTableShape& shape,
+                       ImageFileSet* set);
 
 // Opens a files connection to `endpoint` (a Unix socket), joins the session named in `join`
 // (join_session, join_secret; want_files is set here) and receives its image files, within
-// `timeout`. A server that will not pass files answers with an Error: kInvalidArgument.
+// `timeout`. A server that will not pass files answers with an Error: kInvalidArgument. With
+// `shape` it asks for the chunk table too (want_chunk_table, protocol version 2) and keeps it
+// once AdoptChunkTable accepts it; a server that closes after the files sends none.
 net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
-    const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout);
+    const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout,
+    const ChunkTableShape* shape = nullptr);
 
 // Queues payload-less frames (Credit, Have, Request, Goodbye) and writes them in order from one
 // coroutine, so a socket never has two writes in flight.

@@ -49,13 +49,4 @@ Status ImageTableAssembler::Add(std::span<const uint8_t> piece, bool continuatio
   return Status::Ok();
 }
 
-Result<wire::ImageTable> ImageTableAssembler::Finish() const {
-  if (!complete())
-    return Corrupt("image table incomplete: {} of {} bytes", bytes_.size(), announced_);
-  wire::ImageTable table;
-  if (!table.ParseFromString(bytes_))
-    return Corrupt("image table of {} bytes does not parse", announced_);
-  return table;
-}
-
 }  // namespace gpulazy

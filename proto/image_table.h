@@ -38,7 +38,18 @@ class ImageTableAssembler {
   bool complete() const { return bytes_.size() == announced_; }
   uint64_t missing() const { return announced_ - bytes_.size(); }
   // Parses the whole table; kCorrupt while bytes are missing or when they do not parse.
-  Result<wire::ImageTable> Finish() const;
+  Result<wire::ImageTable> Finish() const { return FinishAs<wire::ImageTable>(); }
+  // The same for a table of another message (a ChunkTable's ChunkLocations).
+  template <typename Message>
+  Result<Message> FinishAs() const {
+    if (!complete())
+      return Corrupt("{} incomplete: {} of {} bytes", Message::descriptor()->name(), bytes_.size(),
+                     announced_);
+    Message table;
+    if (!table.ParseFromString(bytes_))
+      return Corrupt("{} of {} bytes does not parse", Message::descriptor()->name(), announced_);
+    return table;
+  }
 
  private:
   explicit ImageTableAssembler(uint64_t announced) : announced_(announced) {}

@@ -342,7 +342,7 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     session_ = std::move(session);
     if (hello.want_files()) {
       role_ = Role::kFiles;
-      SendImageFiles(rid);
+      SendImageFiles(rid, hello.want_chunk_table());
       co_return;
     }
     role_ = Role::kDemand;
@@ -519,7 +519,7 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
     ctx_.dispatcher.Update([&](Scheduler& s) { s.AddCredit(id, credit); });
   }
   if (version_ >= 2) {
-    EnqueueOpenImageReply(std::move(reply), image);
+    EnqueueWithTable(std::move(reply), image.table);
   } else {
     Enqueue(std::move(reply));
   }
@@ -527,7 +527,7 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
                image.layout->bo_count(), image.layout->total_chunks(), image.layout->hot_end());
 }
 
-void Connection::SendImageFiles(uint64_t request_id) {
+void Connection::SendImageFiles(uint64_t request_id, bool want_chunk_table) {
   // Whatever happens, this connection has done its one job after this.
   draining_ = true;
   const image::ImageSource& source = *session_->image().source;
@@ -584,6 +584,40 @@ void Connection::SendImageFiles(uint64_t request_id) {
   }
   spdlog::info("{}: passed {} image file(s) of image '{}'", Tag(), raw.size(),
                session_->image().name);
+  if (want_chunk_table && version_ >= 2) SendChunkTable(request_id);
+}
+
+void Connection::SendChunkTable(uint64_t request_id) {
+  // What a by-reference ChunkData would say of each chunk, all at once: the client reads a
+  // chunk it waits for without a round trip to us (docs/protocol.md, "Image files").
+  const image::ImageSource& source = *session_->image().source;
+  wire::ChunkLocations table;
+  for (uint32_t bo = 0; bo < static_cast<uint32_t>(source.manifest().bos_size()); ++bo) {
+    const uint32_t chunks =
+        static_cast<uint32_t>(source.manifest().bos(static_cast<int>(bo)).chunks_size());
+    for (uint32_t chunk = 0; chunk < chunks; ++chunk) {
+      Result<image::StoredChunk> located = source.LocateStoredChunk(bo, chunk);
+      if (!located.ok() || !located->in_file) {
+        // Not worth a restore: the client asks us for what it cannot read itself.
+        spdlog::warn("{}: no chunk table: BO {} chunk {}: {}", Tag(), bo, chunk,
+                     located.ok() ? "not in a file" : located.status().ToString());
+        Fail(wire::ERROR_INTERNAL, fmt::format("BO {} chunk {} cannot be located", bo, chunk),
+             request_id);
+        return;
+      }
+      table.add_file(located->in_file->file);
+      table.add_offset(located->in_file->offset);
+      table.add_stored_length(static_cast<uint32_t>(located->in_file->length));
+      table.add_codec(located->codec);
+      table.add_checksum(located->has_checksum ? located->checksum : 0);
+      table.add_has_checksum(located->has_checksum);
+    }
+  }
+  auto bytes = std::make_shared<const std::string>(table.SerializeAsString());
+  wire::Header header;
+  header.set_request_id(request_id);
+  header.mutable_chunk_table()->set_table_bytes(bytes->size());
+  EnqueueWithTable(std::move(header), bytes);
 }
 
 void Connection::HandleRequest(const wire::Header& frame) {
@@ -662,13 +696,13 @@ void Connection::Enqueue(wire::Header header, std::shared_ptr<const std::string>
   Wake();
 }
 
-void Connection::EnqueueOpenImageReply(wire::Header reply, const OpenedImage& image) {
-  const uint64_t request_id = reply.request_id();
-  const std::shared_ptr<const std::string>& table = image.table;
+void Connection::EnqueueWithTable(wire::Header header,
+                                  const std::shared_ptr<const std::string>& table) {
+  const uint64_t request_id = header.request_id();
   const std::string_view all(*table);
   const size_t piece = ctx_.limits.max_payload;
   std::string_view first = all.substr(0, piece);
-  Enqueue(std::move(reply), table, first);
+  Enqueue(std::move(header), table, first);
   for (size_t offset = first.size(); offset < all.size(); offset += piece) {
     wire::Header part;
     part.set_request_id(request_id);

@@ -145,8 +145,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   net::Awaitable<void> HandleFrame(const wire::Header& frame);
   net::Awaitable<void> HandleOpenImage(const wire::Header& frame);
   // Answers a files connection (Hello want_files): ImageFiles with the descriptors attached, or
-  // an error saying why not; the connection closes either way.
-  void SendImageFiles(uint64_t request_id);
+  // an error saying why not; the connection closes either way. With want_chunk_table (version
+  // 2) the chunk table follows (SendChunkTable).
+  void SendImageFiles(uint64_t request_id, bool want_chunk_table);
+  void SendChunkTable(uint64_t request_id);
   void HandleRequest(const wire::Header& frame);
   void SendStatsReply(uint64_t request_id);
   void SendStreamDone(const StreamDoneInfo& info);
@@ -160,9 +162,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   };
   void Enqueue(wire::Header header, std::shared_ptr<const std::string> payload = nullptr,
                std::string_view payload_bytes = {});
-  // Version 2: the OpenImageReply in `reply`, its payload the first piece of the image's table,
-  // and ImageTablePart frames with the rest, each piece at most the frame payload limit.
-  void EnqueueOpenImageReply(wire::Header reply, const OpenedImage& image);
+  // Version 2's tables: `header` (an OpenImageReply or a ChunkTable) with the first piece of
+  // `table` as its payload, then ImageTablePart frames with the rest, each piece at most the
+  // frame payload limit.
+  void EnqueueWithTable(wire::Header header, const std::shared_ptr<const std::string>& table);
   // control_ changed: publish its size for stats and raise the server's high-water marks.
   void NoteControlQueue();
   // The client lets replies pile up past kMaxQueuedControlBytes: drop them, queue one

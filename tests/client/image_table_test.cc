@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,98 @@ INSTANTIATE_TEST_SUITE_P(
         FaultCase{Fault::kBosInHeader, Code::kCorrupt, "in the header"},
         FaultCase{Fault::kOtherFrameBetween, Code::kCorrupt, "expected ImageTablePart"},
         FaultCase{Fault::kEmptyPart, Code::kCorrupt, "empty image table part"}));
+
+// A server's chunk table (ChunkLocations) is checked against the passed files and the BO table
+// before a byte is read through it.
+struct ChunkTableCase {
+  const char* name;
+  std::function<void(wire::ChunkLocations&)> spoil;
+  const char* says;
+};
+
+TEST(ChunkTable, EntriesAreCheckedAgainstTheFilesAndTheBoTable) {
+  // Two BOs of 10000 and 4096 bytes in 4 KiB chunks: 3 + 1 chunks, in two files.
+  ChunkTableShape shape;
+  shape.bo_sizes = {10000, 4096};
+  shape.chunk_size = 4096;
+  shape.lazy_image = true;
+  shape.max_payload = 8192;
+  auto files = [] {
+    ImageFileSet set;
+    set.files.resize(2);
+    set.files[0].name = "a";
+    set.files[0].size = 20000;
+    set.files[1].name = "b";
+    set.files[1].size = 4096;
+    return set;
+  };
+  wire::ChunkLocations good;
+  auto add = [&](uint32_t file, uint64_t offset, uint32_t length, manifest::Codec codec) {
+    good.add_file(file);
+    good.add_offset(offset);
+    good.add_stored_length(length);
+    good.add_codec(codec);
+    good.add_checksum(0x1234 + offset);
+    good.add_has_checksum(true);
+  };
+  add(0, 0, 4096, manifest::CODEC_RAW);
+  add(0, 4096, 100, manifest::CODEC_LZ4);
+  add(0, 0, 0, manifest::CODEC_ZERO);
+  add(1, 0, 4096, manifest::CODEC_RAW);
+  {
+    ImageFileSet set = files();
+    ASSERT_TRUE(AdoptChunkTable(good, shape, &set).ok());
+    ASSERT_EQ(set.chunk_table.size(), 4u);
+    ASSERT_NE(set.Locate(0, 1), nullptr);
+    EXPECT_EQ(set.Locate(0, 1)->codec, manifest::CODEC_LZ4);
+    EXPECT_EQ(set.Locate(0, 1)->checksum, 0x1234u + 4096);
+    ASSERT_NE(set.Locate(1, 0), nullptr);
+    EXPECT_EQ(set.Locate(1, 0)->file, 1u);
+    EXPECT_EQ(set.Locate(0, 3), nullptr);  // BO 0 has 3 chunks
+    EXPECT_EQ(set.Locate(1, 1), nullptr);
+    EXPECT_EQ(set.Locate(2, 0), nullptr);
+  }
+  const std::vector<ChunkTableCase> cases = {
+      {"file index past the list", [](auto& t) { t.set_file(3, 2); }, "2 were passed"},
+      {"range past the file", [](auto& t) { t.set_offset(3, 1); }, "past the end of b"},
+      {"offset past the file", [](auto& t) { t.set_offset(1, ~0ull); }, "past the end of a"},
+      {"stored over the limit", [](auto& t) { t.set_stored_length(1, 9000); }, "limit 8192"},
+      {"RAW shorter than raw", [](auto& t) { t.set_stored_length(0, 4000); }, "codec"},
+      {"RAW of a short last chunk",
+       [](auto& t) {
+         t.set_stored_length(2, 4096);
+         t.set_codec(2, manifest::CODEC_RAW);
+       },
+       "1808 raw bytes"},
+      {"ZERO with bytes", [](auto& t) { t.set_stored_length(2, 10); }, "codec"},
+      {"LZ4 with none", [](auto& t) { t.set_stored_length(1, 0); }, "codec"},
+      {"unknown codec", [](auto& t) { t.set_codec(1, static_cast<manifest::Codec>(77)); },
+       "codec 77"},
+      {"lazy chunk without checksum", [](auto& t) { t.set_has_checksum(3, false); },
+       "without its checksum"},
+      {"a list short", [](auto& t) { t.mutable_checksum()->RemoveLast(); }, "for 4 chunks"},
+      {"an entry too many",
+       [](auto& t) {
+         t.add_file(0);
+         t.add_offset(0);
+         t.add_stored_length(0);
+         t.add_codec(manifest::CODEC_ZERO);
+         t.add_checksum(0);
+         t.add_has_checksum(true);
+       },
+       "for 4 chunks"},
+  };
+  for (const ChunkTableCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    wire::ChunkLocations bad = good;
+    c.spoil(bad);
+    ImageFileSet set = files();
+    Status status = AdoptChunkTable(bad, shape, &set);
+    EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
+    EXPECT_NE(status.message().find(c.says), std::string::npos) << status.ToString();
+    EXPECT_TRUE(set.chunk_table.empty());
+  }
+}
 
 // A server that speaks only version 1 still serves a client that offers 1..2.
 TEST(ImageTable, VersionOneServerStillServes) {

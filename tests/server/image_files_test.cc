@@ -5,6 +5,7 @@
 // the server's --no-pass-files, by_reference before the files were passed).
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -41,8 +42,9 @@ Status MakeImage(const fs::path& dir, uint64_t bytes, uint64_t seed, bool lazy) 
 }
 
 // FetchImageFiles, run to completion on its own io_context.
-Result<std::shared_ptr<const client::ImageFileSet>> Fetch(const net::Endpoint& endpoint,
-                                                          uint64_t session, std::string secret) {
+Result<std::shared_ptr<const client::ImageFileSet>> Fetch(
+    const net::Endpoint& endpoint, uint64_t session, std::string secret,
+    const client::ChunkTableShape* shape = nullptr) {
   boost::asio::io_context io;
   wire::Hello join;
   join.set_min_version(kProtocolVersion);
@@ -53,7 +55,7 @@ Result<std::shared_ptr<const client::ImageFileSet>> Fetch(const net::Endpoint& e
   boost::asio::co_spawn(
       io,
       [&]() -> net::Awaitable<void> {
-        result.emplace(co_await client::FetchImageFiles(endpoint, join, 5000ms));
+        result.emplace(co_await client::FetchImageFiles(endpoint, join, 5000ms, shape));
       },
       boost::asio::detached);
   io.run();
@@ -350,6 +352,7 @@ TEST_F(ImageFilesTest, ChunkWaitedForBeforeItArrivesSkipsTheReadersQueue) {
   SlowReadersEngine engine;
   client::SessionOptions options = OneReaderOptions(server_->unix_endpoint());
   options.demand_connection = false;
+  options.local_demand = false;    // the demand copy must come from the server
   options.window_bytes = 1 << 20;  // the fixture server's --max-frame
   options.file_window_bytes = 2 << 20;
   client::RestoreSession session(options, engine);
@@ -365,6 +368,122 @@ TEST_F(ImageFilesTest, ChunkWaitedForBeforeItArrivesSkipsTheReadersQueue) {
       << "the chunk waited in the readers' queue";
   ASSERT_TRUE(session.WaitComplete(60s).ok());
   ExpectCheckpointBytes(session, engine.host(), "raw");
+}
+
+// The chunk table (Hello want_chunk_table, protocol version 2) locates every chunk of the image
+// in the passed files: read from there and decoded, each is the checkpoint's bytes, and a lazy
+// image's chunks carry their recorded checksums.
+TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
+  for (const std::string name : {"raw", "lazy"}) {
+    SCOPED_TRACE(name);
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.Hello(0, {}, {}, /*max_version=*/2).ok());
+    Result<wire::OpenImageReply> reply = client.Open(name);
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    client::ChunkTableShape shape;
+    for (const wire::BoInfo& bo : reply->bos())
+      shape.bo_sizes.push_back(bo.size());
+    shape.chunk_size = reply->chunk_size();
+    shape.lazy_image = reply->lazy_image();
+    shape.max_payload = 1u << 20;  // the fixture server's --max-frame
+    Result<std::shared_ptr<const client::ImageFileSet>> files =
+        Fetch(server_->unix_endpoint(), reply->session(), reply->session_secret(), &shape);
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    const client::ImageFileSet& set = **files;
+    ASSERT_FALSE(set.chunk_table.empty());
+    std::vector<Frame> chunks;
+    for (uint32_t bo = 0; bo < static_cast<uint32_t>(reply->bos_size()); ++bo) {
+      const uint32_t count = reply->bos(static_cast<int>(bo)).chunk_count();
+      EXPECT_EQ(set.Locate(bo, count), nullptr) << "located past BO " << bo << "'s last chunk";
+      for (uint32_t chunk = 0; chunk < count; ++chunk) {
+        const client::ImageFileSet::Location* where = set.Locate(bo, chunk);
+        ASSERT_NE(where, nullptr) << "BO " << bo << " chunk " << chunk;
+        if (name == "lazy") EXPECT_TRUE(where->has_checksum);
+        Frame frame;
+        frame.payload.resize(where->stored_length);
+        ASSERT_TRUE(ReadExactAt(set.files[where->file].fd.get(), where->offset, frame.payload,
+                                "passed file")
+                        .ok());
+        wire::ChunkData* data = frame.header.mutable_chunk();
+        data->set_bo(bo);
+        data->set_chunk(chunk);
+        data->set_codec(where->codec);
+        data->set_raw_length(static_cast<uint32_t>(std::min<uint64_t>(
+            reply->chunk_size(),
+            reply->bos(static_cast<int>(bo)).size() - uint64_t{chunk} * reply->chunk_size())));
+        // Checked by VerifyStream against the decoded bytes; a plain checkpoint's unread chunks
+        // have none yet, so the bytes themselves are the check.
+        data->set_checksum(where->has_checksum
+                               ? where->checksum
+                               : XXH3_64bits(frame.payload.data(), frame.payload.size()));
+        chunks.push_back(std::move(frame));
+      }
+    }
+    EXPECT_EQ(chunks.size(), set.chunk_table.size());
+    Status verified = VerifyStream(*reply, chunks, expected_[name]);
+    EXPECT_TRUE(verified.ok()) << verified.ToString();
+  }
+}
+
+// With the chunk table a chunk Ensure waits for is read from the passed files on the demand
+// thread: it comes even while the server is stopped (SIGSTOP), and the server is never asked.
+// Without it (local_demand off) the server answers, as before.
+TEST_F(ImageFilesTest, EnsureReadsFromTheFilesWithoutAskingTheServer) {
+  for (const std::string name : {"raw", "lazy"}) {
+    SCOPED_TRACE(name);
+    client::HostCopyEngine engine;
+    client::SessionOptions options = OneReaderOptions(server_->unix_endpoint());
+    options.image = name;
+    options.stream_all = false;  // only Ensure brings chunks in
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    for (int i = 0; i < 500 && !session.progress().reading_files; ++i)
+      std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(session.progress().reading_files);
+    ASSERT_EQ(::kill(server_->pid(), SIGSTOP), 0);
+    struct Continue {
+      pid_t pid;
+      ~Continue() { ::kill(pid, SIGCONT); }
+    } resume{server_->pid()};
+    uint64_t ensured = 0;
+    for (uint32_t bo = 0; bo < session.bos().size(); ++bo) {
+      const uint64_t size = session.bos()[bo].size;
+      Status status =
+          session.Ensure(bo, size / 3, std::min<uint64_t>(size - size / 3, 300000), 10s);
+      ASSERT_TRUE(status.ok()) << "BO " << bo << ": " << status.ToString();
+      ++ensured;
+    }
+    const client::Progress p = session.progress();
+    EXPECT_GT(p.demand_chunks, ensured - 1);
+    EXPECT_EQ(p.local_demand_chunks, p.demand_chunks);
+    for (uint32_t bo = 0; bo < session.bos().size(); ++bo) {
+      const client::BoEntry& entry = session.bos()[bo];
+      const auto& want = expected_[name].at(BoKey{entry.process_id, entry.bo_index});
+      Result<std::span<uint8_t>> got = engine.Mapping(bo);
+      ASSERT_TRUE(got.ok());
+      const uint64_t from = entry.size / 3;
+      const uint64_t length = std::min<uint64_t>(entry.size - from, 300000);
+      EXPECT_TRUE(std::equal(got->begin() + static_cast<ptrdiff_t>(from),
+                             got->begin() + static_cast<ptrdiff_t>(from + length),
+                             want.begin() + static_cast<ptrdiff_t>(from)))
+          << "BO " << bo;
+    }
+  }
+  // The server's way, for comparison: nothing read locally, and every byte right.
+  client::HostCopyEngine engine;
+  client::SessionOptions options = OneReaderOptions(server_->unix_endpoint());
+  options.stream_all = false;
+  options.local_demand = false;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Ensure(0, 0, session.bos()[0].size, 30s).ok());
+  EXPECT_GT(session.progress().demand_chunks, 0u);
+  EXPECT_EQ(session.progress().local_demand_chunks, 0u);
+  Result<std::span<uint8_t>> got = engine.Mapping(0);
+  ASSERT_TRUE(got.ok());
+  const auto& want =
+      expected_["raw"].at(BoKey{session.bos()[0].process_id, session.bos()[0].bo_index});
+  EXPECT_TRUE(std::ranges::equal(*got, want));
 }
 
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
