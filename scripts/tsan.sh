@@ -14,6 +14,7 @@ targets=(client_basics_test client_session_test client_local_restore_test server
   server_image_files_test e2e_restore_test e2e_load_test gpulazy-server gpulazy-client)
 suites='RestoreSession|RestoreSessionInPlace|LocalRestore|SchedulerTest|DispatcherTest|ImageStoreTest'
 suites+='|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ImageFilesTest|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine'
+suites+='|ImageTable'
 
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)

@@ -342,7 +342,11 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     session_ = std::move(session);
     if (hello.want_files()) {
       role_ = Role::kFiles;
-      SendImageFiles(rid, hello.want_chunk_table());
+      if (SendImageFiles(rid) && hello.want_chunk_table() && version_ >= 2)
+        co_await SendChunkTable(rid);
+      // Whatever happened, this connection has done its one job (the writer flushes what is
+      // queued, then it closes).
+      draining_ = true;
       co_return;
     }
     role_ = Role::kDemand;
@@ -434,29 +438,11 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
     SendError(wire::ERROR_SHUTTING_DOWN, "server is shutting down", rid);
     co_return;
   }
-  // Opening reads the manifest (or scans a CRIU directory): a disk thread does it, and a timer
-  // on this strand wakes us when the result is back. (GCC 12 mishandles capturing lambdas
-  // inside co_await expressions, so the hand-over is spelled out.)
-  struct Pending {
-    explicit Pending(const asio::any_io_executor& executor) : done(executor) {}
-    asio::steady_timer done;
-    std::optional<Result<std::shared_ptr<const OpenedImage>>> result;
-  };
-  auto pending = std::make_shared<Pending>(socket_.get_executor());
+  // Opening reads the manifest (or scans a CRIU directory): a disk thread does it.
   ImageStore& store = ctx_.store;
-  asio::post(ctx_.dispatcher.pool(), [pending, &store, name, grant = grant_] {
-    Result<std::shared_ptr<const OpenedImage>> result = store.Open(name, grant);
-    asio::post(pending->done.get_executor(), [pending, result = std::move(result)]() mutable {
-      pending->result.emplace(std::move(result));
-      pending->done.cancel();
-    });
-  });
-  error_code ec;
-  while (!pending->result) {
-    pending->done.expires_at(Clock::time_point::max());
-    co_await pending->done.async_wait(asio::redirect_error(asio::use_awaitable, ec));
-  }
-  Result<std::shared_ptr<const OpenedImage>> opened = std::move(*pending->result);
+  auto open = [&store, name, grant = grant_] { return store.Open(name, grant); };
+  Result<std::shared_ptr<const OpenedImage>> opened =
+      co_await OnDiskThread<Result<std::shared_ptr<const OpenedImage>>>(std::move(open));
   if (closed_ || draining_) co_return;
   if (!opened.ok()) {
     spdlog::info("{}: OpenImage '{}' refused: {}", Tag(), name.substr(0, 256),
@@ -527,27 +513,25 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
                image.layout->bo_count(), image.layout->total_chunks(), image.layout->hot_end());
 }
 
-void Connection::SendImageFiles(uint64_t request_id, bool want_chunk_table) {
-  // Whatever happens, this connection has done its one job after this.
-  draining_ = true;
+bool Connection::SendImageFiles(uint64_t request_id) {
   const image::ImageSource& source = *session_->image().source;
   boost::system::error_code ec;
   const auto local = socket_.socket().local_endpoint(ec);
   if (!ctx_.config.pass_files) {
     Fail(wire::ERROR_BAD_REQUEST, "this server does not pass image files (--no-pass-files)",
          request_id);
-    return;
+    return false;
   }
   if (ec || socket_.is_tls() || local.protocol().family() != AF_UNIX) {
     Fail(wire::ERROR_BAD_REQUEST, "image files are passed only over Unix sockets", request_id);
-    return;
+    return false;
   }
   if (source.files().size() > net::kMaxPassedFds) {
     Fail(wire::ERROR_LIMIT,
          fmt::format("image has {} stored files, more than one message can pass ({})",
                      source.files().size(), net::kMaxPassedFds),
          request_id);
-    return;
+    return false;
   }
   // New open file descriptions, not ours: a client that changes its descriptor's flags
   // (O_DIRECT, say) must not change how the server reads. ReopenFile also checks each is still
@@ -563,7 +547,7 @@ void Connection::SendImageFiles(uint64_t request_id, bool want_chunk_table) {
       spdlog::warn("{}: cannot pass image files: {}", Tag(), fd.status().ToString());
       Fail(ToWire(fd.status().code()),
            fmt::format("image file {} cannot be passed", source.files()[i].name), request_id);
-      return;
+      return false;
     }
     raw.push_back(fd->get());
     fds.push_back(std::move(fd).value());
@@ -580,31 +564,26 @@ void Connection::SendImageFiles(uint64_t request_id, bool want_chunk_table) {
   if (!sent.ok()) {
     spdlog::warn("{}: passing {} image files failed: {}", Tag(), raw.size(), sent.ToString());
     Close("passing the image files failed");
-    return;
+    return false;
   }
   spdlog::info("{}: passed {} image file(s) of image '{}'", Tag(), raw.size(),
                session_->image().name);
-  if (want_chunk_table && version_ >= 2) SendChunkTable(request_id);
+  return true;
 }
 
-void Connection::SendChunkTable(uint64_t request_id) {
-  // What a by-reference ChunkData would say of each chunk, all at once: the client reads a
-  // chunk it waits for without a round trip to us (docs/protocol.md, "Image files").
-  const image::ImageSource& source = *session_->image().source;
+namespace {
+
+// What a by-reference ChunkData would say of each chunk, all at once: the client reads a chunk
+// it waits for without a round trip to us (docs/protocol.md, "The chunk table").
+Result<std::shared_ptr<const std::string>> BuildChunkTable(const image::ImageSource& source) {
   wire::ChunkLocations table;
   for (uint32_t bo = 0; bo < static_cast<uint32_t>(source.manifest().bos_size()); ++bo) {
     const uint32_t chunks =
         static_cast<uint32_t>(source.manifest().bos(static_cast<int>(bo)).chunks_size());
     for (uint32_t chunk = 0; chunk < chunks; ++chunk) {
       Result<image::StoredChunk> located = source.LocateStoredChunk(bo, chunk);
-      if (!located.ok() || !located->in_file) {
-        // Not worth a restore: the client asks us for what it cannot read itself.
-        spdlog::warn("{}: no chunk table: BO {} chunk {}: {}", Tag(), bo, chunk,
-                     located.ok() ? "not in a file" : located.status().ToString());
-        Fail(wire::ERROR_INTERNAL, fmt::format("BO {} chunk {} cannot be located", bo, chunk),
-             request_id);
-        return;
-      }
+      if (!located.ok()) return located.status();
+      if (!located->in_file) return Internal("BO {} chunk {} is in no file", bo, chunk);
       table.add_file(located->in_file->file);
       table.add_offset(located->in_file->offset);
       table.add_stored_length(static_cast<uint32_t>(located->in_file->length));
@@ -613,11 +592,57 @@ void Connection::SendChunkTable(uint64_t request_id) {
       table.add_has_checksum(located->has_checksum);
     }
   }
-  auto bytes = std::make_shared<const std::string>(table.SerializeAsString());
+  return std::make_shared<const std::string>(table.SerializeAsString());
+}
+
+}  // namespace
+
+net::Awaitable<void> Connection::SendChunkTable(uint64_t request_id) {
+  // A disk thread builds it: an image of millions of chunks takes long enough to stall the
+  // other connections of this network thread.
+  const Clock::time_point start = Clock::now();
+  auto build = [session = session_] { return BuildChunkTable(*session->image().source); };
+  Result<std::shared_ptr<const std::string>> table =
+      co_await OnDiskThread<Result<std::shared_ptr<const std::string>>>(std::move(build));
+  if (closed_) co_return;
+  if (!table.ok()) {
+    // The client then asks us for what it cannot read itself.
+    spdlog::warn("{}: no chunk table: {}", Tag(), table.status().ToString());
+    Fail(wire::ERROR_INTERNAL, fmt::format("no chunk table: {}", table.status().message()),
+         request_id);
+    co_return;
+  }
+  spdlog::debug("{}: chunk table of {} bytes built in {:.1f} ms", Tag(), (*table)->size(),
+                std::chrono::duration<double, std::milli>(Clock::now() - start).count());
   wire::Header header;
   header.set_request_id(request_id);
-  header.mutable_chunk_table()->set_table_bytes(bytes->size());
-  EnqueueWithTable(std::move(header), bytes);
+  header.mutable_chunk_table()->set_table_bytes((*table)->size());
+  EnqueueWithTable(std::move(header), *table);
+}
+
+template <typename T, typename Work>
+net::Awaitable<T> Connection::OnDiskThread(Work work) {
+  // A timer on this strand wakes us when the result is back. (GCC 12 mishandles capturing
+  // lambdas inside co_await expressions, so the hand-over is spelled out.)
+  struct Pending {
+    explicit Pending(const asio::any_io_executor& executor) : done(executor) {}
+    asio::steady_timer done;
+    std::optional<T> result;
+  };
+  auto pending = std::make_shared<Pending>(socket_.get_executor());
+  asio::post(ctx_.dispatcher.pool(), [pending, work = std::move(work)]() mutable {
+    T result = work();
+    asio::post(pending->done.get_executor(), [pending, result = std::move(result)]() mutable {
+      pending->result.emplace(std::move(result));
+      pending->done.cancel();
+    });
+  });
+  error_code ec;
+  while (!pending->result) {
+    pending->done.expires_at(Clock::time_point::max());
+    co_await pending->done.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+  co_return std::move(*pending->result);
 }
 
 void Connection::HandleRequest(const wire::Header& frame) {

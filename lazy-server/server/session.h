@@ -144,11 +144,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
   net::Awaitable<void> HandleHello(const wire::Header& frame);
   net::Awaitable<void> HandleFrame(const wire::Header& frame);
   net::Awaitable<void> HandleOpenImage(const wire::Header& frame);
-  // Answers a files connection (Hello want_files): ImageFiles with the descriptors attached, or
-  // an error saying why not; the connection closes either way. With want_chunk_table (version
-  // 2) the chunk table follows (SendChunkTable).
-  void SendImageFiles(uint64_t request_id, bool want_chunk_table);
-  void SendChunkTable(uint64_t request_id);
+  // Answers a files connection (Hello want_files): ImageFiles with the descriptors attached
+  // (true), or an error saying why not (false, and the connection is closing).
+  bool SendImageFiles(uint64_t request_id);
+  // With want_chunk_table (version 2), after the files: ChunkTable and its pieces, built on a
+  // disk thread.
+  net::Awaitable<void> SendChunkTable(uint64_t request_id);
+  // Runs `work` on a disk thread (the dispatcher's pool) and resumes on this strand with its
+  // result.
+  template <typename T, typename Work>
+  net::Awaitable<T> OnDiskThread(Work work);
   void HandleRequest(const wire::Header& frame);
   void SendStatsReply(uint64_t request_id);
   void SendStreamDone(const StreamDoneInfo& info);
