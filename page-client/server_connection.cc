@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <memory>
+#include <optional>
 
 #include "page-client/net/fd_passing.h"
 
@@ -217,6 +218,47 @@ Status AdoptChunkTable(const wire::ChunkLocations& table, const ChunkTableShape&
   return Status::Ok();
 }
 
+namespace {
+
+// The rest of a version-2 table after the frame that announced it (`announced` bytes, the first
+// of them in `payload`): ImageTablePart frames until every byte is there, parsed as Message.
+// An Error frame instead is the server's word (*server_error is set to it); `what` prefixes
+// every message.
+template <typename Message>
+net::Awaitable<Result<Message>> ReadTable(net::Stream& socket, const FrameLimits& limits,
+                                          uint64_t announced, uint64_t max_bytes,
+                                          std::vector<uint8_t>& payload,
+                                          std::chrono::milliseconds timeout,
+                                          const std::string& what,
+                                          std::optional<wire::Error>* server_error) {
+  Result<ImageTableAssembler> table = ImageTableAssembler::Begin(announced, max_bytes);
+  if (!table.ok()) co_return table.status().Context(what);
+  Status added = table->Add(payload, /*continuation=*/false);
+  while (added.ok() && !table->complete()) {
+    Result<wire::Header> part = co_await net::ReadFrame(socket, limits, &payload);
+    if (!part.ok()) {
+      if (!socket.is_open())
+        co_return TimedOut("{}: table incomplete after {} ms ({} bytes missing)", what,
+                           timeout.count(), table->missing());
+      co_return part.status().Context(fmt::format("{}: reading its table", what));
+    }
+    if (part->has_error()) {
+      *server_error = part->error();
+      co_return ErrorFrameStatus(part->error(), what);
+    }
+    if (!part->has_image_table_part())
+      co_return Corrupt("{}: expected ImageTablePart, got header body {}", what,
+                        static_cast<int>(part->body_case()));
+    added = table->Add(payload, /*continuation=*/true);
+  }
+  if (!added.ok()) co_return added.Context(what);
+  Result<Message> parsed = table->template FinishAs<Message>();
+  if (!parsed.ok()) co_return parsed.status().Context(what);
+  co_return std::move(parsed).value();
+}
+
+}  // namespace
+
 net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
     const net::Endpoint& endpoint, wire::Hello join, std::chrono::milliseconds timeout,
     const ChunkTableShape* shape) {
@@ -275,29 +317,23 @@ net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
     }
     co_return head.status().Context(where);
   }
-  if (head->has_error()) co_return ErrorFrameStatus(head->error(), where);
+  if (head->has_error()) {
+    // The files came; only the table did not: faults go to the server, as without one.
+    spdlog::warn("{}: {}", where, ErrorFrameStatus(head->error(), "chunk table").ToString());
+    co_return std::shared_ptr<const ImageFileSet>(std::move(set));
+  }
   if (!head->has_chunk_table())
     co_return Corrupt("{}: expected ChunkTable, got header body {}", where,
                       static_cast<int>(head->body_case()));
-  Result<ImageTableAssembler> table = ImageTableAssembler::Begin(head->chunk_table().table_bytes());
-  if (!table.ok()) co_return table.status().Context(where);
-  Status added = table->Add(payload, /*continuation=*/false);
-  while (added.ok() && !table->complete()) {
-    head = co_await net::ReadFrame(stream, limits, &payload);
-    if (!head.ok()) {
-      if (!stream.is_open())
-        co_return TimedOut("{}: chunk table incomplete after {} ms", where, timeout.count());
-      co_return head.status().Context(fmt::format("{}: reading the chunk table", where));
-    }
-    if (head->has_error()) co_return ErrorFrameStatus(head->error(), where);
-    if (!head->has_image_table_part())
-      co_return Corrupt("{}: expected ImageTablePart, got header body {}", where,
-                        static_cast<int>(head->body_case()));
-    added = table->Add(payload, /*continuation=*/true);
+  std::optional<wire::Error> server_error;
+  Result<wire::ChunkLocations> locations = co_await ReadTable<wire::ChunkLocations>(
+      stream, limits, head->chunk_table().table_bytes(), kDefaultMaxImageTableBytes, payload,
+      timeout, where, &server_error);
+  if (server_error) {
+    spdlog::warn("{}: {}", where, locations.status().ToString());
+    co_return std::shared_ptr<const ImageFileSet>(std::move(set));
   }
-  if (!added.ok()) co_return added.Context(where);
-  Result<wire::ChunkLocations> locations = table->FinishAs<wire::ChunkLocations>();
-  if (!locations.ok()) co_return locations.status().Context(where);
+  if (!locations.ok()) co_return locations.status();
   Status adopted = AdoptChunkTable(*locations, *shape, set.get());
   if (!adopted.ok()) co_return adopted.Context(where);
   co_return std::shared_ptr<const ImageFileSet>(std::move(set));
@@ -338,31 +374,12 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
   if (opened.bos_size() != 0 || opened.has_profile())
     co_return Corrupt("opening image {}: a version 2 OpenImageReply lists its table in the header",
                       image);
-  Result<ImageTableAssembler> table =
-      ImageTableAssembler::Begin(opened.table_bytes(), max_table_bytes);
-  if (!table.ok()) co_return table.status().Context(fmt::format("opening image {}", image));
-  Status added = table->Add(payload, /*continuation=*/false);
-  while (added.ok() && !table->complete()) {
-    reply = co_await net::ReadFrame(socket, limits, &payload);
-    if (!reply.ok()) {
-      if (!socket.is_open())
-        co_return TimedOut(
-            "opening image {}: image table incomplete after {} ms ({} bytes missing)", image,
-            timeout.count(), table->missing());
-      co_return reply.status().Context(fmt::format("opening image {}: reading its table", image));
-    }
-    if (reply->has_error()) {
-      *refused = !IsRetryableServerError(reply->error());
-      co_return ErrorFrameStatus(reply->error(), fmt::format("opening image {}", image));
-    }
-    if (!reply->has_image_table_part())
-      co_return Corrupt("opening image {}: expected ImageTablePart, got header body {}", image,
-                        static_cast<int>(reply->body_case()));
-    added = table->Add(payload, /*continuation=*/true);
-  }
-  if (!added.ok()) co_return added.Context(fmt::format("opening image {}", image));
-  Result<wire::ImageTable> parsed = table->Finish();
-  if (!parsed.ok()) co_return parsed.status().Context(fmt::format("opening image {}", image));
+  std::optional<wire::Error> server_error;
+  Result<wire::ImageTable> parsed = co_await ReadTable<wire::ImageTable>(
+      socket, limits, opened.table_bytes(), max_table_bytes, payload, timeout,
+      fmt::format("opening image {}", image), &server_error);
+  if (server_error) *refused = !IsRetryableServerError(*server_error);
+  if (!parsed.ok()) co_return parsed.status();
   opened.mutable_bos()->Swap(parsed->mutable_bos());
   opened.mutable_profile()->Swap(parsed->mutable_profile());
   co_return opened;

@@ -89,6 +89,18 @@ FakeImage FakeImage::Make(const std::vector<uint64_t>& sizes, uint32_t chunk_siz
   return image;
 }
 
+FakeImage FakeImage::Small() {
+  FakeImage image = Make({64 * 1024, 40000, 1000}, 4096, 7);
+  manifest::ChunkRef* ref = image.profile.add_order();
+  ref->set_bo(1);
+  ref->set_chunk(3);
+  ref = image.profile.add_order();
+  ref->set_bo(2);
+  ref->set_chunk(0);
+  image.profile.set_hot_count(2);
+  return image;
+}
+
 uint32_t FakeImage::ChunkCount(uint32_t bo) const {
   return static_cast<uint32_t>((bos[bo].size() + chunk_size - 1) / chunk_size);
 }

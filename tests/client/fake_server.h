@@ -28,6 +28,9 @@ struct FakeImage {
   manifest::AccessProfile profile;
   // Random contents, with every third chunk all zeros (so CODEC_ZERO gets exercised).
   static FakeImage Make(const std::vector<uint64_t>& sizes, uint32_t chunk_size, uint32_t seed);
+  // Three BOs in 4 KiB chunks: several chunks, a partial last chunk, a single small chunk; a
+  // hot set of two chunks (BO 1 chunk 3, BO 2 chunk 0).
+  static FakeImage Small();
   uint32_t ChunkCount(uint32_t bo) const;
   uint64_t TotalChunks() const;
 };

@@ -52,20 +52,8 @@ void RaiseDescriptorLimit(uint64_t need) {
   ASSERT_GT(*fds, need) << "RLIMIT_NOFILE's hard limit is too low for this test";
 }
 
-FakeImage SmallImageWithHotSet() {
-  FakeImage image = FakeImage::Make({64 * 1024, 40000, 1000}, 4096, 7);
-  manifest::ChunkRef* ref = image.profile.add_order();
-  ref->set_bo(1);
-  ref->set_chunk(3);
-  ref = image.profile.add_order();
-  ref->set_bo(2);
-  ref->set_chunk(0);
-  image.profile.set_hot_count(2);
-  return image;
-}
-
 TEST(ImageTable, VersionTwoTableInManyPiecesRestoresByteExact) {
-  FakeImage image = SmallImageWithHotSet();
+  FakeImage image = FakeImage::Small();
   FakeServerOptions server_options;
   server_options.version = 2;
   server_options.table_piece = 7;  // a frame per 7 table bytes
@@ -144,7 +132,7 @@ struct FaultCase {
 class ImageTableFault : public ::testing::TestWithParam<FaultCase> {};
 
 TEST_P(ImageTableFault, StartFailsAtOnceWithTheReason) {
-  FakeImage image = SmallImageWithHotSet();
+  FakeImage image = FakeImage::Small();
   FakeServerOptions server_options;
   server_options.version = 2;
   server_options.table_piece = 16;
@@ -267,7 +255,7 @@ TEST(ChunkTable, EntriesAreCheckedAgainstTheFilesAndTheBoTable) {
 
 // A server that speaks only version 1 still serves a client that offers 1..2.
 TEST(ImageTable, VersionOneServerStillServes) {
-  FakeImage image = SmallImageWithHotSet();
+  FakeImage image = FakeImage::Small();
   FakeServer server(image, {});  // version 1
   HostCopyEngine engine;
   RestoreSession session(Options(server), engine);

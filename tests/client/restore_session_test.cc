@@ -99,16 +99,7 @@ SessionOptions Options(const FakeServer& server, const std::string& image = "tes
 }
 
 FakeImage SmallImage() {
-  // Three BOs: several chunks, a partial last chunk, a single small chunk.
-  FakeImage image = FakeImage::Make({64 * 1024, 40000, 1000}, 4096, 7);
-  manifest::ChunkRef* ref = image.profile.add_order();
-  ref->set_bo(1);
-  ref->set_chunk(3);
-  ref = image.profile.add_order();
-  ref->set_bo(2);
-  ref->set_chunk(0);
-  image.profile.set_hot_count(2);
-  return image;
+  return FakeImage::Small();
 }
 
 TEST(RestoreSession, RestoresByteExact) {
