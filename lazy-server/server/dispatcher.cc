@@ -134,6 +134,9 @@ void Dispatcher::Pump() {
         Read(job);
         continue;
       }
+      // A demand chunk that goes out from the page cache (sendfile) has nothing to read either:
+      // a fault then waits for no disk thread (docs/benchmarks.md, session 9).
+      if (job.lane == Lane::kDemand && ServeFromCacheHere(job)) continue;
       boost::asio::thread_pool& lane = job.lane == Lane::kDemand ? demand_pool_ : pool_;
       boost::asio::post(lane, [this, job = std::move(job)] { Read(job); });
     }
@@ -172,30 +175,52 @@ void Dispatcher::Read(const Job& job) {
   Result<LoadedChunk> chunk = job.item.by_reference
                                   ? Locate(source, job.item)
                                   : ReadInto(source, job.item, sink->SendsFromFiles(job.item));
+  Deliver(job, *sink, std::move(chunk));
+}
+
+void Dispatcher::Deliver(const Job& job, ChunkSink& sink, Result<LoadedChunk> chunk) {
   // Counted before the sink sees it: once a chunk can have been sent, its read is in lanes().
   {
     std::lock_guard lock(mu_);
     ++(job.lane == Lane::kDemand ? demand_reads_ : bulk_reads_);
   }
-  sink->OnChunkRead(job.item, std::move(chunk));
+  sink.OnChunkRead(job.item, std::move(chunk));
   Finished(job.lane);
+}
+
+bool Dispatcher::ServeFromCacheHere(const Job& job) {
+  std::shared_ptr<ChunkSink> sink = job.sink.lock();
+  if (!sink || !sink->SendsFromFiles(job.item)) return false;
+  Result<uint32_t> length = sink->source().StoredLength(job.item.bo, job.item.chunk);
+  if (!length.ok()) return false;  // the disk thread reports it
+  std::optional<LoadedChunk> cached = FromCache(sink->source(), job.item, *length);
+  if (!cached) return false;
+  Deliver(job, *sink, std::move(*cached));
+  return true;
+}
+
+std::optional<LoadedChunk> Dispatcher::FromCache(const image::ImageSource& source,
+                                                 const WorkItem& item, uint32_t length) {
+  // Cached bytes whose checksum is known need not pass through us: the connection sends them
+  // from the file (sendfile), which spares the copy into a buffer and the copy out of it. A
+  // plain checkpoint's chunk is read once anyway, to hash it; bytes not in the page cache are
+  // read on a disk thread, since a network thread must never wait for the disk.
+  if (length == 0) return std::nullopt;
+  Result<LoadedChunk> located = Locate(source, item);
+  if (!located.ok() || !located->has_checksum || !located->in_file ||
+      located->in_file->length != length || !source.InPageCache(*located->in_file))
+    return std::nullopt;
+  located->info.stored_length = length;
+  located->from_file = std::exchange(located->in_file, std::nullopt);
+  return std::move(located).value();
 }
 
 Result<LoadedChunk> Dispatcher::ReadInto(const image::ImageSource& source, const WorkItem& item,
                                          bool from_file_allowed) {
   GPULAZY_ASSIGN_OR_RETURN(uint32_t length, source.StoredLength(item.bo, item.chunk));
-  // Cached bytes whose checksum is known need not pass through us: the connection sends them
-  // from the file (sendfile), which spares the copy into a buffer and the copy out of it. A
-  // plain checkpoint's chunk is read once anyway, to hash it; bytes not in the page cache are
-  // read here, on a disk thread, since a network thread must never wait for the disk.
-  if (from_file_allowed && length > 0) {
-    Result<LoadedChunk> located = Locate(source, item);
-    if (located.ok() && located->has_checksum && located->in_file &&
-        located->in_file->length == length && source.InPageCache(*located->in_file)) {
-      located->info.stored_length = length;
-      located->from_file = std::exchange(located->in_file, std::nullopt);
-      return located;
-    }
+  if (from_file_allowed) {
+    if (std::optional<LoadedChunk> cached = FromCache(source, item, length))
+      return *std::move(cached);
   }
   LoadedChunk chunk;
   chunk.buffer = buffers_.Acquire(length);

@@ -8,7 +8,8 @@
 // picks, so the disk stays busy while sessions have work and credit. Before a bulk read it
 // hints the kernel (posix_fadvise WILLNEED) about the next few chunks that session will read.
 // A chunk sent by reference (the client reads it from the files it holds) needs no read: it is
-// located and handed to its sink on the thread that picked it, with no hints.
+// located and handed to its sink on the thread that picked it, with no hints. So is a demand
+// chunk the connection sends from the page cache (cached bytes, known checksum: sendfile).
 //
 // Chunks are read into buffers of a bounded ChunkBufferPool (buffer_pool.h); a LoadedChunk
 // holds its buffer until the chunk is written or dropped.
@@ -125,6 +126,14 @@ class Dispatcher {
   Result<LoadedChunk> ReadInto(const image::ImageSource& source, const WorkItem& item,
                                bool from_file_allowed);
   Result<LoadedChunk> Locate(const image::ImageSource& source, const WorkItem& item);
+  // The chunk as sent from the page cache (from_file), if its bytes are cached and its checksum
+  // known; nullopt when it must be read.
+  std::optional<LoadedChunk> FromCache(const image::ImageSource& source, const WorkItem& item,
+                                       uint32_t length);
+  // A demand job whose chunk goes out from the page cache: served on this thread (true).
+  bool ServeFromCacheHere(const Job& job);
+  // Counts the read and hands the chunk to its sink; then the job's slot is free.
+  void Deliver(const Job& job, ChunkSink& sink, Result<LoadedChunk> chunk);
   // A read of `lane` finished (or was skipped): frees its slot and pumps.
   void Finished(Lane lane);
 

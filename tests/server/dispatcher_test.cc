@@ -370,5 +370,70 @@ TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecur
   EXPECT_EQ(dispatcher.buffers().counters().allocated, 0u);
 }
 
+// A demand chunk that goes out from the page cache (cached, checksum known, a connection that
+// may sendfile) is served on the thread that picks it, not after a hop to the demand lane's
+// disk thread and back: a fault waits for no other thread. One that must be read still goes
+// to the disk thread.
+TEST_F(DispatcherTest, CachedDemandChunksAreServedWhereTheyArePicked) {
+  class RecordingSink : public SinkBase {
+   public:
+    using SinkBase::SinkBase;
+    void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
+      {
+        std::lock_guard lock(mu_);
+        EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
+        served_.push_back({std::this_thread::get_id(), chunk.ok() && chunk->from_file});
+        cv_.notify_all();
+      }
+      const uint32_t sent = chunk.ok() ? chunk->info.stored_length : 0;
+      chunk = Result<LoadedChunk>(Internal("dropped"));
+      dispatcher_->Done(item, sent);
+    }
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::vector<std::pair<std::thread::id, bool>> served_;  // thread, from the file
+  };
+  DispatcherOptions options;
+  options.disk_threads = 1;
+  options.demand_threads = 1;
+  options.read_ahead = 0;
+  options.buffer_bytes = kChunk;
+  Dispatcher dispatcher(options);
+  auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
+  dispatcher.AddSession(1, layout_, sink);
+  auto demand = [&](uint32_t chunk, bool sends_from_files) {
+    sink->sends_from_files_ = sends_from_files;
+    google::protobuf::RepeatedPtrField<wire::ChunkRange> ranges;
+    wire::ChunkRange* range = ranges.Add();
+    range->set_bo(0);
+    range->set_first_chunk(chunk);
+    range->set_chunk_count(1);
+    Status enqueued = dispatcher.Update([&](Scheduler& s) {
+      return s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, chunk + 1, ranges, Clock::now());
+    });
+    EXPECT_TRUE(enqueued.ok()) << enqueued.ToString();
+    std::unique_lock lock(sink->mu_);
+    EXPECT_TRUE(sink->cv_.wait_for(lock, 10s, [&] { return !sink->served_.empty(); }));
+    auto served = sink->served_.empty() ? std::pair<std::thread::id, bool>{} : sink->served_.back();
+    sink->served_.clear();
+    return served;
+  };
+  const std::thread::id here = std::this_thread::get_id();
+  // Not hashed yet: read (and hashed) on the demand lane's thread.
+  auto first = demand(1, true);
+  EXPECT_NE(first.first, here);
+  EXPECT_FALSE(first.second);
+  // Now cached with a known checksum: served inside Update, on this thread, from the file.
+  auto second = demand(1, true);
+  EXPECT_EQ(second.first, here) << "a cached demand chunk went to a disk thread and back";
+  EXPECT_TRUE(second.second);
+  // A connection that may not sendfile (TLS) has it read, on the disk thread.
+  auto third = demand(1, false);
+  EXPECT_NE(third.first, here);
+  EXPECT_FALSE(third.second);
+  dispatcher.Stop();
+  EXPECT_EQ(dispatcher.lanes().demand_reads, 3u);
+}
+
 }  // namespace
 }  // namespace gpulazy::server
