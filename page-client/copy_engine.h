@@ -55,7 +55,10 @@ class CopyEngine {
   // neither (memory mapped into a running program without a residency gate) keeps the
   // default: nullopt, and every chunk goes through Write. Called only on the restore's I/O or
   // reader threads, for disjoint ranges (a chunk is claimed before it is received); it may
-  // block until a buffer is free, as Write may.
+  // block until a buffer is free, as Write may, but only on a buffer that frees itself (a copy
+  // in flight): the caller may hold the lock its peers need to commit what they were lent, so
+  // an engine that lends buffers keeps one it never lends and returns nullopt rather than wait
+  // for a commit.
   virtual std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                           uint64_t length) {
     (void)bo, (void)offset, (void)length;

@@ -150,6 +150,12 @@ class CudaCopyEngine::Impl {
     if (!CheckRange(bo, offset, length).ok() || length == 0 || length > options_.slot_bytes)
       return std::nullopt;  // Write will say why, or take it through its own path
     std::unique_lock lock(mu_);
+    // Never the last slot: callers serialize their engine calls (the restore's engine gate) and
+    // may call here holding that gate, which a caller with a lent slot needs to commit it. Were
+    // every slot lent, the wait below could only end by a commit it blocks. With one slot never
+    // lent, some slot is free or in flight, and the reaper frees those without any caller. The
+    // caller then goes through Write (its own buffer), which waits the same safe way.
+    if (lent_.size() + 1 >= slots_.size()) return std::nullopt;
     freed_.wait(lock, [&] { return !free_.empty(); });
     const uint32_t index = free_.front();
     free_.pop_front();

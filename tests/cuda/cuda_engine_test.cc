@@ -2,10 +2,14 @@
 #include "page-client/cuda/cuda_engine.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -49,6 +53,68 @@ TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
   EXPECT_EQ(back, source);
 }
 
+// Callers serialize their engine calls (the restore's engine gate) and may ask for a slot while
+// others hold lent slots they can only commit under that same lock. With more such callers
+// than slots every slot could be lent and the asker wait forever (seen: 16 readers, 8 slots).
+// The engine keeps one slot it never lends, so this finishes, byte exact.
+TEST_F(CudaEngineTest, LentSlotsNeverDeadlockCallersThatSerializeTheirCalls) {
+  ::alarm(60);  // a deadlock fails the test instead of hanging the suite
+  CudaEngineOptions options;
+  options.staging_slots = 3;
+  options.slot_bytes = 64 << 10;
+  auto engine = CudaCopyEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  constexpr uint32_t kThreads = 8;
+  constexpr uint32_t kChunksEach = 16;
+  const uint64_t size = uint64_t{kThreads} * kChunksEach * options.slot_bytes;
+  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  std::vector<uint8_t> source(size);
+  std::mt19937 random(11);
+  for (uint8_t& b : source)
+    b = static_cast<uint8_t>(random());
+  {
+    // Two of three lent: the last is never lent, and asking for it does not wait.
+    auto a = (*engine)->ReceiveTarget(0, 0, options.slot_bytes);
+    auto b = (*engine)->ReceiveTarget(0, options.slot_bytes, options.slot_bytes);
+    ASSERT_TRUE(a && b);
+    EXPECT_FALSE((*engine)->ReceiveTarget(0, 2 * options.slot_bytes, options.slot_bytes));
+    (*engine)->ReleaseReceived(0, 0, options.slot_bytes);
+    (*engine)->ReleaseReceived(0, options.slot_bytes, options.slot_bytes);
+  }
+  std::mutex gate;
+  std::atomic<int> lent{0};
+  std::vector<std::thread> threads;
+  for (uint32_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<uint8_t> own(options.slot_bytes);
+      for (uint32_t i = 0; i < kChunksEach; ++i) {
+        const uint64_t at = (uint64_t{i} * kThreads + t) * options.slot_bytes;
+        std::optional<std::span<uint8_t>> target;
+        {
+          std::lock_guard hold(gate);
+          target = (*engine)->ReceiveTarget(0, at, options.slot_bytes);
+        }
+        std::span<uint8_t> into = target ? *target : std::span<uint8_t>(own);
+        std::memcpy(into.data(), source.data() + at, into.size());
+        std::this_thread::sleep_for(std::chrono::microseconds(200));  // a reader's pread
+        std::lock_guard hold(gate);
+        Status queued = target ? (*engine)->CommitReceived(0, at, into.size(), [](Status) {})
+                               : (*engine)->Write(0, at, into, [](Status) {});
+        EXPECT_TRUE(queued.ok()) << queued.ToString();
+        if (target) lent++;
+      }
+    });
+  }
+  for (std::thread& thread : threads)
+    thread.join();
+  ::alarm(0);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_GT(lent.load(), 0) << "no slot was ever lent";
+  std::vector<uint8_t> back(size);
+  ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
+  EXPECT_EQ(back, source);
+}
+
 TEST_F(CudaEngineTest, RejectsWritesOutsideTheBoWithoutCallingDone) {
   auto engine = CudaCopyEngine::Create({});
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
@@ -64,10 +130,10 @@ TEST_F(CudaEngineTest, RejectsWritesOutsideTheBoWithoutCallingDone) {
 }
 
 // Lent staging slots: several threads fill slots in place and commit them; released slots go
-// back to the ring (with 2 slots, a leaked one would hang the next ReceiveTarget).
+// back to the ring (with 5 slots, a few leaked ones would hang a later ReceiveTarget).
 TEST_F(CudaEngineTest, ReceiveTargetsFromSeveralThreadsLandByteExact) {
   CudaEngineOptions options;
-  options.staging_slots = 2;
+  options.staging_slots = 5;  // one more than the threads: the engine never lends its last
   options.slot_bytes = 64 << 10;
   options.streams = 2;
   auto engine = CudaCopyEngine::Create(options);
