@@ -206,6 +206,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
 struct LayerOptions {
   uint32_t readers = 8;
   uint32_t slots = 32;
+  uint32_t slot_bytes = client::CudaEngineOptions{}.slot_bytes;
   uint32_t streams = 4;
   uint64_t window = 64u << 20;
   uint64_t file_window = client::SessionOptions{}.file_window_bytes;
@@ -299,6 +300,7 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
                                 const std::map<std::pair<uint32_t, uint32_t>, uint64_t>& expected) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = options.slots;
+  engine_options.slot_bytes = options.slot_bytes;
   engine_options.streams = options.streams;
   const auto start = Clock::now();
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
@@ -412,6 +414,12 @@ int Run(int argc, char** argv) {
   app.add_option("--file-window", file_window_text, "client credit window by reference")
       ->capture_default_str();
   app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
+  // The layer images are cut in 2 MiB chunks (the server's raw chunk size, the local chunk):
+  // slots need hold no more, and every slot is pinned before the program may resume.
+  std::string slot_bytes_text = "2M";
+  app.add_option("--slot-bytes", slot_bytes_text,
+                 "layers: bytes per staging slot (at least the largest chunk of the image)")
+      ->capture_default_str();
   app.add_option("--streams", streams, "copy streams")->capture_default_str();
   app.add_option("--readers", layer_options.readers, "local restore reader threads")
       ->capture_default_str();
@@ -443,6 +451,11 @@ int Run(int argc, char** argv) {
   layer_options.file_window = *file_window;
   layer_options.streams = streams;
   layer_options.slots = slots;
+  Result<uint64_t> slot_bytes = ParseSize(slot_bytes_text);
+  if (!slot_bytes.ok()) return fail(slot_bytes.status());
+  if (*slot_bytes == 0 || *slot_bytes > (4u << 20))
+    return fail(InvalidArgument("--slot-bytes must be 1..4M, not {}", *slot_bytes));
+  layer_options.slot_bytes = static_cast<uint32_t>(*slot_bytes);
   auto wants = [&](const char* name) {
     return std::find(experiments.begin(), experiments.end(), name) != experiments.end();
   };
@@ -559,6 +572,8 @@ int Run(int argc, char** argv) {
                                  {"size_bytes", bytes},
                                  {"layers", layer_count},
                                  {"startup_ms", layer_options.startup_ms},
+                                 {"slots", layer_options.slots},
+                                 {"slot_bytes", layer_options.slot_bytes},
                                  {"time_to_resume_s", t.resume_s},
                                  {"resume_engine_s", t.engine_s},
                                  {"resume_kernel_s", t.kernel_s},
