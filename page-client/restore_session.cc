@@ -827,10 +827,6 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     }
     Result<std::shared_ptr<const ImageFileSet>> fetched = co_await FetchImageFiles(
         endpoint_, join, options_.handshake_timeout, shape ? &*shape : nullptr);
-    if (!fetched.ok() && fetched.status().code() == Code::kCorrupt) {
-      Fail(fetched.status().Context(fmt::format("image {}", options_.image)));
-      co_return fetched.status();
-    }
     if (fetched.ok()) {
       files = *fetched;
       engine_.ExpectWriters(options_.file_readers);
