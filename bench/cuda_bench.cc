@@ -206,7 +206,9 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
 struct LayerOptions {
   uint32_t readers = 8;
   uint32_t slots = 32;
-  uint32_t slot_bytes = client::CudaEngineOptions{}.slot_bytes;
+  // The layer images are cut in 2 MiB chunks (the server's raw chunk size, the local chunk):
+  // slots need hold no more, and every slot is pinned before the program may resume.
+  uint32_t slot_bytes = 2u << 20;
   uint32_t streams = 4;
   uint64_t window = 64u << 20;
   uint64_t file_window = client::SessionOptions{}.file_window_bytes;
@@ -414,9 +416,7 @@ int Run(int argc, char** argv) {
   app.add_option("--file-window", file_window_text, "client credit window by reference")
       ->capture_default_str();
   app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
-  // The layer images are cut in 2 MiB chunks (the server's raw chunk size, the local chunk):
-  // slots need hold no more, and every slot is pinned before the program may resume.
-  std::string slot_bytes_text = "2M";
+  std::string slot_bytes_text = "2M";  // LayerOptions::slot_bytes
   app.add_option("--slot-bytes", slot_bytes_text,
                  "layers: bytes per staging slot (at least the largest chunk of the image)")
       ->capture_default_str();

@@ -1142,7 +1142,7 @@ std::vector<RestoreSession::Impl::ChunkId> RestoreSession::Impl::ReadLocally(
     c.chunk = id.second;
     c.dest_offset = uint64_t{id.second} * chunk_size_;
     c.codec = where->codec;
-    if (where->has_checksum) c.checksum = where->checksum;
+    c.checksum = where->checksum;
     c.fd = files->files[where->file].fd.get();
     c.file_offset = where->offset;
     c.stored_length = where->stored_length;

@@ -167,7 +167,7 @@ Status AdoptChunkTable(const wire::ChunkLocations& table, const ChunkTableShape&
   uint64_t total = 0;
   for (uint64_t size : shape.bo_sizes) {
     first_chunk.push_back(total);
-    total += (size + shape.chunk_size - 1) / shape.chunk_size;
+    total += ResidencyMap::ChunkCountFor(size, shape.chunk_size);
   }
   const auto n = static_cast<int>(std::min<uint64_t>(total, INT32_MAX));
   if (total > INT32_MAX || table.file_size() != n || table.offset_size() != n ||
@@ -190,8 +190,7 @@ Status AdoptChunkTable(const wire::ChunkLocations& table, const ChunkTableShape&
       where.offset = table.offset(at);
       where.stored_length = table.stored_length(at);
       where.codec = table.codec(at);
-      where.checksum = table.checksum(at);
-      where.has_checksum = table.has_checksum(at);
+      if (table.has_checksum(at)) where.checksum = table.checksum(at);
       const std::string what = fmt::format("chunk table: BO {} chunk {}", bo, chunk);
       if (where.file >= set->files.size())
         return Corrupt("{} is in file {}; {} were passed", what, where.file, set->files.size());
@@ -208,7 +207,7 @@ Status AdoptChunkTable(const wire::ChunkLocations& table, const ChunkTableShape&
       if (!fits)
         return Corrupt("{}: codec {} with {} stored bytes for {} raw bytes", what,
                        static_cast<int>(where.codec), where.stored_length, raw);
-      if (shape.lazy_image && !where.has_checksum)
+      if (shape.lazy_image && !where.checksum)
         return Corrupt("{} of a lazy image comes without its checksum", what);
       locations.push_back(where);
     }
@@ -231,7 +230,7 @@ net::Awaitable<Result<Message>> ReadTable(net::Stream& socket, const FrameLimits
                                           std::chrono::milliseconds timeout,
                                           const std::string& what,
                                           std::optional<wire::Error>* server_error) {
-  Result<ImageTableAssembler> table = ImageTableAssembler::Begin(announced, max_bytes);
+  Result<TableAssembler> table = TableAssembler::Begin(announced, max_bytes);
   if (!table.ok()) co_return table.status().Context(what);
   Status added = table->Add(payload, /*continuation=*/false);
   while (added.ok() && !table->complete()) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,10 +72,9 @@ struct ImageFileSet {
   struct Location {
     uint64_t offset = 0;
     uint32_t stored_length = 0;
-    uint32_t file = 0;  // index into files
-    uint64_t checksum = 0;
+    uint32_t file = 0;                 // index into files
+    std::optional<uint64_t> checksum;  // XXH3-64 of the raw bytes, where the server knows it
     manifest::Codec codec = manifest::CODEC_RAW;
-    bool has_checksum = false;
   };
   std::vector<File> files;
   std::vector<Location> chunk_table;  // in table order; empty: the server sent none

@@ -29,17 +29,17 @@ wire::ImageTable MakeImageTable(const manifest::Manifest& manifest) {
   return table;
 }
 
-Result<ImageTableAssembler> ImageTableAssembler::Begin(uint64_t announced, uint64_t limit) {
+Result<TableAssembler> TableAssembler::Begin(uint64_t announced, uint64_t limit) {
   if (announced > limit)
     return ResourceExhausted("image table of {} bytes announced, over the limit of {}", announced,
                              limit);
-  ImageTableAssembler assembler(announced);
+  TableAssembler assembler(announced);
   // Grown as bytes arrive, so an announcement alone does not allocate the whole limit.
   assembler.bytes_.reserve(std::min<uint64_t>(announced, 4u << 20));
   return assembler;
 }
 
-Status ImageTableAssembler::Add(std::span<const uint8_t> piece, bool continuation) {
+Status TableAssembler::Add(std::span<const uint8_t> piece, bool continuation) {
   if (piece.size() > missing())
     return Corrupt("image table piece of {} bytes with {} of {} announced bytes missing",
                    piece.size(), missing(), announced_);

@@ -3,7 +3,7 @@
 // by what a client accepts, not by the 64 KiB frame header (docs/protocol.md, OpenImage).
 // Pure codec, no sockets: the server builds and cuts it, the client assembles and parses it.
 //
-// Thread-safety: none needed; an ImageTableAssembler belongs to one reader.
+// Thread-safety: none needed; a TableAssembler belongs to one reader.
 #pragma once
 
 #include <cstdint>
@@ -16,23 +16,25 @@
 
 namespace gpulazy {
 
-// Most table bytes a client accepts by default: 64 MiB is about 1.5 million BOs.
+// Most table bytes a client accepts by default: at some 40 serialized bytes a BO, 64 MiB is
+// about 1.5 million BOs (an estimate, not a measurement).
 inline constexpr uint64_t kDefaultMaxImageTableBytes = 64ull << 20;
 
 // The table a server announces for `manifest`: every BO, and the access profile with its order
 // cut to the hot set (a client needs no more; the server keeps the full order for itself).
 wire::ImageTable MakeImageTable(const manifest::Manifest& manifest);
 
-// Collects the pieces of one table (the OpenImageReply's payload, then each ImageTablePart's)
-// and parses them. Every length is the server's word and untrusted: a table over the limit is
-// refused before anything is allocated for it, a piece past the announced length or an empty
-// piece while bytes are missing is kCorrupt.
-class ImageTableAssembler {
+// Collects the pieces of one version-2 table (the announcing frame's payload, then each
+// ImageTablePart's: an OpenImageReply's image table or a ChunkTable) and parses them. Every length
+// is the server's word and untrusted: a table over the limit is refused before anything is
+// allocated for it, a piece past the announced length or an empty piece while bytes are missing is
+// kCorrupt.
+class TableAssembler {
  public:
-  // `announced`: OpenImageReply.table_bytes.
-  static Result<ImageTableAssembler> Begin(uint64_t announced,
-                                           uint64_t limit = kDefaultMaxImageTableBytes);
-  // The first piece comes with the OpenImageReply and may be empty (an empty table, or one the
+  // `announced`: OpenImageReply.table_bytes or ChunkTable.table_bytes.
+  static Result<TableAssembler> Begin(uint64_t announced,
+                                      uint64_t limit = kDefaultMaxImageTableBytes);
+  // The first piece comes with the announcing frame and may be empty (an empty table, or one the
   // server sends whole in ImageTablePart frames); a continuation piece may not.
   Status Add(std::span<const uint8_t> piece, bool continuation);
   bool complete() const { return bytes_.size() == announced_; }
@@ -52,7 +54,7 @@ class ImageTableAssembler {
   }
 
  private:
-  explicit ImageTableAssembler(uint64_t announced) : announced_(announced) {}
+  explicit TableAssembler(uint64_t announced) : announced_(announced) {}
   uint64_t announced_ = 0;
   std::string bytes_;
 };

@@ -172,9 +172,10 @@ void Dispatcher::Read(const Job& job) {
       ::posix_fadvise(range->fd, static_cast<off_t>(range->offset),
                       static_cast<off_t>(range->length), POSIX_FADV_WILLNEED);
   }
-  Result<LoadedChunk> chunk = job.item.by_reference
-                                  ? Locate(source, job.item)
-                                  : ReadInto(source, job.item, sink->SendsFromFiles(job.item));
+  Result<LoadedChunk> chunk =
+      job.item.by_reference
+          ? Locate(source, job.item)
+          : ReadInto(source, job.item, sink->SendsFromFiles(job.item) && !job.cache_probed);
   Deliver(job, *sink, std::move(chunk));
 }
 
@@ -188,12 +189,13 @@ void Dispatcher::Deliver(const Job& job, ChunkSink& sink, Result<LoadedChunk> ch
   Finished(job.lane);
 }
 
-bool Dispatcher::ServeFromCacheHere(const Job& job) {
+bool Dispatcher::ServeFromCacheHere(Job& job) {
   std::shared_ptr<ChunkSink> sink = job.sink.lock();
   if (!sink || !sink->SendsFromFiles(job.item)) return false;
   Result<uint32_t> length = sink->source().StoredLength(job.item.bo, job.item.chunk);
   if (!length.ok()) return false;  // the disk thread reports it
   std::optional<LoadedChunk> cached = FromCache(sink->source(), job.item, *length);
+  job.cache_probed = true;
   if (!cached) return false;
   Deliver(job, *sink, std::move(*cached));
   return true;

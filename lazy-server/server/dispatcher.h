@@ -119,6 +119,9 @@ class Dispatcher {
     Lane lane = Lane::kBulk;
     std::weak_ptr<ChunkSink> sink;
     std::vector<manifest::ChunkRef> upcoming;
+    // The page cache was asked already, on the thread that picked it (ServeFromCacheHere): the
+    // chunk is to be read, not asked about again.
+    bool cache_probed = false;
   };
   Job MakeJob(const WorkItem& item, Lane lane);  // mu_ held
   void Read(const Job& job);
@@ -131,7 +134,8 @@ class Dispatcher {
   std::optional<LoadedChunk> FromCache(const image::ImageSource& source, const WorkItem& item,
                                        uint32_t length);
   // A demand job whose chunk goes out from the page cache: served on this thread (true).
-  bool ServeFromCacheHere(const Job& job);
+  // Otherwise the job is marked cache_probed and goes to a disk thread.
+  bool ServeFromCacheHere(Job& job);
   // Counts the read and hands the chunk to its sink; then the job's slot is free.
   void Deliver(const Job& job, ChunkSink& sink, Result<LoadedChunk> chunk);
   // A read of `lane` finished (or was skipped): frees its slot and pumps.

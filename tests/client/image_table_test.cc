@@ -204,7 +204,7 @@ TEST(ChunkTable, EntriesAreCheckedAgainstTheFilesAndTheBoTable) {
     ASSERT_EQ(set.chunk_table.size(), 4u);
     ASSERT_NE(set.Locate(0, 1), nullptr);
     EXPECT_EQ(set.Locate(0, 1)->codec, manifest::CODEC_LZ4);
-    EXPECT_EQ(set.Locate(0, 1)->checksum, 0x1234u + 4096);
+    EXPECT_EQ(set.Locate(0, 1)->checksum, std::optional<uint64_t>(0x1234u + 4096));
     ASSERT_NE(set.Locate(1, 0), nullptr);
     EXPECT_EQ(set.Locate(1, 0)->file, 1u);
     EXPECT_EQ(set.Locate(0, 3), nullptr);  // BO 0 has 3 chunks

@@ -285,6 +285,16 @@ TEST(RestoreSession, SurvivesARestartedServer) {
   EXPECT_EQ(session.progress().reconnects, 1u);
 }
 
+// Restores from a server that keeps failing, 3 reconnects allowed: how the session ended.
+Status EndAllowingThreeReconnects(const FakeServer& server, const FakeImage& image) {
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.reconnect.max_attempts = 3;
+  RestoreSession session(options, engine);
+  EXPECT_TRUE(session.Start().ok());
+  return session.WaitComplete(10s);
+}
+
 TEST(RestoreSession, GivesUpWhenTheServerStaysAway) {
   FakeImage image = FakeImage::Make({128 * 1024}, 4096, 17);
   FakeServerOptions server_options;
@@ -292,12 +302,7 @@ TEST(RestoreSession, GivesUpWhenTheServerStaysAway) {
   server_options.restart_on_drop = true;
   server_options.restart_downtime_ms = 800;  // far longer than 3 back-offs
   FakeServer server(image, server_options);
-  CountingEngine engine(image);
-  SessionOptions options = Options(server);
-  options.reconnect.max_attempts = 3;
-  RestoreSession session(options, engine);
-  ASSERT_TRUE(session.Start().ok());
-  Status status = session.WaitComplete(10s);
+  Status status = EndAllowingThreeReconnects(server, image);
   EXPECT_EQ(status.code(), Code::kUnavailable) << status.ToString();
   EXPECT_NE(status.message().find("gave up"), std::string::npos) << status.message();
 }
@@ -309,12 +314,7 @@ TEST(RestoreSession, GivesUpWhenEveryConnectionBreaksRightAfterOpening) {
   FakeServerOptions server_options;
   server_options.drop_every_stream_after_open = true;
   FakeServer server(image, server_options);
-  CountingEngine engine(image);
-  SessionOptions options = Options(server);
-  options.reconnect.max_attempts = 3;
-  RestoreSession session(options, engine);
-  ASSERT_TRUE(session.Start().ok());
-  Status status = session.WaitComplete(10s);
+  Status status = EndAllowingThreeReconnects(server, image);
   EXPECT_EQ(status.code(), Code::kUnavailable) << status.ToString();
   EXPECT_NE(status.message().find("gave up after 3"), std::string::npos) << status.message();
   EXPECT_EQ(server.sessions(), 4);  // the first connection and 3 reconnects

@@ -109,7 +109,7 @@ void CheckImageTable(const std::vector<Decoded>& frames) {
   for (size_t i = 0; i < frames.size(); ++i) {
     gpulazy::wire::Header header;
     if (!header.ParseFromString(frames[i].header) || !header.has_open_image_reply()) continue;
-    auto table = gpulazy::ImageTableAssembler::Begin(header.open_image_reply().table_bytes());
+    auto table = gpulazy::TableAssembler::Begin(header.open_image_reply().table_bytes());
     if (!table.ok()) return;
     Status added = table->Add(frames[i].payload, false);
     for (size_t j = i + 1; added.ok() && !table->complete() && j < frames.size(); ++j) {

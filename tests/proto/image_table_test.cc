@@ -64,7 +64,7 @@ TEST(ImageTable, AssemblesPiecesOfAnySize) {
   const std::string bytes = MakeImageTable(ManifestWithProfile()).SerializeAsString();
   for (size_t first : {size_t{0}, size_t{1}, bytes.size()}) {
     SCOPED_TRACE(first);
-    Result<ImageTableAssembler> table = ImageTableAssembler::Begin(bytes.size());
+    Result<TableAssembler> table = TableAssembler::Begin(bytes.size());
     ASSERT_TRUE(table.ok());
     ASSERT_TRUE(table->Add(Span(bytes, 0, first), false).ok());
     for (size_t offset = first; offset < bytes.size(); offset += 5)
@@ -77,7 +77,7 @@ TEST(ImageTable, AssemblesPiecesOfAnySize) {
 }
 
 TEST(ImageTable, AnEmptyTableIsAnImageWithoutBos) {
-  Result<ImageTableAssembler> table = ImageTableAssembler::Begin(0);
+  Result<TableAssembler> table = TableAssembler::Begin(0);
   ASSERT_TRUE(table.ok());
   ASSERT_TRUE(table->Add({}, false).ok());
   Result<wire::ImageTable> parsed = table->Finish();
@@ -87,19 +87,19 @@ TEST(ImageTable, AnEmptyTableIsAnImageWithoutBos) {
 
 TEST(ImageTable, UntrustedLengthsAreRefused) {
   // Over the limit: refused before anything is allocated.
-  Result<ImageTableAssembler> huge = ImageTableAssembler::Begin(1ull << 40, 64u << 20);
+  Result<TableAssembler> huge = TableAssembler::Begin(1ull << 40, 64u << 20);
   ASSERT_FALSE(huge.ok());
   EXPECT_EQ(huge.status().code(), Code::kResourceExhausted);
   EXPECT_THAT(huge.status().message(), HasSubstr("over the limit"));
 
   const std::string bytes = MakeImageTable(ManifestWithProfile()).SerializeAsString();
-  Result<ImageTableAssembler> table = ImageTableAssembler::Begin(bytes.size() - 1);
+  Result<TableAssembler> table = TableAssembler::Begin(bytes.size() - 1);
   ASSERT_TRUE(table.ok());
   Status past = table->Add(Span(bytes), false);  // one byte more than announced
   EXPECT_EQ(past.code(), Code::kCorrupt);
   EXPECT_THAT(past.message(), HasSubstr("announced bytes missing"));
 
-  table = ImageTableAssembler::Begin(bytes.size());
+  table = TableAssembler::Begin(bytes.size());
   ASSERT_TRUE(table->Add(Span(bytes, 0, 4), false).ok());
   Status empty = table->Add({}, true);  // no progress: a loop a server could keep us in
   EXPECT_EQ(empty.code(), Code::kCorrupt);
@@ -108,7 +108,7 @@ TEST(ImageTable, UntrustedLengthsAreRefused) {
   EXPECT_THAT(early.status().message(), HasSubstr("incomplete"));
 
   const std::string garbage(64, '\xff');
-  table = ImageTableAssembler::Begin(garbage.size());
+  table = TableAssembler::Begin(garbage.size());
   ASSERT_TRUE(table->Add(Span(garbage), false).ok());
   Result<wire::ImageTable> parsed = table->Finish();
   ASSERT_FALSE(parsed.ok());

@@ -98,6 +98,16 @@ class DispatcherTest : public ::testing::Test {
         std::make_shared<const ImageLayout>(ImageLayout::FromManifest(source_->manifest(), false));
   }
 
+  // One thread in each lane and buffers of one chunk: reads happen where a test can see them.
+  static DispatcherOptions OneThreadALane(uint32_t read_ahead) {
+    DispatcherOptions options;
+    options.disk_threads = 1;  // bulk lane: 1 thread, 2 reads in flight
+    options.demand_threads = 1;
+    options.read_ahead = read_ahead;
+    options.buffer_bytes = kChunk;
+    return options;
+  }
+
   // What the tests' sinks share: the image their chunks come from, the dispatcher they finish
   // chunks on.
   class SinkBase : public ChunkSink {
@@ -156,12 +166,7 @@ class DispatcherTest : public ::testing::Test {
 // The bulk lane's only thread is stuck in a background read and its other slot is queued
 // behind it: a demand read is still answered, by the demand lane, without waiting for them.
 TEST_F(DispatcherTest, DemandIsReadWhileBackgroundReadsHoldEveryBulkSlot) {
-  DispatcherOptions options;
-  options.disk_threads = 1;  // bulk lane: 1 thread, 2 reads in flight
-  options.demand_threads = 1;
-  options.read_ahead = 0;
-  options.buffer_bytes = kChunk;
-  Dispatcher dispatcher(options);
+  Dispatcher dispatcher(OneThreadALane(/*read_ahead=*/0));
   auto sink = std::make_shared<Sink>(*source_, &dispatcher);
   sink->hold_background_ = true;
   dispatcher.AddSession(1, layout_, sink);
@@ -206,11 +211,7 @@ TEST_F(DispatcherTest, DemandIsReadWhileBackgroundReadsHoldEveryBulkSlot) {
 // A whole stream reads through a handful of pooled buffers: bounded by the reads in flight,
 // reused for the rest.
 TEST_F(DispatcherTest, StreamReusesPooledBuffers) {
-  DispatcherOptions options;
-  options.disk_threads = 1;
-  options.demand_threads = 1;
-  options.read_ahead = 2;
-  options.buffer_bytes = kChunk;
+  DispatcherOptions options = OneThreadALane(/*read_ahead=*/2);
   options.pooled_buffers = 4;
   Dispatcher dispatcher(options);
   auto sink = std::make_shared<Sink>(*source_, &dispatcher);
@@ -271,12 +272,8 @@ TEST_F(DispatcherTest, CachedChunksWithKnownChecksumsAreSentFromTheFile) {
     uint32_t from_file_ = 0;
     uint32_t buffered_ = 0;
   };
-  DispatcherOptions options;
-  options.disk_threads = 1;
-  options.demand_threads = 1;
-  options.read_ahead = 0;  // no hints: what is cached is what the test made cached
-  options.buffer_bytes = kChunk;
-  Dispatcher dispatcher(options);
+  // No hints: what is cached is what the test made cached.
+  Dispatcher dispatcher(OneThreadALane(/*read_ahead=*/0));
   auto stream_all = [&](SessionId id, bool sends_from_files) {
     auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
     sink->sends_from_files_ = sends_from_files;
@@ -346,12 +343,7 @@ TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecur
     std::set<std::thread::id> threads_;
     std::vector<uint32_t> chunks_;
   };
-  DispatcherOptions options;
-  options.disk_threads = 1;
-  options.demand_threads = 1;
-  options.read_ahead = 4;
-  options.buffer_bytes = kChunk;
-  Dispatcher dispatcher(options);
+  Dispatcher dispatcher(OneThreadALane(/*read_ahead=*/4));
   auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
   dispatcher.AddSession(1, layout_, sink);
   dispatcher.Update([&](Scheduler& s) {
@@ -393,12 +385,7 @@ TEST_F(DispatcherTest, CachedDemandChunksAreServedWhereTheyArePicked) {
     std::condition_variable cv_;
     std::vector<std::pair<std::thread::id, bool>> served_;  // thread, from the file
   };
-  DispatcherOptions options;
-  options.disk_threads = 1;
-  options.demand_threads = 1;
-  options.read_ahead = 0;
-  options.buffer_bytes = kChunk;
-  Dispatcher dispatcher(options);
+  Dispatcher dispatcher(OneThreadALane(/*read_ahead=*/0));
   auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
   dispatcher.AddSession(1, layout_, sink);
   auto demand = [&](uint32_t chunk, bool sends_from_files) {

@@ -398,7 +398,7 @@ TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
       for (uint32_t chunk = 0; chunk < count; ++chunk) {
         const client::ImageFileSet::Location* where = set.Locate(bo, chunk);
         ASSERT_NE(where, nullptr) << "BO " << bo << " chunk " << chunk;
-        if (name == "lazy") EXPECT_TRUE(where->has_checksum);
+        if (name == "lazy") EXPECT_TRUE(where->checksum.has_value());
         Frame frame;
         frame.payload.resize(where->stored_length);
         ASSERT_TRUE(ReadExactAt(set.files[where->file].fd.get(), where->offset, frame.payload,
@@ -413,9 +413,8 @@ TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
             reply->bos(static_cast<int>(bo)).size() - uint64_t{chunk} * reply->chunk_size())));
         // Checked by VerifyStream against the decoded bytes; a plain checkpoint's unread chunks
         // have none yet, so the bytes themselves are the check.
-        data->set_checksum(where->has_checksum
-                               ? where->checksum
-                               : XXH3_64bits(frame.payload.data(), frame.payload.size()));
+        data->set_checksum(
+            where->checksum.value_or(XXH3_64bits(frame.payload.data(), frame.payload.size())));
         chunks.push_back(std::move(frame));
       }
     }
@@ -454,7 +453,7 @@ TEST_F(ImageFilesTest, EnsureReadsFromTheFilesWithoutAskingTheServer) {
       ++ensured;
     }
     const client::Progress p = session.progress();
-    EXPECT_GT(p.demand_chunks, ensured - 1);
+    EXPECT_GE(p.demand_chunks, ensured);
     EXPECT_EQ(p.local_demand_chunks, p.demand_chunks);
     for (uint32_t bo = 0; bo < session.bos().size(); ++bo) {
       const client::BoEntry& entry = session.bos()[bo];

@@ -199,8 +199,7 @@ Result<wire::OpenImageReply> TestClient::Open(const std::string& image, uint64_t
   if (!frame.header.has_open_image_reply()) return Unexpected(frame.header, "OpenImageReply");
   wire::OpenImageReply reply = frame.header.open_image_reply();
   if (version_ < 2) return reply;
-  GPULAZY_ASSIGN_OR_RETURN(ImageTableAssembler table,
-                           ImageTableAssembler::Begin(reply.table_bytes()));
+  GPULAZY_ASSIGN_OR_RETURN(TableAssembler table, TableAssembler::Begin(reply.table_bytes()));
   GPULAZY_RETURN_IF_ERROR(table.Add(frame.payload, false));
   table_frames_ = 1;
   while (!table.complete()) {
