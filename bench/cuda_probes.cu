@@ -8,6 +8,10 @@
 //   read-dma FILE         What do T threads reach when each preads 2 MiB chunks into its own
 //                         pinned slots, (a) without DMA, (b) with DMA on its own stream? The
 //                         best CPU-copy design this host allows, without gpulazy's machinery.
+//   pin-cost TOTAL_MIB    What does a staging ring of TOTAL_MIB cost to make before a restore
+//                         may resume? Per-slot cudaMallocHost (2 and 4 MiB), one allocation,
+//                         and cudaHostRegister of memory we fault in ourselves (4 KiB pages or
+//                         transparent huge pages); also the device allocations of a 36-BO model.
 //
 // Output: one JSON object per line. The file should be in the page cache (each probe reads it
 // once first). Written for measurement, so errors abort with a message.
@@ -16,6 +20,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -193,9 +198,11 @@ void PinPageCache(const File& file, size_t window, int in_flight) {
             "copying a window");
       Check(cudaEventRecord(done, streams[i % streams.size()]), "recording an event");
       pending.emplace_back(i, done);
-      while (pending.size() >= static_cast<size_t>(in_flight)) release_front();
+      while (pending.size() >= static_cast<size_t>(in_flight))
+        release_front();
     }
-    while (!pending.empty()) release_front();
+    while (!pending.empty())
+      release_front();
     registrar.join();
     const double seconds = SecondsSince(start);
     std::printf(
@@ -245,7 +252,8 @@ void ReadDma(const File& file, size_t chunk_bytes) {
             file.ReadFully(static_cast<char*>(pinned[slot]), chunk_bytes, chunk * chunk_bytes);
             if (!dma) continue;
             Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * chunk_bytes, pinned[slot],
-                                  chunk_bytes, cudaMemcpyHostToDevice, streams[static_cast<size_t>(t)]),
+                                  chunk_bytes, cudaMemcpyHostToDevice,
+                                  streams[static_cast<size_t>(t)]),
                   "copying a chunk");
             Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]),
                   "recording an event");
@@ -275,13 +283,96 @@ void ReadDma(const File& file, size_t chunk_bytes) {
   cudaFree(device);
 }
 
+// Each way of making `total` bytes of pinned staging memory, timed (3 rounds, the median
+// printed): what the CUDA engine's resume pays before a lazy restore lets the program run.
+void PinCost(size_t total) {
+  const auto init_start = Clock::now();
+  Check(cudaFree(nullptr), "creating the CUDA context");
+  std::printf("{\"probe\":\"pin-cost\",\"case\":\"context\",\"ms\":%.2f}\n",
+              SecondsSince(init_start) * 1e3);
+  auto report = [&](const char* what, std::vector<double> ms) {
+    std::sort(ms.begin(), ms.end());
+    std::printf(
+        "{\"probe\":\"pin-cost\",\"case\":\"%s\",\"total_mib\":%zu,\"ms\":[%.2f,%.2f,%.2f],"
+        "\"median_ms\":%.2f}\n",
+        what, total / kMiB, ms[0], ms[1], ms[2], ms[1]);
+    std::fflush(stdout);
+  };
+  for (size_t slot : {2 * kMiB, 4 * kMiB}) {
+    std::vector<double> ms;
+    for (int round = 0; round < 3; ++round) {
+      std::vector<void*> slots(total / slot);
+      const auto start = Clock::now();
+      for (void*& p : slots)
+        Check(cudaMallocHost(&p, slot), "pinning a slot");
+      ms.push_back(SecondsSince(start) * 1e3);
+      for (void* p : slots)
+        cudaFreeHost(p);
+    }
+    report(slot == 2 * kMiB ? "cudaMallocHost_per_2MiB_slot" : "cudaMallocHost_per_4MiB_slot", ms);
+  }
+  {
+    std::vector<double> ms;
+    for (int round = 0; round < 3; ++round) {
+      void* p = nullptr;
+      const auto start = Clock::now();
+      Check(cudaMallocHost(&p, total), "pinning the ring at once");
+      ms.push_back(SecondsSince(start) * 1e3);
+      cudaFreeHost(p);
+    }
+    report("cudaMallocHost_one", ms);
+  }
+  for (bool huge : {false, true}) {
+    std::vector<double> touch_ms;
+    std::vector<double> register_ms;
+    for (int round = 0; round < 3; ++round) {
+      const auto start = Clock::now();
+      void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) {
+        std::perror("mmap");
+        std::exit(1);
+      }
+      ::madvise(p, total, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+      std::memset(p, 0, total);
+      touch_ms.push_back(SecondsSince(start) * 1e3);
+      const auto registered = Clock::now();
+      Check(cudaHostRegister(p, total, cudaHostRegisterDefault), "registering");
+      register_ms.push_back(SecondsSince(registered) * 1e3);
+      cudaHostUnregister(p);
+      ::munmap(p, total);
+    }
+    report(huge ? "thp_touch" : "4k_touch", touch_ms);
+    report(huge ? "thp_cudaHostRegister" : "4k_cudaHostRegister", register_ms);
+  }
+  {
+    // A 3.1 GB model as 36 BOs (the layers bench's shape, roughly): its device allocations.
+    std::vector<double> ms;
+    for (int round = 0; round < 3; ++round) {
+      std::vector<void*> bos(36);
+      const auto start = Clock::now();
+      for (void*& p : bos)
+        Check(cudaMalloc(&p, 86 * kMiB), "allocating a BO");
+      ms.push_back(SecondsSince(start) * 1e3);
+      for (void* p : bos)
+        cudaFree(p);
+    }
+    report("cudaMalloc_36_BOs_of_86MiB", ms);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "pin-cost") {
+    const size_t total = std::strtoull(argv[2], nullptr, 10) * kMiB;
+    if (total < 4 * kMiB) return 2;
+    PinCost(total);
+    return 0;
+  }
   if (argc < 3) {
     std::fprintf(stderr,
                  "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE "
-                 "[CHUNK_KIB=2048]\n",
+                 "[CHUNK_KIB=2048] | pin-cost TOTAL_MIB\n",
                  argv[0]);
     return 2;
   }
