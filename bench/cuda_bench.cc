@@ -25,6 +25,7 @@
 #include "bench/harness.h"
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
+#include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "page-client/cuda/cuda_engine.h"
 #include "page-client/local_restore.h"
@@ -145,12 +146,17 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 // (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
                                        uint64_t window, uint64_t file_window, uint32_t slots,
-                                       uint32_t streams, bool read_files, uint32_t readers) {
+                                       uint32_t slot_bytes, uint32_t streams, bool read_files,
+                                       uint32_t readers) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
+  engine_options.slot_bytes = slot_bytes;
   engine_options.streams = streams;
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
+  // The staging ring is made outside the timed stream, as with slots of a fixed size (made in
+  // Create): this measures streaming; the layers experiment times the ring as resume.
+  GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(image::kDefaultChunkSize));
   client::SessionOptions options;
   options.endpoint = endpoint;
   options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
@@ -178,12 +184,14 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
 
 // LocalRestore straight into device memory: readers pread into the engine's pinned slots.
 Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers, uint32_t slots,
-                                    uint32_t streams, uint32_t chunk_bytes) {
+                                    uint32_t slot_bytes, uint32_t streams, uint32_t chunk_bytes) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
+  engine_options.slot_bytes = slot_bytes;
   engine_options.streams = streams;
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
+  GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(chunk_bytes));  // untimed, as above
   client::LocalRestoreOptions options;
   options.image_dir = image_dir;
   options.readers = readers;
@@ -206,9 +214,8 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
 struct LayerOptions {
   uint32_t readers = 8;
   uint32_t slots = 32;
-  // The layer images are cut in 2 MiB chunks (the server's raw chunk size, the local chunk):
-  // slots need hold no more, and every slot is pinned before the program may resume.
-  uint32_t slot_bytes = 2u << 20;
+  // 0: the engine sizes its slots to the image's chunks (2 MiB here), as any restore's does.
+  uint32_t slot_bytes = 0;
   uint32_t streams = 4;
   uint64_t window = 64u << 20;
   uint64_t file_window = client::SessionOptions{}.file_window_bytes;
@@ -416,9 +423,9 @@ int Run(int argc, char** argv) {
   app.add_option("--file-window", file_window_text, "client credit window by reference")
       ->capture_default_str();
   app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
-  std::string slot_bytes_text = "2M";  // LayerOptions::slot_bytes
+  std::string slot_bytes_text = "0";  // LayerOptions::slot_bytes
   app.add_option("--slot-bytes", slot_bytes_text,
-                 "layers: bytes per staging slot (at least the largest chunk of the image)")
+                 "bytes per staging slot (at least the image's chunk size; 0: that size)")
       ->capture_default_str();
   app.add_option("--streams", streams, "copy streams")->capture_default_str();
   app.add_option("--readers", layer_options.readers, "local restore reader threads")
@@ -453,8 +460,8 @@ int Run(int argc, char** argv) {
   layer_options.slots = slots;
   Result<uint64_t> slot_bytes = ParseSize(slot_bytes_text);
   if (!slot_bytes.ok()) return fail(slot_bytes.status());
-  if (*slot_bytes == 0 || *slot_bytes > (4u << 20))
-    return fail(InvalidArgument("--slot-bytes must be 1..4M, not {}", *slot_bytes));
+  if (*slot_bytes > (4u << 20))
+    return fail(InvalidArgument("--slot-bytes must be 0..4M, not {}", *slot_bytes));
   layer_options.slot_bytes = static_cast<uint32_t>(*slot_bytes);
   auto wants = [&](const char* name) {
     return std::find(experiments.begin(), experiments.end(), name) != experiments.end();
@@ -487,7 +494,7 @@ int Run(int argc, char** argv) {
         GPULAZY_ASSIGN_OR_RETURN(
             PipelineResult p,
             MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                            streams, by_ref, layer_options.readers));
+                            layer_options.slot_bytes, streams, by_ref, layer_options.readers));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
         checked = checked && p.verified;
@@ -504,8 +511,8 @@ int Run(int argc, char** argv) {
       }
       if (runs_case("local")) {
         Result<PipelineResult> l =
-            MeasureLocal(*image_dir, layer_options.readers, layer_options.slots, streams,
-                         static_cast<uint32_t>(*local_chunk));
+            MeasureLocal(*image_dir, layer_options.readers, layer_options.slots,
+                         layer_options.slot_bytes, streams, static_cast<uint32_t>(*local_chunk));
         if (!l.ok()) return fail(l.status());
         local.push_back(l->throughput_Bps);
         setup["gpulazy_local_direct"].push_back(l->setup_s);
@@ -529,6 +536,7 @@ int Run(int argc, char** argv) {
           {"window_bytes", *window},
           {"file_window_bytes", *file_window},
           {"slots", slots},
+          {"slot_bytes", layer_options.slot_bytes},
           {"streams", streams},
           {"readers", layer_options.readers},
           {"local_chunk_bytes", *local_chunk},

@@ -5,7 +5,8 @@
 // AMD SDMA, CUDA). The session hands over only bytes whose checksum it has verified and marks a
 // chunk resident only when the engine reports that its write landed.
 //
-// Thread-safety: AddDestination is called before any Write and never concurrently with one.
+// Thread-safety: ExpectChunkBytes and AddDestination are called before any Write and never
+// concurrently with one.
 // Write and Flush may be called from one thread at a time, not always the same one
 // (RestoreSession serializes the engine calls of its stream and demand threads); `done`
 // callbacks may run on any thread, including inside Write.
@@ -77,6 +78,15 @@ class CopyEngine {
   // connection broke mid-receive): the engine may reuse it. The caller has zeroed it.
   virtual void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) {
     (void)bo, (void)offset, (void)length;
+  }
+
+  // Called once, before the first AddDestination, with the largest write the restore will make
+  // (the image's chunk size). An engine that stages writes can size its buffers to it instead
+  // of to the largest chunk any image may have. An error fails the restore's start (an engine
+  // whose buffers were fixed smaller than the image's chunks says so here, not on every write).
+  virtual Status ExpectChunkBytes(uint32_t max_bytes) {
+    (void)max_bytes;
+    return Status::Ok();
   }
 
   // A hint: from now on the restore writes with `writers` threads at once (file readers,

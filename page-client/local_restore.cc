@@ -73,6 +73,7 @@ class LocalRestore::Impl {
       first_chunk_.push_back(total);
       total += bos_[bo].chunk_count;
     }
+    GPULAZY_RETURN_IF_ERROR(engine_.ExpectChunkBytes(m.chunk_size()));
     for (uint32_t bo = 0; bo < bos_.size(); ++bo)
       GPULAZY_RETURN_IF_ERROR(engine_.AddDestination(bo, bos_[bo].size));
     BuildOrder(m);

@@ -719,6 +719,9 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
   }
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
   std::lock_guard engine_lock(engine_gate_);
+  if (Status expected = engine_.ExpectChunkBytes(reply.chunk_size()); !expected.ok())
+    return expected.Context(fmt::format("image {}: preparing the {} engine for {}-byte chunks",
+                                        image, engine_.name(), reply.chunk_size()));
   for (uint32_t bo = 0; bo < bos.size(); ++bo) {
     Status created = engine_.AddDestination(bo, bos[bo].size);
     if (!created.ok())

@@ -1,6 +1,7 @@
 #include "page-client/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -19,6 +20,75 @@ Status CudaError(cudaError_t error, std::string_view what) {
   return Unavailable("{}: {} ({})", what, cudaGetErrorString(error), cudaGetErrorName(error));
 }
 
+constexpr uint32_t kDefaultSlotBytes = 4u << 20;  // the largest chunk a server sends
+constexpr uint32_t kMaxSlotBytes = 64u << 20;
+constexpr size_t kPageBytes = 4096;
+constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+// Pinned host memory for the staging ring, made before a lazy restore lets its program run, so
+// its cost is resume time. Preferably one anonymous mapping on transparent huge pages that we
+// fault in ourselves and register with CUDA once: on the lent H100 host a 64 MiB ring took
+// 15-18 ms that way against 47-64 ms as one cudaMallocHost per slot (docs/benchmarks.md,
+// session 10): the kernel clears 32 huge pages instead of 16384 small ones, and the driver pins
+// one range. Where registering is refused it falls back to one cudaMallocHost.
+class StagingMemory {
+ public:
+  StagingMemory() = default;
+  StagingMemory(const StagingMemory&) = delete;
+  StagingMemory& operator=(const StagingMemory&) = delete;
+  ~StagingMemory() {
+    if (registered_) cudaHostUnregister(data_);
+    if (mapping_ != nullptr) ::munmap(mapping_, mapping_bytes_);
+    if (cuda_allocated_) cudaFreeHost(data_);
+  }
+
+  Status Allocate(size_t bytes) {
+    if (TryRegisteredHugePages(bytes)) return Status::Ok();
+    void* pinned = nullptr;
+    if (cudaError_t e = cudaMallocHost(&pinned, bytes); e != cudaSuccess)
+      return CudaError(e, fmt::format("pinning a {}-byte staging ring", bytes));
+    data_ = static_cast<uint8_t*>(pinned);
+    cuda_allocated_ = true;
+    return Status::Ok();
+  }
+  uint8_t* data() const { return data_; }
+
+ private:
+  bool TryRegisteredHugePages(size_t bytes) {
+    // One huge page more than asked, to start the ring on a huge-page boundary; the slack is
+    // never touched, so it costs address space only.
+    const size_t mapped = bytes + kHugePageBytes;
+    void* mapping =
+        ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapping == MAP_FAILED) return false;
+    mapping_ = mapping;
+    mapping_bytes_ = mapped;
+    const auto start = (reinterpret_cast<uintptr_t>(mapping) + kHugePageBytes - 1) &
+                       ~uintptr_t{kHugePageBytes - 1};
+    data_ = reinterpret_cast<uint8_t*>(start);
+    (void)::madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: without THP, small pages
+    if (::madvise(data_, bytes, MADV_POPULATE_WRITE) != 0) {
+      for (size_t offset = 0; offset < bytes; offset += kPageBytes)  // kernels before 5.14
+        static_cast<volatile uint8_t*>(data_)[offset] = 0;
+    }
+    if (cudaHostRegister(data_, bytes, cudaHostRegisterDefault) == cudaSuccess) {
+      registered_ = true;
+      return true;
+    }
+    (void)cudaGetLastError();  // the fallback's calls must not see this failure
+    ::munmap(mapping_, mapping_bytes_);
+    mapping_ = nullptr;
+    data_ = nullptr;
+    return false;
+  }
+
+  void* mapping_ = nullptr;
+  size_t mapping_bytes_ = 0;
+  uint8_t* data_ = nullptr;
+  bool registered_ = false;
+  bool cuda_allocated_ = false;
+};
+
 }  // namespace
 
 bool CudaDeviceAvailable() {
@@ -29,7 +99,7 @@ bool CudaDeviceAvailable() {
 class CudaCopyEngine::Impl {
  public:
   struct Slot {
-    void* pinned = nullptr;
+    uint8_t* pinned = nullptr;
     cudaEvent_t event = nullptr;
     CopyDone done;
     uint32_t bytes = 0;
@@ -45,10 +115,8 @@ class CudaCopyEngine::Impl {
     }
     work_.notify_all();
     if (reaper_.joinable()) reaper_.join();
-    for (Slot& slot : slots_) {
+    for (Slot& slot : slots_)
       if (slot.event != nullptr) cudaEventDestroy(slot.event);
-      if (slot.pinned != nullptr) cudaFreeHost(slot.pinned);
-    }
     for (cudaStream_t stream : streams_)
       cudaStreamDestroy(stream);
     for (void* buffer : destinations_)
@@ -56,8 +124,11 @@ class CudaCopyEngine::Impl {
   }
 
   Status Init() {
-    if (options_.staging_slots == 0 || options_.streams == 0 || options_.slot_bytes == 0)
-      return InvalidArgument("CUDA engine needs at least one slot, one stream and slot bytes");
+    if (options_.staging_slots == 0 || options_.streams == 0)
+      return InvalidArgument("CUDA engine needs at least one staging slot and one stream");
+    if (options_.slot_bytes > kMaxSlotBytes)
+      return InvalidArgument("CUDA engine staging slots of {} bytes (at most {})",
+                             options_.slot_bytes, kMaxSlotBytes);
     if (cudaError_t e = cudaSetDevice(options_.device); e != cudaSuccess)
       return CudaError(e, fmt::format("selecting CUDA device {}", options_.device));
     for (uint32_t i = 0; i < options_.streams; ++i) {
@@ -67,20 +138,28 @@ class CudaCopyEngine::Impl {
         return CudaError(e, "creating a copy stream");
       streams_.push_back(stream);
     }
-    slots_.resize(options_.staging_slots);
-    for (uint32_t i = 0; i < slots_.size(); ++i) {
-      if (cudaError_t e = cudaMallocHost(&slots_[i].pinned, options_.slot_bytes); e != cudaSuccess)
-        return CudaError(e, fmt::format("pinning a {}-byte staging slot", options_.slot_bytes));
-      if (cudaError_t e = cudaEventCreateWithFlags(&slots_[i].event, cudaEventDisableTiming);
-          e != cudaSuccess)
-        return CudaError(e, "creating a copy event");
-      free_.push_back(i);
-    }
+    if (options_.slot_bytes != 0) GPULAZY_RETURN_IF_ERROR(MakeRing(options_.slot_bytes));
     reaper_ = std::thread([this] { ReapLoop(); });
     return Status::Ok();
   }
 
+  // Slots sized to the image's chunks when the options left the size open.
+  Status ExpectChunkBytes(uint32_t max_bytes) {
+    if (max_bytes == 0 || max_bytes > kMaxSlotBytes)
+      return InvalidArgument("chunks of {} bytes (the CUDA engine stages 1 to {} bytes)", max_bytes,
+                             kMaxSlotBytes);
+    if (slots_.empty()) return MakeRing(max_bytes);
+    if (max_bytes > slot_bytes_)
+      return InvalidArgument(
+          "the image's {}-byte chunks do not fit the CUDA engine's {}-byte staging slots "
+          "(CudaEngineOptions::slot_bytes; 0 sizes them to the image)",
+          max_bytes, slot_bytes_);
+    return Status::Ok();
+  }
+
   Status AddDestination(uint32_t bo, uint64_t size) {
+    // A restore that never said its chunk size gets slots for the largest chunk a server sends.
+    if (slots_.empty()) GPULAZY_RETURN_IF_ERROR(MakeRing(kDefaultSlotBytes));
     if (bo >= destinations_.size()) {
       destinations_.resize(bo + 1, nullptr);
       sizes_.resize(bo + 1, 0);
@@ -95,6 +174,24 @@ class CudaCopyEngine::Impl {
     return Status::Ok();
   }
 
+  // The staging ring: one pinned allocation cut into slots (made once, before any write).
+  Status MakeRing(uint32_t slot_bytes) {
+    const size_t stride = (size_t{slot_bytes} + kPageBytes - 1) / kPageBytes * kPageBytes;
+    GPULAZY_RETURN_IF_ERROR(staging_.Allocate(stride * options_.staging_slots));
+    slots_.resize(options_.staging_slots);
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      slots_[i].pinned = staging_.data() + stride * i;
+      if (cudaError_t e = cudaEventCreateWithFlags(&slots_[i].event, cudaEventDisableTiming);
+          e != cudaSuccess)
+        return CudaError(e, "creating a copy event");
+    }
+    slot_bytes_ = slot_bytes;
+    std::lock_guard lock(mu_);
+    for (uint32_t i = 0; i < slots_.size(); ++i)
+      free_.push_back(i);
+    return Status::Ok();
+  }
+
   Status CheckRange(uint32_t bo, uint64_t offset, uint64_t length) const {
     if (bo >= destinations_.size() || destinations_[bo] == nullptr)
       return InvalidArgument("write to BO {}, which has no destination", bo);
@@ -106,9 +203,9 @@ class CudaCopyEngine::Impl {
 
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) {
     GPULAZY_RETURN_IF_ERROR(CheckRange(bo, offset, raw.size()));
-    if (raw.size() > options_.slot_bytes)
+    if (raw.size() > slot_bytes_)
       return InvalidArgument("write of {} bytes exceeds the {}-byte staging slot", raw.size(),
-                             options_.slot_bytes);
+                             slot_bytes_);
     uint32_t index;
     {
       std::unique_lock lock(mu_);
@@ -147,7 +244,7 @@ class CudaCopyEngine::Impl {
   // Lends a free staging slot for [offset, offset + length) of the BO; blocks while every slot
   // is in flight, as Write does.
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset, uint64_t length) {
-    if (!CheckRange(bo, offset, length).ok() || length == 0 || length > options_.slot_bytes)
+    if (!CheckRange(bo, offset, length).ok() || length == 0 || length > slot_bytes_)
       return std::nullopt;  // Write will say why, or take it through its own path
     std::unique_lock lock(mu_);
     // Never the last slot: callers serialize their engine calls (the restore's engine gate) and
@@ -160,7 +257,7 @@ class CudaCopyEngine::Impl {
     const uint32_t index = free_.front();
     free_.pop_front();
     lent_[{bo, offset}] = index;
-    return std::span<uint8_t>(static_cast<uint8_t*>(slots_[index].pinned), length);
+    return std::span<uint8_t>(slots_[index].pinned, length);
   }
 
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
@@ -251,7 +348,9 @@ class CudaCopyEngine::Impl {
 
   CudaEngineOptions options_;
   std::vector<cudaStream_t> streams_;
-  std::vector<Slot> slots_;
+  StagingMemory staging_;
+  std::vector<Slot> slots_;  // empty until MakeRing
+  uint32_t slot_bytes_ = 0;
   std::vector<void*> destinations_;
   std::vector<uint64_t> sizes_;
   std::atomic<uint64_t> next_stream_{0};
@@ -278,6 +377,9 @@ Result<std::unique_ptr<CudaCopyEngine>> CudaCopyEngine::Create(const CudaEngineO
 
 CudaCopyEngine::CudaCopyEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaCopyEngine::~CudaCopyEngine() = default;
+Status CudaCopyEngine::ExpectChunkBytes(uint32_t max_bytes) {
+  return impl_->ExpectChunkBytes(max_bytes);
+}
 Status CudaCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   return impl_->AddDestination(bo, size);
 }

@@ -3,7 +3,9 @@
 // ring, queues cudaMemcpyAsync on one of several copy streams and records an event; a reaper
 // thread waits for the events in order and runs the writes' done callbacks, so a chunk becomes
 // resident only once its DMA has landed. Write blocks only when every staging slot is in
-// flight, which bounds pinned memory to slots x slot_bytes whatever the image size.
+// flight, which bounds pinned memory to slots x slot_bytes whatever the image size. The ring is
+// one pinned allocation, made when the slot size is known (Create, or the restore's
+// ExpectChunkBytes).
 //
 // Write can also be avoided: ReceiveTarget lends a staging slot to be filled in place.
 //
@@ -25,7 +27,11 @@ namespace gpulazy::client {
 struct CudaEngineOptions {
   int device = 0;
   uint32_t staging_slots = 16;
-  uint32_t slot_bytes = 4u << 20;  // the largest chunk the server sends (4 MiB)
+  // Bytes per staging slot. 0: the image's chunk size, as the restore tells it
+  // (ExpectChunkBytes), or 4 MiB, the largest chunk a server sends, if it never does. A slot
+  // must hold the largest chunk; staging memory is staging_slots x slot_bytes, pinned before
+  // the restore's program may run, so smaller slots resume sooner.
+  uint32_t slot_bytes = 0;
   uint32_t streams = 4;
 };
 
@@ -36,6 +42,7 @@ class CudaCopyEngine : public CopyEngine {
   ~CudaCopyEngine() override;
 
   std::string_view name() const override { return "cuda"; }
+  Status ExpectChunkBytes(uint32_t max_bytes) override;
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override;
   // Lends pinned staging slots: the bytes are received (or read) straight into a slot and DMA'd

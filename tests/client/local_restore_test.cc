@@ -227,5 +227,45 @@ TEST(LocalRestore, MissingImageFailsAtStart) {
   EXPECT_NE(s.message().find("nothing-here"), std::string::npos) << s.message();
 }
 
+// The host engine with staging that holds chunks of at most `limit` bytes, as a CUDA engine
+// whose slot size was fixed: it says so when told the image's chunk size.
+class LimitedStagingEngine : public HostCopyEngine {
+ public:
+  explicit LimitedStagingEngine(uint32_t limit) : limit_(limit) {}
+  Status ExpectChunkBytes(uint32_t max_bytes) override {
+    told.push_back(max_bytes);
+    return max_bytes > limit_ ? InvalidArgument("slots of {} bytes", limit_) : Status::Ok();
+  }
+  std::vector<uint32_t> told;
+
+ private:
+  uint32_t limit_;
+};
+
+TEST(LocalRestore, TellsTheEngineTheChunkSizeAndFailsAtStartWhenItCannotStageIt) {
+  TempDir root;
+  const fs::path dir = root.path() / "img";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 8ull << 20, 12));
+  for (uint32_t limit : {512u << 10, 256u << 10}) {
+    SCOPED_TRACE(limit);
+    LimitedStagingEngine engine(limit);
+    LocalRestoreOptions options;
+    options.image_dir = dir;
+    options.raw_chunk_size = 512 * 1024;
+    LocalRestore restore(options, engine);
+    Status started = restore.Start();
+    EXPECT_EQ(engine.told, std::vector<uint32_t>{512u << 10});
+    if (limit >= options.raw_chunk_size) {
+      ASSERT_TRUE(started.ok()) << started.ToString();
+      ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(60)).ok());
+      ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine, dir));
+    } else {
+      EXPECT_EQ(started.code(), Code::kInvalidArgument) << started.ToString();
+      EXPECT_NE(started.message().find("slots of 262144 bytes"), std::string::npos)
+          << started.message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gpulazy::client

@@ -37,7 +37,19 @@ class CountingEngine : public CopyEngine {
  public:
   CountingEngine(const FakeImage& image) : image_(image) {}
   std::string_view name() const override { return "counting-host"; }
+  Status ExpectChunkBytes(uint32_t max_bytes) override {
+    std::lock_guard lock(mutex_);
+    expected_chunk_bytes_.push_back(max_bytes);
+    if (destinations_ > 0) ++told_late_;
+    return refuse_chunks_over_ != 0 && max_bytes > refuse_chunks_over_
+               ? InvalidArgument("slots of {} bytes", refuse_chunks_over_)
+               : Status::Ok();
+  }
   Status AddDestination(uint32_t bo, uint64_t size) override {
+    {
+      std::lock_guard lock(mutex_);
+      ++destinations_;
+    }
     return host_.AddDestination(bo, size);
   }
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
@@ -60,6 +72,20 @@ class CountingEngine : public CopyEngine {
     std::lock_guard lock(mutex_);
     return bad_writes_;
   }
+  // Every ExpectChunkBytes call, in order; and how many came after a destination was made.
+  std::vector<uint32_t> expected_chunk_bytes() const {
+    std::lock_guard lock(mutex_);
+    return expected_chunk_bytes_;
+  }
+  int told_late() const {
+    std::lock_guard lock(mutex_);
+    return told_late_;
+  }
+  int destinations() const {
+    std::lock_guard lock(mutex_);
+    return destinations_;
+  }
+  void RefuseChunksOver(uint32_t bytes) { refuse_chunks_over_ = bytes; }
   bool Matches(const FakeImage& image) const {
     for (uint32_t bo = 0; bo < image.bos.size(); ++bo) {
       Result<std::span<uint8_t>> mapping = host_.Mapping(bo);
@@ -83,6 +109,10 @@ class CountingEngine : public CopyEngine {
   mutable std::mutex mutex_;
   std::map<ChunkKey, int> writes_;
   int bad_writes_ = 0;
+  std::vector<uint32_t> expected_chunk_bytes_;
+  int told_late_ = 0;
+  int destinations_ = 0;
+  uint32_t refuse_chunks_over_ = 0;
 };
 
 SessionOptions Options(const FakeServer& server, const std::string& image = "test-image") {
@@ -267,6 +297,9 @@ TEST(RestoreSession, ReconnectsAfterADroppedConnection) {
   // (The fake server records a chunk after writing it, so sent[1] may lag the client here.)
   EXPECT_LE(have.size() + sent[1].size(), image.TotalChunks());
   EXPECT_EQ(session.progress().duplicates, 0u);
+  // The engine heard the chunk size once, before its first destination, not again on reconnect.
+  EXPECT_EQ(engine.expected_chunk_bytes(), std::vector<uint32_t>{4096});
+  EXPECT_EQ(engine.told_late(), 0);
 }
 
 TEST(RestoreSession, SurvivesARestartedServer) {
@@ -376,6 +409,25 @@ TEST(RestoreSession, StartFailsWithTheServersMessage) {
   EXPECT_NE(status.message().find("no image named 'no-such-image'"), std::string::npos)
       << status.message();
   EXPECT_EQ(session.WaitComplete(1s).code(), Code::kInvalidArgument);  // never opened
+}
+
+TEST(RestoreSession, StartFailsWhenTheEngineCannotStageTheImagesChunks) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  engine.RefuseChunksOver(image.chunk_size / 2);
+  RestoreSession session(Options(server), engine);
+  Status status = session.Start();
+  EXPECT_EQ(status.code(), Code::kInvalidArgument) << status.ToString();
+  EXPECT_NE(status.message().find(fmt::format("for {}-byte chunks", image.chunk_size)),
+            std::string::npos)
+      << status.message();
+  EXPECT_NE(status.message().find(fmt::format("slots of {} bytes", image.chunk_size / 2)),
+            std::string::npos)
+      << status.message();
+  EXPECT_EQ(engine.expected_chunk_bytes(), std::vector<uint32_t>{image.chunk_size});
+  EXPECT_EQ(engine.destinations(), 0);
+  EXPECT_TRUE(engine.writes().empty());
 }
 
 TEST(RestoreSession, StartFailsWhenNobodyListens) {

@@ -53,6 +53,68 @@ TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
   EXPECT_EQ(back, source);
 }
 
+// Slot size 0: the ring is made when the restore says its chunk size, and holds exactly that.
+TEST_F(CudaEngineTest, SlotsAreSizedToTheChunksTheRestoreExpects) {
+  CudaEngineOptions options;
+  options.staging_slots = 4;
+  options.streams = 2;
+  auto engine = CudaCopyEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  constexpr uint32_t kChunk = 96 << 10;  // not a power of two: the slots still start page-aligned
+  ASSERT_TRUE((*engine)->ExpectChunkBytes(kChunk).ok());
+  const uint64_t size = 10 * kChunk;
+  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  std::vector<uint8_t> source(size);
+  std::mt19937 random(11);
+  for (uint8_t& b : source)
+    b = static_cast<uint8_t>(random());
+  for (uint64_t at = 0; at < size; at += kChunk) {
+    Status s = (*engine)->Write(0, at, {source.data() + at, kChunk},
+                                [](Status st) { EXPECT_TRUE(st.ok()) << st.ToString(); });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  auto lent = (*engine)->ReceiveTarget(0, 0, kChunk);
+  ASSERT_TRUE(lent.has_value());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(lent->data()) % 4096, 0u);
+  (*engine)->ReleaseReceived(0, 0, kChunk);
+  Status too_big = (*engine)->Write(0, 0, {source.data(), kChunk + 1}, [](Status) {});
+  EXPECT_EQ(too_big.code(), Code::kInvalidArgument) << too_big.ToString();
+  EXPECT_FALSE((*engine)->ReceiveTarget(0, 0, kChunk + 1).has_value());
+  ASSERT_TRUE((*engine)->Flush().ok());
+  std::vector<uint8_t> back(size);
+  ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
+  EXPECT_EQ(back, source);
+  // The ring is made: a later, larger chunk size is refused with the reason.
+  Status later = (*engine)->ExpectChunkBytes(2 * kChunk);
+  EXPECT_EQ(later.code(), Code::kInvalidArgument);
+  EXPECT_NE(later.message().find("staging slots"), std::string::npos) << later.message();
+}
+
+TEST_F(CudaEngineTest, FixedSlotsRefuseLargerChunksAndUntoldRestoresGetFourMiB) {
+  CudaEngineOptions fixed;
+  fixed.staging_slots = 2;
+  fixed.slot_bytes = 64 << 10;
+  auto engine = CudaCopyEngine::Create(fixed);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_TRUE((*engine)->ExpectChunkBytes(32 << 10).ok());
+  EXPECT_EQ((*engine)->ExpectChunkBytes(128 << 10).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*engine)->ExpectChunkBytes(0).code(), Code::kInvalidArgument);
+
+  CudaEngineOptions open;
+  open.staging_slots = 2;
+  auto untold = CudaCopyEngine::Create(open);
+  ASSERT_TRUE(untold.ok()) << untold.status().ToString();
+  constexpr uint32_t kLargest = 4u << 20;
+  ASSERT_TRUE((*untold)->AddDestination(0, kLargest + 4096).ok());
+  std::vector<uint8_t> source(kLargest, 0x5a);
+  ASSERT_TRUE((*untold)->Write(0, 4096, source, [](Status) {}).ok());
+  EXPECT_EQ((*untold)->Write(0, 0, {source.data(), 4096}, [](Status) {}).code(), Code::kOk);
+  ASSERT_TRUE((*untold)->Flush().ok());
+  std::vector<uint8_t> back(kLargest);
+  ASSERT_TRUE((*untold)->CopyToHost(0, 4096, back).ok());
+  EXPECT_EQ(back, source);
+}
+
 // Callers serialize their engine calls (the restore's engine gate) and may ask for a slot while
 // others hold lent slots they can only commit under that same lock. With more such callers
 // than slots every slot could be lent and the asker wait forever (seen: 16 readers, 8 slots).
