@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <lz4.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -119,6 +120,10 @@ TEST(TuneSocket, BuffersPassTheSysctlCapsAsRoot) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root (SO_SNDBUFFORCE)";
   const std::array<const char*, 2> caps = {"/proc/sys/net/core/wmem_max",
                                            "/proc/sys/net/core/rmem_max"};
+  // Two runs at once (the sanitizer builds' suites) must not save each other's lowered caps.
+  UniqueFd lock(::open("/tmp/gpulazy-test-sysctl.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  ASSERT_TRUE(lock.valid());
+  ASSERT_EQ(::flock(lock.get(), LOCK_EX), 0);
   std::array<std::string, 2> saved;
   for (size_t i = 0; i < caps.size(); ++i) {
     std::ifstream cap(caps[i]);  // procfs files have no size: read, do not stat
