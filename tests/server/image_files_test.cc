@@ -398,7 +398,9 @@ TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
       for (uint32_t chunk = 0; chunk < count; ++chunk) {
         const client::ImageFileSet::Location* where = set.Locate(bo, chunk);
         ASSERT_NE(where, nullptr) << "BO " << bo << " chunk " << chunk;
-        if (name == "lazy") EXPECT_TRUE(where->checksum.has_value());
+        if (name == "lazy") {
+          EXPECT_TRUE(where->checksum.has_value());
+        }
         Frame frame;
         frame.payload.resize(where->stored_length);
         ASSERT_TRUE(ReadExactAt(set.files[where->file].fd.get(), where->offset, frame.payload,

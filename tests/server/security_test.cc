@@ -146,7 +146,7 @@ TEST_F(SecurityTest, TlsFetchIsByteExact) {
   ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
   ASSERT_EQ(run.exit_code, 0) << run.out << server->Log();
   ExpectFetchedBytesMatch();
-  EXPECT_NE(server->Log().find("(TLS)"), std::string::npos);
+  EXPECT_TRUE(server->LogShows({"(TLS)"})) << server->Log();
   // Stats over TLS too.
   ProcessRun stats = Client("stats --server " + server->tcp_endpoint().ToString() + " --tls-ca " +
                             pki().pem("ca"));
@@ -194,7 +194,7 @@ TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
                                                       " --tls-key " + pki().key("node7"));
   ASSERT_EQ(with.exit_code, 0) << with.out << server->Log();
   ExpectFetchedBytesMatch();
-  EXPECT_NE(server->Log().find("cn 'node7'"), std::string::npos) << server->Log();
+  EXPECT_TRUE(server->LogShows({"cn 'node7'"})) << server->Log();
 }
 
 TEST_F(SecurityTest, TokenFilesAreCheckedAndMustNotBeWorldReadable) {
@@ -276,8 +276,7 @@ TEST_F(SecurityTest, UnixPeersAreCheckedAgainstTheAllowList) {
     ASSERT_TRUE(server.ready()) << server.Log();
     fs::permissions(server.socket_path(), fs::perms::all);
     EXPECT_EQ(HelloAsNobody(server), 1) << server.Log();
-    EXPECT_NE(server.Log().find("peer uid 65534 gid 65534 is not allowed"), std::string::npos)
-        << server.Log();
+    EXPECT_TRUE(server.LogShows({"peer uid 65534 gid 65534 is not allowed"})) << server.Log();
     TestClient root_client(server.unix_endpoint());  // we are root: allowed by default
     EXPECT_TRUE(root_client.Hello().ok());
   }

@@ -110,6 +110,18 @@ std::string ServerProcess::Log() const {
   return text.str();
 }
 
+bool ServerProcess::LogShows(std::initializer_list<std::string_view> texts,
+                             std::chrono::milliseconds timeout) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const std::string log = Log();
+    for (std::string_view text : texts)
+      if (log.find(text) != std::string::npos) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 namespace {

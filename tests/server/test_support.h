@@ -8,9 +8,11 @@
 
 #include <chrono>
 #include <filesystem>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "page-client/net/endpoint.h"
@@ -41,6 +43,10 @@ class ServerProcess {
   // SIGTERM, then waits up to `timeout`; returns the exit status (or -1 on timeout / signal).
   int Terminate(std::chrono::milliseconds timeout = 10s);
   std::string Log() const;
+  // True once the log shows any of `texts`. The server logs what it did after the effect a
+  // client sees (a closed connection, a reply), so a test that just saw the effect polls.
+  bool LogShows(std::initializer_list<std::string_view> texts,
+                std::chrono::milliseconds timeout = 5s) const;
 
  private:
   pid_t pid_ = -1;
