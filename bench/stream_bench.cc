@@ -175,9 +175,14 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   for (auto& c : clients)
     GPULAZY_RETURN_IF_ERROR(c->Start());
   uint64_t bytes = 0;
+  double wait_s = 0;
+  double chunk_s = 0;
   for (auto& c : clients) {
     GPULAZY_RETURN_IF_ERROR(c->WaitComplete(std::chrono::minutes(10)));
-    bytes += c->progress().total_bytes;
+    const client::Progress progress = c->progress();
+    bytes += progress.total_bytes;
+    wait_s += progress.stream_wait_s;
+    chunk_s += progress.stream_chunk_s;
   }
   double seconds = SecondsSince(start);
   bool verified = false;
@@ -189,6 +194,8 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   return nlohmann::json{{"seconds", seconds},
                         {"bytes", bytes},
                         {"throughput_Bps", static_cast<double>(bytes) / seconds},
+                        {"stream_wait_s", wait_s / sessions},
+                        {"stream_chunk_s", chunk_s / sessions},
                         {"verified", verified}};
 }
 
@@ -268,6 +275,10 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"populate_ahead_bytes", populate_ahead},
                                {"populate_nice", options.populate_nice},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
+                               // Per session, averaged: the stream reader waiting for the next
+                               // frame vs inside chunk frames (client::Progress).
+                               {"stream_wait_s", pipeline["stream_wait_s"]},
+                               {"stream_chunk_s", pipeline["stream_chunk_s"]},
                                {"ceiling_peak_rss_bytes", ceiling["peak_rss_bytes"]},
                                {"verified", pipeline["verified"]},
                                {"machine", MachineDescription()}};

@@ -324,6 +324,10 @@ class RestoreSession::Impl {
   bool finished_ = false;         // Main has returned
   bool demand_finished_ = false;  // the demand thread's loop has returned
   Progress counters_;
+  // The stream reader's time split (Progress::stream_wait_s / stream_chunk_s), kept out of
+  // mutex_: added once per frame by the one thread that reads the stream.
+  std::atomic<uint64_t> stream_wait_ns_{0};
+  std::atomic<uint64_t> stream_chunk_ns_{0};
   std::atomic<bool> cancelled_{false};
 
   EngineGate engine_gate_;  // held around every engine_ call, and only there
@@ -589,6 +593,8 @@ bool RestoreSession::Impl::IsResident(uint32_t bo, uint64_t offset, uint64_t len
 Progress RestoreSession::Impl::progress() const {
   std::lock_guard lock(mutex_);
   Progress p = counters_;
+  p.stream_wait_s = static_cast<double>(stream_wait_ns_.load(std::memory_order_relaxed)) / 1e9;
+  p.stream_chunk_s = static_cast<double>(stream_chunk_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.total_bytes = residency_.total_bytes();
   p.total_chunks = residency_.total_chunks();
   p.resident_bytes = residency_.resident_bytes();
@@ -920,8 +926,15 @@ asio::awaitable<void> RestoreSession::Impl::RunWriter(std::shared_ptr<Link> link
 asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> link) {
   std::vector<uint8_t> payload;
   try {
+    auto nanoseconds_since = [](std::chrono::steady_clock::time_point start) {
+      return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now() - start)
+                                       .count());
+    };
     for (;;) {
+      const auto waiting = std::chrono::steady_clock::now();
       Result<net::FrameHead> head = co_await net::ReadFrameHead(link->stream, link->limits);
+      stream_wait_ns_.fetch_add(nanoseconds_since(waiting), std::memory_order_relaxed);
       if (!head.ok()) co_return link->complete ? Status::Ok() : head.status();
       if (link->closed) co_return Status::Ok();
       wire::Header* header = &head->header;
@@ -934,9 +947,11 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
       switch (header->body_case()) {
         case wire::Header::kChunk: {
           bool transport = false;
+          const auto receiving = std::chrono::steady_clock::now();
           Status handled =
               co_await ReceiveChunk(link, link->stream, link->limits, link->files, *header,
                                     head->payload_length, payload, /*on_stream=*/true, &transport);
+          stream_chunk_ns_.fetch_add(nanoseconds_since(receiving), std::memory_order_relaxed);
           if (!handled.ok()) {
             if (transport) co_return link->complete ? Status::Ok() : handled;
             Fail(handled);

@@ -155,6 +155,28 @@ TEST(RestoreSession, RestoresByteExact) {
   EXPECT_TRUE(session.IsResident(1, 0, 40000));
 }
 
+// The stream reader's time, split: a server that sends nothing for 300 ms shows up as waiting
+// for a frame, the chunks as time inside chunk frames, and neither counts what the other did.
+TEST(RestoreSession, ProgressSplitsTheStreamReadersTimeIntoWaitingAndChunks) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.paused = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(session.Start().ok());
+  std::this_thread::sleep_for(300ms);
+  server.Resume();
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+  const Progress p = session.progress();
+  EXPECT_GE(p.stream_wait_s, 0.25);
+  EXPECT_GT(p.stream_chunk_s, 0.0);
+  EXPECT_LT(p.stream_chunk_s, p.stream_wait_s);
+  EXPECT_LE(p.stream_wait_s + p.stream_chunk_s, elapsed.count());
+}
+
 TEST(RestoreSession, WorksWithoutDemandConnection) {
   FakeImage image = SmallImage();
   FakeServerOptions server_options;
