@@ -115,7 +115,29 @@ struct PipelineResult {
   double seconds = 0;
   double setup_s = 0;  // of `seconds`: until Start returned (connect, open, device allocations)
   bool verified = false;
+  uint32_t slot_bytes = 0;  // the staging slots the engine used
 };
+
+// The chunk size the benchmark's server cuts its raw images into: its default, or the
+// --raw-chunk-size given with --server-arg.
+Result<uint32_t> ServedChunkBytes(const std::vector<std::string>& server_args) {
+  uint32_t bytes = image::kDefaultChunkSize;
+  constexpr std::string_view kOption = "--raw-chunk-size";
+  for (size_t i = 0; i < server_args.size(); ++i) {
+    const std::string& arg = server_args[i];
+    std::optional<std::string> value;
+    if (arg.starts_with(std::string(kOption) + "="))
+      value = arg.substr(kOption.size() + 1);
+    else if (arg == kOption && i + 1 < server_args.size())
+      value = server_args[i + 1];
+    if (!value) continue;
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t parsed, ParseSize(*value));
+    if (parsed == 0 || parsed > (64u << 20))
+      return InvalidArgument("--server-arg {}: not a chunk size", arg);
+    bytes = static_cast<uint32_t>(parsed);
+  }
+  return bytes;
+}
 
 // Byte-for-byte check of every BO in device memory against the checkpoint's pages files.
 Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry>& bos,
@@ -146,8 +168,8 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 // (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
                                        uint64_t window, uint64_t file_window, uint32_t slots,
-                                       uint32_t slot_bytes, uint32_t streams, bool read_files,
-                                       uint32_t readers) {
+                                       uint32_t slot_bytes, uint32_t served_chunk_bytes,
+                                       uint32_t streams, bool read_files, uint32_t readers) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
   engine_options.slot_bytes = slot_bytes;
@@ -156,7 +178,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
                            client::CudaCopyEngine::Create(engine_options));
   // The staging ring is made outside the timed stream, as with slots of a fixed size (made in
   // Create): this measures streaming; the layers experiment times the ring as resume.
-  GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(image::kDefaultChunkSize));
+  GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(served_chunk_bytes));
   client::SessionOptions options;
   options.endpoint = endpoint;
   options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
@@ -179,6 +201,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
     result.verified = true;
   }
+  result.slot_bytes = engine->slot_bytes();
   return result;
 }
 
@@ -206,6 +229,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
+  result.slot_bytes = engine->slot_bytes();
   return result;
 }
 
@@ -256,6 +280,7 @@ struct LayerTimes {
   bool results_ok = true;
   uint64_t demand_chunks = 0;
   uint64_t bytes = 0;
+  uint32_t slot_bytes = 0;  // the staging slots the engine used (0: the upstream loop's own)
 };
 
 // One mode through a restore R (RestoreSession or LocalRestore): the program resumes (at once,
@@ -272,6 +297,7 @@ Result<LayerTimes> RunLayerMode(Restore& restore, client::CudaCopyEngine& engine
   times.kernel_s = SecondsSince(start) - times.engine_s;
   GPULAZY_RETURN_IF_ERROR(restore.Start());
   times.start_s = SecondsSince(start) - times.engine_s - times.kernel_s;
+  times.slot_bytes = engine.slot_bytes();
   if (mode == "eager") {
     GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
     times.full_s = SecondsSince(start);
@@ -477,6 +503,9 @@ int Run(int argc, char** argv) {
   Result<ServerChild> server =
       ServerChild::Start(common.bin_dir, root, work->path(), common.server_args);
   if (!server.ok()) return fail(server.status());
+  Result<uint32_t> served = ServedChunkBytes(common.server_args);
+  if (!served.ok()) return fail(served.status());
+  const uint32_t served_chunk_bytes = *served;
 
   if (wants("stream")) {
     Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
@@ -484,6 +513,7 @@ int Run(int argc, char** argv) {
     std::vector<double> ceiling, pipeline, by_reference, local, upstream;
     std::map<std::string, std::vector<double>> setup;
     bool verified = true, local_verified = true, by_reference_verified = true;
+    uint32_t slot_bytes_used = 0;  // what the engines used (the option may say 0: the image's)
     for (uint32_t r = 0; r < repeat; ++r) {
       Result<double> c = MeasurePinnedCeiling(*size);
       if (!c.ok()) return fail(c.status());
@@ -494,9 +524,11 @@ int Run(int argc, char** argv) {
         GPULAZY_ASSIGN_OR_RETURN(
             PipelineResult p,
             MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                            layer_options.slot_bytes, streams, by_ref, layer_options.readers));
+                            layer_options.slot_bytes, served_chunk_bytes, streams, by_ref,
+                            layer_options.readers));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
+        slot_bytes_used = p.slot_bytes;
         checked = checked && p.verified;
         return Status::Ok();
       };
@@ -516,6 +548,7 @@ int Run(int argc, char** argv) {
         if (!l.ok()) return fail(l.status());
         local.push_back(l->throughput_Bps);
         setup["gpulazy_local_direct"].push_back(l->setup_s);
+        slot_bytes_used = l->slot_bytes;
         local_verified = local_verified && l->verified;
       }
       if (runs_case("upstream")) {
@@ -536,7 +569,7 @@ int Run(int argc, char** argv) {
           {"window_bytes", *window},
           {"file_window_bytes", *file_window},
           {"slots", slots},
-          {"slot_bytes", layer_options.slot_bytes},
+          {"slot_bytes", slot_bytes_used},
           {"streams", streams},
           {"readers", layer_options.readers},
           {"local_chunk_bytes", *local_chunk},
@@ -581,7 +614,7 @@ int Run(int argc, char** argv) {
                                  {"layers", layer_count},
                                  {"startup_ms", layer_options.startup_ms},
                                  {"slots", layer_options.slots},
-                                 {"slot_bytes", layer_options.slot_bytes},
+                                 {"slot_bytes", t.slot_bytes},
                                  {"time_to_resume_s", t.resume_s},
                                  {"resume_engine_s", t.engine_s},
                                  {"resume_kernel_s", t.kernel_s},

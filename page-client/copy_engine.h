@@ -80,10 +80,12 @@ class CopyEngine {
     (void)bo, (void)offset, (void)length;
   }
 
-  // Called once, before the first AddDestination, with the largest write the restore will make
-  // (the image's chunk size). An engine that stages writes can size its buffers to it instead
-  // of to the largest chunk any image may have. An error fails the restore's start (an engine
-  // whose buffers were fixed smaller than the image's chunks says so here, not on every write).
+  // Called before the first AddDestination with the largest write the restore will make (the
+  // image's chunk size; RestoreSession and LocalRestore call it once, a caller that prepared
+  // the engine may have called it before). An engine that stages writes can size its buffers
+  // to the first call instead of to the largest chunk any image may have, and answers later
+  // calls with whether the size fits. An error fails the restore's start (an engine whose
+  // buffers are smaller than the image's chunks says so here, not on every write).
   virtual Status ExpectChunkBytes(uint32_t max_bytes) {
     (void)max_bytes;
     return Status::Ok();

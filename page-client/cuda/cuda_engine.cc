@@ -20,6 +20,10 @@ Status CudaError(cudaError_t error, std::string_view what) {
   return Unavailable("{}: {} ({})", what, cudaGetErrorString(error), cudaGetErrorName(error));
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older C libraries lack the name
+#endif
+
 constexpr uint32_t kDefaultSlotBytes = 4u << 20;  // the largest chunk a server sends
 constexpr uint32_t kMaxSlotBytes = 64u << 20;
 constexpr size_t kPageBytes = 4096;
@@ -45,7 +49,7 @@ class StagingMemory {
   Status Allocate(size_t bytes) {
     if (TryRegisteredHugePages(bytes)) return Status::Ok();
     void* pinned = nullptr;
-    if (cudaError_t e = cudaMallocHost(&pinned, bytes); e != cudaSuccess)
+    if (cudaError_t e = cudaHostAlloc(&pinned, bytes, cudaHostAllocPortable); e != cudaSuccess)
       return CudaError(e, fmt::format("pinning a {}-byte staging ring", bytes));
     data_ = static_cast<uint8_t*>(pinned);
     cuda_allocated_ = true;
@@ -67,11 +71,12 @@ class StagingMemory {
                        ~uintptr_t{kHugePageBytes - 1};
     data_ = reinterpret_cast<uint8_t*>(start);
     (void)::madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: without THP, small pages
+    (void)::madvise(data_, bytes, MADV_DONTFORK);  // pinned for DMA: a fork must not share it
     if (::madvise(data_, bytes, MADV_POPULATE_WRITE) != 0) {
       for (size_t offset = 0; offset < bytes; offset += kPageBytes)  // kernels before 5.14
         static_cast<volatile uint8_t*>(data_)[offset] = 0;
     }
-    if (cudaHostRegister(data_, bytes, cudaHostRegisterDefault) == cudaSuccess) {
+    if (cudaHostRegister(data_, bytes, cudaHostRegisterPortable) == cudaSuccess) {
       registered_ = true;
       return true;
     }
@@ -143,12 +148,21 @@ class CudaCopyEngine::Impl {
     return Status::Ok();
   }
 
-  // Slots sized to the image's chunks when the options left the size open.
+  // Slots sized to the image's chunks when the options left the size open. The size comes
+  // from the server: sized automatically only up to the largest chunk a server sends, so a
+  // server cannot make the client pin more than staging_slots x 4 MiB.
   Status ExpectChunkBytes(uint32_t max_bytes) {
     if (max_bytes == 0 || max_bytes > kMaxSlotBytes)
       return InvalidArgument("chunks of {} bytes (the CUDA engine stages 1 to {} bytes)", max_bytes,
                              kMaxSlotBytes);
-    if (slots_.empty()) return MakeRing(max_bytes);
+    if (slots_.empty()) {
+      if (max_bytes > kDefaultSlotBytes)
+        return InvalidArgument(
+            "chunks of {} bytes are larger than the {} bytes the CUDA engine stages unless "
+            "CudaEngineOptions::slot_bytes says so",
+            max_bytes, kDefaultSlotBytes);
+      return MakeRing(max_bytes);
+    }
     if (max_bytes > slot_bytes_)
       return InvalidArgument(
           "the image's {}-byte chunks do not fit the CUDA engine's {}-byte staging slots "
@@ -160,6 +174,7 @@ class CudaCopyEngine::Impl {
   Status AddDestination(uint32_t bo, uint64_t size) {
     // A restore that never said its chunk size gets slots for the largest chunk a server sends.
     if (slots_.empty()) GPULAZY_RETURN_IF_ERROR(MakeRing(kDefaultSlotBytes));
+    GPULAZY_RETURN_IF_ERROR(UseDevice());
     if (bo >= destinations_.size()) {
       destinations_.resize(bo + 1, nullptr);
       sizes_.resize(bo + 1, 0);
@@ -174,23 +189,39 @@ class CudaCopyEngine::Impl {
     return Status::Ok();
   }
 
-  // The staging ring: one pinned allocation cut into slots (made once, before any write).
+  // The calling thread's CUDA device: the restore calls in from threads of its own, and events,
+  // streams and allocations must all be on the engine's device.
+  Status UseDevice() const {
+    if (cudaError_t e = cudaSetDevice(options_.device); e != cudaSuccess)
+      return CudaError(e, fmt::format("selecting CUDA device {}", options_.device));
+    return Status::Ok();
+  }
+
+  // The staging ring: one pinned allocation cut into slots (made once, before any write, and
+  // whole or not at all).
   Status MakeRing(uint32_t slot_bytes) {
+    GPULAZY_RETURN_IF_ERROR(UseDevice());
     const size_t stride = (size_t{slot_bytes} + kPageBytes - 1) / kPageBytes * kPageBytes;
     GPULAZY_RETURN_IF_ERROR(staging_.Allocate(stride * options_.staging_slots));
-    slots_.resize(options_.staging_slots);
-    for (uint32_t i = 0; i < slots_.size(); ++i) {
-      slots_[i].pinned = staging_.data() + stride * i;
-      if (cudaError_t e = cudaEventCreateWithFlags(&slots_[i].event, cudaEventDisableTiming);
-          e != cudaSuccess)
+    std::vector<Slot> slots(options_.staging_slots);
+    for (uint32_t i = 0; i < slots.size(); ++i) {
+      slots[i].pinned = staging_.data() + stride * i;
+      if (cudaError_t e = cudaEventCreateWithFlags(&slots[i].event, cudaEventDisableTiming);
+          e != cudaSuccess) {
+        for (Slot& made : slots)
+          if (made.event != nullptr) cudaEventDestroy(made.event);
         return CudaError(e, "creating a copy event");
+      }
     }
+    slots_ = std::move(slots);
     slot_bytes_ = slot_bytes;
     std::lock_guard lock(mu_);
     for (uint32_t i = 0; i < slots_.size(); ++i)
       free_.push_back(i);
     return Status::Ok();
   }
+
+  uint32_t slot_bytes() const { return slot_bytes_; }
 
   Status CheckRange(uint32_t bo, uint64_t offset, uint64_t length) const {
     if (bo >= destinations_.size() || destinations_[bo] == nullptr)
@@ -220,10 +251,12 @@ class CudaCopyEngine::Impl {
   // Queues the DMA of a filled staging slot; on failure the slot is free again.
   Status Queue(uint32_t index, uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
     Slot& slot = slots_[index];
+    cudaError_t e = cudaSetDevice(options_.device);  // the caller's thread may be on another
     cudaStream_t stream =
         streams_[next_stream_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
     auto* target = static_cast<uint8_t*>(destinations_[bo]) + offset;
-    cudaError_t e = cudaMemcpyAsync(target, slot.pinned, length, cudaMemcpyHostToDevice, stream);
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync(target, slot.pinned, length, cudaMemcpyHostToDevice, stream);
     if (e == cudaSuccess) e = cudaEventRecord(slot.event, stream);
     if (e != cudaSuccess) {
       std::lock_guard lock(mu_);
@@ -293,6 +326,7 @@ class CudaCopyEngine::Impl {
       return InvalidArgument("BO {} has no destination", bo);
     if (offset > sizes_[bo] || out.size() > sizes_[bo] - offset)
       return OutOfRange("read of {} bytes at {} past the end of BO {}", out.size(), offset, bo);
+    GPULAZY_RETURN_IF_ERROR(UseDevice());
     const auto* source = static_cast<const uint8_t*>(destinations_[bo]) + offset;
     if (cudaError_t e = cudaMemcpy(out.data(), source, out.size(), cudaMemcpyDeviceToHost);
         e != cudaSuccess)
@@ -410,6 +444,9 @@ Status CudaCopyEngine::CopyToHost(uint32_t bo, uint64_t offset, std::span<uint8_
 }
 uint64_t CudaCopyEngine::bytes_written() const {
   return impl_->bytes_written();
+}
+uint32_t CudaCopyEngine::slot_bytes() const {
+  return impl_->slot_bytes();
 }
 
 }  // namespace gpulazy::client

@@ -28,9 +28,10 @@ struct CudaEngineOptions {
   int device = 0;
   uint32_t staging_slots = 16;
   // Bytes per staging slot. 0: the image's chunk size, as the restore tells it
-  // (ExpectChunkBytes), or 4 MiB, the largest chunk a server sends, if it never does. A slot
-  // must hold the largest chunk; staging memory is staging_slots x slot_bytes, pinned before
-  // the restore's program may run, so smaller slots resume sooner.
+  // (ExpectChunkBytes; up to 4 MiB, the largest chunk a server sends: larger chunks need an
+  // explicit size), or 4 MiB if it never does. A slot must hold the largest chunk; staging
+  // memory is staging_slots x slot_bytes, pinned before the restore's program may run, so
+  // smaller slots resume sooner.
   uint32_t slot_bytes = 0;
   uint32_t streams = 4;
 };
@@ -58,6 +59,9 @@ class CudaCopyEngine : public CopyEngine {
   // Copies [offset, offset + out.size()) of the BO back to host memory (for verification).
   Status CopyToHost(uint32_t bo, uint64_t offset, std::span<uint8_t> out) const;
   uint64_t bytes_written() const;
+  // Bytes per staging slot; 0 until the ring is made (options, ExpectChunkBytes or the first
+  // AddDestination).
+  uint32_t slot_bytes() const;
 
  private:
   class Impl;

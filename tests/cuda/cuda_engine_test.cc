@@ -105,7 +105,12 @@ TEST_F(CudaEngineTest, FixedSlotsRefuseLargerChunksAndUntoldRestoresGetFourMiB) 
   auto untold = CudaCopyEngine::Create(open);
   ASSERT_TRUE(untold.ok()) << untold.status().ToString();
   constexpr uint32_t kLargest = 4u << 20;
+  // Sized automatically only up to the largest chunk a server sends: a server cannot make the
+  // client pin more by announcing larger chunks.
+  EXPECT_EQ((*untold)->ExpectChunkBytes(2 * kLargest).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*untold)->slot_bytes(), 0u);
   ASSERT_TRUE((*untold)->AddDestination(0, kLargest + 4096).ok());
+  EXPECT_EQ((*untold)->slot_bytes(), kLargest);
   std::vector<uint8_t> source(kLargest, 0x5a);
   ASSERT_TRUE((*untold)->Write(0, 4096, source, [](Status) {}).ok());
   EXPECT_EQ((*untold)->Write(0, 0, {source.data(), 4096}, [](Status) {}).code(), Code::kOk);
