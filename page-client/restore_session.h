@@ -108,10 +108,12 @@ struct Progress {
   uint64_t duplicates = 0;           // copies of chunks already held, ignored
   uint64_t reconnects = 0;           // successful re-opens after a lost connection
   bool reading_files = false;        // the current connection passed the image files (by reference)
-  // Where the stream connection's reading thread spent its time: waiting for the next frame to
-  // start (the server had sent nothing yet), and inside chunk frames (receiving the payload,
-  // which may also wait for bytes, verifying it, handing it to the engine). Says whether a slow
-  // stream is the server's supply or the client's work (docs/benchmarks.md, issue 3).
+  // Where the stream connection's reading thread spent its time (wall time, other work of that
+  // thread included): waiting for the next frame to start, and inside chunk frames (receiving
+  // the payload, which may also wait for bytes, verifying it, handing it to the engine).
+  // Waiting covers a server that is slow and a server held back by this client's credit
+  // window (credit returns once the engine has the bytes), so it tells a slow stream's
+  // reader-side work from everything else, not the server from the client outright.
   double stream_wait_s = 0;
   double stream_chunk_s = 0;
   bool complete = false;

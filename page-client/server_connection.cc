@@ -93,6 +93,7 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
   }
   Handshake handshake{std::move(connected).value(), {}};
   net::TuneSocket(handshake.socket.socket());
+  net::ForceSocketBuffers(handshake.socket.socket());  // our own connection to our server
   HandshakeDeadline deadline(executor, &handshake.socket, timeout);
   Status tls = co_await handshake.socket.Handshake();
   if (!tls.ok()) {

@@ -358,6 +358,8 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     role_ = Role::kStream;
   }
   grant_ = GrantFor(ctx_.config.image_access, identity_);
+  // Past the administrator's socket-buffer caps only for a peer let in (docs/server.md).
+  net::ForceSocketBuffers(socket_.socket());
   wire::Header reply;
   reply.set_request_id(rid);
   wire::HelloReply* body = reply.mutable_hello_reply();

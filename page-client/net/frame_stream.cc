@@ -186,17 +186,19 @@ Awaitable<Status> WriteFrameFromFile(Stream& stream, const wire::Header& header,
 void TuneSocket(Socket& socket) {
   if (!socket.is_open()) return;
   error_code ignored;
-  // As root (CRIU's master is) the FORCE options pass net.core.[rw]mem_max, which many hosts
-  // keep at their 208 KiB default; otherwise the kernel caps the plain ones there.
-  const int fd = socket.native_handle();
-  const int bytes = kSocketBufferBytes;
-  if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0)
-    socket.set_option(asio::socket_base::send_buffer_size(kSocketBufferBytes), ignored);
-  if (::setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof bytes) != 0)
-    socket.set_option(asio::socket_base::receive_buffer_size(kSocketBufferBytes), ignored);
+  socket.set_option(asio::socket_base::send_buffer_size(kSocketBufferBytes), ignored);
+  socket.set_option(asio::socket_base::receive_buffer_size(kSocketBufferBytes), ignored);
   int family = socket.local_endpoint(ignored).protocol().family();
   if (family == AF_INET || family == AF_INET6)
     socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+}
+
+void ForceSocketBuffers(Socket& socket) {
+  if (!socket.is_open()) return;
+  const int bytes = kSocketBufferBytes;
+  // EPERM without CAP_NET_ADMIN: the buffers stay as TuneSocket left them.
+  (void)::setsockopt(socket.native_handle(), SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes);
+  (void)::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof bytes);
 }
 
 Awaitable<Result<Socket>> Connect(const Endpoint& endpoint) {

@@ -71,5 +71,10 @@ Result<Socket> ConnectBlocking(boost::asio::io_context& io, const Endpoint& endp
 // wakeups instead of dozens. Best effort: the kernel caps them (net.core.[rw]mem_max).
 inline constexpr int kSocketBufferBytes = 4 << 20;
 void TuneSocket(Socket& socket);
+// As root (CRIU's master is), gives the socket kSocketBufferBytes both ways past
+// net.core.[rw]mem_max, which many hosts keep at their 208 KiB default; otherwise a no-op. Only
+// for a trusted peer: the caps are the administrator's bound on the kernel memory that
+// connections may park (the server forces them once a peer's Hello is accepted).
+void ForceSocketBuffers(Socket& socket);
 
 }  // namespace gpulazy::net
