@@ -368,9 +368,10 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   body->set_max_payload(ctx_.limits.max_payload);
   Enqueue(std::move(reply));
   Touch();
-  spdlog::debug("{}: hello from '{}' ({}), {}", Tag(), hello.client_name().substr(0, 64),
+  spdlog::debug("{}: hello from '{}' ({}), {} over {}", Tag(), hello.client_name().substr(0, 64),
                 identity_.ToString(),
-                role_ == Role::kDemand ? "demand connection" : "stream connection");
+                role_ == Role::kDemand ? "demand connection" : "stream connection",
+                socket_.is_tls() ? "TLS" : "a plain socket");
   co_return;
 }
 

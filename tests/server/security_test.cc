@@ -146,7 +146,7 @@ TEST_F(SecurityTest, TlsFetchIsByteExact) {
   ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
   ASSERT_EQ(run.exit_code, 0) << run.out << server->Log();
   ExpectFetchedBytesMatch();
-  EXPECT_TRUE(server->LogShows({"(TLS)"})) << server->Log();
+  EXPECT_TRUE(server->LogShows({"stream connection over TLS"})) << server->Log();
   // Stats over TLS too.
   ProcessRun stats = Client("stats --server " + server->tcp_endpoint().ToString() + " --tls-ca " +
                             pki().pem("ca"));
