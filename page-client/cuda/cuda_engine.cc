@@ -201,18 +201,26 @@ class CudaCopyEngine::Impl {
   // whole or not at all).
   Status MakeRing(uint32_t slot_bytes) {
     GPULAZY_RETURN_IF_ERROR(UseDevice());
-    const size_t stride = (size_t{slot_bytes} + kPageBytes - 1) / kPageBytes * kPageBytes;
-    GPULAZY_RETURN_IF_ERROR(staging_.Allocate(stride * options_.staging_slots));
     std::vector<Slot> slots(options_.staging_slots);
-    for (uint32_t i = 0; i < slots.size(); ++i) {
-      slots[i].pinned = staging_.data() + stride * i;
-      if (cudaError_t e = cudaEventCreateWithFlags(&slots[i].event, cudaEventDisableTiming);
+    auto destroy_events = [&] {
+      for (Slot& made : slots)
+        if (made.event != nullptr) cudaEventDestroy(made.event);
+    };
+    for (Slot& slot : slots) {
+      if (cudaError_t e = cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming);
           e != cudaSuccess) {
-        for (Slot& made : slots)
-          if (made.event != nullptr) cudaEventDestroy(made.event);
+        destroy_events();
         return CudaError(e, "creating a copy event");
       }
     }
+    // The memory last: a failed allocation leaves nothing behind (events destroyed, no mapping).
+    const size_t stride = (size_t{slot_bytes} + kPageBytes - 1) / kPageBytes * kPageBytes;
+    if (Status allocated = staging_.Allocate(stride * slots.size()); !allocated.ok()) {
+      destroy_events();
+      return allocated;
+    }
+    for (size_t i = 0; i < slots.size(); ++i)
+      slots[i].pinned = staging_.data() + stride * i;
     slots_ = std::move(slots);
     slot_bytes_ = slot_bytes;
     std::lock_guard lock(mu_);

@@ -132,6 +132,20 @@ FakeImage SmallImage() {
   return FakeImage::Small();
 }
 
+// The small image behind a server that holds its stream until Resume (demand still flows), and
+// an engine to restore it into.
+struct PausedServer {
+  PausedServer()
+      : server(image, [] {
+          FakeServerOptions options;
+          options.paused = true;
+          return options;
+        }()) {}
+  FakeImage image = SmallImage();
+  FakeServer server;
+  CountingEngine engine{image};
+};
+
 TEST(RestoreSession, RestoresByteExact) {
   FakeImage image = SmallImage();
   FakeServer server(image, {});
@@ -158,12 +172,9 @@ TEST(RestoreSession, RestoresByteExact) {
 // The stream reader's time, split: a server that sends nothing for 300 ms shows up as waiting
 // for a frame, the chunks as time inside chunk frames, and neither counts what the other did.
 TEST(RestoreSession, ProgressSplitsTheStreamReadersTimeIntoWaitingAndChunks) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.paused = true;
-  FakeServer server(image, server_options);
-  CountingEngine engine(image);
-  RestoreSession session(Options(server), engine);
+  PausedServer paused;
+  FakeServer& server = paused.server;
+  RestoreSession session(Options(server), paused.engine);
   const auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(session.Start().ok());
   std::this_thread::sleep_for(300ms);
@@ -178,11 +189,10 @@ TEST(RestoreSession, ProgressSplitsTheStreamReadersTimeIntoWaitingAndChunks) {
 }
 
 TEST(RestoreSession, WorksWithoutDemandConnection) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.paused = true;  // only demand requests flow until Resume
-  FakeServer server(image, server_options);
-  CountingEngine engine(image);
+  PausedServer paused;  // only demand requests flow until Resume
+  FakeServer& server = paused.server;
+  CountingEngine& engine = paused.engine;
+  const FakeImage& image = paused.image;
   SessionOptions options = Options(server);
   options.demand_connection = false;
   RestoreSession session(options, engine);
@@ -196,11 +206,10 @@ TEST(RestoreSession, WorksWithoutDemandConnection) {
 }
 
 TEST(RestoreSession, EnsureDemandsMissingChunks) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.paused = true;
-  FakeServer server(image, server_options);
-  CountingEngine engine(image);
+  PausedServer paused;
+  FakeServer& server = paused.server;
+  CountingEngine& engine = paused.engine;
+  const FakeImage& image = paused.image;
   RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
   // Chunks 2 and 3 of BO 0: bytes [8192 + 4000, +4000).
