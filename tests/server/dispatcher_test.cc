@@ -405,6 +405,13 @@ TEST_F(DispatcherTest, CachedDemandChunksAreServedWhereTheyArePicked) {
     EXPECT_TRUE(sink->cv_.wait_for(lock, 10s, [&] { return !sink->served_.empty(); }));
     auto served = sink->served_.empty() ? std::pair<std::thread::id, bool>{} : sink->served_.back();
     sink->served_.clear();
+    lock.unlock();
+    // The sink hears of the chunk before the disk thread gives its demand slot back; a demand
+    // made in between would wait for that slot and be served by the disk thread's own pump.
+    const auto deadline = Clock::now() + 10s;
+    while (dispatcher.lanes().demand_in_flight != 0 && Clock::now() < deadline)
+      std::this_thread::sleep_for(1ms);
+    EXPECT_EQ(dispatcher.lanes().demand_in_flight, 0u);
     return served;
   };
   const std::thread::id here = std::this_thread::get_id();
