@@ -186,6 +186,64 @@ Result<nlohmann::json> RunInChild(const std::function<Result<nlohmann::json>()>&
   return result;
 }
 
+CpuMeter::CpuMeter(pid_t server)
+    : server_(server),
+      machine_(ReadMachine()),
+      self_s_(SelfSeconds()),
+      server_s_(server > 0 ? ProcessSeconds(server) : 0) {}
+
+CpuMeter::MachineTicks CpuMeter::ReadMachine() {
+  // "cpu  user nice system idle iowait irq softirq steal ..." (proc(5)).
+  std::ifstream stat("/proc/stat");
+  std::string label;
+  uint64_t user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  stat >> label >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+  MachineTicks ticks;
+  if (!stat || label != "cpu") return ticks;
+  ticks.total = user + nice + system + idle + iowait + irq + softirq + steal;
+  ticks.idle = idle + iowait;
+  ticks.steal = steal;
+  return ticks;
+}
+
+double CpuMeter::SelfSeconds() {
+  rusage usage{};
+  if (::getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+double CpuMeter::ProcessSeconds(pid_t pid) {
+  // Fields 14 and 15 of /proc/PID/stat (utime, stime, in clock ticks) follow the command name,
+  // which may contain spaces: count from its closing parenthesis.
+  std::ifstream file(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  if (!std::getline(file, line)) return 0;
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(line.substr(close + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int index = 3; index <= 15 && fields >> field; ++index) {
+    if (index == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (index == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+nlohmann::json CpuMeter::Read() const {
+  const MachineTicks now = ReadMachine();
+  const uint64_t total = now.total - machine_.total;
+  nlohmann::json out;
+  if (total > 0) {
+    out["cpu_busy"] = 1.0 - static_cast<double>(now.idle - machine_.idle) / total;
+    out["cpu_steal"] = static_cast<double>(now.steal - machine_.steal) / total;
+  }
+  out["client_cpu_s"] = SelfSeconds() - self_s_;
+  if (server_ > 0) out["server_cpu_s"] = ProcessSeconds(server_) - server_s_;
+  return out;
+}
+
 nlohmann::json MachineDescription() {
   nlohmann::json machine;
   std::ifstream cpuinfo("/proc/cpuinfo");

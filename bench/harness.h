@@ -65,6 +65,7 @@ class ServerChild {
   ~ServerChild();  // SIGTERM, then SIGKILL if it lingers
   const std::string& unix_endpoint() const { return unix_endpoint_; }
   const std::string& tcp_endpoint() const { return tcp_endpoint_; }
+  pid_t pid() const { return pid_; }
 
  private:
   ServerChild() = default;
@@ -89,6 +90,29 @@ class DiscardEngine : public client::CopyEngine {
     return Status::Ok();
   }
   Status Flush() override { return Status::Ok(); }
+};
+
+// Where the CPU went while a case ran: the whole machine's busy share (/proc/stat), the
+// CPU-seconds of this process (every thread) and of a server process. Tells a pipeline that
+// waits from one that has no CPU left.
+class CpuMeter {
+ public:
+  explicit CpuMeter(pid_t server = -1);  // starts counting
+  // cpu_busy: share of all CPUs' time not idle (steal included, also reported as cpu_steal);
+  // client_cpu_s: this process; server_cpu_s: the server's, when one was given.
+  nlohmann::json Read() const;
+
+ private:
+  struct MachineTicks {
+    uint64_t total = 0, idle = 0, steal = 0;
+  };
+  static MachineTicks ReadMachine();
+  static double SelfSeconds();
+  static double ProcessSeconds(pid_t pid);
+  pid_t server_;
+  MachineTicks machine_;
+  double self_s_;
+  double server_s_;
 };
 
 // CPU model, cores, memory and kernel, for the report.

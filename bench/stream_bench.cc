@@ -71,6 +71,7 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
   const size_t copy_length = into_fresh_memory ? std::max<uint64_t>(per_session, 1) : kBlock;
   const uint32_t threads = sessions * threads_per_session;
   std::vector<Status> statuses(threads);
+  const CpuMeter cpu;
   auto start = Clock::now();
   std::vector<std::thread> workers;
   for (uint32_t s = 0; s < sessions; ++s) {
@@ -110,6 +111,7 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
   for (std::thread& worker : workers)
     worker.join();
   const double seconds = SecondsSince(start);
+  const nlohmann::json cpu_used = cpu.Read();
   populaters.clear();  // before the memory they populate goes
   if (memory_kind != CeilingMemory::kMemfd)
     for (void* memory : copies)
@@ -118,10 +120,12 @@ Result<nlohmann::json> MeasureCeiling(const std::vector<fs::path>& files, uint64
   for (const Status& s : statuses)
     GPULAZY_RETURN_IF_ERROR(s);
   const uint64_t bytes = per_session * sessions;
-  return nlohmann::json{{"seconds", seconds},
+  nlohmann::json result{{"seconds", seconds},
                         {"bytes", bytes},
                         {"threads_per_session", threads_per_session},
                         {"throughput_Bps", static_cast<double>(bytes) / seconds}};
+  result.update(cpu_used);
+  return result;
 }
 
 // Compares every BO a host engine holds with the source pages files.
@@ -152,7 +156,7 @@ Status VerifyAgainstSource(const fs::path& image_dir, const client::RestoreSessi
 
 Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
                                        bool read_files, uint32_t sessions,
-                                       const StreamOptions& options) {
+                                       const StreamOptions& options, pid_t server_pid) {
   std::vector<std::unique_ptr<client::CopyEngine>> engines;
   std::vector<std::unique_ptr<client::RestoreSession>> clients;
   for (uint32_t s = 0; s < sessions; ++s) {
@@ -171,6 +175,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     session.file_readers = options.file_readers;
     clients.push_back(std::make_unique<client::RestoreSession>(session, *engines.back()));
   }
+  const CpuMeter cpu(server_pid);
   auto start = Clock::now();
   for (auto& c : clients)
     GPULAZY_RETURN_IF_ERROR(c->Start());
@@ -185,18 +190,21 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     chunk_s += progress.stream_chunk_s;
   }
   double seconds = SecondsSince(start);
+  const nlohmann::json cpu_used = cpu.Read();
   bool verified = false;
   if (options.engine == "host") {
     GPULAZY_RETURN_IF_ERROR(VerifyAgainstSource(
         image_dir, *clients[0], static_cast<const client::HostCopyEngine&>(*engines[0])));
     verified = true;
   }
-  return nlohmann::json{{"seconds", seconds},
+  nlohmann::json result{{"seconds", seconds},
                         {"bytes", bytes},
                         {"throughput_Bps", static_cast<double>(bytes) / seconds},
                         {"stream_wait_s", wait_s / sessions},
                         {"stream_chunk_s", chunk_s / sessions},
                         {"verified", verified}};
+  result.update(cpu_used);
+  return result;
 }
 
 }  // namespace
@@ -218,7 +226,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
     warm.engine = "discard";
     GPULAZY_RETURN_IF_ERROR(RunInChild([&] {
                               return MeasurePipeline(image_dir, server.unix_endpoint(), false, 1,
-                                                     warm);
+                                                     warm, server.pid());
                             }).status());
   }
   for (const std::string& transport : options.transports) {
@@ -255,7 +263,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
       }
       GPULAZY_ASSIGN_OR_RETURN(nlohmann::json pipeline, RunInChild([&] {
                                  return MeasurePipeline(image_dir, endpoint, read_files, sessions,
-                                                        options);
+                                                        options, server.pid());
                                }));
       const double throughput = pipeline["throughput_Bps"].get<double>();
       const double ceiling_Bps = ceiling["throughput_Bps"].get<double>();
@@ -279,6 +287,15 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                // frame vs inside chunk frames (client::Progress).
                                {"stream_wait_s", pipeline["stream_wait_s"]},
                                {"stream_chunk_s", pipeline["stream_chunk_s"]},
+                               // Where the CPU went (harness.h CpuMeter): a pipeline short of its
+                               // ceiling with the machine busy has no CPU left; one with idle
+                               // CPUs waits on something.
+                               {"cpu_busy", pipeline.value("cpu_busy", -1.0)},
+                               {"cpu_steal", pipeline.value("cpu_steal", -1.0)},
+                               {"client_cpu_s", pipeline["client_cpu_s"]},
+                               {"server_cpu_s", pipeline.value("server_cpu_s", -1.0)},
+                               {"ceiling_cpu_busy", ceiling.value("cpu_busy", -1.0)},
+                               {"ceiling_cpu_s", ceiling["client_cpu_s"]},
                                {"ceiling_peak_rss_bytes", ceiling["peak_rss_bytes"]},
                                {"verified", pipeline["verified"]},
                                {"machine", MachineDescription()}};
