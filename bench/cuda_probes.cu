@@ -5,9 +5,13 @@
 //   pin-page-cache FILE   Can the DMA engine read the page cache directly? mmap the file and
 //                         cudaHostRegister it read-only (whole, then in pipelined windows),
 //                         so no CPU copy remains; reports registration cost and throughput.
-//   read-dma FILE         What do T threads reach when each preads 2 MiB chunks into its own
+//   read-dma FILE         What do T threads reach when each fills 2 MiB chunks into its own
 //                         pinned slots, (a) without DMA, (b) with DMA on its own stream? The
 //                         best CPU-copy design this host allows, without gpulazy's machinery.
+//                         Four fills: pread; pread + XXH3 per slice (what verification adds);
+//                         from an mmap of the file, XXH3 per slice then a streaming-store copy,
+//                         and that copy alone (one read of the page cache, no read-for-
+//                         ownership of the slot).
 //   pin-cost TOTAL_MIB    What does a staging ring of TOTAL_MIB cost to make before a restore
 //                         may resume? Per-slot cudaMallocHost (2 and 4 MiB), one allocation,
 //                         and cudaHostRegister of memory we fault in ourselves (4 KiB pages or
@@ -16,9 +20,11 @@
 // Output: one JSON object per line. The file should be in the page cache (each probe reads it
 // once first). Written for measurement, so errors abort with a message.
 #include <cuda_runtime.h>
+#include <emmintrin.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -218,68 +224,177 @@ void PinPageCache(const File& file, size_t window, int in_flight) {
   cudaFree(device);
 }
 
+// How a reader fills its pinned slot with one chunk.
+enum class Fill {
+  kPread,       // pread into the slot (LocalRestore on a checkpoint without checksums)
+  kPreadHash,   // pread slice by slice, each slice hashed after it lands (by reference)
+  kMappedHash,  // from a mapping of the file: hash a slice, then copy it with streaming stores
+  kMapped,      // from a mapping of the file: copy with streaming stores, no hash
+};
+const char* FillName(Fill fill) {
+  switch (fill) {
+    case Fill::kPread:
+      return "pread";
+    case Fill::kPreadHash:
+      return "pread+xxh3";
+    case Fill::kMappedHash:
+      return "mmap+xxh3+nt";
+    case Fill::kMapped:
+      return "mmap+nt";
+  }
+  return "?";
+}
+
+constexpr size_t kSliceBytes = 256 * 1024;
+
+// Streaming (non-temporal) stores: the slot's lines go to memory without being read first (no
+// read-for-ownership) and without evicting the cache, which is where the DMA engine reads them.
+void CopyStreaming(char* to, const char* from, size_t length) {
+  size_t i = 0;
+  for (; i + 64 <= length; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 48), d);
+  }
+  std::memcpy(to + i, from + i, length - i);
+}
+
+// One chunk into `slot`; returns its XXH3 (0 when the fill does not hash).
+uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, size_t length,
+                  size_t offset, XXH3_state_t* state) {
+  switch (fill) {
+    case Fill::kPread:
+      file.ReadFully(slot, length, offset);
+      return 0;
+    case Fill::kPreadHash:
+      XXH3_64bits_reset(state);
+      for (size_t done = 0; done < length; done += kSliceBytes) {
+        const size_t n = std::min(kSliceBytes, length - done);
+        file.ReadFully(slot + done, n, offset + done);
+        XXH3_64bits_update(state, slot + done, n);
+      }
+      return XXH3_64bits_digest(state);
+    case Fill::kMappedHash:
+    case Fill::kMapped: {
+      const char* from = mapped + offset;
+      // One call maps the chunk's cached pages instead of a fault per 16 of them.
+      if (::madvise(const_cast<char*>(from), length, MADV_POPULATE_READ) != 0) {
+        std::perror("madvise(MADV_POPULATE_READ)");
+        std::exit(1);
+      }
+      if (fill == Fill::kMappedHash) XXH3_64bits_reset(state);
+      for (size_t done = 0; done < length; done += kSliceBytes) {
+        const size_t n = std::min(kSliceBytes, length - done);
+        if (fill == Fill::kMappedHash) XXH3_64bits_update(state, from + done, n);
+        CopyStreaming(slot + done, from + done, n);
+      }
+      _mm_sfence();  // the streaming stores are visible before the DMA is queued
+      return fill == Fill::kMappedHash ? XXH3_64bits_digest(state) : 0;
+    }
+  }
+  return 0;
+}
+
 void ReadDma(const File& file, size_t chunk_bytes) {
   const size_t chunks = file.size / chunk_bytes;
   const size_t size = chunks * chunk_bytes;
   void* device = nullptr;
   Check(cudaMalloc(&device, size), "allocating device memory");
   const double ceiling = CeilingBps(device, size);
-  for (int threads : {16, 24}) {
-    for (int slots_per_thread : {0, 2, 4}) {  // 0: read only, no DMA
-      const bool dma = slots_per_thread > 0;
-      const int slots = dma ? slots_per_thread : 1;
-      std::vector<void*> pinned(static_cast<size_t>(threads * slots));
-      for (void*& p : pinned)
-        Check(cudaMallocHost(&p, chunk_bytes), "pinning a slot");
-      std::vector<cudaStream_t> streams(static_cast<size_t>(threads));
-      for (cudaStream_t& s : streams)
-        Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
-      std::vector<cudaEvent_t> events(pinned.size());
-      for (cudaEvent_t& ev : events)
-        Check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
-      std::atomic<size_t> next{0};
-      const auto start = Clock::now();
-      std::vector<std::thread> workers;
-      for (int t = 0; t < threads; ++t) {
-        workers.emplace_back([&, t] {
-          std::vector<bool> used(static_cast<size_t>(slots), false);
-          for (size_t turn = 0;; ++turn) {
-            const size_t chunk = next.fetch_add(1);
-            if (chunk >= chunks) break;
-            const size_t j = turn % static_cast<size_t>(slots);
-            const size_t slot = static_cast<size_t>(t * slots) + j;
-            if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
-            file.ReadFully(static_cast<char*>(pinned[slot]), chunk_bytes, chunk * chunk_bytes);
-            if (!dma) continue;
-            Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * chunk_bytes, pinned[slot],
-                                  chunk_bytes, cudaMemcpyHostToDevice,
-                                  streams[static_cast<size_t>(t)]),
-                  "copying a chunk");
-            Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]),
-                  "recording an event");
-            used[j] = true;
-          }
-          Check(cudaStreamSynchronize(streams[static_cast<size_t>(t)]), "draining a stream");
-        });
-      }
-      for (std::thread& w : workers)
-        w.join();
-      const double bps = static_cast<double>(size) / SecondsSince(start);
-      std::printf(
-          "{\"probe\":\"read-dma\",\"mode\":\"%s\",\"chunk_KiB\":%zu,\"threads\":%d,"
-          "\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f}\n",
-          dma ? "read+dma" : "read-only", chunk_bytes >> 10, threads, slots_per_thread, bps / 1e9,
-          bps / ceiling);
-      for (cudaEvent_t ev : events)
-        cudaEventDestroy(ev);
-      for (cudaStream_t s : streams)
-        cudaStreamDestroy(s);
-      for (void* p : pinned)
-        cudaFreeHost(p);
+  // The hashes of every chunk, once, to check each hashing fill against.
+  std::vector<uint64_t> want(chunks);
+  {
+    std::vector<char> buffer(chunk_bytes);
+    for (size_t chunk = 0; chunk < chunks; ++chunk) {
+      file.ReadFully(buffer.data(), chunk_bytes, chunk * chunk_bytes);
+      want[chunk] = XXH3_64bits(buffer.data(), chunk_bytes);
     }
   }
-  std::printf("{\"probe\":\"read-dma\",\"sample_ok\":%s}\n",
-              SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true" : "false");
+  for (Fill fill : {Fill::kPread, Fill::kPreadHash, Fill::kMappedHash, Fill::kMapped}) {
+    for (int threads : {16, 24}) {
+      // 0: read only, no DMA (the pread fill only)
+      for (int slots_per_thread : {0, 2, 4}) {
+        if (slots_per_thread == 0 && fill != Fill::kPread) continue;
+        const bool dma = slots_per_thread > 0;
+        const int slots = dma ? slots_per_thread : 1;
+        std::vector<void*> pinned(static_cast<size_t>(threads * slots));
+        for (void*& p : pinned)
+          Check(cudaMallocHost(&p, chunk_bytes), "pinning a slot");
+        std::vector<cudaStream_t> streams(static_cast<size_t>(threads));
+        for (cudaStream_t& s : streams)
+          Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
+        std::vector<cudaEvent_t> events(pinned.size());
+        for (cudaEvent_t& ev : events)
+          Check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
+        std::atomic<size_t> next{0};
+        std::atomic<size_t> mismatches{0};
+        const bool maps = fill == Fill::kMappedHash || fill == Fill::kMapped;
+        const auto start = Clock::now();
+        // Mapped and unmapped inside the timed part: a restore would pay for both.
+        char* mapped = nullptr;
+        if (maps) {
+          void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, file.fd, 0);
+          if (m == MAP_FAILED) {
+            std::perror("mmap");
+            std::exit(1);
+          }
+          mapped = static_cast<char*>(m);
+        }
+        std::vector<std::thread> workers;
+        for (int t = 0; t < threads; ++t) {
+          workers.emplace_back([&, t] {
+            XXH3_state_t* state = XXH3_createState();
+            std::vector<bool> used(static_cast<size_t>(slots), false);
+            for (size_t turn = 0;; ++turn) {
+              const size_t chunk = next.fetch_add(1);
+              if (chunk >= chunks) break;
+              const size_t j = turn % static_cast<size_t>(slots);
+              const size_t slot = static_cast<size_t>(t * slots) + j;
+              if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
+              const uint64_t hash = FillSlot(fill, file, mapped, static_cast<char*>(pinned[slot]),
+                                             chunk_bytes, chunk * chunk_bytes, state);
+              if ((fill == Fill::kPreadHash || fill == Fill::kMappedHash) && hash != want[chunk])
+                mismatches.fetch_add(1);
+              if (!dma) continue;
+              Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * chunk_bytes, pinned[slot],
+                                    chunk_bytes, cudaMemcpyHostToDevice,
+                                    streams[static_cast<size_t>(t)]),
+                    "copying a chunk");
+              Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]),
+                    "recording an event");
+              used[j] = true;
+            }
+            Check(cudaStreamSynchronize(streams[static_cast<size_t>(t)]), "draining a stream");
+            XXH3_freeState(state);
+          });
+        }
+        for (std::thread& w : workers)
+          w.join();
+        if (maps) ::munmap(mapped, size);
+        const double bps = static_cast<double>(size) / SecondsSince(start);
+        std::printf(
+            "{\"probe\":\"read-dma\",\"fill\":\"%s\",\"mode\":\"%s\",\"chunk_KiB\":%zu,"
+            "\"threads\":%d,\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f,"
+            "\"hash_mismatches\":%zu,\"sample_ok\":%s}\n",
+            FillName(fill), dma ? "read+dma" : "read-only", chunk_bytes >> 10, threads,
+            slots_per_thread, bps / 1e9, bps / ceiling, mismatches.load(),
+            !dma || SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true"
+                                                                                      : "false");
+        Check(cudaMemset(device, 0, size), "clearing device memory between cases");
+        for (cudaEvent_t ev : events)
+          cudaEventDestroy(ev);
+        for (cudaStream_t s : streams)
+          cudaStreamDestroy(s);
+        for (void* p : pinned)
+          cudaFreeHost(p);
+      }
+    }
+  }
   cudaFree(device);
 }
 
