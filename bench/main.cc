@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "bench/checksum_bench.h"
 #include "bench/demand_bench.h"
 #include "bench/restore_bench.h"  // issue 4: restore modes
 #include "bench/stream_bench.h"
@@ -76,6 +77,16 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
 
+  bench::ChecksumOptions checksum;
+  std::string checksum_memory = "1G";
+  CLI::App* checksum_cmd =
+      app.add_subcommand("checksum", "XXH3 builds hashing 256 KiB slices vs one plain read pass");
+  checksum_cmd->add_option("--memory", checksum_memory, "bytes hashed from memory")
+      ->capture_default_str();
+  checksum_cmd->add_option("--rounds", checksum.rounds, "best of")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
+
   // --- restore (issue 4): restore modes side by side; see bench/restore_bench.h ---
   bench::RestoreOptions restore;
   std::string restore_size, restore_chunk;
@@ -106,6 +117,13 @@ int Run(int argc, char** argv) {
     return status.ok() ? 0 : Fail(status);
   }
   // --- end restore ---
+  if (checksum_cmd->parsed()) {
+    auto memory = ParseSize(checksum_memory);
+    if (!memory.ok()) return Fail(memory.status());
+    checksum.memory_bytes = *memory;
+    Status status = bench::RunChecksumBench(common, checksum);
+    return status.ok() ? 0 : Fail(status);
+  }
   if (stream_cmd->parsed()) {
     auto size = ParseSize(stream_size);
     auto window = ParseSize(stream_window);

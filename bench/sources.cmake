@@ -2,7 +2,8 @@ add_executable(gpulazy-bench
   ${CMAKE_CURRENT_LIST_DIR}/main.cc
   ${CMAKE_CURRENT_LIST_DIR}/harness.cc
   ${CMAKE_CURRENT_LIST_DIR}/stream_bench.cc
-  ${CMAKE_CURRENT_LIST_DIR}/demand_bench.cc)
+  ${CMAKE_CURRENT_LIST_DIR}/demand_bench.cc
+  ${CMAKE_CURRENT_LIST_DIR}/checksum_bench.cc)
 target_link_libraries(gpulazy-bench PRIVATE gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
 # The bench starts the real server binary; build it alongside.
 if(TARGET gpulazy-server)

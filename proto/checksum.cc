@@ -4,12 +4,78 @@
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t by value
 #include <xxhash.h>
 
+#include <cstdlib>
 #include <cstring>
 
+#include "proto/checksum_variants.h"
+#if defined(GPULAZY_XXH3_AVX2)
+#include "proto/checksum_avx2.h"
+#endif
+
 namespace gpulazy {
+namespace checksum_internal {
+namespace {
+
+uint64_t LibraryHash(const void* bytes, size_t length) {
+  return XXH3_64bits(bytes, length);
+}
+void LibraryReset(void* state) {
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state));
+}
+void LibraryUpdate(void* state, const void* bytes, size_t length) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), bytes, length);
+}
+uint64_t LibraryDigest(const void* state) {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
+}
+
+bool CpuRunsAvx2() {
+#if defined(GPULAZY_XXH3_AVX2)
+  // libgcc's check covers the kernel saving the AVX registers (XGETBV), not only CPUID.
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+const Xxh3Variant& LibraryXxh3() {
+  static constexpr Xxh3Variant kLibrary{"library", LibraryHash, LibraryReset, LibraryUpdate,
+                                        LibraryDigest};
+  return kLibrary;
+}
+
+const Xxh3Variant* Avx2Xxh3() {
+#if defined(GPULAZY_XXH3_AVX2)
+  static constexpr Xxh3Variant kAvx2{"avx2", Avx2Hash, Avx2Reset, Avx2Update, Avx2Digest};
+  return &kAvx2;
+#else
+  return nullptr;
+#endif
+}
+
+std::vector<const Xxh3Variant*> RunnableXxh3Variants() {
+  std::vector<const Xxh3Variant*> variants{&LibraryXxh3()};
+  if (Avx2Xxh3() != nullptr && CpuRunsAvx2()) variants.push_back(Avx2Xxh3());
+  return variants;
+}
+
+const Xxh3Variant& SelectedXxh3() {
+  static const Xxh3Variant& selected = []() -> const Xxh3Variant& {
+    const char* forced = std::getenv("GPULAZY_XXH3");
+    if (forced != nullptr && std::string_view(forced) == "library") return LibraryXxh3();
+    return *RunnableXxh3Variants().back();
+  }();
+  return selected;
+}
+
+}  // namespace checksum_internal
+
+using checksum_internal::SelectedXxh3;
 
 uint64_t Checksum64(std::span<const uint8_t> bytes) {
-  return XXH3_64bits(bytes.data(), bytes.size());
+  return SelectedXxh3().hash(bytes.data(), bytes.size());
 }
 
 struct Checksum64Stream::State {
@@ -17,18 +83,18 @@ struct Checksum64Stream::State {
 };
 
 Checksum64Stream::Checksum64Stream() : state_(std::make_unique<State>()) {
-  XXH3_64bits_reset(&state_->xxh3);
+  SelectedXxh3().reset(&state_->xxh3);
 }
 Checksum64Stream::~Checksum64Stream() = default;
 Checksum64Stream::Checksum64Stream(Checksum64Stream&&) noexcept = default;
 Checksum64Stream& Checksum64Stream::operator=(Checksum64Stream&&) noexcept = default;
 
 void Checksum64Stream::Update(std::span<const uint8_t> bytes) {
-  XXH3_64bits_update(&state_->xxh3, bytes.data(), bytes.size());
+  SelectedXxh3().update(&state_->xxh3, bytes.data(), bytes.size());
 }
 
 uint64_t Checksum64Stream::Digest() const {
-  return XXH3_64bits_digest(&state_->xxh3);
+  return SelectedXxh3().digest(&state_->xxh3);
 }
 
 Digest128 ContentDigest(std::span<const uint8_t> bytes) {

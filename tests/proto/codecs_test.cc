@@ -1,14 +1,19 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <lz4.h>
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t by value
+#include <xxhash.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "proto/checksum.h"
+#include "proto/checksum_variants.h"
 #include "proto/chunk_codec.h"
 #include "proto/criu_file.h"
 #include "proto/endian.h"
@@ -124,8 +129,6 @@ TEST(ChunkCodecTest, Lz4TruncatedOrEmptyBlocksAreRefused) {
   }
 }
 
-// Found by fuzz_chunk_codec (corpus/chunk_codec/crash-zero-codec-empty-raw): a ZERO chunk of
-// raw length 0 decoded into an empty vector passed memset a null pointer (UBSan: nonnull).
 TEST(ChecksumTest, PiecewiseEqualsWholeForEverySplit) {
   const std::vector<uint8_t> bytes = Pattern(1u << 20);
   const uint64_t whole = Checksum64(bytes);
@@ -147,6 +150,51 @@ TEST(ChecksumTest, PiecewiseEqualsWholeForEverySplit) {
   EXPECT_NE(other.Digest(), whole);
 }
 
+// Every XXH3 build this CPU runs computes the library's function: whole, and streamed in pieces
+// that cross the internal stripes, blocks and the AVX2 loop's own steps; lengths 0 to 4 KiB
+// byte by byte (xxhash has separate paths for 0-16, 17-128, 129-240 and longer inputs).
+TEST(ChecksumTest, EveryRunnableVariantComputesTheLibrarysHash) {
+  using checksum_internal::LibraryXxh3;
+  using checksum_internal::RunnableXxh3Variants;
+  const std::vector<uint8_t> bytes = Pattern(3u << 20);
+  const auto library = [&](size_t length) { return LibraryXxh3().hash(bytes.data(), length); };
+  std::vector<size_t> lengths;
+  for (size_t n = 0; n <= 4096; ++n)
+    lengths.push_back(n);
+  for (size_t n : {size_t{65535}, size_t{65536}, size_t{256u << 10} + 7, bytes.size()})
+    lengths.push_back(n);
+  for (const checksum_internal::Xxh3Variant* variant : RunnableXxh3Variants()) {
+    SCOPED_TRACE(std::string(variant->name));
+    for (size_t n : lengths)
+      ASSERT_EQ(variant->hash(bytes.data(), n), library(n)) << n << " bytes";
+    for (size_t piece :
+         {size_t{1}, size_t{37}, size_t{64}, size_t{1024}, size_t{4099}, size_t{256u << 10}}) {
+      XXH3_state_t state;
+      variant->reset(&state);
+      for (size_t at = 0; at < bytes.size(); at += piece)
+        variant->update(&state, bytes.data() + at, std::min(piece, bytes.size() - at));
+      EXPECT_EQ(variant->digest(&state), library(bytes.size())) << "pieces of " << piece;
+    }
+  }
+}
+
+// Checksum64 runs the fastest variant the CPU has: AVX2 on an x86-64 CPU with it.
+TEST(ChecksumTest, TheFastestRunnableVariantIsSelected) {
+  const std::vector<const checksum_internal::Xxh3Variant*> variants =
+      checksum_internal::RunnableXxh3Variants();
+  const char* forced = std::getenv("GPULAZY_XXH3");
+  if (forced != nullptr && std::string_view(forced) == "library") {
+    EXPECT_EQ(checksum_internal::SelectedXxh3().name, "library");
+    return;
+  }
+  EXPECT_EQ(checksum_internal::SelectedXxh3().name, variants.back()->name);
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) EXPECT_EQ(checksum_internal::SelectedXxh3().name, "avx2");
+#endif
+}
+
+// Found by fuzz_chunk_codec (corpus/chunk_codec/crash-zero-codec-empty-raw): a ZERO chunk of
+// raw length 0 decoded into an empty vector passed memset a null pointer (UBSan: nonnull).
 TEST(ChunkCodecTest, EmptyZeroChunkIntoAnEmptyBuffer) {
   std::vector<uint8_t> empty;
   EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_ZERO, Checksum64({}), {}, empty, "t").ok());
