@@ -8,7 +8,8 @@
 //   read-dma FILE         What do T threads reach when each fills 2 MiB chunks into its own
 //                         pinned slots, (a) without DMA, (b) with DMA on its own stream? The
 //                         best CPU-copy design this host allows, without gpulazy's machinery.
-//                         Four fills: pread; pread + XXH3 per slice (what verification adds);
+//                         Four fills: pread; pread + XXH3 per slice (what verification adds;
+//                         once per XXH3 build the CPU runs, proto/checksum_variants.h);
 //                         from an mmap of the file, XXH3 per slice then a streaming-store copy,
 //                         and that copy alone (one read of the page cache, no read-for-
 //                         ownership of the slot).
@@ -24,6 +25,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t by value
 #include <xxhash.h>
 
 #include <algorithm>
@@ -34,11 +36,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "proto/checksum_variants.h"
 
 namespace {
 
@@ -247,6 +252,9 @@ const char* FillName(Fill fill) {
 
 constexpr size_t kSliceBytes = 256 * 1024;
 
+// gpulazy's XXH3 builds (proto/checksum_variants.h): the distribution's library and AVX2.
+using Hasher = gpulazy::checksum_internal::Xxh3Variant;
+
 // Streaming (non-temporal) stores: the slot's lines go to memory without being read first (no
 // read-for-ownership) and without evicting the cache, which is where the DMA engine reads them.
 void CopyStreaming(char* to, const char* from, size_t length) {
@@ -266,19 +274,19 @@ void CopyStreaming(char* to, const char* from, size_t length) {
 
 // One chunk into `slot`; returns its XXH3 (0 when the fill does not hash).
 uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, size_t length,
-                  size_t offset, XXH3_state_t* state) {
+                  size_t offset, const Hasher& hasher, XXH3_state_t* state) {
   switch (fill) {
     case Fill::kPread:
       file.ReadFully(slot, length, offset);
       return 0;
     case Fill::kPreadHash:
-      XXH3_64bits_reset(state);
+      hasher.reset(state);
       for (size_t done = 0; done < length; done += kSliceBytes) {
         const size_t n = std::min(kSliceBytes, length - done);
         file.ReadFully(slot + done, n, offset + done);
-        XXH3_64bits_update(state, slot + done, n);
+        hasher.update(state, slot + done, n);
       }
-      return XXH3_64bits_digest(state);
+      return hasher.digest(state);
     case Fill::kMappedHash:
     case Fill::kMapped: {
       const char* from = mapped + offset;
@@ -287,14 +295,14 @@ uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, s
         std::perror("madvise(MADV_POPULATE_READ)");
         std::exit(1);
       }
-      if (fill == Fill::kMappedHash) XXH3_64bits_reset(state);
+      if (fill == Fill::kMappedHash) hasher.reset(state);
       for (size_t done = 0; done < length; done += kSliceBytes) {
         const size_t n = std::min(kSliceBytes, length - done);
-        if (fill == Fill::kMappedHash) XXH3_64bits_update(state, from + done, n);
+        if (fill == Fill::kMappedHash) hasher.update(state, from + done, n);
         CopyStreaming(slot + done, from + done, n);
       }
       _mm_sfence();  // the streaming stores are visible before the DMA is queued
-      return fill == Fill::kMappedHash ? XXH3_64bits_digest(state) : 0;
+      return fill == Fill::kMappedHash ? hasher.digest(state) : 0;
     }
   }
   return 0;
@@ -315,7 +323,16 @@ void ReadDma(const File& file, size_t chunk_bytes) {
       want[chunk] = XXH3_64bits(buffer.data(), chunk_bytes);
     }
   }
-  for (Fill fill : {Fill::kPread, Fill::kPreadHash, Fill::kMappedHash, Fill::kMapped}) {
+  // Each fill once, the hashing pread with every XXH3 build this CPU runs.
+  const Hasher& selected = gpulazy::checksum_internal::SelectedXxh3();
+  std::vector<std::pair<Fill, const Hasher*>> fills = {{Fill::kPread, &selected}};
+  for (const Hasher* hasher : gpulazy::checksum_internal::RunnableXxh3Variants())
+    fills.emplace_back(Fill::kPreadHash, hasher);
+  fills.emplace_back(Fill::kMappedHash, &selected);
+  fills.emplace_back(Fill::kMapped, &selected);
+  for (const auto& entry : fills) {
+    const Fill fill = entry.first;
+    const Hasher* const hasher = entry.second;
     for (int threads : {16, 24}) {
       // 0: read only, no DMA (the pread fill only)
       for (int slots_per_thread : {0, 2, 4}) {
@@ -348,7 +365,8 @@ void ReadDma(const File& file, size_t chunk_bytes) {
         std::vector<std::thread> workers;
         for (int t = 0; t < threads; ++t) {
           workers.emplace_back([&, t] {
-            XXH3_state_t* state = XXH3_createState();
+            auto state_storage = std::make_unique<XXH3_state_t>();
+            XXH3_state_t* state = state_storage.get();
             std::vector<bool> used(static_cast<size_t>(slots), false);
             for (size_t turn = 0;; ++turn) {
               const size_t chunk = next.fetch_add(1);
@@ -357,7 +375,7 @@ void ReadDma(const File& file, size_t chunk_bytes) {
               const size_t slot = static_cast<size_t>(t * slots) + j;
               if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
               const uint64_t hash = FillSlot(fill, file, mapped, static_cast<char*>(pinned[slot]),
-                                             chunk_bytes, chunk * chunk_bytes, state);
+                                             chunk_bytes, chunk * chunk_bytes, *hasher, state);
               if ((fill == Fill::kPreadHash || fill == Fill::kMappedHash) && hash != want[chunk])
                 mismatches.fetch_add(1);
               if (!dma) continue;
@@ -370,7 +388,6 @@ void ReadDma(const File& file, size_t chunk_bytes) {
               used[j] = true;
             }
             Check(cudaStreamSynchronize(streams[static_cast<size_t>(t)]), "draining a stream");
-            XXH3_freeState(state);
           });
         }
         for (std::thread& w : workers)
@@ -378,11 +395,13 @@ void ReadDma(const File& file, size_t chunk_bytes) {
         if (maps) ::munmap(mapped, size);
         const double bps = static_cast<double>(size) / SecondsSince(start);
         std::printf(
-            "{\"probe\":\"read-dma\",\"fill\":\"%s\",\"mode\":\"%s\",\"chunk_KiB\":%zu,"
+            "{\"probe\":\"read-dma\",\"fill\":\"%s\",\"xxh3\":\"%s\",\"mode\":\"%s\","
+            "\"chunk_KiB\":%zu,"
             "\"threads\":%d,\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f,"
             "\"hash_mismatches\":%zu,\"sample_ok\":%s}\n",
-            FillName(fill), dma ? "read+dma" : "read-only", chunk_bytes >> 10, threads,
-            slots_per_thread, bps / 1e9, bps / ceiling, mismatches.load(),
+            FillName(fill), std::string(hasher->name).c_str(), dma ? "read+dma" : "read-only",
+            chunk_bytes >> 10, threads, slots_per_thread, bps / 1e9, bps / ceiling,
+            mismatches.load(),
             !dma || SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true"
                                                                                       : "false");
         Check(cudaMemset(device, 0, size), "clearing device memory between cases");
