@@ -4,12 +4,15 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -94,6 +97,56 @@ TEST(LocalRestore, RestoresCheckpointAndLazyImageByteExact) {
   }
 }
 
+// The host engine, with the restore's readers held at their first engine call until Release:
+// a test can then make its Ensures while the image is surely not resident yet.
+class HeldReadersEngine : public CopyEngine {
+ public:
+  std::string_view name() const override { return "held-readers"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override {
+    return host_.AddDestination(bo, size);
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
+    WaitIfReader();
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    WaitIfReader();
+    return host_.ReceiveTarget(bo, offset, length);
+  }
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    return host_.CommitReceived(bo, offset, length, std::move(done));
+  }
+  void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override {
+    host_.ReleaseReceived(bo, offset, length);
+  }
+  Status ExpectChunkBytes(uint32_t max_bytes) override { return host_.ExpectChunkBytes(max_bytes); }
+  void ExpectWriters(uint32_t writers) override { host_.ExpectWriters(writers); }
+  Status Flush() override { return host_.Flush(); }
+
+  void Release() {
+    std::lock_guard lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  const HostCopyEngine& host() const { return host_; }
+
+ private:
+  void WaitIfReader() {
+    char thread[16] = {};
+    ::pthread_getname_np(::pthread_self(), thread, sizeof thread);
+    if (std::string_view(thread) != "gl-local-reader") return;
+    std::unique_lock lock(mu_);
+    // Bounded: a test that never releases still ends (and fails on what it checks).
+    cv_.wait_for(lock, std::chrono::seconds(60), [&] { return released_; });
+  }
+
+  HostCopyEngine host_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
+
 TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
   TempDir root;
   const fs::path dir = root.path() / "img";
@@ -102,7 +155,9 @@ TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
   auto loaded = server::testing::LoadCriuContents(dir);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   const auto& expected = *loaded;
-  HostCopyEngine engine;
+  // The readers wait until an Ensure found a chunk to demand: left to run, they finished the
+  // whole image before any Ensure in half the runs on the 2-core VM, leaving nothing to demand.
+  HeldReadersEngine engine;
   LocalRestoreOptions options;
   options.image_dir = dir;
   options.readers = 2;
@@ -125,19 +180,20 @@ TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
           continue;
         }
         auto it = expected.find({bos[bo].process_id, bos[bo].bo_index});
-        Result<std::span<uint8_t>> mapping = engine.Mapping(bo);
+        Result<std::span<uint8_t>> mapping = engine.host().Mapping(bo);
         if (it == expected.end() || !mapping.ok() ||
             std::memcmp(mapping->data() + offset, it->second.data() + offset, length) != 0)
           ++failures;
       }
     });
   }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (restore.progress().demand_chunks == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  engine.Release();
   for (std::thread& t : threads)
     t.join();
   EXPECT_EQ(failures.load(), 0);
-  // The Ensures start at once after Start: with the name check (below) first, the readers
-  // finished the whole image before any Ensure in half the runs on the 2-core VM, leaving
-  // nothing to demand.
   EXPECT_GT(restore.progress().demand_chunks, 0u);
   // Its readers are named (top -H, profiles): one per reader, alive until the restore is
   // destroyed (each names itself as it starts).
@@ -149,7 +205,7 @@ TEST(LocalRestore, EnsureFromSeveralThreadsGetsTheRightBytes) {
   // Two readers fault their own pages in: the host engine's populate helper was stopped.
   EXPECT_TRUE(gpulazy::testing::NiceOfThreadsNamed("gl-populate").empty());
   ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(120)).ok());
-  ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine, dir));
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
 }
 
 // A flipped byte in a lazy image's stored chunk: read again once, then the restore fails naming

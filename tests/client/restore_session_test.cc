@@ -169,7 +169,7 @@ TEST(RestoreSession, RestoresByteExact) {
   EXPECT_TRUE(session.IsResident(1, 0, 40000));
 }
 
-// The stream reader's time, split: a server that sends nothing for 300 ms shows up as waiting
+// The stream reader's time, split: a server that sends nothing for 500 ms shows up as waiting
 // for a frame, the chunks as time inside chunk frames, and neither counts what the other did.
 TEST(RestoreSession, ProgressSplitsTheStreamReadersTimeIntoWaitingAndChunks) {
   PausedServer paused;
@@ -177,7 +177,14 @@ TEST(RestoreSession, ProgressSplitsTheStreamReadersTimeIntoWaitingAndChunks) {
   RestoreSession session(Options(server), paused.engine);
   const auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(session.Start().ok());
-  std::this_thread::sleep_for(300ms);
+  // The silence counts from when the stream reader waits, which may be well after Start returns
+  // (the demand connection joins first). Its window's Credit starts our clock: the session's one
+  // I/O thread writes it only once the reader waits.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server.max_outstanding_credit() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_GT(server.max_outstanding_credit(), 0u) << "the stream never granted credit";
+  std::this_thread::sleep_for(500ms);
   server.Resume();
   ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;

@@ -310,7 +310,12 @@ TEST_F(DispatcherTest, CachedChunksWithKnownChecksumsAreSentFromTheFile) {
     // Dirty pages are not dropped: written back first, or on a busy machine some stay cached.
     ASSERT_EQ(::fdatasync(fd), 0);
     ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
-    EXPECT_EQ(stream_all(4, true), std::pair(0u, kChunks));
+    // Nearly all are read. Not always every one: on a loaded machine a page now and then stays
+    // cached through DONTNEED (seen 3 times in 200 runs beside busy loops), and a chunk whose
+    // bytes are all cached is rightly sent from the file. One sent blind would make it most.
+    const auto [from_file, buffered] = stream_all(4, true);
+    EXPECT_EQ(from_file + buffered, kChunks);
+    EXPECT_LE(from_file, 2u) << "chunks dropped from the page cache were sent from the file";
   }
   dispatcher.Stop();
 }
@@ -420,15 +425,26 @@ TEST_F(DispatcherTest, CachedDemandChunksAreServedWhereTheyArePicked) {
   EXPECT_NE(first.first, here);
   EXPECT_FALSE(first.second);
   // Now cached with a known checksum: served inside Update, on this thread, from the file.
-  auto second = demand(1, true);
-  EXPECT_EQ(second.first, here) << "a cached demand chunk went to a disk thread and back";
-  EXPECT_TRUE(second.second);
+  // Finished frees the demand slot before its own Pump, so that pump (on the disk thread) can
+  // still pick a demand made right after the slot came back and serve it there, also from the
+  // file. Hence a few tries: one must be served here, and every one from the file. Were cached
+  // demand chunks posted to the disk thread, none would be served here.
+  uint64_t demands = 1;
+  int served_here = 0;
+  for (int attempt = 0; attempt < 20 && served_here == 0; ++attempt) {
+    auto second = demand(1, true);
+    ++demands;
+    EXPECT_TRUE(second.second) << "attempt " << attempt;
+    if (second.first == here) ++served_here;
+  }
+  EXPECT_EQ(served_here, 1) << "a cached demand chunk went to a disk thread and back";
   // A connection that may not sendfile (TLS) has it read, on the disk thread.
   auto third = demand(1, false);
+  ++demands;
   EXPECT_NE(third.first, here);
   EXPECT_FALSE(third.second);
   dispatcher.Stop();
-  EXPECT_EQ(dispatcher.lanes().demand_reads, 3u);
+  EXPECT_EQ(dispatcher.lanes().demand_reads, demands);
 }
 
 }  // namespace
