@@ -1,0 +1,98 @@
+// gpulazy-bench, run at small sizes: each subcommand's JSON has the fields the benchmark notes
+// are read from, with values that can be true (a benchmark that reports nonsense fails here
+// instead of in a results table).
+#include <gtest/gtest.h>
+#include <stdio.h>
+#include <sys/wait.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "proto/checksum_variants.h"
+#include "tests/support/temp_dir.h"
+
+namespace gpulazy {
+namespace {
+
+// Runs gpulazy-bench with `args`; returns its JSON lines (stderr is left to the test log).
+std::vector<nlohmann::json> RunBench(const std::string& args) {
+  const std::string command = std::string("timeout 300 ") + GPULAZY_BIN_DIR + "/gpulazy-bench " +
+                              "--bin-dir " + GPULAZY_BIN_DIR + " --json " + args;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  EXPECT_NE(pipe, nullptr) << command;
+  if (pipe == nullptr) return {};
+  std::string out;
+  char buffer[4096];
+  size_t n;
+  while ((n = ::fread(buffer, 1, sizeof buffer, pipe)) > 0)
+    out.append(buffer, n);
+  const int status = ::pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << out;
+  std::vector<nlohmann::json> lines;
+  size_t at = 0;
+  while (at < out.size()) {
+    size_t end = out.find('\n', at);
+    if (end == std::string::npos) end = out.size();
+    if (end > at) {
+      nlohmann::json line = nlohmann::json::parse(out.substr(at, end - at), nullptr, false);
+      EXPECT_FALSE(line.is_discarded()) << "not JSON: " << out.substr(at, end - at);
+      if (!line.is_discarded()) lines.push_back(std::move(line));
+    }
+    at = end + 1;
+  }
+  return lines;
+}
+
+// Every XXH3 build the CPU runs, both cases each, against a read pass; exactly one selected,
+// the one Checksum64 uses.
+TEST(BenchSmoke, ChecksumReportsEveryRunnableBuild) {
+  const std::vector<nlohmann::json> lines = RunBench("checksum --memory 4M --rounds 1");
+  std::set<std::string> expected;
+  for (const checksum_internal::Xxh3Variant* v : checksum_internal::RunnableXxh3Variants())
+    expected.insert(std::string(v->name));
+  ASSERT_EQ(lines.size(), 2 * expected.size());
+  std::set<std::string> seen;
+  std::set<std::string> selected;
+  for (const nlohmann::json& line : lines) {
+    SCOPED_TRACE(line.dump());
+    EXPECT_EQ(line.at("bench"), "checksum");
+    const std::string variant = line.at("variant");
+    seen.insert(variant);
+    if (line.at("selected").get<bool>()) selected.insert(variant);
+    EXPECT_GT(line.at("throughput_Bps").get<double>(), 0);
+    EXPECT_GT(line.at("ceiling_Bps").get<double>(), 0);
+    EXPECT_NEAR(line.at("ratio").get<double>(),
+                line.at("throughput_Bps").get<double>() / line.at("ceiling_Bps").get<double>(),
+                1e-9);
+  }
+  EXPECT_EQ(seen, expected);
+  EXPECT_EQ(selected, std::set<std::string>{std::string(checksum_internal::SelectedXxh3().name)});
+}
+
+// One small stream: verified byte for byte, and where the CPU went, in range.
+TEST(BenchSmoke, StreamReportsItsCpuUse) {
+  testing::TempDir work;
+  const std::vector<nlohmann::json> lines = RunBench(
+      "--work-dir " + work.path().string() + " stream --size 32M --sessions 1 --transport unix");
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& line = lines[0];
+  SCOPED_TRACE(line.dump());
+  EXPECT_TRUE(line.at("verified").get<bool>());
+  EXPECT_GT(line.at("throughput_Bps").get<double>(), 0);
+  for (const char* share : {"cpu_busy", "cpu_steal", "ceiling_cpu_busy"}) {
+    EXPECT_GE(line.at(share).get<double>(), 0) << share;
+    EXPECT_LE(line.at(share).get<double>(), 1) << share;
+  }
+  // The client received 32 MiB and checked it: it used CPU. The server's count is in clock
+  // ticks and may round to 0 for so little.
+  EXPECT_GT(line.at("client_cpu_s").get<double>(), 0);
+  EXPECT_GT(line.at("ceiling_cpu_s").get<double>(), 0);
+  EXPECT_GE(line.at("server_cpu_s").get<double>(), 0);
+  EXPECT_GE(line.at("stream_wait_s").get<double>(), 0);
+  EXPECT_GE(line.at("stream_chunk_s").get<double>(), 0);
+}
+
+}  // namespace
+}  // namespace gpulazy
