@@ -190,7 +190,7 @@ CpuMeter::CpuMeter(pid_t server)
     : server_(server),
       machine_(ReadMachine()),
       self_s_(SelfSeconds()),
-      server_s_(server > 0 ? ProcessSeconds(server) : 0) {}
+      server_s_(server > 0 ? ProcessSeconds(server) : std::nullopt) {}
 
 CpuMeter::MachineTicks CpuMeter::ReadMachine() {
   // "cpu  user nice system idle iowait irq softirq steal ..." (proc(5)).
@@ -213,34 +213,40 @@ double CpuMeter::SelfSeconds() {
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
-double CpuMeter::ProcessSeconds(pid_t pid) {
+std::optional<double> CpuMeter::ProcessSeconds(pid_t pid) {
   // Fields 14 and 15 of /proc/PID/stat (utime, stime, in clock ticks) follow the command name,
   // which may contain spaces: count from its closing parenthesis.
   std::ifstream file(fmt::format("/proc/{}/stat", pid));
   std::string line;
-  if (!std::getline(file, line)) return 0;
+  if (!std::getline(file, line)) return std::nullopt;
   const size_t close = line.rfind(')');
-  if (close == std::string::npos) return 0;
+  if (close == std::string::npos) return std::nullopt;
   std::istringstream fields(line.substr(close + 2));
   std::string field;
   uint64_t utime = 0, stime = 0;
-  for (int index = 3; index <= 15 && fields >> field; ++index) {
+  int index = 3;
+  for (; index <= 15 && fields >> field; ++index) {
     if (index == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
     if (index == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
   }
+  if (index <= 15) return std::nullopt;  // fewer fields than proc(5) promises
   return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 nlohmann::json CpuMeter::Read() const {
   const MachineTicks now = ReadMachine();
-  const uint64_t total = now.total - machine_.total;
   nlohmann::json out;
-  if (total > 0) {
+  // Both reads worked (a failed one reads as all zeros) and time passed.
+  if (machine_.total > 0 && now.total > machine_.total) {
+    const uint64_t total = now.total - machine_.total;
     out["cpu_busy"] = 1.0 - static_cast<double>(now.idle - machine_.idle) / total;
     out["cpu_steal"] = static_cast<double>(now.steal - machine_.steal) / total;
   }
   out["client_cpu_s"] = SelfSeconds() - self_s_;
-  if (server_ > 0) out["server_cpu_s"] = ProcessSeconds(server_) - server_s_;
+  // Only where the server could be read both times (it may have gone meanwhile).
+  if (const std::optional<double> now_s = server_ > 0 ? ProcessSeconds(server_) : std::nullopt;
+      now_s && server_s_)
+    out["server_cpu_s"] = *now_s - *server_s_;
   return out;
 }
 

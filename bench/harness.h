@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,11 +109,11 @@ class CpuMeter {
   };
   static MachineTicks ReadMachine();
   static double SelfSeconds();
-  static double ProcessSeconds(pid_t pid);
+  static std::optional<double> ProcessSeconds(pid_t pid);  // nullopt: not readable
   pid_t server_;
   MachineTicks machine_;
   double self_s_;
-  double server_s_;
+  std::optional<double> server_s_;
 };
 
 // CPU model, cores, memory and kernel, for the report.
