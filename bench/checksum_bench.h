@@ -1,4 +1,4 @@
-// `gpulazy-bench checksum`: how fast each XXH3 build this CPU runs (proto/checksum_variants.h)
+// `gpulazy-bench checksum`: how fast each XXH3 entry point (proto/checksum_variants.h)
 // hashes chunk bytes, in 256 KiB slices as the client and the readers hash them: a slice just
 // written (in the cache, the client's case) and a large buffer streamed from memory. The ceiling
 // is one plain read pass over the same bytes (64-bit XOR), measured in the same run.

@@ -9,7 +9,7 @@
 //                         pinned slots, (a) without DMA, (b) with DMA on its own stream? The
 //                         best CPU-copy design this host allows, without gpulazy's machinery.
 //                         Four fills: pread; pread + XXH3 per slice (what verification adds;
-//                         once per XXH3 build the CPU runs, proto/checksum_variants.h);
+//                         once per XXH3 entry point, proto/checksum_variants.h);
 //                         from an mmap of the file, XXH3 per slice then a streaming-store copy,
 //                         and that copy alone (one read of the page cache, no read-for-
 //                         ownership of the slot).
@@ -252,7 +252,7 @@ const char* FillName(Fill fill) {
 
 constexpr size_t kSliceBytes = 256 * 1024;
 
-// gpulazy's XXH3 builds (proto/checksum_variants.h): the distribution's library and AVX2.
+// The XXH3 entry points (proto/checksum_variants.h): the plain library and its CPU dispatch.
 using Hasher = gpulazy::checksum_internal::Xxh3Variant;
 
 // Streaming (non-temporal) stores: the slot's lines go to memory without being read first (no
@@ -323,10 +323,10 @@ void ReadDma(const File& file, size_t chunk_bytes) {
       want[chunk] = XXH3_64bits(buffer.data(), chunk_bytes);
     }
   }
-  // Each fill once, the hashing pread with every XXH3 build this CPU runs.
+  // Each fill once, the hashing pread with every XXH3 entry point available.
   const Hasher& selected = gpulazy::checksum_internal::SelectedXxh3();
   std::vector<std::pair<Fill, const Hasher*>> fills = {{Fill::kPread, &selected}};
-  for (const Hasher* hasher : gpulazy::checksum_internal::RunnableXxh3Variants())
+  for (const Hasher* hasher : gpulazy::checksum_internal::AvailableXxh3Variants())
     fills.emplace_back(Fill::kPreadHash, hasher);
   fills.emplace_back(Fill::kMappedHash, &selected);
   fills.emplace_back(Fill::kMapped, &selected);
@@ -399,12 +399,17 @@ void ReadDma(const File& file, size_t chunk_bytes) {
             "\"chunk_KiB\":%zu,"
             "\"threads\":%d,\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f,"
             "\"hash_mismatches\":%zu,\"sample_ok\":%s}\n",
-            FillName(fill), std::string(hasher->name).c_str(), dma ? "read+dma" : "read-only",
-            chunk_bytes >> 10, threads, slots_per_thread, bps / 1e9, bps / ceiling,
-            mismatches.load(),
+            FillName(fill),
+            fill == Fill::kPreadHash || fill == Fill::kMappedHash
+                ? std::string(hasher->name).c_str()
+                : "none",
+            dma ? "read+dma" : "read-only", chunk_bytes >> 10, threads, slots_per_thread, bps / 1e9,
+            bps / ceiling, mismatches.load(),
             !dma || SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true"
                                                                                       : "false");
         Check(cudaMemset(device, 0, size), "clearing device memory between cases");
+        // The next case's streams do not wait for the legacy stream's memset.
+        Check(cudaDeviceSynchronize(), "clearing device memory between cases");
         for (cudaEvent_t ev : events)
           cudaEventDestroy(ev);
         for (cudaStream_t s : streams)
@@ -524,7 +529,8 @@ int main(int argc, char** argv) {
     PinPageCache(file, window, in_flight);
   } else if (probe == "read-dma") {
     const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
-    if (chunk == 0 || chunk > 64 * kMiB) return 2;
+    // Whole pages: the mapped fills populate each chunk's pages (MADV_POPULATE_READ).
+    if (chunk == 0 || chunk > 64 * kMiB || chunk % 4096 != 0) return 2;
     ReadDma(file, chunk);
   } else {
     std::fprintf(stderr, "gpulazy-cuda-probes: unknown probe %s\n", probe.c_str());

@@ -200,8 +200,10 @@ CpuMeter::MachineTicks CpuMeter::ReadMachine() {
   stat >> label >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
   MachineTicks ticks;
   if (!stat || label != "cpu") return ticks;
-  ticks.total = user + nice + system + idle + iowait + irq + softirq + steal;
-  ticks.idle = idle + iowait;
+  // Busy from the counters that only grow: idle and iowait are each rounded to ticks, so their
+  // sum can step back by one when time moves from one to the other.
+  ticks.busy = user + nice + system + irq + softirq + steal;
+  ticks.total = ticks.busy + idle + iowait;
   ticks.steal = steal;
   return ticks;
 }
@@ -220,7 +222,7 @@ std::optional<double> CpuMeter::ProcessSeconds(pid_t pid) {
   std::string line;
   if (!std::getline(file, line)) return std::nullopt;
   const size_t close = line.rfind(')');
-  if (close == std::string::npos) return std::nullopt;
+  if (close == std::string::npos || close + 2 > line.size()) return std::nullopt;
   std::istringstream fields(line.substr(close + 2));
   std::string field;
   uint64_t utime = 0, stime = 0;
@@ -239,7 +241,7 @@ nlohmann::json CpuMeter::Read() const {
   // Both reads worked (a failed one reads as all zeros) and time passed.
   if (machine_.total > 0 && now.total > machine_.total) {
     const uint64_t total = now.total - machine_.total;
-    out["cpu_busy"] = 1.0 - static_cast<double>(now.idle - machine_.idle) / total;
+    out["cpu_busy"] = std::min(1.0, static_cast<double>(now.busy - machine_.busy) / total);
     out["cpu_steal"] = static_cast<double>(now.steal - machine_.steal) / total;
   }
   out["client_cpu_s"] = SelfSeconds() - self_s_;

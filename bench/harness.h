@@ -105,7 +105,7 @@ class CpuMeter {
 
  private:
   struct MachineTicks {
-    uint64_t total = 0, idle = 0, steal = 0;
+    uint64_t total = 0, busy = 0, steal = 0;
   };
   static MachineTicks ReadMachine();
   static double SelfSeconds();

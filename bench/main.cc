@@ -79,8 +79,8 @@ int Run(int argc, char** argv) {
 
   bench::ChecksumOptions checksum;
   std::string checksum_memory = "1G";
-  CLI::App* checksum_cmd =
-      app.add_subcommand("checksum", "XXH3 builds hashing 256 KiB slices vs one plain read pass");
+  CLI::App* checksum_cmd = app.add_subcommand(
+      "checksum", "XXH3 entry points hashing 256 KiB slices vs one plain read pass");
   checksum_cmd->add_option("--memory", checksum_memory, "bytes hashed from memory")
       ->capture_default_str();
   checksum_cmd->add_option("--rounds", checksum.rounds, "best of")

@@ -8,8 +8,9 @@
 #include <cstring>
 
 #include "proto/checksum_variants.h"
-#if defined(GPULAZY_XXH3_AVX2)
-#include "proto/checksum_avx2.h"
+#if defined(GPULAZY_XXH3_DISPATCH)
+#define XXH_DISPATCH_DISABLE_REPLACE  // both the plain and the dispatching names, as they are
+#include <xxh_x86dispatch.h>
 #endif
 
 namespace gpulazy {
@@ -19,45 +20,45 @@ namespace {
 uint64_t LibraryHash(const void* bytes, size_t length) {
   return XXH3_64bits(bytes, length);
 }
-void LibraryReset(void* state) {
+void Reset(void* state) {
   XXH3_64bits_reset(static_cast<XXH3_state_t*>(state));
 }
 void LibraryUpdate(void* state, const void* bytes, size_t length) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state), bytes, length);
 }
-uint64_t LibraryDigest(const void* state) {
+// The digest hashes at most the last 256 buffered bytes: the library has no dispatch for it.
+uint64_t Digest(const void* state) {
   return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
 }
 
-bool CpuRunsAvx2() {
-#if defined(GPULAZY_XXH3_AVX2)
-  // libgcc's check covers the kernel saving the AVX registers (XGETBV), not only CPUID.
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
+#if defined(GPULAZY_XXH3_DISPATCH)
+uint64_t DispatchHash(const void* bytes, size_t length) {
+  return XXH3_64bits_dispatch(bytes, length);
 }
+void DispatchUpdate(void* state, const void* bytes, size_t length) {
+  XXH3_64bits_update_dispatch(static_cast<XXH3_state_t*>(state), bytes, length);
+}
+#endif
 
 }  // namespace
 
 const Xxh3Variant& LibraryXxh3() {
-  static constexpr Xxh3Variant kLibrary{"library", LibraryHash, LibraryReset, LibraryUpdate,
-                                        LibraryDigest};
+  static constexpr Xxh3Variant kLibrary{"library", LibraryHash, Reset, LibraryUpdate, Digest};
   return kLibrary;
 }
 
-const Xxh3Variant* Avx2Xxh3() {
-#if defined(GPULAZY_XXH3_AVX2)
-  static constexpr Xxh3Variant kAvx2{"avx2", Avx2Hash, Avx2Reset, Avx2Update, Avx2Digest};
-  return &kAvx2;
+const Xxh3Variant* DispatchXxh3() {
+#if defined(GPULAZY_XXH3_DISPATCH)
+  static constexpr Xxh3Variant kDispatch{"dispatch", DispatchHash, Reset, DispatchUpdate, Digest};
+  return &kDispatch;
 #else
   return nullptr;
 #endif
 }
 
-std::vector<const Xxh3Variant*> RunnableXxh3Variants() {
+std::vector<const Xxh3Variant*> AvailableXxh3Variants() {
   std::vector<const Xxh3Variant*> variants{&LibraryXxh3()};
-  if (Avx2Xxh3() != nullptr && CpuRunsAvx2()) variants.push_back(Avx2Xxh3());
+  if (DispatchXxh3() != nullptr) variants.push_back(DispatchXxh3());
   return variants;
 }
 
@@ -65,7 +66,7 @@ const Xxh3Variant& SelectedXxh3() {
   static const Xxh3Variant& selected = []() -> const Xxh3Variant& {
     const char* forced = std::getenv("GPULAZY_XXH3");
     if (forced != nullptr && std::string_view(forced) == "library") return LibraryXxh3();
-    return *RunnableXxh3Variants().back();
+    return *AvailableXxh3Variants().back();
   }();
   return selected;
 }

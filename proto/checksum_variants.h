@@ -1,8 +1,9 @@
-// The XXH3-64 implementations Checksum64 may run on: the xxhash library as the distribution
-// builds it (SSE2 on x86-64, the baseline every such CPU has) and, on x86-64, the same xxhash
-// code compiled for AVX2 (checksum_avx2.cc), about twice as fast (docs/benchmarks.md). Each
-// computes the same function; checksum.cc picks one per process. Internal to proto/; tests compare
-// them.
+// The XXH3-64 entry points Checksum64 may run on. Debian's libxxhash is built for the x86-64
+// baseline (SSE2): its plain XXH3_64bits never uses wider vectors. On x86-64 it also exports
+// XXH3_64bits_dispatch / XXH3_64bits_update_dispatch (xxh_x86dispatch.h), which pick SSE2,
+// AVX2 or AVX-512 by the CPU at run time: 2-3x faster where the CPU has them
+// (docs/benchmarks.md). Both compute the same function; checksum.cc uses the dispatching ones
+// where the library has them. Internal to proto/; tests and gpulazy-bench compare them.
 #pragma once
 
 #include <cstddef>
@@ -12,8 +13,7 @@
 
 namespace gpulazy::checksum_internal {
 
-// `state` points at an XXH3_state_t (xxhash.h with XXH_STATIC_LINKING_ONLY): one layout for
-// every variant, since all are built from the same header.
+// `state` points at the library's XXH3_state_t (xxhash.h with XXH_STATIC_LINKING_ONLY).
 struct Xxh3Variant {
   std::string_view name;
   uint64_t (*hash)(const void* bytes, size_t length);
@@ -22,16 +22,16 @@ struct Xxh3Variant {
   uint64_t (*digest)(const void* state);
 };
 
+// The plain entry points (the build's baseline vectors).
 const Xxh3Variant& LibraryXxh3();
-// Null where not compiled in (not x86-64).
-const Xxh3Variant* Avx2Xxh3();
+// The library's run-time CPU dispatch; null where the library has none (not x86-64).
+const Xxh3Variant* DispatchXxh3();
 
-// The variants this CPU can run, the library's first.
-std::vector<const Xxh3Variant*> RunnableXxh3Variants();
+// The variants available, the plain library's first.
+std::vector<const Xxh3Variant*> AvailableXxh3Variants();
 
-// The one Checksum64 uses: AVX2 where the CPU (and the kernel, for the registers' state) has
-// it, else the library. GPULAZY_XXH3=library in the environment forces the library (for A/B
-// measurements).
+// The one Checksum64 uses: the dispatching entry points where available, else the plain ones.
+// GPULAZY_XXH3=library in the environment forces the plain ones (for A/B measurements).
 const Xxh3Variant& SelectedXxh3();
 
 }  // namespace gpulazy::checksum_internal

@@ -18,7 +18,7 @@ namespace {
 
 // Runs gpulazy-bench with `args`; returns its JSON lines (stderr is left to the test log).
 std::vector<nlohmann::json> RunBench(const std::string& args) {
-  const std::string command = std::string("timeout 300 ") + GPULAZY_BIN_DIR + "/gpulazy-bench " +
+  const std::string command = std::string("timeout 240 ") + GPULAZY_BIN_DIR + "/gpulazy-bench " +
                               "--bin-dir " + GPULAZY_BIN_DIR + " --json " + args;
   FILE* pipe = ::popen(command.c_str(), "r");
   EXPECT_NE(pipe, nullptr) << command;
@@ -50,7 +50,7 @@ std::vector<nlohmann::json> RunBench(const std::string& args) {
 TEST(BenchSmoke, ChecksumReportsEveryRunnableBuild) {
   const std::vector<nlohmann::json> lines = RunBench("checksum --memory 4M --rounds 1");
   std::set<std::string> expected;
-  for (const checksum_internal::Xxh3Variant* v : checksum_internal::RunnableXxh3Variants())
+  for (const checksum_internal::Xxh3Variant* v : checksum_internal::AvailableXxh3Variants())
     expected.insert(std::string(v->name));
   ASSERT_EQ(lines.size(), 2 * expected.size());
   std::set<std::string> seen;
@@ -81,9 +81,11 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   SCOPED_TRACE(line.dump());
   EXPECT_TRUE(line.at("verified").get<bool>());
   EXPECT_GT(line.at("throughput_Bps").get<double>(), 0);
+  // Shares of the machine's time: -1 when /proc/stat had not moved on (a few milliseconds of
+  // a small ceiling may pass inside one clock tick), else a share.
   for (const char* share : {"cpu_busy", "cpu_steal", "ceiling_cpu_busy"}) {
-    EXPECT_GE(line.at(share).get<double>(), 0) << share;
-    EXPECT_LE(line.at(share).get<double>(), 1) << share;
+    const double value = line.at(share).get<double>();
+    EXPECT_TRUE(value == -1 || (value >= 0 && value <= 1)) << share << " " << value;
   }
   // The client received 32 MiB and checked it: it used CPU. The server's count is in clock
   // ticks and may round to 0 for so little.
