@@ -61,6 +61,22 @@ Status Router::Flush() {
   return first;
 }
 
+Status Router::ExpectChunkBytes(uint32_t max_bytes) {
+  std::vector<DeviceEngine*> engines;
+  {
+    std::lock_guard lock(mutex_);
+    chunk_bytes_ = max_bytes;
+    told_.clear();
+    engines = engines_;
+  }
+  for (DeviceEngine* engine : engines) {
+    GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(max_bytes));
+    std::lock_guard lock(mutex_);
+    told_.insert(engine);
+  }
+  return Status::Ok();
+}
+
 Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t size) {
   {
     std::lock_guard lock(mutex_);
@@ -70,9 +86,19 @@ Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t
       return InvalidArgument("BO {}: restored with {} bytes, image has {}", bo, size, it->second);
     if (bound_.count(bo)) return InvalidArgument("BO {} handed over twice", bo);
   }
+  std::optional<uint32_t> chunk_bytes;
   {
     std::lock_guard lock(mutex_);
     if (dropped_.count(bo) != 0) return Status::Ok();  // its task died meanwhile; fd closes
+    if (told_.count(engine) == 0) chunk_bytes = chunk_bytes_;
+  }
+  // A new engine hears the image's chunk size before its first BO, so one that cannot stage
+  // such chunks fails this hand-over (the restore, before the task runs) and takes no writes.
+  if (chunk_bytes) {
+    GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(*chunk_bytes)
+                                .Context(fmt::format("the {} engine", engine->name())));
+    std::lock_guard lock(mutex_);
+    told_.insert(engine);
   }
   GPULAZY_RETURN_IF_ERROR(engine->Bind(bo, std::move(dmabuf), size));
   std::vector<Parked> replay;

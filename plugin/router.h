@@ -10,6 +10,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -25,6 +26,10 @@ class Router : public client::CopyEngine {
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
   Status Flush() override;
+  // Remembered: the device engines come later, one per GPU as its first BO is handed over, and
+  // each is asked at its first Bind (which fails if the engine cannot stage such chunks, before
+  // the task may run). Engines already bound are asked at once.
+  Status ExpectChunkBytes(uint32_t max_bytes) override;
 
   // Binds BO `bo` (the session's index) to `engine` with its dmabuf and replays parked writes.
   Status Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t size);
@@ -53,6 +58,8 @@ class Router : public client::CopyEngine {
   std::set<uint32_t> dropped_;
   std::map<uint32_t, std::vector<Parked>> parked_;
   std::vector<DeviceEngine*> engines_;
+  std::optional<uint32_t> chunk_bytes_;  // from ExpectChunkBytes
+  std::set<DeviceEngine*> told_;         // engines that accepted chunk_bytes_
 };
 
 }  // namespace gpulazy::plugin

@@ -57,6 +57,14 @@ SdmaCopyEngine::~SdmaCopyEngine() {
   std::free(staging_);
 }
 
+Status SdmaCopyEngine::ExpectChunkBytes(uint32_t max_bytes) {
+  if (max_bytes > options_.slot_bytes)
+    return InvalidArgument(
+        "SDMA engine: the image's chunks of {} bytes do not fit its {}-byte staging slots",
+        max_bytes, options_.slot_bytes);
+  return Status::Ok();
+}
+
 Status SdmaCopyEngine::Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) {
   GPULAZY_ASSIGN_OR_RETURN(BoHandle handle, device_->ImportDmabuf(dmabuf.get(), size));
   Result<uint64_t> va = device_->MapVa(handle, size);

@@ -43,6 +43,9 @@ class SdmaCopyEngine : public DeviceEngine {
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
   Status Flush() override;
+  // The staging slots are made at Create: chunks larger than a slot are refused here, when the
+  // restore opens its image, instead of at the first write of one.
+  Status ExpectChunkBytes(uint32_t max_bytes) override;
   // Copies the BO back into host memory by SDMA, slot by slot (BO -> staging slot -> `out`),
   // waiting for each copy. Flushes first, so it reads what earlier writes put there. Not for
   // use while other threads write.

@@ -974,6 +974,24 @@ TEST(SdmaEngine, ReadsBackThroughStagingSlots) {
   EXPECT_TRUE((*engine)->Flush().ok());
 }
 
+// Its slots are fixed at Create: an image whose chunks are larger is refused when the restore
+// opens it (ExpectChunkBytes), not at its first write.
+TEST(SdmaEngine, RefusesChunksLargerThanItsSlotsUpFront) {
+  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
+                                                            std::chrono::microseconds(100));
+  SdmaOptions options;
+  options.staging_slots = 2;
+  options.slot_bytes = 1u << 20;
+  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_TRUE((*engine)->ExpectChunkBytes(4096).ok());
+  EXPECT_TRUE((*engine)->ExpectChunkBytes(1u << 20).ok());
+  Status refused = (*engine)->ExpectChunkBytes((1u << 20) + 4096);
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.ToString();
+  EXPECT_NE(refused.message().find("1052672"), std::string::npos) << refused.ToString();
+  EXPECT_NE(refused.message().find("1048576"), std::string::npos) << refused.ToString();
+}
+
 // ---- handoff ----
 
 TEST(Handoff, RecordsCarryFdsInBatches) {
@@ -1039,9 +1057,52 @@ class RecordingEngine : public DeviceEngine {
     return Status::Ok();
   }
   Status Flush() override { return Status::Ok(); }
+  Status ExpectChunkBytes(uint32_t max_bytes) override {
+    told.push_back(max_bytes);
+    if (max_bytes > max_chunk)
+      return InvalidArgument("chunks of {} bytes exceed {}", max_bytes, max_chunk);
+    return Status::Ok();
+  }
   std::set<uint32_t> bound, released;
   std::map<uint32_t, int> writes;
+  std::vector<uint32_t> told;  // every ExpectChunkBytes
+  uint32_t max_chunk = 64u << 20;
 };
+
+// The session tells the router its image's chunk size at open, before any device engine exists
+// (they come one per GPU with the first handed-over BO): each engine hears it at its first Bind,
+// once, and one that cannot stage such chunks fails that Bind and takes nothing.
+TEST(Router, NewEnginesHearTheChunkSizeAtTheirFirstBind) {
+  Router router(/*discard_unbound=*/false);
+  for (uint32_t bo : {0u, 1u, 2u, 3u})
+    ASSERT_TRUE(router.AddDestination(bo, 1 << 20).ok());
+  ASSERT_TRUE(router.ExpectChunkBytes(16u << 20).ok());
+  RecordingEngine roomy;
+  RecordingEngine small;
+  small.max_chunk = 8u << 20;
+  ASSERT_TRUE(router.Bind(0, &roomy, UniqueFd(), 1 << 20).ok());
+  ASSERT_TRUE(router.Bind(1, &roomy, UniqueFd(), 1 << 20).ok());
+  EXPECT_EQ(roomy.told, std::vector<uint32_t>{16u << 20});  // once, at its first Bind
+  Status refused = router.Bind(2, &small, UniqueFd(), 1 << 20);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("recording engine"), std::string::npos) << refused.ToString();
+  EXPECT_EQ(small.bound.count(2), 0u);  // not bound: nothing reaches it
+  std::vector<uint8_t> bytes(4096, 7);
+  int done = 0;
+  ASSERT_TRUE(router.Write(2, 0, bytes, [&](Status) { ++done; }).ok());
+  EXPECT_EQ(done, 0);  // parked, not written to the engine that refused
+  EXPECT_TRUE(small.writes.empty());
+  // An engine already bound when the size arrives is asked at once.
+  Router later(/*discard_unbound=*/false);
+  ASSERT_TRUE(later.AddDestination(0, 1 << 20).ok());
+  RecordingEngine bound_first;
+  bound_first.max_chunk = 8u << 20;
+  ASSERT_TRUE(later.Bind(0, &bound_first, UniqueFd(), 1 << 20).ok());
+  EXPECT_TRUE(bound_first.told.empty());
+  EXPECT_FALSE(later.ExpectChunkBytes(16u << 20).ok());
+  router.FailParked(Aborted("test over"));
+  EXPECT_EQ(done, 1);
+}
 
 TEST(Router, DropCompletesParkedAndLaterWritesAndReleasesTheBo) {
   Router router(/*discard_unbound=*/false);
