@@ -280,13 +280,13 @@ uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, s
       file.ReadFully(slot, length, offset);
       return 0;
     case Fill::kPreadHash:
-      hasher.reset(state);
+      XXH3_64bits_reset(state);
       for (size_t done = 0; done < length; done += kSliceBytes) {
         const size_t n = std::min(kSliceBytes, length - done);
         file.ReadFully(slot + done, n, offset + done);
         hasher.update(state, slot + done, n);
       }
-      return hasher.digest(state);
+      return XXH3_64bits_digest(state);
     case Fill::kMappedHash:
     case Fill::kMapped: {
       const char* from = mapped + offset;
@@ -295,14 +295,14 @@ uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, s
         std::perror("madvise(MADV_POPULATE_READ)");
         std::exit(1);
       }
-      if (fill == Fill::kMappedHash) hasher.reset(state);
+      if (fill == Fill::kMappedHash) XXH3_64bits_reset(state);
       for (size_t done = 0; done < length; done += kSliceBytes) {
         const size_t n = std::min(kSliceBytes, length - done);
         if (fill == Fill::kMappedHash) hasher.update(state, from + done, n);
         CopyStreaming(slot + done, from + done, n);
       }
       _mm_sfence();  // the streaming stores are visible before the DMA is queued
-      return fill == Fill::kMappedHash ? hasher.digest(state) : 0;
+      return fill == Fill::kMappedHash ? XXH3_64bits_digest(state) : 0;
     }
   }
   return 0;

@@ -66,14 +66,10 @@ Status Router::ExpectChunkBytes(uint32_t max_bytes) {
   {
     std::lock_guard lock(mutex_);
     chunk_bytes_ = max_bytes;
-    told_.clear();
     engines = engines_;
   }
-  for (DeviceEngine* engine : engines) {
+  for (DeviceEngine* engine : engines)
     GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(max_bytes));
-    std::lock_guard lock(mutex_);
-    told_.insert(engine);
-  }
   return Status::Ok();
 }
 
@@ -90,16 +86,15 @@ Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t
   {
     std::lock_guard lock(mutex_);
     if (dropped_.count(bo) != 0) return Status::Ok();  // its task died meanwhile; fd closes
-    if (told_.count(engine) == 0) chunk_bytes = chunk_bytes_;
+    if (std::find(engines_.begin(), engines_.end(), engine) == engines_.end())
+      chunk_bytes = chunk_bytes_;
   }
   // A new engine hears the image's chunk size before its first BO, so one that cannot stage
   // such chunks fails this hand-over (the restore, before the task runs) and takes no writes.
-  if (chunk_bytes) {
+  // Engines already in engines_ heard it then, or at ExpectChunkBytes.
+  if (chunk_bytes)
     GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(*chunk_bytes)
                                 .Context(fmt::format("the {} engine", engine->name())));
-    std::lock_guard lock(mutex_);
-    told_.insert(engine);
-  }
   GPULAZY_RETURN_IF_ERROR(engine->Bind(bo, std::move(dmabuf), size));
   std::vector<Parked> replay;
   {

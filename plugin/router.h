@@ -59,7 +59,6 @@ class Router : public client::CopyEngine {
   std::map<uint32_t, std::vector<Parked>> parked_;
   std::vector<DeviceEngine*> engines_;
   std::optional<uint32_t> chunk_bytes_;  // from ExpectChunkBytes
-  std::set<DeviceEngine*> told_;         // engines that accepted chunk_bytes_
 };
 
 }  // namespace gpulazy::plugin

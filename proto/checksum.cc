@@ -20,15 +20,8 @@ namespace {
 uint64_t LibraryHash(const void* bytes, size_t length) {
   return XXH3_64bits(bytes, length);
 }
-void Reset(void* state) {
-  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state));
-}
 void LibraryUpdate(void* state, const void* bytes, size_t length) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state), bytes, length);
-}
-// The digest hashes at most the last 256 buffered bytes: the library has no dispatch for it.
-uint64_t Digest(const void* state) {
-  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
 }
 
 #if defined(GPULAZY_XXH3_DISPATCH)
@@ -43,13 +36,13 @@ void DispatchUpdate(void* state, const void* bytes, size_t length) {
 }  // namespace
 
 const Xxh3Variant& LibraryXxh3() {
-  static constexpr Xxh3Variant kLibrary{"library", LibraryHash, Reset, LibraryUpdate, Digest};
+  static constexpr Xxh3Variant kLibrary{"library", LibraryHash, LibraryUpdate};
   return kLibrary;
 }
 
 const Xxh3Variant* DispatchXxh3() {
 #if defined(GPULAZY_XXH3_DISPATCH)
-  static constexpr Xxh3Variant kDispatch{"dispatch", DispatchHash, Reset, DispatchUpdate, Digest};
+  static constexpr Xxh3Variant kDispatch{"dispatch", DispatchHash, DispatchUpdate};
   return &kDispatch;
 #else
   return nullptr;
@@ -84,7 +77,7 @@ struct Checksum64Stream::State {
 };
 
 Checksum64Stream::Checksum64Stream() : state_(std::make_unique<State>()) {
-  SelectedXxh3().reset(&state_->xxh3);
+  XXH3_64bits_reset(&state_->xxh3);
 }
 Checksum64Stream::~Checksum64Stream() = default;
 Checksum64Stream::Checksum64Stream(Checksum64Stream&&) noexcept = default;
@@ -95,7 +88,7 @@ void Checksum64Stream::Update(std::span<const uint8_t> bytes) {
 }
 
 uint64_t Checksum64Stream::Digest() const {
-  return SelectedXxh3().digest(&state_->xxh3);
+  return XXH3_64bits_digest(&state_->xxh3);
 }
 
 Digest128 ContentDigest(std::span<const uint8_t> bytes) {

@@ -13,13 +13,14 @@
 
 namespace gpulazy::checksum_internal {
 
+// What differs between them: the one-shot hash and the streaming update, the loops over whole
+// stripes. A stream is reset and digested with the library's plain XXH3_64bits_reset and
+// XXH3_64bits_digest whichever updates it (the digest hashes at most 256 buffered bytes).
 // `state` points at the library's XXH3_state_t (xxhash.h with XXH_STATIC_LINKING_ONLY).
 struct Xxh3Variant {
   std::string_view name;
   uint64_t (*hash)(const void* bytes, size_t length);
-  void (*reset)(void* state);
   void (*update)(void* state, const void* bytes, size_t length);
-  uint64_t (*digest)(const void* state);
 };
 
 // The plain entry points (the build's baseline vectors).

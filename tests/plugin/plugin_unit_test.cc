@@ -878,14 +878,21 @@ TEST(Config, BackgroundNice) {
 
 // ---- SDMA engine pipelining ----
 
-TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
-  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
-                                                            std::chrono::microseconds(20000));
-  testing::FakeAmdgpuDevice* fake = device.get();
+// An SDMA engine over a fake device whose copies take `latency`; *fake (when given) is the device.
+Result<std::unique_ptr<SdmaCopyEngine>> MakeSdmaEngine(uint32_t slots, uint64_t slot_bytes,
+                                                       std::chrono::microseconds latency,
+                                                       testing::FakeAmdgpuDevice** fake = nullptr) {
+  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus, latency);
+  if (fake != nullptr) *fake = device.get();
   SdmaOptions options;
-  options.staging_slots = 3;
-  options.slot_bytes = 2u << 20;
-  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  options.staging_slots = slots;
+  options.slot_bytes = slot_bytes;
+  return SdmaCopyEngine::Create(std::move(device), options);
+}
+
+TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
+  testing::FakeAmdgpuDevice* fake = nullptr;
+  auto engine = MakeSdmaEngine(3, 2u << 20, std::chrono::microseconds(20000), &fake);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const uint64_t bo_size = 16u << 20;
   int memfd = ::memfd_create("dst", MFD_CLOEXEC);
@@ -936,12 +943,7 @@ TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
 // Read-back runs the copy the other way (BO -> staging slot -> host), slot by slot: what dump
 // and the render-node check need on hardware, where a dmabuf cannot be pread.
 TEST(SdmaEngine, ReadsBackThroughStagingSlots) {
-  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
-                                                            std::chrono::microseconds(500));
-  SdmaOptions options;
-  options.staging_slots = 2;
-  options.slot_bytes = 1u << 20;
-  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  auto engine = MakeSdmaEngine(2, 1u << 20, std::chrono::microseconds(500));
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const uint64_t bo_size = 5u << 20;
   int memfd = ::memfd_create("bo", MFD_CLOEXEC);
@@ -977,12 +979,7 @@ TEST(SdmaEngine, ReadsBackThroughStagingSlots) {
 // Its slots are fixed at Create: an image whose chunks are larger is refused when the restore
 // opens it (ExpectChunkBytes), not at its first write.
 TEST(SdmaEngine, RefusesChunksLargerThanItsSlotsUpFront) {
-  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
-                                                            std::chrono::microseconds(100));
-  SdmaOptions options;
-  options.staging_slots = 2;
-  options.slot_bytes = 1u << 20;
-  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  auto engine = MakeSdmaEngine(2, 1u << 20, std::chrono::microseconds(100));
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   EXPECT_TRUE((*engine)->ExpectChunkBytes(4096).ok());
   EXPECT_TRUE((*engine)->ExpectChunkBytes(1u << 20).ok());
