@@ -28,7 +28,11 @@ struct ImageAccessRule {
 struct ServerConfig {
   std::vector<std::filesystem::path> image_roots;
   std::vector<net::Endpoint> listen;
-  uint32_t io_threads = 2;      // threads running the network event loop
+  // Threads running the network event loop. 2 on every machine: on the 16-core lent host, 8
+  // halved the by-reference stream (each chunk's small frame hopping between threads) and 1
+  // held 8 TCP sessions to two thirds; 2 was best or tied in every case (docs/benchmarks.md,
+  // session 12).
+  uint32_t io_threads = 2;
   uint32_t disk_threads = 4;    // threads reading prefetch/background chunks (and opening images)
   uint32_t demand_threads = 2;  // threads reading demand chunks only (the demand lane)
   // Added to the disk threads' nice value (0..19): on few cores demand reads and the network

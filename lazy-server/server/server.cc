@@ -249,6 +249,8 @@ int Server::Run() {
       io_.stop();
     }
   };
+  spdlog::info("threads: {} network, {} bulk disk, {} demand disk", ctx_->config.io_threads,
+               ctx_->config.disk_threads, ctx_->config.demand_threads);
   std::vector<std::thread> threads;
   for (uint32_t i = 1; i < ctx_->config.io_threads; ++i)
     threads.emplace_back([&] {

@@ -1,0 +1,44 @@
+// ParseCommandLine: defaults, overrides and refusals of the server's options.
+#include "lazy-server/server/config.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace gpulazy::server {
+namespace {
+
+ParsedCommandLine Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), {"gpulazy-server", "--images", "/tmp", "--listen", "unix:/tmp/x.sock"});
+  std::vector<char*> argv;
+  for (std::string& a : args)
+    argv.push_back(a.data());
+  return ParseCommandLine(static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(ServerCommandLine, ThreadCountsDefaultAndOverride) {
+  ParsedCommandLine defaults = Parse({});
+  ASSERT_TRUE(defaults.config.has_value());
+  EXPECT_EQ(defaults.config->io_threads, 2u);
+  EXPECT_EQ(defaults.config->disk_threads, 4u);
+  EXPECT_EQ(defaults.config->demand_threads, 2u);
+  ParsedCommandLine set = Parse({"--threads", "5", "--disk-threads", "3", "--demand-threads", "1"});
+  ASSERT_TRUE(set.config.has_value());
+  EXPECT_EQ(set.config->io_threads, 5u);
+  EXPECT_EQ(set.config->disk_threads, 3u);
+  EXPECT_EQ(set.config->demand_threads, 1u);
+}
+
+TEST(ServerCommandLine, RefusesThreadCountsOutOfRange) {
+  for (const char* option : {"--threads", "--disk-threads", "--demand-threads"}) {
+    for (const char* value : {"0", "257"}) {
+      ParsedCommandLine parsed = Parse({option, value});
+      EXPECT_FALSE(parsed.config.has_value()) << option << " " << value;
+      EXPECT_NE(parsed.exit_code, 0) << option << " " << value;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gpulazy::server
