@@ -115,6 +115,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
   session_options.client_name = "bench-restore-" + run.mode;
   session_options.read_files = options.read_files;
   session_options.local_demand = options.local_demand;
+  session_options.demand_on_caller = options.demand_on_caller;
   session_options.background_nice = options.background_nice;
   if (options.file_window) session_options.file_window_bytes = *options.file_window;
   session_options.reconnect.deadline = std::chrono::milliseconds(20000);
@@ -200,6 +201,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
                         {"fill", lazy ? uffd::FillModeName(fill) : "memcpy"},
                         {"read_files", options.read_files},
                         {"local_demand", options.local_demand},
+                        {"demand_on_caller", options.demand_on_caller},
                         {"background_nice", options.background_nice},
                         {"file_window_bytes", session_options.file_window_bytes},
                         {"time_to_resume_s", resume_s},
@@ -504,6 +506,10 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
   cmd->add_flag("--local-demand,!--no-local-demand", options.local_demand,
                 "by reference: read a faulting chunk from the files (chunk table), not via the "
                 "server")
+      ->capture_default_str();
+  cmd->add_flag("--demand-on-caller,!--no-demand-on-caller", options.demand_on_caller,
+                "with --local-demand: the faulting thread's Ensure reads the chunk itself, not "
+                "the session's demand thread")
       ->capture_default_str();
   cmd->add_option("--fill", options.fill_mode, "missing (UFFDIO_COPY) or minor (UFFDIO_CONTINUE)")
       ->capture_default_str();

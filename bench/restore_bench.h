@@ -35,6 +35,7 @@ struct RestoreOptions {
   bool read_files = true;  // by reference from the passed image files, else through the socket
   // By reference: read a faulting chunk from the files via the chunk table, not via the server.
   bool local_demand = true;
+  bool demand_on_caller = true;  // SessionOptions::demand_on_caller
   // Added to the nice value of the restore's background threads, client and server (the
   // plugin's default in parallel and lazy modes); 0 = everything at one priority.
   int background_nice = 10;

@@ -94,7 +94,9 @@ Urgency UrgencyOf(bool on_stream) {
 //   file, verification and engine calls under engine_gate_. Stream chunks wait for a reader
 //   in queued_reads_ (queued_mutex_, taken before mutex_, under no other lock); a chunk Ensure
 //   waits for is read on the demand thread instead, whether it was queued before Ensure asked
-//   (Expedite) or arrives after (QueueRead).
+//   (Expedite) or arrives after (QueueRead). With the image's chunk table, a chunk Ensure asks
+//   for is claimed and read by the thread that called Ensure (demand_on_caller), or by the
+//   demand thread otherwise; the server is asked only for what the table does not place.
 //   Whatever the reader must hand back (a bad copy's credit and re-request) it posts to io_.
 
 struct DemandLink;
@@ -239,6 +241,9 @@ class RestoreSession::Impl {
   // With a chunk table: claims and reads each chunk from the passed files on this thread;
   // returns those it cannot (no table, not located) for the server.
   std::vector<ChunkId> ReadLocally(const std::vector<ChunkId>& chunks);
+  // Claims chunk `id` (mutex_ held) for a read from `files` where the chunk table places it;
+  // nullopt when the table does not place it or the chunk is held already.
+  std::optional<FileChunk> ClaimLocatedLocked(const ImageFileSet& files, ChunkId id);
   void PumpDemand();
   template <typename F>
   void OnDemandThread(F&& f);
@@ -324,6 +329,9 @@ class RestoreSession::Impl {
   bool finished_ = false;         // Main has returned
   bool demand_finished_ = false;  // the demand thread's loop has returned
   Progress counters_;
+  // The latest passed image files that came with a chunk table (options_.local_demand): Ensure
+  // reads the chunks it waits for from them itself when options_.demand_on_caller.
+  std::shared_ptr<const ImageFileSet> demand_files_;
   // The stream reader's time split (Progress::stream_wait_s / stream_chunk_s), kept out of
   // mutex_: added once per frame by the one thread that reads the stream.
   std::atomic<uint64_t> stream_wait_ns_{0};
@@ -547,11 +555,31 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
     residency_.set_demanded(bo, chunk);
     wanted.emplace_back(bo, chunk);
   }
+  // With the chunk table, what the files hold is read right here: handing it to the demand
+  // thread would put one more thread wake-up on a fault's path (docs/benchmarks.md, session 12).
+  std::vector<FileChunk> read_here;
+  std::shared_ptr<const ImageFileSet> files;
   if (!wanted.empty()) {
     counters_.demand_chunks += wanted.size();
-    OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
+    if (options_.demand_on_caller && demand_files_) {
+      files = demand_files_;
+      std::erase_if(wanted, [&](const ChunkId& id) {
+        std::optional<FileChunk> c = ClaimLocatedLocked(*files, id);
+        if (c) read_here.push_back(*c);
+        return c.has_value();
+      });
+    }
+    if (!wanted.empty())
+      OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
   }
   if (!landing.empty()) OnDemandThread([this, landing = std::move(landing)] { Expedite(landing); });
+  if (!read_here.empty()) {
+    // Not under mutex_: the install takes engine_gate_, which comes first in the lock order.
+    lock.unlock();
+    for (const FileChunk& c : read_here)
+      ReadByReference(nullptr, c, /*on_stream=*/false, Urgency::kUrgent);
+    lock.lock();
+  }
   // Chunks become resident in any order; remember how far the prefix is known to be resident.
   uint32_t next = run.first;
   auto done = [&] {
@@ -854,6 +882,10 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
 
   auto link = std::make_shared<Link>(std::move(stream->socket), limits);
   link->files = files;
+  if (files && !files->chunk_table.empty()) {
+    std::lock_guard lock(mutex_);
+    demand_files_ = files;
+  }
   if (options_.demand_connection) {
     // The demand socket is made, joined and served on the demand thread; only a weak_ptr to it
     // comes back here.
@@ -1142,32 +1174,40 @@ std::vector<RestoreSession::Impl::ChunkId> RestoreSession::Impl::ReadLocally(
   if (!files || files->chunk_table.empty()) return chunks;
   std::vector<ChunkId> rest;
   for (const ChunkId& id : chunks) {
-    const ImageFileSet::Location* where = files->Locate(id.first, id.second);
-    if (where == nullptr) {
+    if (files->Locate(id.first, id.second) == nullptr) {
       rest.push_back(id);
       continue;
     }
-    FileChunk c;
+    std::optional<FileChunk> c;
     {
       std::lock_guard lock(mutex_);
-      // Held: resident, or claimed by a connection or reader whose landing wakes the waiter
-      // (a queued one is expedited by Ensure).
-      if (!residency_.MarkLanding(id.first, id.second)) continue;
-      ++counters_.local_demand_chunks;
-      c.raw_length = residency_.ChunkLength(id.first, id.second);
+      c = ClaimLocatedLocked(*files, id);
     }
-    c.bo = id.first;
-    c.chunk = id.second;
-    c.dest_offset = uint64_t{id.second} * chunk_size_;
-    c.codec = where->codec;
-    c.checksum = where->checksum;
-    c.fd = files->files[where->file].fd.get();
-    c.file_offset = where->offset;
-    c.stored_length = where->stored_length;
+    // Not claimed: held, by a connection or reader whose landing wakes the waiter (a queued one
+    // is expedited by Ensure), or resident.
+    if (!c) continue;
     // Read here: this thread has nothing else to do meanwhile, and `files` stays open.
-    ReadByReference(nullptr, c, /*on_stream=*/false, Urgency::kUrgent);
+    ReadByReference(nullptr, *c, /*on_stream=*/false, Urgency::kUrgent);
   }
   return rest;
+}
+
+std::optional<FileChunk> RestoreSession::Impl::ClaimLocatedLocked(const ImageFileSet& files,
+                                                                  ChunkId id) {
+  const ImageFileSet::Location* where = files.Locate(id.first, id.second);
+  if (where == nullptr || !residency_.MarkLanding(id.first, id.second)) return std::nullopt;
+  ++counters_.local_demand_chunks;
+  FileChunk c;
+  c.bo = id.first;
+  c.chunk = id.second;
+  c.dest_offset = uint64_t{id.second} * chunk_size_;
+  c.raw_length = residency_.ChunkLength(id.first, id.second);
+  c.codec = where->codec;
+  c.checksum = where->checksum;
+  c.fd = files.files[where->file].fd.get();
+  c.file_offset = where->offset;
+  c.stored_length = where->stored_length;
+  return c;
 }
 
 void RestoreSession::Impl::PumpDemand() {

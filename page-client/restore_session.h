@@ -70,9 +70,13 @@ struct SessionOptions {
   bool read_files = true;
   uint32_t file_readers = 4;
   // While reading files, also take the image's chunk table (where every chunk is stored) and
-  // read a chunk Ensure waits for from the files at once, on the demand thread, instead of
-  // asking the server for it (a round trip through two more threads). Protocol version 2.
+  // read a chunk Ensure waits for from the files at once instead of asking the server for it
+  // (a round trip through two more threads). Protocol version 2.
   bool local_demand = true;
+  // With local_demand: Ensure reads those chunks on the thread that called it, rather than
+  // handing them to the session's demand thread (one thread wake-up fewer on a fault's path;
+  // several callers read in parallel). Ensure's timeout does not cut such a read short.
+  bool demand_on_caller = true;
   // The window while reading by reference (never below window_bytes). Its chunks arrive as
   // file ranges queued for the readers, not as payloads, so it bounds queued reads rather than
   // memory: 256 MiB keeps 16 readers fed where 64 MiB did not (docs/benchmarks.md).

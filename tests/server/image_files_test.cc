@@ -426,8 +426,8 @@ TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
   }
 }
 
-// With the chunk table a chunk Ensure waits for is read from the passed files on the demand
-// thread: it comes even while the server is stopped (SIGSTOP), and the server is never asked.
+// With the chunk table a chunk Ensure waits for is read from the passed files by the session
+// itself: it comes even while the server is stopped (SIGSTOP), and the server is never asked.
 // Without it (local_demand off) the server answers, as before.
 TEST_F(ImageFilesTest, EnsureReadsFromTheFilesWithoutAskingTheServer) {
   for (const std::string name : {"raw", "lazy"}) {
@@ -485,6 +485,47 @@ TEST_F(ImageFilesTest, EnsureReadsFromTheFilesWithoutAskingTheServer) {
   const auto& want =
       expected_["raw"].at(BoKey{session.bos()[0].process_id, session.bos()[0].bo_index});
   EXPECT_TRUE(std::ranges::equal(*got, want));
+}
+
+// With the chunk table, the thread that calls Ensure reads and installs the chunks it waits for
+// itself (demand_on_caller): a fault's chunk does not wait for the demand thread to wake. Several
+// callers at once each install their own chunks, byte for byte the checkpoint's. With
+// demand_on_caller off, the demand thread does it.
+TEST_F(ImageFilesTest, EnsureInstallsOnTheCallersThread) {
+  for (const bool on_caller : {true, false}) {
+    SCOPED_TRACE(on_caller ? "demand_on_caller" : "demand thread");
+    SlowReadersEngine engine;
+    client::SessionOptions options = OneReaderOptions(server_->unix_endpoint());
+    options.stream_all = false;  // only Ensure brings chunks in
+    options.demand_on_caller = on_caller;
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    for (int i = 0; i < 500 && !session.progress().reading_files; ++i)
+      std::this_thread::sleep_for(10ms);
+    ASSERT_TRUE(session.progress().reading_files);
+    const uint32_t bos = static_cast<uint32_t>(session.bos().size());
+    ASSERT_GE(bos, 2u);
+    std::vector<Status> results(bos);
+    std::vector<std::thread> callers;
+    for (uint32_t bo = 0; bo < bos; ++bo) {
+      callers.emplace_back([&, bo] {
+        ::pthread_setname_np(::pthread_self(), ("caller-" + std::to_string(bo)).c_str());
+        results[bo] = session.Ensure(bo, 0, session.bos()[bo].size, 30s);
+      });
+    }
+    for (std::thread& caller : callers)
+      caller.join();
+    for (uint32_t bo = 0; bo < bos; ++bo) {
+      ASSERT_TRUE(results[bo].ok()) << "BO " << bo << ": " << results[bo].ToString();
+      const std::string want_thread = on_caller ? "caller-" + std::to_string(bo) : "gl-demand";
+      for (uint64_t offset = 0; offset < session.bos()[bo].size; offset += session.chunk_size())
+        EXPECT_EQ(engine.InstalledBy(bo, offset), want_thread) << "BO " << bo << " at " << offset;
+    }
+    const client::Progress p = session.progress();
+    EXPECT_EQ(p.local_demand_chunks, p.demand_chunks);
+    EXPECT_EQ(p.resident_chunks, p.total_chunks);
+    ExpectCheckpointBytes(session, engine.host(), "raw");
+  }
 }
 
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
