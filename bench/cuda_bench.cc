@@ -116,6 +116,7 @@ struct PipelineResult {
   double setup_s = 0;  // of `seconds`: until Start returned (connect, open, device allocations)
   bool verified = false;
   uint32_t slot_bytes = 0;  // the staging slots the engine used
+  uint64_t chunks_verified_on_device = 0;
 };
 
 // The chunk size the benchmark's server cuts its raw images into: its default, or the
@@ -169,11 +170,13 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
                                        uint64_t window, uint64_t file_window, uint32_t slots,
                                        uint32_t slot_bytes, uint32_t served_chunk_bytes,
-                                       uint32_t streams, bool read_files, uint32_t readers) {
+                                       uint32_t streams, bool read_files, uint32_t readers,
+                                       bool verify_on_device) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
   engine_options.slot_bytes = slot_bytes;
   engine_options.streams = streams;
+  engine_options.verify_on_device = verify_on_device;
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
   // The staging ring is made outside the timed stream, as with slots of a fixed size (made in
@@ -202,16 +205,19 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.verified = true;
   }
   result.slot_bytes = engine->slot_bytes();
+  result.chunks_verified_on_device = engine->chunks_verified_on_device();
   return result;
 }
 
 // LocalRestore straight into device memory: readers pread into the engine's pinned slots.
 Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers, uint32_t slots,
-                                    uint32_t slot_bytes, uint32_t streams, uint32_t chunk_bytes) {
+                                    uint32_t slot_bytes, uint32_t streams, uint32_t chunk_bytes,
+                                    bool verify_on_device) {
   client::CudaEngineOptions engine_options;
   engine_options.staging_slots = slots;
   engine_options.slot_bytes = slot_bytes;
   engine_options.streams = streams;
+  engine_options.verify_on_device = verify_on_device;
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
   GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(chunk_bytes));  // untimed, as above
@@ -230,6 +236,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
   result.slot_bytes = engine->slot_bytes();
+  result.chunks_verified_on_device = engine->chunks_verified_on_device();
   return result;
 }
 
@@ -244,6 +251,8 @@ struct LayerOptions {
   uint64_t window = 64u << 20;
   uint64_t file_window = client::SessionOptions{}.file_window_bytes;
   uint32_t startup_ms = 20;
+  // The engine verifies chunks on the GPU instead of the readers on the CPU.
+  bool verify_on_device = false;
 };
 
 // Expected kernel result per layer, keyed by (process, BO index), from the pages files.
@@ -337,6 +346,7 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
   engine_options.staging_slots = options.slots;
   engine_options.slot_bytes = options.slot_bytes;
   engine_options.streams = options.streams;
+  engine_options.verify_on_device = options.verify_on_device;
   const auto start = Clock::now();
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
@@ -464,6 +474,8 @@ int Run(int argc, char** argv) {
   app.add_option("--layers", layer_count, "layers: BOs of the model")->capture_default_str();
   app.add_option("--startup-ms", layer_options.startup_ms, "layers: the program's own start-up")
       ->capture_default_str();
+  app.add_flag("--verify-on-device", layer_options.verify_on_device,
+               "the engine verifies chunks with checksums on the GPU, not the readers on the CPU");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   common.work_dir = work_dir;
@@ -512,6 +524,7 @@ int Run(int argc, char** argv) {
     if (!image_dir.ok()) return fail(image_dir.status());
     std::vector<double> ceiling, pipeline, by_reference, local, upstream;
     std::map<std::string, std::vector<double>> setup;
+    std::map<std::string, uint64_t> device_verified;  // chunks the GPU verified, last run
     bool verified = true, local_verified = true, by_reference_verified = true;
     uint32_t slot_bytes_used = 0;  // what the engines used (the option may say 0: the image's)
     for (uint32_t r = 0; r < repeat; ++r) {
@@ -525,10 +538,11 @@ int Run(int argc, char** argv) {
             PipelineResult p,
             MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
                             layer_options.slot_bytes, served_chunk_bytes, streams, by_ref,
-                            layer_options.readers));
+                            layer_options.readers, layer_options.verify_on_device));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
         slot_bytes_used = p.slot_bytes;
+        device_verified[name] = p.chunks_verified_on_device;
         checked = checked && p.verified;
         return Status::Ok();
       };
@@ -542,13 +556,14 @@ int Run(int argc, char** argv) {
         if (!s.ok()) return fail(s);
       }
       if (runs_case("local")) {
-        Result<PipelineResult> l =
-            MeasureLocal(*image_dir, layer_options.readers, layer_options.slots,
-                         layer_options.slot_bytes, streams, static_cast<uint32_t>(*local_chunk));
+        Result<PipelineResult> l = MeasureLocal(
+            *image_dir, layer_options.readers, layer_options.slots, layer_options.slot_bytes,
+            streams, static_cast<uint32_t>(*local_chunk), layer_options.verify_on_device);
         if (!l.ok()) return fail(l.status());
         local.push_back(l->throughput_Bps);
         setup["gpulazy_local_direct"].push_back(l->setup_s);
         slot_bytes_used = l->slot_bytes;
+        device_verified["gpulazy_local_direct"] = l->chunks_verified_on_device;
         local_verified = local_verified && l->verified;
       }
       if (runs_case("upstream")) {
@@ -578,6 +593,8 @@ int Run(int argc, char** argv) {
           {"ceiling_Bps", ceiling_Bps},
           {"ratio", median / ceiling_Bps},
           {"verified", checked},
+          {"verify_on_device", layer_options.verify_on_device},
+          {"chunks_verified_on_device", device_verified[name]},
           {"setup_s", setup.contains(name) ? Percentile(setup[name], 0.5) : 0.0},
           {"device", DeviceDescription()},
           {"machine", MachineDescription()}};
@@ -625,6 +642,7 @@ int Run(int argc, char** argv) {
                                  {"demand_chunks", t.demand_chunks},
                                  {"bytes", t.bytes},
                                  {"results_ok", t.results_ok},
+                                 {"verify_on_device", layer_options.verify_on_device},
                                  {"ceiling_Bps", *ceiling},
                                  {"ceiling_copy_s", static_cast<double>(bytes) / *ceiling},
                                  {"device", DeviceDescription()},

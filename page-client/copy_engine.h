@@ -2,8 +2,9 @@
 // image's chunks from gpulazy-server; a CopyEngine puts the verified bytes into device memory.
 //
 // CopyEngine: the seam between the session and whatever memory the BOs live in (host memfds,
-// AMD SDMA, CUDA). The session hands over only bytes whose checksum it has verified and marks a
-// chunk resident only when the engine reports that its write landed.
+// AMD SDMA, CUDA). The session hands over only bytes whose checksum it has verified (or, to an
+// engine that verifies chunks itself, bytes with the checksum they must match) and marks a chunk
+// resident only when the engine reports that its write landed.
 //
 // Thread-safety: ExpectChunkBytes and AddDestination are called before any Write and never
 // concurrently with one.
@@ -72,6 +73,26 @@ class CopyEngine {
   virtual Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
     (void)bo, (void)offset, (void)length, (void)done;
     return Unsupported("{} engine: CommitReceived without ReceiveTarget", name());
+  }
+
+  // Optional: whether the engine checks a received chunk of `length` bytes against its XXH3-64
+  // itself, after the copy and before any of its bytes reach the destination (the CUDA engine
+  // does it on the GPU, which frees the CPU pass that otherwise bounds a verified stream). The
+  // caller then fills a ReceiveTarget span without hashing it and commits it with
+  // CommitUnverified. Any thread, any time.
+  virtual bool VerifiesChunks(uint64_t length) const {
+    (void)length;
+    return false;
+  }
+  // CommitReceived for bytes nobody has verified yet: the engine checks them against
+  // `checksum` (Checksum64) first. `done` runs exactly once: Ok once the verified bytes are in
+  // the destination, kCorrupt if they did not match (the destination is untouched and the
+  // chunk may be fetched again), another error if the copy failed. A kCorrupt completion is
+  // not an engine failure: Flush does not report it. (Overrides take ownership of `done`.)
+  virtual Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
+                                  CopyDone done) {  // NOLINT(performance-unnecessary-value-param)
+    (void)bo, (void)offset, (void)length, (void)checksum, (void)done;
+    return Unsupported("{} engine does not verify chunks", name());
   }
 
   // A ReceiveTarget span that will not be committed (its bytes failed verification, or the

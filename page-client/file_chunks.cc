@@ -32,13 +32,15 @@ void ChunkBufferPool::Return(std::shared_ptr<std::vector<uint8_t>> buffer) {
 namespace {
 
 // Reads the chunk's stored bytes and leaves its verified raw bytes in `into`.
-Status ReadInto(const FileChunk& c, std::span<uint8_t> into, std::vector<uint8_t>& scratch,
-                const std::string& what, uint64_t* bytes_read) {
+// engine_verifies: the engine checks the raw bytes itself (CopyEngine::VerifiesChunks), so
+// they are read without hashing.
+Status ReadInto(const FileChunk& c, std::span<uint8_t> into, bool engine_verifies,
+                std::vector<uint8_t>& scratch, const std::string& what, uint64_t* bytes_read) {
   if (c.codec == manifest::CODEC_RAW) {
     if (c.stored_length != into.size())
       return Corrupt("{}: stored length {} but raw length {}", what, c.stored_length, into.size());
     // Straight from the page cache into the destination: no copy of ours in between.
-    if (!c.checksum) {
+    if (!c.checksum || engine_verifies) {
       GPULAZY_RETURN_IF_ERROR(ReadExactAt(c.fd, c.file_offset, into, what));
       if (bytes_read != nullptr) *bytes_read += into.size();
       return Status::Ok();
@@ -90,7 +92,10 @@ Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, c
     own = buffers.Take(c.raw_length);
     into = *own;
   }
-  Status read = ReadInto(c, into, scratch, what, bytes_read);
+  // Only a lent buffer: the engine verifies what it lent, not a Write's bytes.
+  const bool engine_verifies =
+      target && c.codec == manifest::CODEC_RAW && c.checksum && engine.VerifiesChunks(c.raw_length);
+  Status read = ReadInto(c, into, engine_verifies, scratch, what, bytes_read);
   if (!read.ok()) {
     if (target) {
       // Nothing unverified may linger in a destination the engine lent us.
@@ -107,7 +112,9 @@ Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, c
     done(status);
   };
   EngineHold engine_hold(gate, urgency);
-  Status queued = target
+  Status queued = engine_verifies ? engine.CommitUnverified(c.bo, c.dest_offset, c.raw_length,
+                                                            *c.checksum, std::move(finish))
+                  : target
                       ? engine.CommitReceived(c.bo, c.dest_offset, c.raw_length, std::move(finish))
                       : engine.Write(c.bo, c.dest_offset, into, std::move(finish));
   if (!queued.ok())

@@ -5,8 +5,11 @@
 // into a buffer of ours, verified, and handed to the engine.
 //
 // Verification: a chunk with a checksum is checked before the engine may install it, and bytes
-// that fail are zeroed in a lent buffer, so nothing unverified lingers. A plain CRIU checkpoint
-// records no checksums: its bytes are installed as read, as CRIU itself does.
+// that fail are zeroed in a lent buffer, so nothing unverified lingers. An engine that verifies
+// chunks itself (CopyEngine::VerifiesChunks: the CUDA engine, on the GPU) gets a lent buffer's
+// raw bytes unhashed with the checksum they must match, and reports a mismatch through `done`
+// (kCorrupt) instead. A plain CRIU checkpoint records no checksums: its bytes are installed as
+// read, as CRIU itself does.
 //
 // Thread-safety: InstallFileChunk may run on several threads at once; every engine call it makes
 // goes through `gate` (at `urgency`), which the caller shares with its other engine calls.
@@ -56,6 +59,8 @@ class ChunkBufferPool {
 // run) and no unverified byte is left in engine memory: kCorrupt for bytes that failed
 // verification (reading again may help), anything else for the file or the engine. `what`
 // names the chunk in messages. *bytes_read (when not null) counts what was read from the file.
+// `done` may also report kCorrupt, when the engine verified the bytes itself: the caller then
+// treats the chunk as it treats a kCorrupt return (missing; read again).
 // kUrgent: someone is blocked on this chunk; its engine calls go ahead of background ones.
 Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,

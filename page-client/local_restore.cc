@@ -293,6 +293,18 @@ class LocalRestore::Impl {
 
   void OnWritten(ChunkId id, uint32_t length, const Status& status) {
     std::lock_guard lock(mu_);
+    if (status.code() == Code::kCorrupt && !stopping_ && status_.ok() &&
+        residency_.ClearLanding(id.bo, id.chunk) &&
+        residency_.CountBadCopy(id.bo, id.chunk) <= kMaxRereads) {
+      // The engine verified the bytes itself and they did not match: read the chunk again,
+      // ahead of the background order (as Restore does for a mismatch it finds).
+      spdlog::warn("{}: BO {} chunk {}: {}; reading it again", Name(), id.bo, id.chunk,
+                   status.message());
+      ++rereads_;
+      demand_.push_front(id);
+      work_.notify_one();
+      return;
+    }
     if (!status.ok()) {
       residency_.ClearLanding(id.bo, id.chunk);
       if (status_.ok())

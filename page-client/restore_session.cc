@@ -1607,6 +1607,17 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
                                      const std::shared_ptr<std::vector<uint8_t>>& staging,
                                      uint64_t credit) {
   // Any thread, possibly inside an engine call (engine_mutex_ held): never take engine_mutex_.
+  if (status.code() == Code::kCorrupt) {
+    // The engine verified the bytes itself (CommitUnverified) and they did not match: the same
+    // as a mismatch found here, so ask again, and a second bad copy fails the restore.
+    Unclaim(id.first, id.second);
+    if (staging) ReturnBuffer(std::move(*staging));
+    asio::post(io_, [this, link, id, credit, status] {
+      Status bad = BadCopy(link, id.first, id.second, credit, /*on_stream=*/credit > 0, status);
+      if (!bad.ok()) Fail(bad);
+    });
+    return;
+  }
   if (!status.ok()) {
     Fail(status.Context(
         fmt::format("{}: {} engine write", What(id.first, id.second), engine_.name())));

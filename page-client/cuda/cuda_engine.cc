@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 #include <sys/mman.h>
+#define XXH_STATIC_LINKING_ONLY  // XXH3_generateSecret_fromSeed
+#include <xxhash.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -11,6 +13,9 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+
+#include "page-client/cuda/verify_kernel.h"
+#include "proto/xxh3_blocks.h"
 
 namespace gpulazy::client {
 
@@ -105,9 +110,14 @@ class CudaCopyEngine::Impl {
  public:
   struct Slot {
     uint8_t* pinned = nullptr;
+    uint8_t* device = nullptr;       // verified copies land here first (verify_on_device)
+    uint64_t* block_sums = nullptr;  // the verify kernel's scratch
     cudaEvent_t event = nullptr;
     CopyDone done;
     uint32_t bytes = 0;
+    bool verified = false;  // the write runs the verify kernel; its verdict decides
+    uint32_t bo = 0;
+    uint64_t offset = 0;
   };
 
   explicit Impl(const CudaEngineOptions& options) : options_(options) {}
@@ -126,6 +136,11 @@ class CudaCopyEngine::Impl {
       cudaStreamDestroy(stream);
     for (void* buffer : destinations_)
       if (buffer != nullptr) cudaFree(buffer);
+    if (device_staging_ != nullptr) cudaFree(device_staging_);
+    if (block_sums_ != nullptr) cudaFree(block_sums_);
+    if (arrivals_ != nullptr) cudaFree(arrivals_);
+    if (secret_ != nullptr) cudaFree(secret_);
+    if (verdicts_ != nullptr) cudaFreeHost(verdicts_);
   }
 
   Status Init() {
@@ -143,9 +158,43 @@ class CudaCopyEngine::Impl {
         return CudaError(e, "creating a copy stream");
       streams_.push_back(stream);
     }
+    if (options_.verify_on_device) GPULAZY_RETURN_IF_ERROR(PrepareVerification());
     if (options_.slot_bytes != 0) GPULAZY_RETURN_IF_ERROR(MakeRing(options_.slot_bytes));
     reaper_ = std::thread([this] { ReapLoop(); });
     return Status::Ok();
+  }
+
+  // XXH3's secret in device memory (from the library: the kernel must hash as it does) and a
+  // verdict word per slot that the kernel writes straight into pinned host memory.
+  Status PrepareVerification() {
+    uint8_t secret[xxh3::kSecretBytes];
+    XXH3_generateSecret_fromSeed(secret, 0);
+    if (cudaError_t e = cudaMalloc(&secret_, sizeof secret); e != cudaSuccess)
+      return CudaError(e, "allocating the verification secret");
+    if (cudaError_t e = cudaMemcpy(secret_, secret, sizeof secret, cudaMemcpyHostToDevice);
+        e != cudaSuccess)
+      return CudaError(e, "copying the verification secret");
+    void* verdicts = nullptr;
+    if (cudaError_t e = cudaHostAlloc(&verdicts, sizeof(uint32_t) * options_.staging_slots,
+                                      cudaHostAllocMapped | cudaHostAllocPortable);
+        e != cudaSuccess)
+      return CudaError(e, "allocating verdict words");
+    verdicts_ = static_cast<uint32_t*>(verdicts);
+    if (cudaError_t e =
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_verdicts_), verdicts_, 0);
+        e != cudaSuccess)
+      return CudaError(e, "mapping verdict words for the device");
+    if (cudaError_t e = cudaMalloc(&arrivals_, sizeof(uint32_t) * options_.staging_slots);
+        e != cudaSuccess)
+      return CudaError(e, "allocating the verify kernel's counters");
+    if (cudaError_t e = cudaMemset(arrivals_, 0, sizeof(uint32_t) * options_.staging_slots);
+        e != cudaSuccess)
+      return CudaError(e, "clearing the verify kernel's counters");
+    return Status::Ok();
+  }
+
+  bool VerifiesChunks(uint64_t length) const {
+    return options_.verify_on_device && length >= cuda::kMinVerifiedBytes;
   }
 
   // Slots sized to the image's chunks when the options left the size open. The size comes
@@ -215,12 +264,31 @@ class CudaCopyEngine::Impl {
     }
     // The memory last: a failed allocation leaves nothing behind (events destroyed, no mapping).
     const size_t stride = (size_t{slot_bytes} + kPageBytes - 1) / kPageBytes * kPageBytes;
+    const size_t sums_stride = (cuda::BlockSumBytes(slot_bytes) + 255) / 256 * 256;
+    if (options_.verify_on_device) {
+      if (cudaError_t e = cudaMalloc(&device_staging_, stride * slots.size()); e != cudaSuccess) {
+        destroy_events();
+        device_staging_ = nullptr;
+        return CudaError(
+            e, fmt::format("allocating {} bytes of device staging", stride * slots.size()));
+      }
+      if (cudaError_t e = cudaMalloc(&block_sums_, sums_stride * slots.size()); e != cudaSuccess) {
+        destroy_events();
+        block_sums_ = nullptr;
+        return CudaError(e, "allocating the verify kernel's scratch");
+      }
+    }
     if (Status allocated = staging_.Allocate(stride * slots.size()); !allocated.ok()) {
       destroy_events();
       return allocated;
     }
-    for (size_t i = 0; i < slots.size(); ++i)
+    for (size_t i = 0; i < slots.size(); ++i) {
       slots[i].pinned = staging_.data() + stride * i;
+      if (device_staging_ != nullptr) {
+        slots[i].device = device_staging_ + stride * i;
+        slots[i].block_sums = reinterpret_cast<uint64_t*>(block_sums_ + sums_stride * i);
+      }
+    }
     slots_ = std::move(slots);
     slot_bytes_ = slot_bytes;
     std::lock_guard lock(mu_);
@@ -256,15 +324,32 @@ class CudaCopyEngine::Impl {
     return Queue(index, bo, offset, raw.size(), std::move(done));
   }
 
-  // Queues the DMA of a filled staging slot; on failure the slot is free again.
-  Status Queue(uint32_t index, uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+  // Queues the DMA of a filled staging slot; on failure the slot is free again. With
+  // `checksum`, the bytes go to the slot's device staging first and the verify kernel installs
+  // them only if they hash to it.
+  Status Queue(uint32_t index, uint32_t bo, uint64_t offset, uint64_t length, CopyDone done,
+               std::optional<uint64_t> checksum = std::nullopt) {
     Slot& slot = slots_[index];
     cudaError_t e = cudaSetDevice(options_.device);  // the caller's thread may be on another
     cudaStream_t stream =
         streams_[next_stream_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
     auto* target = static_cast<uint8_t*>(destinations_[bo]) + offset;
-    if (e == cudaSuccess)
+    if (checksum) {
+      verdicts_[index] = cuda::kVerdictPending;
+      const cuda::VerifyJob job{.staged = slot.device,
+                                .destination = target,
+                                .length = length,
+                                .expected = *checksum,
+                                .secret = secret_,
+                                .block_sums = slot.block_sums,
+                                .arrivals = arrivals_ + index,
+                                .verdict = mapped_verdicts_ + index};
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(slot.device, slot.pinned, length, cudaMemcpyHostToDevice, stream);
+      if (e == cudaSuccess) e = cuda::LaunchVerifyAndInstall(job, stream);
+    } else if (e == cudaSuccess) {
       e = cudaMemcpyAsync(target, slot.pinned, length, cudaMemcpyHostToDevice, stream);
+    }
     if (e == cudaSuccess) e = cudaEventRecord(slot.event, stream);
     if (e != cudaSuccess) {
       std::lock_guard lock(mu_);
@@ -274,6 +359,9 @@ class CudaCopyEngine::Impl {
     }
     slot.done = std::move(done);
     slot.bytes = static_cast<uint32_t>(length);
+    slot.verified = checksum.has_value();
+    slot.bo = bo;
+    slot.offset = offset;
     {
       std::lock_guard lock(mu_);
       in_flight_.push_back(index);
@@ -307,6 +395,20 @@ class CudaCopyEngine::Impl {
       return InvalidArgument("commit of BO {} offset {}, which was never lent a staging slot", bo,
                              offset);
     return Queue(*index, bo, offset, length, std::move(done));
+  }
+
+  Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
+                          CopyDone done) {
+    if (!VerifiesChunks(length)) {
+      ReleaseReceived(bo, offset);
+      return Unsupported("the CUDA engine verifies no {}-byte chunks{}", length,
+                         options_.verify_on_device ? "" : " (verify_on_device is off)");
+    }
+    std::optional<uint32_t> index = TakeLent(bo, offset);
+    if (!index)
+      return InvalidArgument("commit of BO {} offset {}, which was never lent a staging slot", bo,
+                             offset);
+    return Queue(*index, bo, offset, length, std::move(done), checksum);
   }
 
   void ReleaseReceived(uint32_t bo, uint64_t offset) {
@@ -346,6 +448,10 @@ class CudaCopyEngine::Impl {
     std::lock_guard lock(mu_);
     return bytes_written_;
   }
+  uint64_t chunks_verified() const {
+    std::lock_guard lock(mu_);
+    return chunks_verified_;
+  }
 
  private:
   std::optional<uint32_t> TakeLent(uint32_t bo, uint64_t offset) {
@@ -372,15 +478,17 @@ class CudaCopyEngine::Impl {
       Slot& slot = slots_[index];
       cudaError_t e = cudaEventSynchronize(slot.event);
       Status status = e == cudaSuccess ? Status::Ok() : CudaError(e, "waiting for a copy");
+      if (status.ok() && slot.verified) status = Verdict(index);
       CopyDone done = std::move(slot.done);
       {
         std::lock_guard lock(mu_);
         in_flight_.pop_front();
         free_.push_back(index);
-        if (status.ok())
+        if (status.ok()) {
           bytes_written_ += slot.bytes;
-        else if (first_error_.ok())
-          first_error_ = status;
+          if (slot.verified) ++chunks_verified_;
+        } else if (first_error_.ok() && status.code() != Code::kCorrupt)
+          first_error_ = status;  // a bad copy is the restore's to fetch again, not a failure
       }
       freed_.notify_one();
       idle_.notify_all();
@@ -388,10 +496,31 @@ class CudaCopyEngine::Impl {
     }
   }
 
+  // What the verify kernel found for the slot's chunk (its stream's event has completed).
+  Status Verdict(uint32_t index) const {
+    const Slot& slot = slots_[index];
+    switch (static_cast<volatile uint32_t*>(verdicts_)[index]) {
+      case cuda::kVerdictMatches:
+        return Status::Ok();
+      case cuda::kVerdictMismatch:
+        return Corrupt("BO {} bytes [{}, {}): checksum mismatch on the GPU; not installed", slot.bo,
+                       slot.offset, slot.offset + slot.bytes);
+      default:
+        return Internal("BO {} bytes [{}, {}): the verify kernel left no verdict", slot.bo,
+                        slot.offset, slot.offset + slot.bytes);
+    }
+  }
+
   CudaEngineOptions options_;
   std::vector<cudaStream_t> streams_;
   StagingMemory staging_;
-  std::vector<Slot> slots_;  // empty until MakeRing
+  std::vector<Slot> slots_;              // empty until MakeRing
+  uint8_t* device_staging_ = nullptr;    // verify_on_device: one slot's worth per staging slot
+  uint8_t* secret_ = nullptr;            // device memory
+  uint8_t* block_sums_ = nullptr;        // device memory, a slot's scratch per slot
+  uint32_t* verdicts_ = nullptr;         // pinned, one per slot
+  uint32_t* mapped_verdicts_ = nullptr;  // the same, as the device addresses them
+  uint32_t* arrivals_ = nullptr;         // device memory, one per slot
   uint32_t slot_bytes_ = 0;
   std::vector<void*> destinations_;
   std::vector<uint64_t> sizes_;
@@ -407,6 +536,7 @@ class CudaCopyEngine::Impl {
   bool stopping_ = false;
   Status first_error_;
   uint64_t bytes_written_ = 0;
+  uint64_t chunks_verified_ = 0;
   std::thread reaper_;
 };
 
@@ -437,6 +567,13 @@ Status CudaCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t len
                                       CopyDone done) {
   return impl_->CommitReceived(bo, offset, length, std::move(done));
 }
+bool CudaCopyEngine::VerifiesChunks(uint64_t length) const {
+  return impl_->VerifiesChunks(length);
+}
+Status CudaCopyEngine::CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length,
+                                        uint64_t checksum, CopyDone done) {
+  return impl_->CommitUnverified(bo, offset, length, checksum, std::move(done));
+}
 void CudaCopyEngine::ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) {
   (void)length;
   impl_->ReleaseReceived(bo, offset);
@@ -452,6 +589,9 @@ Status CudaCopyEngine::CopyToHost(uint32_t bo, uint64_t offset, std::span<uint8_
 }
 uint64_t CudaCopyEngine::bytes_written() const {
   return impl_->bytes_written();
+}
+uint64_t CudaCopyEngine::chunks_verified_on_device() const {
+  return impl_->chunks_verified();
 }
 uint32_t CudaCopyEngine::slot_bytes() const {
   return impl_->slot_bytes();

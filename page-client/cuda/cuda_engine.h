@@ -7,7 +7,9 @@
 // one pinned allocation, made when the slot size is known (Create, or the restore's
 // ExpectChunkBytes).
 //
-// Write can also be avoided: ReceiveTarget lends a staging slot to be filled in place.
+// Write can also be avoided: ReceiveTarget lends a staging slot to be filled in place, and with
+// verify_on_device the chunk's checksum is checked on the GPU (CommitUnverified), before any of
+// its bytes reach the BO.
 //
 // Thread-safety: AddDestination before any Write; Write, the receive calls and Flush may run on
 // several threads at once; done callbacks run on the reaper thread. DevicePointer and
@@ -34,6 +36,11 @@ struct CudaEngineOptions {
   // smaller slots resume sooner.
   uint32_t slot_bytes = 0;
   uint32_t streams = 4;
+  // Verify received chunks on the GPU (CopyEngine::VerifiesChunks): the restore reads them into
+  // a staging slot unhashed, the slot is copied to device staging memory, and a kernel hashes
+  // it there (XXH3-64, bit for bit libxxhash's) and copies it into the BO only if it matches.
+  // Takes the CPU's hash pass off the stream; costs a second staging ring in device memory.
+  bool verify_on_device = false;
 };
 
 class CudaCopyEngine : public CopyEngine {
@@ -52,6 +59,10 @@ class CudaCopyEngine : public CopyEngine {
                                                   uint64_t length) override;
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
   void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override;
+  // With verify_on_device: every chunk XXH3 hashes by its long path (over 240 bytes).
+  bool VerifiesChunks(uint64_t length) const override;
+  Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
+                          CopyDone done) override;
   Status Flush() override;
 
   // The BO's device buffer (nullptr for an unknown BO).
@@ -59,6 +70,8 @@ class CudaCopyEngine : public CopyEngine {
   // Copies [offset, offset + out.size()) of the BO back to host memory (for verification).
   Status CopyToHost(uint32_t bo, uint64_t offset, std::span<uint8_t> out) const;
   uint64_t bytes_written() const;
+  // Chunks the GPU verified and installed (CommitUnverified).
+  uint64_t chunks_verified_on_device() const;
   // Bytes per staging slot; 0 until the ring is made (options, ExpectChunkBytes or the first
   // AddDestination).
   uint32_t slot_bytes() const;

@@ -21,6 +21,7 @@
 #include "lazy-server/image/synth.h"
 #include "page-client/host_engine.h"
 #include "proto/file_header.h"
+#include "tests/client/verifying_engine.h"
 #include "tests/server/test_support.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/threads.h"
@@ -270,6 +271,62 @@ TEST(LocalRestore, CorruptChunkFailsLoudlyAndInstallsNothing) {
   const uint64_t end = std::min<uint64_t>(mapping->size(), (victim_chunk + 1) * chunk_bytes);
   for (uint64_t i = victim_chunk * chunk_bytes; i < end; ++i)
     ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
+}
+
+// An engine that verifies chunks itself (as the CUDA engine does on the GPU) gets them unhashed
+// with their checksums; a chunk it finds bad is read again once, and a second bad copy fails
+// the restore naming the chunk, with nothing of it left in the destination.
+TEST(LocalRestore, ChunksTheEngineFindsBadAreReadAgainOnceThenFailLoudly) {
+  TempDir root;
+  const fs::path dir = root.path() / "img";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 8ull << 20, 13));
+  {
+    Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dir);
+    ASSERT_TRUE(checkpoint.ok());
+    image::ConvertOptions convert;
+    convert.chunk_size = 256 * 1024;
+    convert.compress = false;  // RAW chunks: received into the engine's memory
+    ASSERT_TRUE(image::ConvertToLazyImage(checkpoint.value(), convert).ok());
+  }
+  Result<image::LazyImage> lazy = image::LazyImage::Open(dir);
+  ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
+  uint64_t raw_chunks = 0;
+  for (const manifest::Bo& bo : lazy->manifest().bos())
+    for (const manifest::Chunk& chunk : bo.chunks())
+      raw_chunks += chunk.codec() == manifest::CODEC_RAW && chunk.raw_length() > 240 ? 1 : 0;
+  ASSERT_GT(raw_chunks, 8u);
+  for (const int spoil_times : {0, 1, 2}) {
+    SCOPED_TRACE(fmt::format("the engine spoils a chunk {} times", spoil_times));
+    VerifyingHostEngine engine(spoil_times);
+    LocalRestoreOptions options;
+    options.image_dir = dir;
+    options.readers = 3;
+    LocalRestore restore(options, engine);
+    ASSERT_TRUE(restore.Start().ok());
+    Status done = restore.WaitComplete(std::chrono::seconds(60));
+    // The engine, not the readers, verified: every RAW chunk, or those up to the failure.
+    EXPECT_GE(engine.unverified_commits(), spoil_times < 2 ? raw_chunks + spoil_times : 2u);
+    EXPECT_EQ(engine.mismatches(), static_cast<uint64_t>(spoil_times));
+    EXPECT_EQ(restore.progress().refetches, spoil_times > 0 ? 1u : 0u);
+    if (spoil_times < 2) {
+      ASSERT_TRUE(done.ok()) << done.ToString();
+      ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
+      continue;
+    }
+    ASSERT_FALSE(done.ok());
+    EXPECT_EQ(done.code(), Code::kCorrupt) << done.ToString();
+    const auto [bo, offset] = engine.victim().value();
+    const uint64_t chunk_bytes = 256 * 1024;
+    EXPECT_NE(done.message().find(fmt::format("BO {} chunk {}", bo, offset / chunk_bytes)),
+              std::string::npos)
+        << done.message();
+    EXPECT_FALSE(restore.IsResident(bo, offset, 1));
+    Result<std::span<uint8_t>> mapping = engine.host().Mapping(bo);
+    ASSERT_TRUE(mapping.ok());
+    const uint64_t end = std::min<uint64_t>(mapping->size(), offset + chunk_bytes);
+    for (uint64_t i = offset; i < end; ++i)
+      ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
+  }
 }
 
 TEST(LocalRestore, MissingImageFailsAtStart) {

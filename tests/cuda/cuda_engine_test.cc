@@ -4,14 +4,18 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <thread>
+
+#include "proto/checksum.h"
 
 namespace gpulazy::client {
 namespace {
@@ -255,6 +259,158 @@ TEST_F(CudaEngineTest, ReceiveTargetsFromSeveralThreadsLandByteExact) {
   std::vector<uint8_t> back(size);
   ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
   EXPECT_EQ(back, source);
+}
+
+// verify_on_device: the GPU hashes each committed chunk (XXH3-64 computed by the kernel must be
+// libxxhash's, at lengths across XXH3's stripe and block edges) and installs only chunks that
+// match; a mismatch completes with kCorrupt, leaves the BO's bytes as they were, and is not an
+// engine failure (Flush stays Ok); the same chunk committed again with the right bytes lands.
+TEST_F(CudaEngineTest, VerifiedCommitsInstallOnlyChunksThatHashRight) {
+  CudaEngineOptions options;
+  options.staging_slots = 6;
+  options.streams = 3;
+  options.verify_on_device = true;
+  auto engine = CudaCopyEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  constexpr uint32_t kChunk = 2u << 20;
+  ASSERT_TRUE((*engine)->ExpectChunkBytes(kChunk).ok());
+  EXPECT_FALSE((*engine)->VerifiesChunks(240));  // XXH3's short paths stay on the CPU
+  EXPECT_TRUE((*engine)->VerifiesChunks(241));
+  const std::vector<uint32_t> lengths = {241,  1023,   1024,     1025,       1088,
+                                         4159, 300001, 1u << 20, kChunk - 1, kChunk};
+  const uint64_t size = uint64_t{kChunk} * lengths.size();
+  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  // The BO's bytes before: a pattern a bad copy must leave alone.
+  const std::vector<uint8_t> pattern(kChunk, 0xA5);
+  for (uint64_t at = 0; at < size; at += kChunk)
+    ASSERT_TRUE((*engine)->Write(0, at, pattern, [](Status) {}).ok());
+  ASSERT_TRUE((*engine)->Flush().ok());
+  std::vector<uint8_t> source(size);
+  std::mt19937_64 random(23);
+  for (uint8_t& b : source)
+    b = static_cast<uint8_t>(random());
+
+  std::mutex mu;
+  std::map<uint64_t, Status> outcome;  // by offset
+  auto commit = [&](size_t i, bool spoil) {
+    const uint64_t at = uint64_t{kChunk} * i;
+    const std::span<const uint8_t> bytes(source.data() + at, lengths[i]);
+    auto lent = (*engine)->ReceiveTarget(0, at, lengths[i]);
+    ASSERT_TRUE(lent.has_value());
+    std::memcpy(lent->data(), bytes.data(), bytes.size());
+    const uint64_t checksum = Checksum64(bytes) ^ (spoil ? 1 : 0);
+    Status s = (*engine)->CommitUnverified(0, at, lengths[i], checksum, [&, at](Status st) {
+      std::lock_guard lock(mu);
+      outcome[at] = st;
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  };
+  for (size_t i = 0; i < lengths.size(); ++i)
+    commit(i, /*spoil=*/i % 2 == 1);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  std::vector<uint8_t> back(kChunk);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SCOPED_TRACE(fmt::format("{} bytes", lengths[i]));
+    const uint64_t at = uint64_t{kChunk} * i;
+    ASSERT_TRUE(outcome.contains(at));
+    ASSERT_TRUE((*engine)->CopyToHost(0, at, back).ok());
+    if (i % 2 == 1) {
+      EXPECT_EQ(outcome[at].code(), Code::kCorrupt) << outcome[at].ToString();
+      EXPECT_EQ(back, pattern) << "a chunk that failed verification reached the BO";
+    } else {
+      EXPECT_TRUE(outcome[at].ok()) << outcome[at].ToString();
+      EXPECT_EQ(std::memcmp(back.data(), source.data() + at, lengths[i]), 0);
+      EXPECT_TRUE(
+          std::all_of(back.begin() + lengths[i], back.end(), [](uint8_t b) { return b == 0xA5; }));
+    }
+  }
+  EXPECT_EQ((*engine)->chunks_verified_on_device(), lengths.size() / 2);
+  for (size_t i = 1; i < lengths.size(); i += 2)
+    commit(i, /*spoil=*/false);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  for (size_t i = 1; i < lengths.size(); i += 2) {
+    const uint64_t at = uint64_t{kChunk} * i;
+    EXPECT_TRUE(outcome[at].ok()) << outcome[at].ToString();
+    ASSERT_TRUE((*engine)->CopyToHost(0, at, back).ok());
+    EXPECT_EQ(std::memcmp(back.data(), source.data() + at, lengths[i]), 0) << lengths[i];
+  }
+  EXPECT_EQ((*engine)->chunks_verified_on_device(), lengths.size());
+}
+
+// Verified commits from several threads through fewer slots than chunks: every chunk lands
+// byte-exact. An engine without verify_on_device refuses CommitUnverified and takes its slot
+// back (the caller's next ReceiveTarget still gets one).
+TEST_F(CudaEngineTest, VerifiedCommitsFromSeveralThreadsAndRefusalWithoutTheOption) {
+  constexpr uint32_t kChunk = 1u << 20;
+  constexpr uint32_t kThreads = 4, kPerThread = 12;
+  {
+    CudaEngineOptions options;
+    options.staging_slots = 8;
+    options.streams = 4;
+    options.verify_on_device = true;
+    auto engine = CudaCopyEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    ASSERT_TRUE((*engine)->ExpectChunkBytes(kChunk).ok());
+    const uint64_t size = uint64_t{kChunk} * kThreads * kPerThread;
+    ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+    std::vector<uint8_t> source(size);
+    std::mt19937_64 random(5);
+    for (uint8_t& b : source)
+      b = static_cast<uint8_t>(random());
+    std::atomic<int> good{0};
+    std::mutex engine_calls;  // callers serialize their engine calls, as the restores do
+    std::vector<std::thread> threads;
+    for (uint32_t t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (uint32_t k = 0; k < kPerThread; ++k) {
+          const uint64_t at = uint64_t{kChunk} * (k * kThreads + t);
+          std::optional<std::span<uint8_t>> lent;
+          {
+            std::lock_guard lock(engine_calls);
+            lent = (*engine)->ReceiveTarget(0, at, kChunk);
+          }
+          if (!lent) {  // every lendable slot was out: the Write path, as a restore would
+            std::lock_guard lock(engine_calls);
+            ASSERT_TRUE((*engine)
+                            ->Write(0, at, {source.data() + at, kChunk},
+                                    [&](Status st) { good += st.ok() ? 1 : 0; })
+                            .ok());
+            continue;
+          }
+          std::memcpy(lent->data(), source.data() + at, kChunk);
+          const uint64_t checksum = Checksum64({source.data() + at, kChunk});
+          std::lock_guard lock(engine_calls);
+          ASSERT_TRUE((*engine)
+                          ->CommitUnverified(0, at, kChunk, checksum,
+                                             [&](Status st) { good += st.ok() ? 1 : 0; })
+                          .ok());
+        }
+      });
+    }
+    for (std::thread& t : threads)
+      t.join();
+    ASSERT_TRUE((*engine)->Flush().ok());
+    EXPECT_EQ(good.load(), static_cast<int>(kThreads * kPerThread));
+    EXPECT_GT((*engine)->chunks_verified_on_device(), 0u);
+    std::vector<uint8_t> back(size);
+    ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
+    EXPECT_EQ(back, source);
+  }
+  CudaEngineOptions plain;
+  plain.staging_slots = 2;
+  auto engine = CudaCopyEngine::Create(plain);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_TRUE((*engine)->ExpectChunkBytes(kChunk).ok());
+  ASSERT_TRUE((*engine)->AddDestination(0, kChunk).ok());
+  EXPECT_FALSE((*engine)->VerifiesChunks(kChunk));
+  for (int i = 0; i < 3; ++i) {  // more rounds than lendable slots: each refusal freed its slot
+    auto lent = (*engine)->ReceiveTarget(0, 0, kChunk);
+    ASSERT_TRUE(lent.has_value()) << "round " << i;
+    Status refused = (*engine)->CommitUnverified(
+        0, 0, kChunk, 0, [](Status) { ADD_FAILURE() << "done of a refused commit"; });
+    EXPECT_EQ(refused.code(), Code::kUnsupported) << refused.ToString();
+  }
+  EXPECT_TRUE((*engine)->Flush().ok());
 }
 
 }  // namespace

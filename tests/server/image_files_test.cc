@@ -28,6 +28,7 @@
 #include "page-client/net/fd_passing.h"
 #include "page-client/restore_session.h"
 #include "page-client/server_connection.h"
+#include "tests/client/verifying_engine.h"
 #include "tests/server/test_support.h"
 #include "tests/support/threads.h"
 
@@ -525,6 +526,42 @@ TEST_F(ImageFilesTest, EnsureInstallsOnTheCallersThread) {
     EXPECT_EQ(p.local_demand_chunks, p.demand_chunks);
     EXPECT_EQ(p.resident_chunks, p.total_chunks);
     ExpectCheckpointBytes(session, engine.host(), "raw");
+  }
+}
+
+// By reference into an engine that verifies chunks itself (as the CUDA engine does on the GPU):
+// the readers hand it the lazy image's chunks unhashed; a chunk it finds bad is asked for again
+// and read again from the passed files, and a second bad copy fails the restore, naming the
+// chunk, with nothing of it left in the destination.
+TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly) {
+  for (const int spoil_times : {1, 2}) {
+    SCOPED_TRACE(fmt::format("the engine spoils a chunk {} times", spoil_times));
+    client::VerifyingHostEngine engine(spoil_times);
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "lazy";
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    const Status done = session.WaitComplete(30s);
+    EXPECT_TRUE(session.progress().reading_files);
+    EXPECT_GE(engine.unverified_commits(), 2u);
+    EXPECT_EQ(engine.mismatches(), static_cast<uint64_t>(spoil_times));
+    EXPECT_EQ(session.progress().refetches, 1u);
+    if (spoil_times == 1) {
+      ASSERT_TRUE(done.ok()) << done.ToString();
+      EXPECT_GT(engine.unverified_commits(), 8u);
+      ExpectCheckpointBytes(session, engine.host(), "lazy");
+      continue;
+    }
+    ASSERT_EQ(done.code(), Code::kCorrupt) << done.ToString();
+    EXPECT_NE(done.message().find("second copy is bad too"), std::string::npos) << done.message();
+    const auto [bo, offset] = engine.victim().value();
+    EXPECT_FALSE(session.IsResident(bo, offset, 1));
+    Result<std::span<uint8_t>> mapping = engine.host().Mapping(bo);
+    ASSERT_TRUE(mapping.ok());
+    const uint64_t end = std::min<uint64_t>(mapping->size(), offset + session.chunk_size());
+    for (uint64_t i = offset; i < end; ++i)
+      ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
   }
 }
 

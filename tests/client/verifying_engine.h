@@ -1,0 +1,103 @@
+// The host engine, claiming to verify chunks itself the way the CUDA engine does on the GPU
+// (CopyEngine::VerifiesChunks / CommitUnverified), so the client's side of that contract runs
+// in every build: it checks the lent bytes against the checksum at commit, and can spoil the
+// first chunk committed that way to make the client handle a kCorrupt completion.
+#pragma once
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+#include "page-client/host_engine.h"
+#include "proto/checksum.h"
+#include "proto/xxh3_blocks.h"
+
+namespace gpulazy::client {
+
+class VerifyingHostEngine : public CopyEngine {
+ public:
+  // The first chunk committed unverified is spoiled (a byte flipped before the check) on its
+  // first `spoil_times` commits.
+  explicit VerifyingHostEngine(int spoil_times = 0) : spoil_times_(spoil_times) {}
+
+  std::string_view name() const override { return "verifying-host"; }
+  Status AddDestination(uint32_t bo, uint64_t size) override {
+    return host_.AddDestination(bo, size);
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    return host_.ReceiveTarget(bo, offset, length);
+  }
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    return host_.CommitReceived(bo, offset, length, std::move(done));
+  }
+  void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override {
+    host_.ReleaseReceived(bo, offset, length);
+  }
+  Status ExpectChunkBytes(uint32_t max_bytes) override { return host_.ExpectChunkBytes(max_bytes); }
+  void ExpectWriters(uint32_t writers) override { host_.ExpectWriters(writers); }
+  Status Flush() override { return host_.Flush(); }
+
+  bool VerifiesChunks(uint64_t length) const override { return length > xxh3::kMidsizeMax; }
+  Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
+                          CopyDone done) override {
+    Result<std::span<uint8_t>> mapping = host_.Mapping(bo);
+    if (!mapping.ok()) return mapping.status();
+    if (offset > mapping->size() || length > mapping->size() - offset)
+      return OutOfRange("commit past the end of BO {}", bo);
+    const std::span<uint8_t> bytes = mapping->subspan(offset, length);
+    {
+      std::lock_guard lock(mu_);
+      ++unverified_commits_;
+      if (!victim_) victim_ = {bo, offset};
+      if (*victim_ == std::pair{bo, offset} && spoiled_ < spoil_times_) {
+        ++spoiled_;
+        bytes[length / 2] ^= 0x5a;
+      }
+    }
+    if (Checksum64(bytes) != checksum) {
+      // As the CUDA engine leaves its destination: nothing of the bad copy.
+      std::memset(bytes.data(), 0, bytes.size());
+      host_.ReleaseReceived(bo, offset, length);
+      {
+        std::lock_guard lock(mu_);
+        ++mismatches_;
+      }
+      done(Corrupt("BO {} bytes [{}, {}): checksum mismatch in the engine", bo, offset,
+                   offset + length));
+      return Status::Ok();
+    }
+    return host_.CommitReceived(bo, offset, length, std::move(done));
+  }
+
+  const HostCopyEngine& host() const { return host_; }
+  uint64_t unverified_commits() const {
+    std::lock_guard lock(mu_);
+    return unverified_commits_;
+  }
+  uint64_t mismatches() const {
+    std::lock_guard lock(mu_);
+    return mismatches_;
+  }
+  // The spoiled chunk's BO and offset, once there is one.
+  std::optional<std::pair<uint32_t, uint64_t>> victim() const {
+    std::lock_guard lock(mu_);
+    return victim_;
+  }
+
+ private:
+  HostCopyEngine host_;
+  const int spoil_times_;
+  mutable std::mutex mu_;
+  std::optional<std::pair<uint32_t, uint64_t>> victim_;
+  int spoiled_ = 0;
+  uint64_t unverified_commits_ = 0;
+  uint64_t mismatches_ = 0;
+};
+
+}  // namespace gpulazy::client
