@@ -336,6 +336,8 @@ class RestoreSession::Impl {
   // mutex_: added once per frame by the one thread that reads the stream.
   std::atomic<uint64_t> stream_wait_ns_{0};
   std::atomic<uint64_t> stream_chunk_ns_{0};
+  // Chunks installed by reference with no checksum to verify (Progress::unchecked_chunks).
+  std::atomic<uint64_t> unchecked_chunks_{0};
   std::atomic<bool> cancelled_{false};
 
   EngineGate engine_gate_;  // held around every engine_ call, and only there
@@ -623,6 +625,7 @@ Progress RestoreSession::Impl::progress() const {
   Progress p = counters_;
   p.stream_wait_s = static_cast<double>(stream_wait_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.stream_chunk_s = static_cast<double>(stream_chunk_ns_.load(std::memory_order_relaxed)) / 1e9;
+  p.unchecked_chunks = unchecked_chunks_.load(std::memory_order_relaxed);
   p.total_bytes = residency_.total_bytes();
   p.total_chunks = residency_.total_chunks();
   p.resident_bytes = residency_.resident_bytes();
@@ -1532,7 +1535,10 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
         OnWritten(status, link, id, nullptr, credit);
       },
       /*bytes_read=*/nullptr);
-  if (installed.ok()) return;
+  if (installed.ok()) {
+    if (!c.checksum) unchecked_chunks_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   Unclaim(c.bo, c.chunk);
   if (installed.code() != Code::kCorrupt) {
     Fail(installed);

@@ -109,9 +109,12 @@ struct Progress {
   uint64_t demand_chunks = 0;        // chunks asked for by Ensure
   uint64_t local_demand_chunks = 0;  // of those, read from the passed files without the server
   uint64_t refetches = 0;            // chunks asked for again after a bad copy
-  uint64_t duplicates = 0;           // copies of chunks already held, ignored
-  uint64_t reconnects = 0;           // successful re-opens after a lost connection
-  bool reading_files = false;        // the current connection passed the image files (by reference)
+  // Chunks read by reference that came with no checksum, installed as read: a CRIU checkpoint
+  // records none, and the server knows one only for chunks it has read itself (docs/client.md).
+  uint64_t unchecked_chunks = 0;
+  uint64_t duplicates = 0;     // copies of chunks already held, ignored
+  uint64_t reconnects = 0;     // successful re-opens after a lost connection
+  bool reading_files = false;  // the current connection passed the image files (by reference)
   // Where the stream connection's reading thread spent its time (wall time, other work of that
   // thread included): waiting for the next frame to start, and inside chunk frames (receiving
   // the payload, which may also wait for bytes, verifying it, handing it to the engine).

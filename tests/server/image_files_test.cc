@@ -547,6 +547,7 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
     EXPECT_GE(engine.unverified_commits(), 2u);
     EXPECT_EQ(engine.mismatches(), static_cast<uint64_t>(spoil_times));
     EXPECT_EQ(session.progress().refetches, 1u);
+    EXPECT_EQ(session.progress().unchecked_chunks, 0u);
     if (spoil_times == 1) {
       ASSERT_TRUE(done.ok()) << done.ToString();
       EXPECT_GT(engine.unverified_commits(), 8u);
@@ -563,6 +564,37 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
     for (uint64_t i = offset; i < end; ++i)
       ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
   }
+}
+
+// A CRIU checkpoint records no checksums: by reference, a chunk comes with one only if the
+// server has read (and hashed) it before. Progress::unchecked_chunks says how many were
+// installed unverified: all of them from a server that has read nothing, none once a session
+// through the socket has made it read every chunk, and never any of a lazy image's.
+TEST_F(ImageFilesTest, ProgressCountsChunksInstalledWithoutAChecksum) {
+  TempDir sockets;
+  ServerProcess fresh(sockets.path(), dir_->path() / "images",
+                      {"--raw-chunk-size", "256K", "--max-frame", "1M"});
+  ASSERT_TRUE(fresh.ready()) << fresh.Log();
+  auto restore = [&](const std::string& image, bool read_files) {
+    client::HostCopyEngine engine;
+    client::SessionOptions options;
+    options.endpoint = fresh.unix_endpoint().ToString();
+    options.image = image;
+    options.read_files = read_files;
+    client::RestoreSession session(options, engine);
+    EXPECT_TRUE(session.Start().ok());
+    const Status done = session.WaitComplete(30s);
+    EXPECT_TRUE(done.ok()) << done.ToString();
+    EXPECT_EQ(session.progress().reading_files, read_files);
+    ExpectCheckpointBytes(session, engine, image);
+    return session.progress();
+  };
+  const client::Progress first = restore("raw", true);
+  EXPECT_EQ(first.unchecked_chunks, first.total_chunks);
+  EXPECT_EQ(restore("raw", false).unchecked_chunks, 0u);  // through the socket: the server hashes
+  EXPECT_EQ(restore("raw", true).unchecked_chunks, 0u);   // now it knows every checksum
+  EXPECT_EQ(restore("lazy", true).unchecked_chunks, 0u);
+  EXPECT_EQ(fresh.Terminate(), 0) << fresh.Log();
 }
 
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
