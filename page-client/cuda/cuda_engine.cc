@@ -264,7 +264,8 @@ class CudaCopyEngine::Impl {
     }
     // The memory last: a failed allocation leaves nothing behind (events destroyed, no mapping).
     const size_t stride = (size_t{slot_bytes} + kPageBytes - 1) / kPageBytes * kPageBytes;
-    const size_t sums_stride = (cuda::BlockSumBytes(slot_bytes) + 255) / 256 * 256;
+    const size_t sums_stride =
+        options_.verify_on_device ? (cuda::BlockSumBytes(slot_bytes) + 255) / 256 * 256 : 0;
     if (options_.verify_on_device) {
       if (cudaError_t e = cudaMalloc(&device_staging_, stride * slots.size()); e != cudaSuccess) {
         destroy_events();

@@ -21,6 +21,7 @@
 #include "lazy-server/image/synth.h"
 #include "page-client/host_engine.h"
 #include "proto/file_header.h"
+#include "tests/client/forwarding_engine.h"
 #include "tests/client/verifying_engine.h"
 #include "tests/server/test_support.h"
 #include "tests/support/temp_dir.h"
@@ -51,6 +52,27 @@ void Convert(const fs::path& dir) {
   convert.chunk_size = 256 * 1024;
   auto stats = image::ConvertToLazyImage(checkpoint.value(), convert);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+}
+
+// 256 KiB chunks stored RAW (received into the engine's memory), none shared.
+void ConvertUncompressed(const fs::path& dir) {
+  Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dir);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  image::ConvertOptions convert;
+  convert.chunk_size = 256 * 1024;
+  convert.compress = false;
+  convert.deduplicate = false;
+  auto stats = image::ConvertToLazyImage(checkpoint.value(), convert);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+}
+
+// Nothing of a chunk that failed verification is left: its 256 KiB at `offset` of the BO are 0.
+void ExpectChunkZeroed(const HostCopyEngine& engine, uint32_t bo, uint64_t offset) {
+  Result<std::span<uint8_t>> mapping = engine.Mapping(bo);
+  ASSERT_TRUE(mapping.ok());
+  const uint64_t end = std::min<uint64_t>(mapping->size(), offset + 256 * 1024);
+  for (uint64_t i = offset; i < end; ++i)
+    ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
 }
 
 void ExpectRestored(const LocalRestore& restore, const HostCopyEngine& engine,
@@ -100,12 +122,9 @@ TEST(LocalRestore, RestoresCheckpointAndLazyImageByteExact) {
 
 // The host engine, with the restore's readers held at their first engine call until Release:
 // a test can then make its Ensures while the image is surely not resident yet.
-class HeldReadersEngine : public CopyEngine {
+class HeldReadersEngine : public ForwardingHostEngine {
  public:
   std::string_view name() const override { return "held-readers"; }
-  Status AddDestination(uint32_t bo, uint64_t size) override {
-    return host_.AddDestination(bo, size);
-  }
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
     WaitIfReader();
     return host_.Write(bo, offset, raw, std::move(done));
@@ -115,22 +134,12 @@ class HeldReadersEngine : public CopyEngine {
     WaitIfReader();
     return host_.ReceiveTarget(bo, offset, length);
   }
-  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
-    return host_.CommitReceived(bo, offset, length, std::move(done));
-  }
-  void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override {
-    host_.ReleaseReceived(bo, offset, length);
-  }
-  Status ExpectChunkBytes(uint32_t max_bytes) override { return host_.ExpectChunkBytes(max_bytes); }
-  void ExpectWriters(uint32_t writers) override { host_.ExpectWriters(writers); }
-  Status Flush() override { return host_.Flush(); }
 
   void Release() {
     std::lock_guard lock(mu_);
     released_ = true;
     cv_.notify_all();
   }
-  const HostCopyEngine& host() const { return host_; }
 
  private:
   void WaitIfReader() {
@@ -142,7 +151,6 @@ class HeldReadersEngine : public CopyEngine {
     cv_.wait_for(lock, std::chrono::seconds(60), [&] { return released_; });
   }
 
-  HostCopyEngine host_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool released_ = false;
@@ -215,15 +223,7 @@ TEST(LocalRestore, CorruptChunkFailsLoudlyAndInstallsNothing) {
   TempDir root;
   const fs::path dir = root.path() / "img";
   ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 8ull << 20, 3));
-  {
-    Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dir);
-    ASSERT_TRUE(checkpoint.ok());
-    image::ConvertOptions convert;
-    convert.chunk_size = 256 * 1024;
-    convert.compress = false;  // RAW chunks: the bytes go straight into the memfd
-    convert.deduplicate = false;
-    ASSERT_TRUE(image::ConvertToLazyImage(checkpoint.value(), convert).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(ConvertUncompressed(dir));
   Result<image::LazyImage> lazy = image::LazyImage::Open(dir);
   ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
   // The first RAW chunk with contents.
@@ -266,11 +266,7 @@ TEST(LocalRestore, CorruptChunkFailsLoudlyAndInstallsNothing) {
   EXPECT_EQ(restore.progress().refetches, 1u);
   const uint64_t chunk_bytes = 256 * 1024;
   EXPECT_FALSE(restore.IsResident(victim_bo, victim_chunk * chunk_bytes, 1));
-  Result<std::span<uint8_t>> mapping = engine.Mapping(victim_bo);
-  ASSERT_TRUE(mapping.ok());
-  const uint64_t end = std::min<uint64_t>(mapping->size(), (victim_chunk + 1) * chunk_bytes);
-  for (uint64_t i = victim_chunk * chunk_bytes; i < end; ++i)
-    ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
+  ASSERT_NO_FATAL_FAILURE(ExpectChunkZeroed(engine, victim_bo, victim_chunk * chunk_bytes));
 }
 
 // An engine that verifies chunks itself (as the CUDA engine does on the GPU) gets them unhashed
@@ -280,14 +276,7 @@ TEST(LocalRestore, ChunksTheEngineFindsBadAreReadAgainOnceThenFailLoudly) {
   TempDir root;
   const fs::path dir = root.path() / "img";
   ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 8ull << 20, 13));
-  {
-    Result<image::CriuCheckpoint> checkpoint = image::CriuCheckpoint::Open(dir);
-    ASSERT_TRUE(checkpoint.ok());
-    image::ConvertOptions convert;
-    convert.chunk_size = 256 * 1024;
-    convert.compress = false;  // RAW chunks: received into the engine's memory
-    ASSERT_TRUE(image::ConvertToLazyImage(checkpoint.value(), convert).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(ConvertUncompressed(dir));
   Result<image::LazyImage> lazy = image::LazyImage::Open(dir);
   ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
   uint64_t raw_chunks = 0;
@@ -321,11 +310,7 @@ TEST(LocalRestore, ChunksTheEngineFindsBadAreReadAgainOnceThenFailLoudly) {
               std::string::npos)
         << done.message();
     EXPECT_FALSE(restore.IsResident(bo, offset, 1));
-    Result<std::span<uint8_t>> mapping = engine.host().Mapping(bo);
-    ASSERT_TRUE(mapping.ok());
-    const uint64_t end = std::min<uint64_t>(mapping->size(), offset + chunk_bytes);
-    for (uint64_t i = offset; i < end; ++i)
-      ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
+    ASSERT_NO_FATAL_FAILURE(ExpectChunkZeroed(engine.host(), bo, offset));
   }
 }
 

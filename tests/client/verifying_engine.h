@@ -10,39 +10,19 @@
 #include <optional>
 #include <utility>
 
-#include "page-client/host_engine.h"
 #include "proto/checksum.h"
 #include "proto/xxh3_blocks.h"
+#include "tests/client/forwarding_engine.h"
 
 namespace gpulazy::client {
 
-class VerifyingHostEngine : public CopyEngine {
+class VerifyingHostEngine : public ForwardingHostEngine {
  public:
   // The first chunk committed unverified is spoiled (a byte flipped before the check) on its
   // first `spoil_times` commits.
   explicit VerifyingHostEngine(int spoil_times = 0) : spoil_times_(spoil_times) {}
 
   std::string_view name() const override { return "verifying-host"; }
-  Status AddDestination(uint32_t bo, uint64_t size) override {
-    return host_.AddDestination(bo, size);
-  }
-  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
-    return host_.Write(bo, offset, raw, std::move(done));
-  }
-  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
-                                                  uint64_t length) override {
-    return host_.ReceiveTarget(bo, offset, length);
-  }
-  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
-    return host_.CommitReceived(bo, offset, length, std::move(done));
-  }
-  void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override {
-    host_.ReleaseReceived(bo, offset, length);
-  }
-  Status ExpectChunkBytes(uint32_t max_bytes) override { return host_.ExpectChunkBytes(max_bytes); }
-  void ExpectWriters(uint32_t writers) override { host_.ExpectWriters(writers); }
-  Status Flush() override { return host_.Flush(); }
-
   bool VerifiesChunks(uint64_t length) const override { return length > xxh3::kMidsizeMax; }
   Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
                           CopyDone done) override {
@@ -75,7 +55,6 @@ class VerifyingHostEngine : public CopyEngine {
     return host_.CommitReceived(bo, offset, length, std::move(done));
   }
 
-  const HostCopyEngine& host() const { return host_; }
   uint64_t unverified_commits() const {
     std::lock_guard lock(mu_);
     return unverified_commits_;
@@ -91,7 +70,6 @@ class VerifyingHostEngine : public CopyEngine {
   }
 
  private:
-  HostCopyEngine host_;
   const int spoil_times_;
   mutable std::mutex mu_;
   std::optional<std::pair<uint32_t, uint64_t>> victim_;

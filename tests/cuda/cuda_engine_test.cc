@@ -20,6 +20,14 @@
 namespace gpulazy::client {
 namespace {
 
+std::vector<uint8_t> RandomBytes(size_t length, uint32_t seed) {
+  std::vector<uint8_t> bytes(length);
+  std::mt19937 random(seed);
+  for (uint8_t& b : bytes)
+    b = static_cast<uint8_t>(random());
+  return bytes;
+}
+
 class CudaEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -36,10 +44,7 @@ TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const uint64_t size = 40 * (64 << 10) + 123;  // a short last write
   ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
-  std::vector<uint8_t> source(size);
-  std::mt19937 random(7);
-  for (uint8_t& b : source)
-    b = static_cast<uint8_t>(random());
+  const std::vector<uint8_t> source = RandomBytes(size, 7);
   std::atomic<int> done{0};
   for (uint64_t at = 0; at < size; at += options.slot_bytes) {
     size_t n = std::min<uint64_t>(options.slot_bytes, size - at);
@@ -68,10 +73,7 @@ TEST_F(CudaEngineTest, SlotsAreSizedToTheChunksTheRestoreExpects) {
   ASSERT_TRUE((*engine)->ExpectChunkBytes(kChunk).ok());
   const uint64_t size = 10 * kChunk;
   ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
-  std::vector<uint8_t> source(size);
-  std::mt19937 random(11);
-  for (uint8_t& b : source)
-    b = static_cast<uint8_t>(random());
+  const std::vector<uint8_t> source = RandomBytes(size, 11);
   for (uint64_t at = 0; at < size; at += kChunk) {
     Status s = (*engine)->Write(0, at, {source.data() + at, kChunk},
                                 [](Status st) { EXPECT_TRUE(st.ok()) << st.ToString(); });
@@ -139,10 +141,7 @@ TEST_F(CudaEngineTest, LentSlotsNeverDeadlockCallersThatSerializeTheirCalls) {
   constexpr uint32_t kChunksEach = 16;
   const uint64_t size = uint64_t{kThreads} * kChunksEach * options.slot_bytes;
   ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
-  std::vector<uint8_t> source(size);
-  std::mt19937 random(11);
-  for (uint8_t& b : source)
-    b = static_cast<uint8_t>(random());
+  const std::vector<uint8_t> source = RandomBytes(size, 11);
   {
     // Two of three lent: the last is never lent, and asking for it does not wait.
     auto a = (*engine)->ReceiveTarget(0, 0, options.slot_bytes);
@@ -211,10 +210,7 @@ TEST_F(CudaEngineTest, ReceiveTargetsFromSeveralThreadsLandByteExact) {
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const uint64_t chunks = 64, size = chunks * (64 << 10);
   ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
-  std::vector<uint8_t> source(size);
-  std::mt19937 random(11);
-  for (uint8_t& b : source)
-    b = static_cast<uint8_t>(random());
+  const std::vector<uint8_t> source = RandomBytes(size, 11);
   // Past the end, or larger than a slot: no slot is lent.
   EXPECT_FALSE((*engine)->ReceiveTarget(0, size - 10, 64 << 10).has_value());
   EXPECT_FALSE((*engine)->ReceiveTarget(0, 0, (64 << 10) + 1).has_value());
@@ -285,10 +281,7 @@ TEST_F(CudaEngineTest, VerifiedCommitsInstallOnlyChunksThatHashRight) {
   for (uint64_t at = 0; at < size; at += kChunk)
     ASSERT_TRUE((*engine)->Write(0, at, pattern, [](Status) {}).ok());
   ASSERT_TRUE((*engine)->Flush().ok());
-  std::vector<uint8_t> source(size);
-  std::mt19937_64 random(23);
-  for (uint8_t& b : source)
-    b = static_cast<uint8_t>(random());
+  const std::vector<uint8_t> source = RandomBytes(size, 23);
 
   std::mutex mu;
   std::map<uint64_t, Status> outcome;  // by offset
@@ -353,10 +346,7 @@ TEST_F(CudaEngineTest, VerifiedCommitsFromSeveralThreadsAndRefusalWithoutTheOpti
     ASSERT_TRUE((*engine)->ExpectChunkBytes(kChunk).ok());
     const uint64_t size = uint64_t{kChunk} * kThreads * kPerThread;
     ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
-    std::vector<uint8_t> source(size);
-    std::mt19937_64 random(5);
-    for (uint8_t& b : source)
-      b = static_cast<uint8_t>(random());
+    const std::vector<uint8_t> source = RandomBytes(size, 5);
     std::atomic<int> good{0};
     std::mutex engine_calls;  // callers serialize their engine calls, as the restores do
     std::vector<std::thread> threads;

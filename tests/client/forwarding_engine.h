@@ -1,0 +1,39 @@
+// A CopyEngine that hands every call to a HostCopyEngine: test engines derive from it and
+// override only the calls they change (holding readers, verifying chunks, ...).
+#pragma once
+
+#include <utility>
+
+#include "page-client/host_engine.h"
+
+namespace gpulazy::client {
+
+class ForwardingHostEngine : public CopyEngine {
+ public:
+  Status AddDestination(uint32_t bo, uint64_t size) override {
+    return host_.AddDestination(bo, size);
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    return host_.ReceiveTarget(bo, offset, length);
+  }
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    return host_.CommitReceived(bo, offset, length, std::move(done));
+  }
+  void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) override {
+    host_.ReleaseReceived(bo, offset, length);
+  }
+  Status ExpectChunkBytes(uint32_t max_bytes) override { return host_.ExpectChunkBytes(max_bytes); }
+  void ExpectWriters(uint32_t writers) override { host_.ExpectWriters(writers); }
+  Status Flush() override { return host_.Flush(); }
+
+  const HostCopyEngine& host() const { return host_; }
+
+ protected:
+  HostCopyEngine host_;
+};
+
+}  // namespace gpulazy::client
