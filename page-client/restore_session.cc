@@ -1531,14 +1531,14 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
   const uint64_t credit = on_stream ? c.stored_length : 0;
   Status installed = InstallFileChunk(
       engine_, engine_gate_, urgency, c, file_buffers_, scratch, What(c.bo, c.chunk),
-      [this, link, id, credit](const Status& status) {
+      [this, link, id, credit, unchecked = !c.checksum](const Status& status) {
+        // Counted before OnWritten marks the chunk resident: whoever sees the restore complete
+        // sees every unchecked install counted.
+        if (status.ok() && unchecked) unchecked_chunks_.fetch_add(1, std::memory_order_relaxed);
         OnWritten(status, link, id, nullptr, credit);
       },
       /*bytes_read=*/nullptr);
-  if (installed.ok()) {
-    if (!c.checksum) unchecked_chunks_.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
+  if (installed.ok()) return;
   Unclaim(c.bo, c.chunk);
   if (installed.code() != Code::kCorrupt) {
     Fail(installed);
