@@ -24,7 +24,8 @@ struct ChunkId {
   uint32_t chunk = 0;
 };
 
-// A chunk that failed verification is read again this many times before the restore fails.
+// A chunk whose bytes failed verification (a reader's check or the engine's) is read again this
+// many times before the restore fails.
 constexpr uint32_t kMaxRereads = 1;
 // Buffers of ours kept for reuse (chunks the engine lends no memory for).
 constexpr size_t kMaxSpareBuffers = 32;
@@ -241,8 +242,8 @@ class LocalRestore::Impl {
   }
 
   // Reads one chunk into the engine's buffer (or a buffer of ours), verifies it and hands it
-  // to the engine; a chunk that fails verification is read again once. On failure the chunk is
-  // left missing.
+  // to the engine. Bytes that fail verification, here or in the engine, send the chunk back to
+  // the queue (ReadAgainOrFail); any other failure leaves it missing and fails the restore.
   Status Restore(ChunkId id, Urgency urgency, std::vector<uint8_t>& scratch) {
     const manifest::Chunk& stored =
         image_->manifest().bos(static_cast<int>(id.bo)).chunks(static_cast<int>(id.chunk));
@@ -265,25 +266,40 @@ class LocalRestore::Impl {
       return Corrupt("{}: raw length {} but the BO needs {}", what, stored.raw_length(),
                      c.raw_length);
     }
-    for (uint32_t attempt = 0;; ++attempt) {
-      uint64_t read = 0;
-      Status s = InstallFileChunk(
-          engine_, engine_gate_, urgency, c, buffers_, scratch, what,
-          [this, id, length = c.raw_length](const Status& status) {
-            OnWritten(id, length, status);
-          },
-          &read);
-      Count(read);
-      if (s.ok()) return s;
-      if (s.code() != Code::kCorrupt || attempt >= kMaxRereads) {
-        std::lock_guard lock(mu_);
-        residency_.ClearLanding(id.bo, id.chunk);
-        return s;
-      }
-      spdlog::warn("{}; reading it again", s.message());
-      std::lock_guard lock(mu_);
-      ++rereads_;
+    uint64_t read = 0;
+    Status s = InstallFileChunk(
+        engine_, engine_gate_, urgency, c, buffers_, scratch, what,
+        [this, id, length = c.raw_length](const Status& status) { OnWritten(id, length, status); },
+        &read);
+    Count(read);
+    if (s.ok()) return s;
+    std::lock_guard lock(mu_);
+    if (s.code() == Code::kCorrupt) {
+      ReadAgainOrFail(id, s.message());
+      return Status::Ok();  // queued again, or status_ says why not
     }
+    residency_.ClearLanding(id.bo, id.chunk);
+    return s;
+  }
+
+  // Under mu_: chunk `id` (landing) failed verification, found by a reader (`why` names the
+  // chunk) or by the engine. One mechanism for both, so a chunk is read at most kMaxRereads
+  // times more however its copies went bad: it goes back to the front of the queue, or, past
+  // that, the restore fails naming it. Either way it stays missing.
+  void ReadAgainOrFail(ChunkId id, std::string_view why) {
+    if (!residency_.ClearLanding(id.bo, id.chunk)) return;  // not ours to read again
+    if (stopping_ || !status_.ok()) return;
+    if (residency_.CountBadCopy(id.bo, id.chunk) <= kMaxRereads) {
+      spdlog::warn("{}; reading it again", why);
+      ++rereads_;
+      demand_.push_front(id);
+      work_.notify_one();
+      return;
+    }
+    status_ = Corrupt("{} (read {} times)", why, kMaxRereads + 1);
+    spdlog::error("local restore failed: {}", status_.message());
+    work_.notify_all();
+    changed_.notify_all();
   }
 
   void Count(uint64_t bytes) {
@@ -293,19 +309,11 @@ class LocalRestore::Impl {
 
   void OnWritten(ChunkId id, uint32_t length, const Status& status) {
     std::lock_guard lock(mu_);
-    if (status.code() == Code::kCorrupt && !stopping_ && status_.ok() &&
-        residency_.ClearLanding(id.bo, id.chunk) &&
-        residency_.CountBadCopy(id.bo, id.chunk) <= kMaxRereads) {
-      // The engine verified the bytes itself and they did not match: read the chunk again,
-      // ahead of the background order (as Restore does for a mismatch it finds).
-      spdlog::warn("{}: BO {} chunk {}: {}; reading it again", Name(), id.bo, id.chunk,
-                   status.message());
-      ++rereads_;
-      demand_.push_front(id);
-      work_.notify_one();
-      return;
-    }
-    if (!status.ok()) {
+    if (status.code() == Code::kCorrupt) {
+      // The engine verified the bytes itself (CopyEngine::VerifiesChunks) and they did not match.
+      ReadAgainOrFail(
+          id, fmt::format("{}: BO {} chunk {}: {}", Name(), id.bo, id.chunk, status.message()));
+    } else if (!status.ok()) {
       residency_.ClearLanding(id.bo, id.chunk);
       if (status_.ok())
         status_ = Status(status.code(), fmt::format("{}: BO {} chunk {} ({} bytes): {}", Name(),
