@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/client/fake_server.h"
+#include "tests/support/files.h"
 
 namespace gpulazy::client {
 namespace {
@@ -58,9 +59,9 @@ TEST_F(FetchCli, WritesByteExactPagesFiles) {
   EXPECT_EQ(summary["chunks"].get<uint64_t>(), image.TotalChunks());
   EXPECT_EQ(summary["reconnects"].get<uint64_t>(), 0u);
 
-  std::ifstream file(dir_ / "amdgpu-pages-1-c0de.img", std::ios::binary);
-  ASSERT_TRUE(file.good());
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(file)), {});
+  ASSERT_TRUE(std::filesystem::exists(dir_ / "amdgpu-pages-1-c0de.img"));
+  const std::vector<uint8_t> bytes =
+      ::gpulazy::testing::ReadFileBytes(dir_ / "amdgpu-pages-1-c0de.img");
   ASSERT_EQ(bytes.size(), 8 + total);
   uint64_t header = 0;
   for (int i = 7; i >= 0; --i)

@@ -37,6 +37,7 @@
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/synth.h"
 #include "tests/e2e/userspace_wire.h"
+#include "tests/support/files.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy {
@@ -74,8 +75,7 @@ int Shell(const std::string& command) {
 }
 
 std::vector<uint8_t> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
+  return testing::ReadFileBytes(path);
 }
 
 std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {
@@ -275,10 +275,7 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
   }
   for (int i = 0; i < 200 && !fs::exists(ready); ++i)
     std::this_thread::sleep_for(50ms);
-  auto log = [&] {
-    std::ifstream in(server_log);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
+  auto log = [&] { return testing::ReadWholeFile(server_log); };
   ASSERT_TRUE(fs::exists(ready)) << log();
   const auto tcp_before = hosts.ServerTcpCounters();
 
@@ -325,8 +322,7 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
   int status = 0;
   ::waitpid(server, &status, 0);
 
-  std::ifstream summary_in(client_out);
-  const std::string summary(std::istreambuf_iterator<char>(summary_in), {});
+  const std::string summary = testing::ReadWholeFile(client_out);
   EXPECT_TRUE(cut) << "the fetch ended before the cut";
   EXPECT_TRUE(restored);
   ASSERT_EQ(fetch_status.load(), 0) << summary << "\n" << log();

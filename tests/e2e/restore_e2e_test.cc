@@ -22,6 +22,7 @@
 #include "page-client/host_engine.h"
 #include "page-client/restore_session.h"
 #include "tests/server/test_support.h"
+#include "tests/support/files.h"
 
 namespace gpulazy {
 namespace {
@@ -34,8 +35,7 @@ using server::testing::ServerProcess;
 using server::testing::TempDir;
 
 std::vector<uint8_t> ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
+  return ::gpulazy::testing::ReadFileBytes(path);
 }
 
 // The CRIU pages files of a checkpoint directory, by name.

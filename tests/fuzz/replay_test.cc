@@ -10,6 +10,8 @@
 #include <iterator>
 #include <vector>
 
+#include "tests/support/files.h"
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 namespace {
@@ -26,8 +28,7 @@ TEST(GPULAZY_FUZZ_SUITE, EveryInputPasses) {
   ASSERT_GE(inputs.size(), 4u) << "seed corpus missing under " << corpus;
   for (const fs::path& input : inputs) {
     SCOPED_TRACE(input.filename().string());
-    std::ifstream in(input, std::ios::binary);
-    std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), {});
+    const std::vector<uint8_t> bytes = ::gpulazy::testing::ReadFileBytes(input);
     EXPECT_EQ(LLVMFuzzerTestOneInput(bytes.data(), bytes.size()), 0);
   }
 }

@@ -17,6 +17,7 @@
 #include "lazy-server/image/criu_checkpoint.h"
 #include "proto/criu_file.h"
 #include "proto/endian.h"
+#include "tests/support/files.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy::testing {
@@ -110,8 +111,7 @@ inline void WriteFile(const std::filesystem::path& path, const std::string& byte
 }
 
 inline std::string ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  return ReadWholeFile(path);
 }
 
 // Flips one byte of a file in place.

@@ -21,6 +21,7 @@
 
 #include "lazy-server/image/synth.h"
 #include "tests/server/test_support.h"
+#include "tests/support/files.h"
 #include "tests/support/test_pki.h"
 
 namespace gpulazy::server::testing {
@@ -53,8 +54,7 @@ ProcessRun Client(const std::string& args) {
 }
 
 std::vector<uint8_t> ReadBytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
+  return ::gpulazy::testing::ReadFileBytes(path);
 }
 
 std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {

@@ -14,6 +14,7 @@
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/tool/commands.h"
 #include "proto/file_header.h"
+#include "tests/support/files.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy::tool {
@@ -22,8 +23,7 @@ namespace {
 using ::gpulazy::testing::TempDir;
 
 std::string ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return ::gpulazy::testing::ReadWholeFile(path);
 }
 
 void WriteFile(const std::filesystem::path& path, const std::string& text) {
@@ -47,8 +47,10 @@ class ToolTest : public ::testing::Test {
  protected:
   ToolRun Tool(const std::vector<std::string>& args) {
     std::string command = Quote(std::string(GPULAZY_BIN_DIR) + "/gpulazy-image");
-    for (const auto& arg : args)
-      command += " " + Quote(arg);
+    for (const auto& arg : args) {
+      command += ' ';  // appended apart: GCC 12 at -O3 misreads " " + string&& (-Wrestrict)
+      command += Quote(arg);
+    }
     const auto out = scratch_.path() / "stdout", err = scratch_.path() / "stderr";
     command += " >" + Quote(out.string()) + " 2>" + Quote(err.string());
     int status = std::system(command.c_str());

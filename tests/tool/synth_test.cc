@@ -16,6 +16,7 @@
 #include "lazy-server/image/io.h"
 #include "proto/checksum.h"
 #include "proto/criu_file.h"
+#include "tests/support/files.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy::image {
@@ -26,8 +27,7 @@ namespace cf = criu_format;
 using ::gpulazy::testing::TempDir;
 
 std::string ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return ::gpulazy::testing::ReadWholeFile(path);
 }
 
 SynthOptions Options(const std::filesystem::path& out, uint64_t bytes, uint32_t gpus = 2,

@@ -1,0 +1,33 @@
+// Whole files as bytes, for tests that compare what a tool wrote with what it should have.
+// One bulk read: reading through stream iterators goes byte by byte, which the -O0 sanitizer
+// build CI runs turns into seconds per megabyte (it was most of the end-to-end suite's time).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace gpulazy::testing {
+
+// The file's bytes; empty when it cannot be opened (a missing log, say: callers that need the
+// file check its size or contents, which then fail with the path in their message). Reads in
+// blocks until the end, so files that report no size (/proc) come back whole too.
+template <typename Bytes = std::string>
+Bytes ReadWholeFile(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  Bytes bytes;
+  char block[1 << 16];
+  while (in) {
+    in.read(block, sizeof block);
+    bytes.insert(bytes.end(), block, block + in.gcount());
+  }
+  return bytes;
+}
+
+inline std::vector<uint8_t> ReadFileBytes(const std::filesystem::path& path) {
+  return ReadWholeFile<std::vector<uint8_t>>(path);
+}
+
+}  // namespace gpulazy::testing
