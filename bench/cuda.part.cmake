@@ -11,9 +11,9 @@ if(GPULAZY_WITH_CUDA)
     set_target_properties(gpulazy_cuda_kernels PROPERTIES CUDA_ARCHITECTURES "80-real;90"
                           CUDA_STANDARD 17 CUDA_RUNTIME_LIBRARY Static)
     add_executable(gpulazy-cuda-bench ${CMAKE_CURRENT_LIST_DIR}/cuda_bench.cc
-                   ${CMAKE_CURRENT_LIST_DIR}/cuda_layers.cc ${CMAKE_CURRENT_LIST_DIR}/harness.cc)
+                   ${CMAKE_CURRENT_LIST_DIR}/cuda_layers.cc)
     # The engine brings the static CUDA runtime the kernel's launch stubs need.
-    target_link_libraries(gpulazy-cuda-bench PRIVATE gpulazy_cuda_kernels gpulazy_cuda_engine
+    target_link_libraries(gpulazy-cuda-bench PRIVATE gpulazy_bench_harness gpulazy_cuda_kernels gpulazy_cuda_engine
                           gpulazy_local_restore gpulazy_client gpulazy_image gpulazy_net
                           spdlog::spdlog)
     target_compile_definitions(gpulazy-cuda-bench

@@ -1,10 +1,12 @@
+# The harness (server processes, synthesis, JSON, CPU meters), compiled once for both benches.
+add_library(gpulazy_bench_harness STATIC ${CMAKE_CURRENT_LIST_DIR}/harness.cc)
+target_link_libraries(gpulazy_bench_harness PUBLIC gpulazy_image gpulazy_net)
 add_executable(gpulazy-bench
   ${CMAKE_CURRENT_LIST_DIR}/main.cc
-  ${CMAKE_CURRENT_LIST_DIR}/harness.cc
   ${CMAKE_CURRENT_LIST_DIR}/stream_bench.cc
   ${CMAKE_CURRENT_LIST_DIR}/demand_bench.cc
   ${CMAKE_CURRENT_LIST_DIR}/checksum_bench.cc)
-target_link_libraries(gpulazy-bench PRIVATE gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
+target_link_libraries(gpulazy-bench PRIVATE gpulazy_bench_harness gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
 # The bench starts the real server binary; build it alongside.
 if(TARGET gpulazy-server)
   add_dependencies(gpulazy-bench gpulazy-server)
