@@ -13,6 +13,10 @@
 //                         from an mmap of the file, XXH3 per slice then a streaming-store copy,
 //                         and that copy alone (one read of the page cache, no read-for-
 //                         ownership of the slot).
+//   pin-overlap FILE      Does registering page-cache windows (cudaHostRegister) run beside
+//                         DMA, or stall it? Pinned copies alone, register/unregister alone,
+//                         both at once, and both with the registered windows copied too (a
+//                         hybrid: part zero-copy, part from pinned memory).
 //   pin-cost TOTAL_MIB    What does a staging ring of TOTAL_MIB cost to make before a restore
 //                         may resume? Per-slot cudaMallocHost (2 and 4 MiB), one allocation,
 //                         and cudaHostRegister of memory we fault in ourselves (4 KiB pages or
@@ -225,6 +229,119 @@ void PinPageCache(const File& file, size_t window, int in_flight) {
   }
   for (cudaStream_t s : streams)
     cudaStreamDestroy(s);
+  ::munmap(mapped, size);
+  cudaFree(device);
+}
+
+// pin-overlap: a thread copies from a pinned buffer for `seconds` while another registers and
+// unregisters `window`-sized pieces of the file's mapping (and, with `copy_windows`, copies each
+// registered piece to the device before unregistering it).
+struct OverlapRates {
+  double pinned_GBps = 0;
+  double windows_GBps = 0;  // windows registered (and copied, if asked) per second, as bytes
+  double register_ms = 0;   // mean per window
+  double unregister_ms = 0;
+};
+
+OverlapRates Overlap(const File& file, char* base, void* device, size_t window, bool copy_pinned,
+                     bool cycle_windows, bool copy_windows, double seconds) {
+  OverlapRates rates;
+  std::atomic<bool> stop{false};
+  std::thread pinned_copier;
+  std::atomic<size_t> pinned_bytes{0};
+  double pinned_seconds = 0;
+  if (copy_pinned) {
+    pinned_copier = std::thread([&] {
+      void* pinned = nullptr;
+      Check(cudaMallocHost(&pinned, kCeilingCopy), "pinning a copy buffer");
+      std::memset(pinned, 1, kCeilingCopy);
+      cudaStream_t stream = nullptr;
+      Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "creating a stream");
+      const auto start = Clock::now();
+      // Two copies in flight at a time: the stream never drains between them.
+      while (!stop.load(std::memory_order_relaxed)) {
+        for (int i = 0; i < 4; ++i)
+          Check(cudaMemcpyAsync(static_cast<char*>(device) + (i % 2) * kCeilingCopy, pinned,
+                                kCeilingCopy, cudaMemcpyHostToDevice, stream),
+                "pinned copy");
+        Check(cudaStreamSynchronize(stream), "pinned copy");
+        pinned_bytes += 4 * kCeilingCopy;
+      }
+      pinned_seconds = SecondsSince(start);
+      cudaStreamDestroy(stream);
+      cudaFreeHost(pinned);
+    });
+  }
+  size_t windows_done = 0;
+  double register_s = 0, unregister_s = 0;
+  const auto start = Clock::now();
+  if (cycle_windows) {
+    cudaStream_t stream = nullptr;
+    Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "creating a stream");
+    const size_t windows = file.size / window;
+    // The device side of the copied windows: past the pinned copier's two buffers.
+    char* const target = static_cast<char*>(device) + 2 * kCeilingCopy;
+    while (SecondsSince(start) < seconds) {
+      char* const piece = base + (windows_done % windows) * window;
+      auto t0 = Clock::now();
+      Check(cudaHostRegister(piece, window, cudaHostRegisterReadOnly), "registering a window");
+      register_s += SecondsSince(t0);
+      if (copy_windows) {
+        Check(cudaMemcpyAsync(target, piece, window, cudaMemcpyHostToDevice, stream),
+              "copying a registered window");
+        Check(cudaStreamSynchronize(stream), "copying a registered window");
+      }
+      t0 = Clock::now();
+      Check(cudaHostUnregister(piece), "unregistering a window");
+      unregister_s += SecondsSince(t0);
+      ++windows_done;
+    }
+    cudaStreamDestroy(stream);
+  } else {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+  const double elapsed = SecondsSince(start);
+  stop = true;
+  if (pinned_copier.joinable()) pinned_copier.join();
+  if (copy_pinned) rates.pinned_GBps = static_cast<double>(pinned_bytes) / pinned_seconds / 1e9;
+  if (windows_done > 0) {
+    rates.windows_GBps = static_cast<double>(windows_done * window) / elapsed / 1e9;
+    rates.register_ms = register_s / static_cast<double>(windows_done) * 1e3;
+    rates.unregister_ms = unregister_s / static_cast<double>(windows_done) * 1e3;
+  }
+  return rates;
+}
+
+void PinOverlap(const File& file, size_t window) {
+  const size_t size = file.size / window * window;
+  void* device = nullptr;
+  Check(cudaMalloc(&device, 2 * kCeilingCopy + window), "allocating device memory");
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, file.fd, 0);
+  if (mapped == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  struct Case {
+    const char* name;
+    bool copy_pinned, cycle_windows, copy_windows;
+  };
+  const Case cases[] = {{"pinned_alone", true, false, false},
+                        {"register_alone", false, true, false},
+                        {"pinned_while_registering", true, true, false},
+                        {"zero_copy_alone", false, true, true},
+                        {"pinned_and_zero_copy", true, true, true}};
+  for (int round = 0; round < 2; ++round) {
+    for (const Case& c : cases) {
+      const OverlapRates r = Overlap(file, static_cast<char*>(mapped), device, window,
+                                     c.copy_pinned, c.cycle_windows, c.copy_windows, 1.0);
+      std::printf(
+          "{\"probe\":\"pin-overlap\",\"case\":\"%s\",\"window_MiB\":%zu,\"pinned_GBps\":%.2f,"
+          "\"windows_GBps\":%.2f,\"total_GBps\":%.2f,\"register_ms\":%.3f,\"unregister_ms\":%.3f}"
+          "\n",
+          c.name, window / kMiB, r.pinned_GBps, r.windows_GBps,
+          r.pinned_GBps + (c.copy_windows ? r.windows_GBps : 0), r.register_ms, r.unregister_ms);
+    }
+  }
   ::munmap(mapped, size);
   cudaFree(device);
 }
@@ -511,7 +628,7 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(stderr,
                  "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE "
-                 "[CHUNK_KIB=2048] | pin-cost TOTAL_MIB\n",
+                 "[CHUNK_KIB=2048] | pin-overlap FILE [WINDOW_MIB=64] | pin-cost TOTAL_MIB\n",
                  argv[0]);
     return 2;
   }
@@ -527,6 +644,10 @@ int main(int argc, char** argv) {
     const int in_flight = argc > 4 ? std::atoi(argv[4]) : 4;
     if (window == 0 || in_flight < 1) return 2;
     PinPageCache(file, window, in_flight);
+  } else if (probe == "pin-overlap") {
+    const size_t window = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 64) * kMiB;
+    if (window == 0 || window > file.size) return 2;
+    PinOverlap(file, window);
   } else if (probe == "read-dma") {
     const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
     // Whole pages: the mapped fills populate each chunk's pages (MADV_POPULATE_READ).
