@@ -2,8 +2,6 @@
 // are read from, with values that can be true (a benchmark that reports nonsense fails here
 // instead of in a results table).
 #include <gtest/gtest.h>
-#include <stdio.h>
-#include <sys/wait.h>
 
 #include <nlohmann/json.hpp>
 #include <set>
@@ -11,6 +9,7 @@
 #include <vector>
 
 #include "proto/checksum_variants.h"
+#include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy {
@@ -18,18 +17,11 @@ namespace {
 
 // Runs gpulazy-bench with `args`; returns its JSON lines (stderr is left to the test log).
 std::vector<nlohmann::json> RunBench(const std::string& args) {
-  const std::string command = std::string("timeout 240 ") + GPULAZY_BIN_DIR + "/gpulazy-bench " +
-                              "--bin-dir " + GPULAZY_BIN_DIR + " --json " + args;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  EXPECT_NE(pipe, nullptr) << command;
-  if (pipe == nullptr) return {};
-  std::string out;
-  char buffer[4096];
-  size_t n;
-  while ((n = ::fread(buffer, 1, sizeof buffer, pipe)) > 0)
-    out.append(buffer, n);
-  const int status = ::pclose(pipe);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << out;
+  const std::string command = std::string(GPULAZY_BIN_DIR) + "/gpulazy-bench --bin-dir " +
+                              GPULAZY_BIN_DIR + " --json " + args;
+  const testing::CommandRun run = testing::RunCommand(command, 240, testing::Stderr::kToTestLog);
+  EXPECT_EQ(run.exit_code, 0) << command << "\n" << run.out;
+  const std::string& out = run.out;
   std::vector<nlohmann::json> lines;
   size_t at = 0;
   while (at < out.size()) {

@@ -10,6 +10,7 @@
 
 #include "tests/client/fake_server.h"
 #include "tests/support/files.h"
+#include "tests/support/process.h"
 
 namespace gpulazy::client {
 namespace {
@@ -17,24 +18,10 @@ namespace {
 using gpulazy::testing::FakeImage;
 using gpulazy::testing::FakeServer;
 
-struct ClientRun {
-  int exit_code = -1;
-  std::string out;
-};
+using ClientRun = ::gpulazy::testing::CommandRun;
 
 ClientRun RunClient(const std::string& args) {
-  // `timeout` keeps a hung client from hanging the suite.
-  std::string command = "timeout 60 " GPULAZY_BIN_DIR "/gpulazy-client " + args + " 2>&1";
-  ClientRun run;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
-    run.out.append(buffer, n);
-  int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+  return ::gpulazy::testing::RunCommand(GPULAZY_BIN_DIR "/gpulazy-client " + args);
 }
 
 class FetchCli : public ::testing::Test {

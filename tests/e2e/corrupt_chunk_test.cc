@@ -27,6 +27,7 @@
 #include "page-client/restore_session.h"
 #include "proto/file_header.h"
 #include "tests/server/test_support.h"
+#include "tests/support/process.h"
 
 namespace gpulazy {
 namespace {
@@ -151,23 +152,8 @@ class RecordingEngine : public client::CopyEngine {
   int bad_writes_ = 0;
 };
 
-struct ClientRun {
-  int exit_code = -1;
-  std::string out;
-};
-
-ClientRun RunClient(const std::string& args) {
-  const std::string command = "timeout 60 " GPULAZY_BIN_DIR "/gpulazy-client " + args + " 2>&1";
-  ClientRun run;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
-    run.out.append(buffer, n);
-  const int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+::gpulazy::testing::CommandRun RunClient(const std::string& args) {
+  return ::gpulazy::testing::RunCommand(GPULAZY_BIN_DIR "/gpulazy-client " + args);
 }
 
 class CorruptChunkTest : public ::testing::Test {
@@ -240,8 +226,8 @@ TEST_F(CorruptChunkTest, LazyImageFlippedByteIsDetectedRefetchedAndFailsLoudly) 
   // The CLI: non-zero exit, the same message, nothing in the output that looks restored.
   const fs::path out = run_dir_.path() / "fetched";
   const Target target = targets["flip-raw"];
-  const ClientRun run = RunClient("fetch --server " + server.unix_endpoint().ToString() +
-                                  " --image flip-raw --out " + out.string());
+  const auto run = RunClient("fetch --server " + server.unix_endpoint().ToString() +
+                             " --image flip-raw --out " + out.string());
   EXPECT_NE(run.exit_code, 0) << run.out;
   EXPECT_NE(run.out.find("image flip-raw, BO " + std::to_string(target.bo) + " ("),
             std::string::npos)

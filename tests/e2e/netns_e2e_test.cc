@@ -38,6 +38,7 @@
 #include "lazy-server/image/synth.h"
 #include "tests/e2e/userspace_wire.h"
 #include "tests/support/files.h"
+#include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
 
 namespace gpulazy {
@@ -57,15 +58,7 @@ constexpr uint64_t kImageBytes = 16ull << 20;
 
 // Runs a shell command; returns its standard output.
 std::string Capture(const std::string& command) {
-  std::string text;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return text;
-  char buffer[4096];
-  size_t n = 0;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0)
-    text.append(buffer, n);
-  ::pclose(pipe);
-  return text;
+  return testing::RunCommand(command, 60, testing::Stderr::kToTestLog).out;
 }
 
 // Runs a shell command; returns its exit status (-1 if it did not exit normally).
@@ -74,19 +67,7 @@ int Shell(const std::string& command) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-std::vector<uint8_t> ReadFile(const fs::path& path) {
-  return testing::ReadFileBytes(path);
-}
-
-std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {
-  std::map<std::string, std::vector<uint8_t>> files;
-  if (!fs::exists(dir)) return files;
-  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("amdgpu-pages-", 0) == 0) files[name] = ReadFile(entry.path());
-  }
-  return files;
-}
+using testing::PagesFiles;
 
 // Two namespaces, removed (with whatever links they hold) on destruction.
 class TwoHosts {

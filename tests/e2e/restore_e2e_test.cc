@@ -23,50 +23,21 @@
 #include "page-client/restore_session.h"
 #include "tests/server/test_support.h"
 #include "tests/support/files.h"
+#include "tests/support/process.h"
 
 namespace gpulazy {
 namespace {
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
+using ::gpulazy::testing::PagesFiles;
 using server::testing::BoKey;
 using server::testing::LoadCriuContents;
 using server::testing::ServerProcess;
 using server::testing::TempDir;
 
-std::vector<uint8_t> ReadFile(const fs::path& path) {
-  return ::gpulazy::testing::ReadFileBytes(path);
-}
-
-// The CRIU pages files of a checkpoint directory, by name.
-std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {
-  std::map<std::string, std::vector<uint8_t>> files;
-  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("amdgpu-pages-", 0) == 0 && entry.path().extension() == ".img")
-      files[name] = ReadFile(entry.path());
-  }
-  return files;
-}
-
-struct ClientRun {
-  int exit_code = -1;
-  std::string out;
-};
-
-ClientRun RunClient(const std::string& args) {
-  // `timeout` keeps a hung client from hanging the suite.
-  const std::string command = "timeout 60 " GPULAZY_BIN_DIR "/gpulazy-client " + args + " 2>&1";
-  ClientRun run;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
-    run.out.append(buffer, n);
-  const int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+::gpulazy::testing::CommandRun RunClient(const std::string& args) {
+  return ::gpulazy::testing::RunCommand(GPULAZY_BIN_DIR "/gpulazy-client " + args);
 }
 
 void Synthesize(const fs::path& out, uint64_t total_bytes, uint64_t seed) {
@@ -133,7 +104,7 @@ TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
          {std::pair{std::string("raw"), &raw_files}, std::pair{std::string("lazy"), &lazy_files}}) {
       SCOPED_TRACE(mode.name + " " + name);
       const fs::path out = run_dir.path() / ("out" + std::to_string(n++));
-      const ClientRun run =
+      const auto run =
           RunClient("fetch --server " + endpoint.ToString() + " --image " + name + " --out " +
                     out.string() + " --json --insecure" + mode.client_args);
       ASSERT_EQ(run.exit_code, 0) << run.out << "\n" << server.Log();

@@ -22,6 +22,7 @@
 #include "lazy-server/image/synth.h"
 #include "tests/server/test_support.h"
 #include "tests/support/files.h"
+#include "tests/support/process.h"
 #include "tests/support/test_pki.h"
 
 namespace gpulazy::server::testing {
@@ -29,41 +30,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct ProcessRun {
-  int exit_code = -1;
-  std::string out;
-};
+using ProcessRun = ::gpulazy::testing::CommandRun;
+using ::gpulazy::testing::PagesFiles;
 
-// Runs a shell command (stdout and stderr together) under `timeout`, so a hung child never
-// hangs the suite.
 ProcessRun Shell(const std::string& command) {
-  ProcessRun run;
-  FILE* pipe = ::popen(("timeout 120 " + command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return run;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0)
-    run.out.append(buffer, n);
-  const int status = ::pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return run;
+  return ::gpulazy::testing::RunCommand(command, 120);
 }
 
 ProcessRun Client(const std::string& args) {
   return Shell(std::string(GPULAZY_BIN_DIR) + "/gpulazy-client " + args);
-}
-
-std::vector<uint8_t> ReadBytes(const fs::path& path) {
-  return ::gpulazy::testing::ReadFileBytes(path);
-}
-
-std::map<std::string, std::vector<uint8_t>> PagesFiles(const fs::path& dir) {
-  std::map<std::string, std::vector<uint8_t>> files;
-  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name.starts_with("amdgpu-pages-")) files[name] = ReadBytes(entry.path());
-  }
-  return files;
 }
 
 void WriteText(const fs::path& path, const std::string& text, fs::perms perms) {

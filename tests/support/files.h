@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,20 @@ Bytes ReadWholeFile(const std::filesystem::path& path) {
 
 inline std::vector<uint8_t> ReadFileBytes(const std::filesystem::path& path) {
   return ReadWholeFile<std::vector<uint8_t>>(path);
+}
+
+// A checkpoint directory's CRIU amdgpu pages files (amdgpu-pages-*.img), by name; empty when
+// the directory does not exist.
+inline std::map<std::string, std::vector<uint8_t>> PagesFiles(const std::filesystem::path& dir) {
+  std::map<std::string, std::vector<uint8_t>> files;
+  std::error_code error;
+  for (const std::filesystem::directory_entry& entry :
+       std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("amdgpu-pages-") && name.ends_with(".img"))
+      files[name] = ReadFileBytes(entry.path());
+  }
+  return files;
 }
 
 }  // namespace gpulazy::testing
