@@ -10,6 +10,8 @@ namespace gpulazy::client {
 
 class ForwardingHostEngine : public CopyEngine {
  public:
+  explicit ForwardingHostEngine(HostEngineOptions options = {}) : host_(options) {}
+
   Status AddDestination(uint32_t bo, uint64_t size) override {
     return host_.AddDestination(bo, size);
   }

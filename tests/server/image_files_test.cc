@@ -259,12 +259,11 @@ TEST_F(ImageFilesTest, SessionBackgroundThreadsRunNicerThanItsDemandThread) {
 
 // A host engine whose file readers take 100 ms a chunk (inside the engine call, as a slow
 // device copy would), and which records the thread that installed each chunk.
-class SlowReadersEngine : public client::CopyEngine {
+class SlowReadersEngine : public client::ForwardingHostEngine {
  public:
+  // Not in place: every chunk comes through Write, where the reader is seen and held.
+  SlowReadersEngine() : ForwardingHostEngine({.receive_in_place = false}) {}
   std::string_view name() const override { return "slow-readers"; }
-  Status AddDestination(uint32_t bo, uint64_t size) override {
-    return host_.AddDestination(bo, size);
-  }
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override {
     char thread[16] = {};
@@ -276,8 +275,6 @@ class SlowReadersEngine : public client::CopyEngine {
     if (std::string_view(thread) == "gl-file-reader") std::this_thread::sleep_for(100ms);
     return host_.Write(bo, offset, raw, std::move(done));
   }
-  Status Flush() override { return host_.Flush(); }
-  const client::HostCopyEngine& host() const { return host_; }
   // The name of the thread that installed the chunk at `offset` of `bo` ("" if none did).
   std::string InstalledBy(uint32_t bo, uint64_t offset) const {
     std::lock_guard lock(mu_);
@@ -286,7 +283,6 @@ class SlowReadersEngine : public client::CopyEngine {
   }
 
  private:
-  client::HostCopyEngine host_{client::HostEngineOptions{.receive_in_place = false}};
   mutable std::mutex mu_;
   std::map<std::pair<uint32_t, uint64_t>, std::string> installed_by_;
 };
