@@ -5,6 +5,7 @@
 #define XXH_STATIC_LINKING_ONLY  // XXH3_generateSecret_fromSeed
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -30,6 +31,12 @@ Status CudaError(cudaError_t error, std::string_view what) {
 #endif
 
 constexpr uint32_t kDefaultSlotBytes = 4u << 20;  // the largest chunk a server sends
+// staging_slots = 0: slots per announced writer, and the bounds of the count. Measured on the
+// lent H100 (docs/benchmarks.md, session 14): with 16 readers, 16 slots gave 0.58-0.63 of the
+// pinned rate, 32 gave 0.76-0.83, 64 gave 0.81-0.86 and 96 no more.
+constexpr uint32_t kSlotsPerWriter = 4;
+constexpr uint32_t kMinAutoSlots = 16;
+constexpr uint32_t kMaxAutoSlots = 128;
 constexpr uint32_t kMaxSlotBytes = 64u << 20;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHugePageBytes = size_t{2} << 20;
@@ -136,16 +143,12 @@ class CudaCopyEngine::Impl {
       cudaStreamDestroy(stream);
     for (void* buffer : destinations_)
       if (buffer != nullptr) cudaFree(buffer);
-    if (device_staging_ != nullptr) cudaFree(device_staging_);
-    if (block_sums_ != nullptr) cudaFree(block_sums_);
-    if (arrivals_ != nullptr) cudaFree(arrivals_);
     if (secret_ != nullptr) cudaFree(secret_);
-    if (verdicts_ != nullptr) cudaFreeHost(verdicts_);
+    FreeVerifyScratch();
   }
 
   Status Init() {
-    if (options_.staging_slots == 0 || options_.streams == 0)
-      return InvalidArgument("CUDA engine needs at least one staging slot and one stream");
+    if (options_.streams == 0) return InvalidArgument("CUDA engine needs at least one stream");
     if (options_.slot_bytes > kMaxSlotBytes)
       return InvalidArgument("CUDA engine staging slots of {} bytes (at most {})",
                              options_.slot_bytes, kMaxSlotBytes);
@@ -159,13 +162,14 @@ class CudaCopyEngine::Impl {
       streams_.push_back(stream);
     }
     if (options_.verify_on_device) GPULAZY_RETURN_IF_ERROR(PrepareVerification());
-    if (options_.slot_bytes != 0) GPULAZY_RETURN_IF_ERROR(MakeRing(options_.slot_bytes));
+    // A fixed ring now; one sized to the restore's writers waits until they are announced.
+    if (options_.slot_bytes != 0 && options_.staging_slots != 0)
+      GPULAZY_RETURN_IF_ERROR(MakeRing(options_.slot_bytes));
     reaper_ = std::thread([this] { ReapLoop(); });
     return Status::Ok();
   }
 
-  // XXH3's secret in device memory (from the library: the kernel must hash as it does) and a
-  // verdict word per slot that the kernel writes straight into pinned host memory.
+  // XXH3's secret in device memory (from the library: the kernel must hash as it does).
   Status PrepareVerification() {
     uint8_t secret[xxh3::kSecretBytes];
     XXH3_generateSecret_fromSeed(secret, 0);
@@ -174,8 +178,23 @@ class CudaCopyEngine::Impl {
     if (cudaError_t e = cudaMemcpy(secret_, secret, sizeof secret, cudaMemcpyHostToDevice);
         e != cudaSuccess)
       return CudaError(e, "copying the verification secret");
+    return Status::Ok();
+  }
+
+  // The verify kernel's memory for `slots` slots of `stride` bytes: device staging and block
+  // sums per slot, an arrivals counter per slot, and a verdict word per slot that the kernel
+  // writes straight into pinned host memory.
+  Status AllocateVerifyScratch(size_t slots, size_t stride, size_t sums_stride) {
+    if (cudaError_t e = cudaMalloc(&device_staging_, stride * slots); e != cudaSuccess) {
+      device_staging_ = nullptr;
+      return CudaError(e, fmt::format("allocating {} bytes of device staging", stride * slots));
+    }
+    if (cudaError_t e = cudaMalloc(&block_sums_, sums_stride * slots); e != cudaSuccess) {
+      block_sums_ = nullptr;
+      return CudaError(e, "allocating the verify kernel's scratch");
+    }
     void* verdicts = nullptr;
-    if (cudaError_t e = cudaHostAlloc(&verdicts, sizeof(uint32_t) * options_.staging_slots,
+    if (cudaError_t e = cudaHostAlloc(&verdicts, sizeof(uint32_t) * slots,
                                       cudaHostAllocMapped | cudaHostAllocPortable);
         e != cudaSuccess)
       return CudaError(e, "allocating verdict words");
@@ -184,13 +203,26 @@ class CudaCopyEngine::Impl {
             cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_verdicts_), verdicts_, 0);
         e != cudaSuccess)
       return CudaError(e, "mapping verdict words for the device");
-    if (cudaError_t e = cudaMalloc(&arrivals_, sizeof(uint32_t) * options_.staging_slots);
-        e != cudaSuccess)
+    if (cudaError_t e = cudaMalloc(&arrivals_, sizeof(uint32_t) * slots); e != cudaSuccess) {
+      arrivals_ = nullptr;
       return CudaError(e, "allocating the verify kernel's counters");
-    if (cudaError_t e = cudaMemset(arrivals_, 0, sizeof(uint32_t) * options_.staging_slots);
-        e != cudaSuccess)
+    }
+    if (cudaError_t e = cudaMemset(arrivals_, 0, sizeof(uint32_t) * slots); e != cudaSuccess)
       return CudaError(e, "clearing the verify kernel's counters");
     return Status::Ok();
+  }
+
+  // Also what a failed MakeRing left behind, before it is tried again.
+  void FreeVerifyScratch() {
+    if (device_staging_ != nullptr) cudaFree(device_staging_);
+    if (block_sums_ != nullptr) cudaFree(block_sums_);
+    if (arrivals_ != nullptr) cudaFree(arrivals_);
+    if (verdicts_ != nullptr) cudaFreeHost(verdicts_);
+    device_staging_ = nullptr;
+    block_sums_ = nullptr;
+    arrivals_ = nullptr;
+    verdicts_ = nullptr;
+    mapped_verdicts_ = nullptr;
   }
 
   bool VerifiesChunks(uint64_t length) const {
@@ -204,6 +236,13 @@ class CudaCopyEngine::Impl {
     if (max_bytes == 0 || max_bytes > kMaxSlotBytes)
       return InvalidArgument("chunks of {} bytes (the CUDA engine stages 1 to {} bytes)", max_bytes,
                              kMaxSlotBytes);
+    if (slots_.empty() && options_.slot_bytes != 0) {  // fixed slots, count waited for writers
+      if (max_bytes > options_.slot_bytes)
+        return InvalidArgument(
+            "the image's {}-byte chunks do not fit the CUDA engine's {}-byte staging slots",
+            max_bytes, options_.slot_bytes);
+      return MakeRing(options_.slot_bytes);
+    }
     if (slots_.empty()) {
       if (max_bytes > kDefaultSlotBytes)
         return InvalidArgument(
@@ -222,7 +261,9 @@ class CudaCopyEngine::Impl {
 
   Status AddDestination(uint32_t bo, uint64_t size) {
     // A restore that never said its chunk size gets slots for the largest chunk a server sends.
-    if (slots_.empty()) GPULAZY_RETURN_IF_ERROR(MakeRing(kDefaultSlotBytes));
+    if (slots_.empty())
+      GPULAZY_RETURN_IF_ERROR(
+          MakeRing(options_.slot_bytes != 0 ? options_.slot_bytes : kDefaultSlotBytes));
     GPULAZY_RETURN_IF_ERROR(UseDevice());
     if (bo >= destinations_.size()) {
       destinations_.resize(bo + 1, nullptr);
@@ -250,14 +291,15 @@ class CudaCopyEngine::Impl {
   // whole or not at all).
   Status MakeRing(uint32_t slot_bytes) {
     GPULAZY_RETURN_IF_ERROR(UseDevice());
-    std::vector<Slot> slots(options_.staging_slots);
+    std::vector<Slot> slots(SlotCount());
     auto destroy_events = [&] {
       for (Slot& made : slots)
         if (made.event != nullptr) cudaEventDestroy(made.event);
     };
     for (Slot& slot : slots) {
-      if (cudaError_t e = cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming);
-          e != cudaSuccess) {
+      const unsigned flags =
+          cudaEventDisableTiming | (options_.blocking_sync ? cudaEventBlockingSync : 0u);
+      if (cudaError_t e = cudaEventCreateWithFlags(&slot.event, flags); e != cudaSuccess) {
         destroy_events();
         return CudaError(e, "creating a copy event");
       }
@@ -267,16 +309,11 @@ class CudaCopyEngine::Impl {
     const size_t sums_stride =
         options_.verify_on_device ? (cuda::BlockSumBytes(slot_bytes) + 255) / 256 * 256 : 0;
     if (options_.verify_on_device) {
-      if (cudaError_t e = cudaMalloc(&device_staging_, stride * slots.size()); e != cudaSuccess) {
+      FreeVerifyScratch();
+      if (Status allocated = AllocateVerifyScratch(slots.size(), stride, sums_stride);
+          !allocated.ok()) {
         destroy_events();
-        device_staging_ = nullptr;
-        return CudaError(
-            e, fmt::format("allocating {} bytes of device staging", stride * slots.size()));
-      }
-      if (cudaError_t e = cudaMalloc(&block_sums_, sums_stride * slots.size()); e != cudaSuccess) {
-        destroy_events();
-        block_sums_ = nullptr;
-        return CudaError(e, "allocating the verify kernel's scratch");
+        return allocated;
       }
     }
     if (Status allocated = staging_.Allocate(stride * slots.size()); !allocated.ok()) {
@@ -298,7 +335,20 @@ class CudaCopyEngine::Impl {
     return Status::Ok();
   }
 
+  // staging_slots, or with 0 four per announced writer within [16, 128].
+  uint32_t SlotCount() const {
+    if (options_.staging_slots != 0) return options_.staging_slots;
+    const uint32_t writers = std::max(1u, writers_.load(std::memory_order_relaxed));
+    return std::clamp(writers * kSlotsPerWriter, kMinAutoSlots, kMaxAutoSlots);
+  }
+
+  void ExpectWriters(uint32_t writers) {
+    // Only the ring not made yet hears it: the slots of a made ring stay as they are.
+    writers_.store(std::min(writers, kMaxAutoSlots), std::memory_order_relaxed);
+  }
+
   uint32_t slot_bytes() const { return slot_bytes_; }
+  uint32_t staging_slots() const { return static_cast<uint32_t>(slots_.size()); }
 
   Status CheckRange(uint32_t bo, uint64_t offset, uint64_t length) const {
     if (bo >= destinations_.size() || destinations_[bo] == nullptr)
@@ -523,6 +573,7 @@ class CudaCopyEngine::Impl {
   uint32_t* mapped_verdicts_ = nullptr;  // the same, as the device addresses them
   uint32_t* arrivals_ = nullptr;         // device memory, one per slot
   uint32_t slot_bytes_ = 0;
+  std::atomic<uint32_t> writers_{1};  // ExpectWriters, for a ring sized to them
   std::vector<void*> destinations_;
   std::vector<uint64_t> sizes_;
   std::atomic<uint64_t> next_stream_{0};
@@ -596,6 +647,12 @@ uint64_t CudaCopyEngine::chunks_verified_on_device() const {
 }
 uint32_t CudaCopyEngine::slot_bytes() const {
   return impl_->slot_bytes();
+}
+uint32_t CudaCopyEngine::staging_slots() const {
+  return impl_->staging_slots();
+}
+void CudaCopyEngine::ExpectWriters(uint32_t writers) {
+  impl_->ExpectWriters(writers);
 }
 
 }  // namespace gpulazy::client

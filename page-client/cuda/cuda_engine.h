@@ -28,7 +28,11 @@ namespace gpulazy::client {
 
 struct CudaEngineOptions {
   int device = 0;
-  uint32_t staging_slots = 16;
+  // Pinned staging slots. 0: four per writer the restore announces (CopyEngine::ExpectWriters,
+  // which the restores call before they say their chunk size), at least 16 and at most 128;
+  // measured, four per reader is where the stream stops gaining (docs/benchmarks.md, session
+  // 14). The ring is made once: writers announced later do not resize it.
+  uint32_t staging_slots = 0;
   // Bytes per staging slot. 0: the image's chunk size, as the restore tells it
   // (ExpectChunkBytes; up to 4 MiB, the largest chunk a server sends: larger chunks need an
   // explicit size), or 4 MiB if it never does. A slot must hold the largest chunk; staging
@@ -41,6 +45,10 @@ struct CudaEngineOptions {
   // it there (XXH3-64, bit for bit libxxhash's) and copies it into the BO only if it matches.
   // Takes the CPU's hash pass off the stream; costs a second staging ring in device memory.
   bool verify_on_device = false;
+  // The reaper sleeps until the driver signals a copy's completion (cudaEventBlockingSync)
+  // instead of spinning on it, which CUDA does by default with one context per process: the
+  // spinning reaper keeps a CPU busy for the whole restore, beside readers that need CPUs.
+  bool blocking_sync = false;
 };
 
 class CudaCopyEngine : public CopyEngine {
@@ -63,6 +71,8 @@ class CudaCopyEngine : public CopyEngine {
   bool VerifiesChunks(uint64_t length) const override;
   Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
                           CopyDone done) override;
+  // Sizes a ring not made yet (staging_slots = 0).
+  void ExpectWriters(uint32_t writers) override;
   Status Flush() override;
 
   // The BO's device buffer (nullptr for an unknown BO).
@@ -75,6 +85,8 @@ class CudaCopyEngine : public CopyEngine {
   // Bytes per staging slot; 0 until the ring is made (options, ExpectChunkBytes or the first
   // AddDestination).
   uint32_t slot_bytes() const;
+  // Staging slots in the ring; 0 until it is made.
+  uint32_t staging_slots() const;
 
  private:
   class Impl;

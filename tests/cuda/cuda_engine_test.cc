@@ -35,31 +35,37 @@ class CudaEngineTest : public ::testing::Test {
   }
 };
 
+// Both ways of waiting for a copy: spinning on its event (CUDA's default) and sleeping until
+// the driver signals it (blocking_sync).
 TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
-  CudaEngineOptions options;
-  options.staging_slots = 3;  // fewer slots than writes: Write must wait for the reaper
-  options.slot_bytes = 64 << 10;
-  options.streams = 2;
-  auto engine = CudaCopyEngine::Create(options);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  const uint64_t size = 40 * (64 << 10) + 123;  // a short last write
-  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
-  const std::vector<uint8_t> source = RandomBytes(size, 7);
-  std::atomic<int> done{0};
-  for (uint64_t at = 0; at < size; at += options.slot_bytes) {
-    size_t n = std::min<uint64_t>(options.slot_bytes, size - at);
-    Status s = (*engine)->Write(0, at, {source.data() + at, n}, [&](Status st) {
-      EXPECT_TRUE(st.ok()) << st.ToString();
-      done++;
-    });
-    ASSERT_TRUE(s.ok()) << s.ToString();
+  for (const bool blocking : {false, true}) {
+    SCOPED_TRACE(blocking ? "blocking sync" : "spinning sync");
+    CudaEngineOptions options;
+    options.staging_slots = 3;  // fewer slots than writes: Write must wait for the reaper
+    options.slot_bytes = 64 << 10;
+    options.streams = 2;
+    options.blocking_sync = blocking;
+    auto engine = CudaCopyEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    const uint64_t size = 40 * (64 << 10) + 123;  // a short last write
+    ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+    const std::vector<uint8_t> source = RandomBytes(size, blocking ? 8 : 7);
+    std::atomic<int> done{0};
+    for (uint64_t at = 0; at < size; at += options.slot_bytes) {
+      size_t n = std::min<uint64_t>(options.slot_bytes, size - at);
+      Status s = (*engine)->Write(0, at, {source.data() + at, n}, [&](Status st) {
+        EXPECT_TRUE(st.ok()) << st.ToString();
+        done++;
+      });
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+    ASSERT_TRUE((*engine)->Flush().ok());
+    EXPECT_EQ(done.load(), 41);
+    EXPECT_EQ((*engine)->bytes_written(), size);
+    std::vector<uint8_t> back(size);
+    ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
+    EXPECT_EQ(back, source);
   }
-  ASSERT_TRUE((*engine)->Flush().ok());
-  EXPECT_EQ(done.load(), 41);
-  EXPECT_EQ((*engine)->bytes_written(), size);
-  std::vector<uint8_t> back(size);
-  ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
-  EXPECT_EQ(back, source);
 }
 
 // Slot size 0: the ring is made when the restore says its chunk size, and holds exactly that.
@@ -94,6 +100,39 @@ TEST_F(CudaEngineTest, SlotsAreSizedToTheChunksTheRestoreExpects) {
   Status later = (*engine)->ExpectChunkBytes(2 * kChunk);
   EXPECT_EQ(later.code(), Code::kInvalidArgument);
   EXPECT_NE(later.message().find("staging slots"), std::string::npos) << later.message();
+}
+
+// staging_slots 0: four slots a writer announced before the chunk size, within [16, 128]; a
+// ring once made keeps its slots.
+TEST_F(CudaEngineTest, RingSizedToTheWritersAnnouncedBeforeTheChunkSize) {
+  struct Case {
+    std::optional<uint32_t> writers;  // nullopt: none announced
+    uint32_t slot_bytes;              // 0: sized to the chunk
+    uint32_t want;
+  };
+  for (const Case& c : {Case{std::nullopt, 0, 16}, Case{2, 0, 16}, Case{8, 0, 32},
+                        Case{16, 64 << 10, 64}, Case{1000, 0, 128}}) {
+    SCOPED_TRACE(fmt::format("{} writers, slot_bytes {}", c.writers.value_or(0), c.slot_bytes));
+    CudaEngineOptions options;
+    options.slot_bytes = c.slot_bytes;
+    auto engine = CudaCopyEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    EXPECT_EQ((*engine)->staging_slots(), 0u);  // not made before the writers can be known
+    if (c.writers) (*engine)->ExpectWriters(*c.writers);
+    ASSERT_TRUE((*engine)->ExpectChunkBytes(64 << 10).ok());
+    EXPECT_EQ((*engine)->staging_slots(), c.want);
+    (*engine)->ExpectWriters(4 * c.want);
+    EXPECT_EQ((*engine)->staging_slots(), c.want);
+    // Every slot but the one never lent can be lent, and all of them stage writes.
+    ASSERT_TRUE((*engine)->AddDestination(0, uint64_t{c.want} << 16).ok());
+    uint32_t lent = 0;
+    while ((*engine)->ReceiveTarget(0, uint64_t{lent} << 16, 64 << 10))
+      ++lent;
+    EXPECT_EQ(lent, c.want - 1);
+    for (uint32_t i = 0; i < lent; ++i)
+      (*engine)->ReleaseReceived(0, uint64_t{i} << 16, 64 << 10);
+    ASSERT_TRUE((*engine)->Flush().ok());
+  }
 }
 
 TEST_F(CudaEngineTest, FixedSlotsRefuseLargerChunksAndUntoldRestoresGetFourMiB) {
