@@ -112,9 +112,11 @@ class CopyEngine {
     return Status::Ok();
   }
 
-  // A hint: from now on the restore writes with `writers` threads at once (file readers,
-  // local readers). An engine may drop helpers that only pay off for a single writer. Any
-  // thread, any time, also while writes are in flight.
+  // A hint: the restore writes with `writers` threads at once (file readers, local readers).
+  // The restores say it before ExpectChunkBytes when they plan several, so an engine that stages
+  // writes can size its buffers to them (the CUDA engine: four slots a writer), and again when a
+  // connection starts them. An engine may drop helpers that only pay off for a single writer.
+  // Any thread, any time, also while writes are in flight.
   virtual void ExpectWriters(uint32_t writers) { (void)writers; }
 
   // Returns once every accepted write has completed (its `done` has run); the first failure

@@ -74,11 +74,12 @@ class LocalRestore::Impl {
       first_chunk_.push_back(total);
       total += bos_[bo].chunk_count;
     }
+    // Writers first: an engine sizes its staging to them when it hears the chunk size.
+    engine_.ExpectWriters(options_.readers);
     GPULAZY_RETURN_IF_ERROR(engine_.ExpectChunkBytes(m.chunk_size()));
     for (uint32_t bo = 0; bo < bos_.size(); ++bo)
       GPULAZY_RETURN_IF_ERROR(engine_.AddDestination(bo, bos_[bo].size));
     BuildOrder(m);
-    engine_.ExpectWriters(options_.readers);
     readers_.reserve(options_.readers);
     for (uint32_t i = 0; i < options_.readers; ++i)
       readers_.emplace_back([this] {

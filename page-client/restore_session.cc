@@ -756,6 +756,9 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
   }
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
   std::lock_guard engine_lock(engine_gate_);
+  // The file readers we plan to write with, before the chunk size: an engine sizes its staging
+  // to them then (a server that refuses the files later leaves the plan a little generous).
+  if (readers_) engine_.ExpectWriters(options_.file_readers);
   if (Status expected = engine_.ExpectChunkBytes(reply.chunk_size()); !expected.ok())
     return expected.Context(fmt::format("image {}: preparing the {} engine for {}-byte chunks",
                                         image, engine_.name(), reply.chunk_size()));

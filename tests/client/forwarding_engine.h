@@ -2,6 +2,9 @@
 // override only the calls they change (holding readers, verifying chunks, ...).
 #pragma once
 
+#include <atomic>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 #include "page-client/host_engine.h"
@@ -36,6 +39,27 @@ class ForwardingHostEngine : public CopyEngine {
 
  protected:
   HostCopyEngine host_;
+};
+
+// Remembers how many writers the restore had announced when it said its chunk size: an engine
+// that stages writes sizes its buffers then (the CUDA engine: four slots a writer).
+class WritersAtChunkSizeEngine : public ForwardingHostEngine {
+ public:
+  std::string_view name() const override { return "writers-at-chunk-size"; }
+  void ExpectWriters(uint32_t writers) override {
+    writers_ = writers;
+    ForwardingHostEngine::ExpectWriters(writers);
+  }
+  Status ExpectChunkBytes(uint32_t max_bytes) override {
+    if (!writers_at_chunk_size_) writers_at_chunk_size_ = writers_;
+    return ForwardingHostEngine::ExpectChunkBytes(max_bytes);
+  }
+  // nullopt: the chunk size was never said; 0: no writers were announced before it.
+  std::optional<uint32_t> writers_at_chunk_size() const { return writers_at_chunk_size_; }
+
+ private:
+  std::atomic<uint32_t> writers_{0};
+  std::optional<uint32_t> writers_at_chunk_size_;
 };
 
 }  // namespace gpulazy::client

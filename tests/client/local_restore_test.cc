@@ -365,5 +365,22 @@ TEST(LocalRestore, TellsTheEngineTheChunkSizeAndFailsAtStartWhenItCannotStageIt)
   }
 }
 
+// An engine that stages writes sizes its buffers when it hears the chunk size (the CUDA engine:
+// four slots a reader), so the restore names its readers first.
+TEST(LocalRestore, AnnouncesItsReadersBeforeItsChunkSize) {
+  TempDir root;
+  const fs::path dir = root.path() / "img";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 4ull << 20, 14));
+  WritersAtChunkSizeEngine engine;
+  LocalRestoreOptions options;
+  options.image_dir = dir;
+  options.readers = 7;
+  LocalRestore restore(options, engine);
+  ASSERT_TRUE(restore.Start().ok());
+  EXPECT_EQ(engine.writers_at_chunk_size(), 7u);
+  ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(60)).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
+}
+
 }  // namespace
 }  // namespace gpulazy::client

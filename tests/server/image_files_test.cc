@@ -28,6 +28,7 @@
 #include "page-client/net/fd_passing.h"
 #include "page-client/restore_session.h"
 #include "page-client/server_connection.h"
+#include "tests/client/forwarding_engine.h"
 #include "tests/client/verifying_engine.h"
 #include "tests/server/test_support.h"
 #include "tests/support/threads.h"
@@ -229,9 +230,27 @@ TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
   }
 }
 
-// Background work runs nicer: the session's stream thread and file readers by// Background work
-// runs nicer: the session's stream thread and file readers by background_nice, its demand thread
-// (serving faults) at the caller's priority.
+// A session that will read the files names its readers to the engine before its chunk size,
+// when an engine that stages writes sizes its buffers (the CUDA engine: four slots a reader);
+// one that will not names none.
+TEST_F(ImageFilesTest, SessionAnnouncesItsFileReadersBeforeItsChunkSize) {
+  for (const bool read_files : {true, false}) {
+    SCOPED_TRACE(read_files ? "reading files" : "through the socket");
+    client::WritersAtChunkSizeEngine engine;
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "raw";
+    options.read_files = read_files;
+    options.file_readers = 6;
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    ASSERT_TRUE(session.WaitComplete(30s).ok());
+    EXPECT_EQ(engine.writers_at_chunk_size(), read_files ? 6u : 0u);
+  }
+}
+
+// Background work runs nicer: the session's stream thread and file readers by background_nice,
+// its demand thread (serving faults) at the caller's priority.
 TEST_F(ImageFilesTest, SessionBackgroundThreadsRunNicerThanItsDemandThread) {
   using gpulazy::testing::NiceOfThreadsNamed;
   const int base = gpulazy::testing::ListThreads().at(static_cast<pid_t>(::gettid())).nice;
