@@ -116,10 +116,12 @@ struct PipelineResult {
   double setup_s = 0;  // of `seconds`: until Start returned (connect, open, device allocations)
   bool verified = false;
   uint32_t slot_bytes = 0;  // the staging slots the engine used
+  uint32_t staging_slots = 0;
   uint64_t chunks_verified_on_device = 0;
   // Installed by reference with no checksum (a CRIU checkpoint's chunks the server has not read
   // yet): what "verified by the client" does not cover.
   uint64_t unchecked_chunks = 0;
+  nlohmann::json cpu;  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s
 };
 
 // The chunk size the benchmark's server cuts its raw images into: its default, or the
@@ -171,19 +173,16 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 // read_files: the client reads the image files the server passes, on `readers` threads
 // (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
-                                       uint64_t window, uint64_t file_window, uint32_t slots,
-                                       uint32_t slot_bytes, uint32_t served_chunk_bytes,
-                                       uint32_t streams, bool read_files, uint32_t readers,
-                                       bool verify_on_device) {
-  client::CudaEngineOptions engine_options;
-  engine_options.staging_slots = slots;
-  engine_options.slot_bytes = slot_bytes;
-  engine_options.streams = streams;
-  engine_options.verify_on_device = verify_on_device;
+                                       uint64_t window, uint64_t file_window,
+                                       const client::CudaEngineOptions& engine_options,
+                                       uint32_t served_chunk_bytes, bool read_files,
+                                       uint32_t readers, pid_t server) {
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
   // The staging ring is made outside the timed stream, as with slots of a fixed size (made in
-  // Create): this measures streaming; the layers experiment times the ring as resume.
+  // Create): this measures streaming; the layers experiment times the ring as resume. Sized as
+  // the session would size it: to the file readers it plans.
+  if (read_files) engine->ExpectWriters(readers);
   GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(served_chunk_bytes));
   client::SessionOptions options;
   options.endpoint = endpoint;
@@ -197,11 +196,13 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   PipelineResult result;
   {
     client::RestoreSession session(options, *engine);
+    const CpuMeter cpu(server);
     auto start = Clock::now();
     GPULAZY_RETURN_IF_ERROR(session.Start());
     result.setup_s = SecondsSince(start);
     GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
     result.seconds = SecondsSince(start);
+    result.cpu = cpu.Read();
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
 
@@ -209,37 +210,37 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.verified = true;
   }
   result.slot_bytes = engine->slot_bytes();
+  result.staging_slots = engine->staging_slots();
   result.chunks_verified_on_device = engine->chunks_verified_on_device();
   return result;
 }
 
 // LocalRestore straight into device memory: readers pread into the engine's pinned slots.
-Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers, uint32_t slots,
-                                    uint32_t slot_bytes, uint32_t streams, uint32_t chunk_bytes,
-                                    bool verify_on_device) {
-  client::CudaEngineOptions engine_options;
-  engine_options.staging_slots = slots;
-  engine_options.slot_bytes = slot_bytes;
-  engine_options.streams = streams;
-  engine_options.verify_on_device = verify_on_device;
+Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
+                                    const client::CudaEngineOptions& engine_options,
+                                    uint32_t chunk_bytes) {
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
-  GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(chunk_bytes));  // untimed, as above
+  engine->ExpectWriters(readers);  // untimed, as above, and sized as LocalRestore would
+  GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(chunk_bytes));
   client::LocalRestoreOptions options;
   options.image_dir = image_dir;
   options.readers = readers;
   options.raw_chunk_size = chunk_bytes;
   PipelineResult result;
   client::LocalRestore restore(options, *engine);
+  const CpuMeter cpu;
   auto start = Clock::now();
   GPULAZY_RETURN_IF_ERROR(restore.Start());
   result.setup_s = SecondsSince(start);
   GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
   result.seconds = SecondsSince(start);
+  result.cpu = cpu.Read();
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
   result.slot_bytes = engine->slot_bytes();
+  result.staging_slots = engine->staging_slots();
   result.chunks_verified_on_device = engine->chunks_verified_on_device();
   return result;
 }
@@ -248,7 +249,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
 
 struct LayerOptions {
   uint32_t readers = 8;
-  uint32_t slots = 32;
+  uint32_t slots = 0;  // 0: the engine's default, four per reader
   // 0: the engine sizes its slots to the image's chunks (2 MiB here), as any restore's does.
   uint32_t slot_bytes = 0;
   uint32_t streams = 4;
@@ -257,7 +258,18 @@ struct LayerOptions {
   uint32_t startup_ms = 20;
   // The engine verifies chunks on the GPU instead of the readers on the CPU.
   bool verify_on_device = false;
+  bool blocking_sync = false;  // CudaEngineOptions::blocking_sync
 };
+
+client::CudaEngineOptions EngineOptions(const LayerOptions& options) {
+  client::CudaEngineOptions engine;
+  engine.staging_slots = options.slots;
+  engine.slot_bytes = options.slot_bytes;
+  engine.streams = options.streams;
+  engine.verify_on_device = options.verify_on_device;
+  engine.blocking_sync = options.blocking_sync;
+  return engine;
+}
 
 // Expected kernel result per layer, keyed by (process, BO index), from the pages files.
 Result<std::map<std::pair<uint32_t, uint32_t>, uint64_t>> ExpectedLayerSums(
@@ -294,6 +306,7 @@ struct LayerTimes {
   uint64_t demand_chunks = 0;
   uint64_t bytes = 0;
   uint32_t slot_bytes = 0;  // the staging slots the engine used (0: the upstream loop's own)
+  uint32_t staging_slots = 0;
 };
 
 // One mode through a restore R (RestoreSession or LocalRestore): the program resumes (at once,
@@ -311,6 +324,7 @@ Result<LayerTimes> RunLayerMode(Restore& restore, client::CudaCopyEngine& engine
   GPULAZY_RETURN_IF_ERROR(restore.Start());
   times.start_s = SecondsSince(start) - times.engine_s - times.kernel_s;
   times.slot_bytes = engine.slot_bytes();
+  times.staging_slots = engine.staging_slots();
   if (mode == "eager") {
     GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
     times.full_s = SecondsSince(start);
@@ -346,11 +360,7 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
                                 const std::string& path, const std::string& mode,
                                 const LayerOptions& options,
                                 const std::map<std::pair<uint32_t, uint32_t>, uint64_t>& expected) {
-  client::CudaEngineOptions engine_options;
-  engine_options.staging_slots = options.slots;
-  engine_options.slot_bytes = options.slot_bytes;
-  engine_options.streams = options.streams;
-  engine_options.verify_on_device = options.verify_on_device;
+  const client::CudaEngineOptions engine_options = EngineOptions(options);
   const auto start = Clock::now();
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
@@ -444,7 +454,7 @@ int Run(int argc, char** argv) {
   std::vector<std::string> layer_sizes = {"3100M", "16G"};
   // The stream experiment's cases beside the ceiling (all by default; fewer for profiling).
   std::vector<std::string> cases = {"unix", "unix-files", "local", "upstream"};
-  uint32_t slots = 32, streams = 4, repeat = 3, layer_count = 36;
+  uint32_t slots = 0, streams = 4, repeat = 3, layer_count = 36;
   std::string local_chunk_text = "2M";
   LayerOptions layer_options;
   app.add_flag("--json", common.json, "one JSON object per case");
@@ -465,7 +475,9 @@ int Run(int argc, char** argv) {
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
   app.add_option("--file-window", file_window_text, "client credit window by reference")
       ->capture_default_str();
-  app.add_option("--slots", slots, "pinned staging slots")->capture_default_str();
+  app.add_option("--slots", slots,
+                 "pinned staging slots (0: the engine's default, four per reader)")
+      ->capture_default_str();
   std::string slot_bytes_text = "0";  // LayerOptions::slot_bytes
   app.add_option("--slot-bytes", slot_bytes_text,
                  "bytes per staging slot (at least the image's chunk size; 0: that size)")
@@ -481,6 +493,8 @@ int Run(int argc, char** argv) {
   app.add_option("--layers", layer_count, "layers: BOs of the model")->capture_default_str();
   app.add_option("--startup-ms", layer_options.startup_ms, "layers: the program's own start-up")
       ->capture_default_str();
+  app.add_flag("--blocking-sync", layer_options.blocking_sync,
+               "the engine's reaper sleeps until a copy completes instead of spinning on it");
   app.add_flag("--verify-on-device", layer_options.verify_on_device,
                "the engine verifies chunks with checksums on the GPU, not the readers on the CPU");
   CLI11_PARSE(app, argc, argv);
@@ -531,10 +545,17 @@ int Run(int argc, char** argv) {
     if (!image_dir.ok()) return fail(image_dir.status());
     std::vector<double> ceiling, pipeline, by_reference, local, upstream;
     std::map<std::string, std::vector<double>> setup;
+    // Case -> CpuMeter field -> one value per run (medians reported).
+    std::map<std::string, std::map<std::string, std::vector<double>>> cpu;
+    auto note_cpu = [&](const std::string& name, const nlohmann::json& reading) {
+      for (const auto& [field, value] : reading.items())
+        cpu[name][field].push_back(value.get<double>());
+    };
     std::map<std::string, uint64_t> device_verified;  // chunks the GPU verified, last run
     std::map<std::string, uint64_t> unchecked;        // chunks with no checksum, last run
     bool verified = true, local_verified = true, by_reference_verified = true;
     uint32_t slot_bytes_used = 0;  // what the engines used (the option may say 0: the image's)
+    uint32_t slots_used = 0;       // likewise (0: four per reader)
     for (uint32_t r = 0; r < repeat; ++r) {
       Result<double> c = MeasurePinnedCeiling(*size);
       if (!c.ok()) return fail(c.status());
@@ -544,12 +565,14 @@ int Run(int argc, char** argv) {
                               bool& checked) -> Status {
         GPULAZY_ASSIGN_OR_RETURN(
             PipelineResult p,
-            MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window, slots,
-                            layer_options.slot_bytes, served_chunk_bytes, streams, by_ref,
-                            layer_options.readers, layer_options.verify_on_device));
+            MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window,
+                            EngineOptions(layer_options), served_chunk_bytes, by_ref,
+                            layer_options.readers, server->pid()));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
+        note_cpu(name, p.cpu);
         slot_bytes_used = p.slot_bytes;
+        slots_used = p.staging_slots;
         device_verified[name] = p.chunks_verified_on_device;
         unchecked[name] = p.unchecked_chunks;
         checked = checked && p.verified;
@@ -565,13 +588,15 @@ int Run(int argc, char** argv) {
         if (!s.ok()) return fail(s);
       }
       if (runs_case("local")) {
-        Result<PipelineResult> l = MeasureLocal(
-            *image_dir, layer_options.readers, layer_options.slots, layer_options.slot_bytes,
-            streams, static_cast<uint32_t>(*local_chunk), layer_options.verify_on_device);
+        Result<PipelineResult> l =
+            MeasureLocal(*image_dir, layer_options.readers, EngineOptions(layer_options),
+                         static_cast<uint32_t>(*local_chunk));
         if (!l.ok()) return fail(l.status());
         local.push_back(l->throughput_Bps);
         setup["gpulazy_local_direct"].push_back(l->setup_s);
+        note_cpu("gpulazy_local_direct", l->cpu);
         slot_bytes_used = l->slot_bytes;
+        slots_used = l->staging_slots;
         device_verified["gpulazy_local_direct"] = l->chunks_verified_on_device;
         local_verified = local_verified && l->verified;
       }
@@ -592,7 +617,7 @@ int Run(int argc, char** argv) {
           {"size_bytes", *size},
           {"window_bytes", *window},
           {"file_window_bytes", *file_window},
-          {"slots", slots},
+          {"slots", slots_used},
           {"slot_bytes", slot_bytes_used},
           {"streams", streams},
           {"readers", layer_options.readers},
@@ -603,11 +628,14 @@ int Run(int argc, char** argv) {
           {"ratio", median / ceiling_Bps},
           {"verified", checked},
           {"verify_on_device", layer_options.verify_on_device},
+          {"blocking_sync", layer_options.blocking_sync},
           {"chunks_verified_on_device", device_verified[name]},
           {"unchecked_chunks", unchecked[name]},
           {"setup_s", setup.contains(name) ? Percentile(setup[name], 0.5) : 0.0},
           {"device", DeviceDescription()},
           {"machine", MachineDescription()}};
+      for (auto& [field, values] : cpu[name])
+        result[field] = Percentile(values, 0.5);
       Emit(common, result,
            {"case", "throughput_Bps", "ceiling_Bps", "ratio", "setup_s", "verified"});
     };
@@ -640,7 +668,7 @@ int Run(int argc, char** argv) {
                                  {"size_bytes", bytes},
                                  {"layers", layer_count},
                                  {"startup_ms", layer_options.startup_ms},
-                                 {"slots", layer_options.slots},
+                                 {"slots", t.staging_slots},
                                  {"slot_bytes", t.slot_bytes},
                                  {"time_to_resume_s", t.resume_s},
                                  {"resume_engine_s", t.engine_s},
@@ -653,6 +681,7 @@ int Run(int argc, char** argv) {
                                  {"bytes", t.bytes},
                                  {"results_ok", t.results_ok},
                                  {"verify_on_device", layer_options.verify_on_device},
+                                 {"blocking_sync", layer_options.blocking_sync},
                                  {"ceiling_Bps", *ceiling},
                                  {"ceiling_copy_s", static_cast<double>(bytes) / *ceiling},
                                  {"device", DeviceDescription()},
