@@ -121,7 +121,8 @@ struct PipelineResult {
   // Installed by reference with no checksum (a CRIU checkpoint's chunks the server has not read
   // yet): what "verified by the client" does not cover.
   uint64_t unchecked_chunks = 0;
-  nlohmann::json cpu;  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s
+  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s.
+  std::map<std::string, double> cpu;
 };
 
 // The chunk size the benchmark's server cuts its raw images into: its default, or the
@@ -170,6 +171,14 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
   return Status::Ok();
 }
 
+std::map<std::string, double> CpuReadings(const CpuMeter& meter) {
+  const nlohmann::json read = meter.Read();  // held: items() refers into it
+  std::map<std::string, double> readings;
+  for (const auto& [field, value] : read.items())
+    readings[field] = value.get<double>();
+  return readings;
+}
+
 // read_files: the client reads the image files the server passes, on `readers` threads
 // (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
@@ -202,7 +211,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.setup_s = SecondsSince(start);
     GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
     result.seconds = SecondsSince(start);
-    result.cpu = cpu.Read();
+    result.cpu = CpuReadings(cpu);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
 
@@ -235,7 +244,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   result.setup_s = SecondsSince(start);
   GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
   result.seconds = SecondsSince(start);
-  result.cpu = cpu.Read();
+  result.cpu = CpuReadings(cpu);
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
@@ -547,9 +556,9 @@ int Run(int argc, char** argv) {
     std::map<std::string, std::vector<double>> setup;
     // Case -> CpuMeter field -> one value per run (medians reported).
     std::map<std::string, std::map<std::string, std::vector<double>>> cpu;
-    auto note_cpu = [&](const std::string& name, const nlohmann::json& reading) {
-      for (const auto& [field, value] : reading.items())
-        cpu[name][field].push_back(value.get<double>());
+    auto note_cpu = [&](const std::string& name, const std::map<std::string, double>& reading) {
+      for (const auto& [field, value] : reading)
+        cpu[name][field].push_back(value);
     };
     std::map<std::string, uint64_t> device_verified;  // chunks the GPU verified, last run
     std::map<std::string, uint64_t> unchecked;        // chunks with no checksum, last run
