@@ -258,27 +258,13 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
 
 struct LayerOptions {
   uint32_t readers = 8;
-  uint32_t slots = 0;  // 0: the engine's default, four per reader
-  // 0: the engine sizes its slots to the image's chunks (2 MiB here), as any restore's does.
-  uint32_t slot_bytes = 0;
-  uint32_t streams = 4;
+  // staging_slots 0: the engine's default, four per reader; slot_bytes 0: the engine sizes its
+  // slots to the image's chunks (2 MiB here), as any restore's does.
+  client::CudaEngineOptions engine;
   uint64_t window = 64u << 20;
   uint64_t file_window = client::SessionOptions{}.file_window_bytes;
   uint32_t startup_ms = 20;
-  // The engine verifies chunks on the GPU instead of the readers on the CPU.
-  bool verify_on_device = false;
-  bool blocking_sync = false;  // CudaEngineOptions::blocking_sync
 };
-
-client::CudaEngineOptions EngineOptions(const LayerOptions& options) {
-  client::CudaEngineOptions engine;
-  engine.staging_slots = options.slots;
-  engine.slot_bytes = options.slot_bytes;
-  engine.streams = options.streams;
-  engine.verify_on_device = options.verify_on_device;
-  engine.blocking_sync = options.blocking_sync;
-  return engine;
-}
 
 // Expected kernel result per layer, keyed by (process, BO index), from the pages files.
 Result<std::map<std::pair<uint32_t, uint32_t>, uint64_t>> ExpectedLayerSums(
@@ -369,10 +355,9 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
                                 const std::string& path, const std::string& mode,
                                 const LayerOptions& options,
                                 const std::map<std::pair<uint32_t, uint32_t>, uint64_t>& expected) {
-  const client::CudaEngineOptions engine_options = EngineOptions(options);
   const auto start = Clock::now();
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
-                           client::CudaCopyEngine::Create(engine_options));
+                           client::CudaCopyEngine::Create(options.engine));
   if (path == "server") {
     client::SessionOptions session_options;
     session_options.endpoint = endpoint;
@@ -463,7 +448,7 @@ int Run(int argc, char** argv) {
   std::vector<std::string> layer_sizes = {"3100M", "16G"};
   // The stream experiment's cases beside the ceiling (all by default; fewer for profiling).
   std::vector<std::string> cases = {"unix", "unix-files", "local", "upstream"};
-  uint32_t slots = 0, streams = 4, repeat = 3, layer_count = 36;
+  uint32_t repeat = 3, layer_count = 36;
   std::string local_chunk_text = "2M";
   LayerOptions layer_options;
   app.add_flag("--json", common.json, "one JSON object per case");
@@ -484,14 +469,14 @@ int Run(int argc, char** argv) {
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
   app.add_option("--file-window", file_window_text, "client credit window by reference")
       ->capture_default_str();
-  app.add_option("--slots", slots,
+  app.add_option("--slots", layer_options.engine.staging_slots,
                  "pinned staging slots (0: the engine's default, four per reader)")
       ->capture_default_str();
-  std::string slot_bytes_text = "0";  // LayerOptions::slot_bytes
+  std::string slot_bytes_text = "0";  // CudaEngineOptions::slot_bytes
   app.add_option("--slot-bytes", slot_bytes_text,
                  "bytes per staging slot (at least the image's chunk size; 0: that size)")
       ->capture_default_str();
-  app.add_option("--streams", streams, "copy streams")->capture_default_str();
+  app.add_option("--streams", layer_options.engine.streams, "copy streams")->capture_default_str();
   app.add_option("--readers", layer_options.readers, "local restore reader threads")
       ->capture_default_str();
   app.add_option("--local-chunk", local_chunk_text, "stream: local restore chunk size (<= 4M)")
@@ -502,9 +487,9 @@ int Run(int argc, char** argv) {
   app.add_option("--layers", layer_count, "layers: BOs of the model")->capture_default_str();
   app.add_option("--startup-ms", layer_options.startup_ms, "layers: the program's own start-up")
       ->capture_default_str();
-  app.add_flag("--blocking-sync", layer_options.blocking_sync,
+  app.add_flag("--blocking-sync", layer_options.engine.blocking_sync,
                "the engine's reaper sleeps until a copy completes instead of spinning on it");
-  app.add_flag("--verify-on-device", layer_options.verify_on_device,
+  app.add_flag("--verify-on-device", layer_options.engine.verify_on_device,
                "the engine verifies chunks with checksums on the GPU, not the readers on the CPU");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
@@ -524,13 +509,11 @@ int Run(int argc, char** argv) {
   if (!local_chunk.ok()) return fail(local_chunk.status());
   layer_options.window = *window;
   layer_options.file_window = *file_window;
-  layer_options.streams = streams;
-  layer_options.slots = slots;
   Result<uint64_t> slot_bytes = ParseSize(slot_bytes_text);
   if (!slot_bytes.ok()) return fail(slot_bytes.status());
   if (*slot_bytes > (4u << 20))
     return fail(InvalidArgument("--slot-bytes must be 0..4M, not {}", *slot_bytes));
-  layer_options.slot_bytes = static_cast<uint32_t>(*slot_bytes);
+  layer_options.engine.slot_bytes = static_cast<uint32_t>(*slot_bytes);
   auto wants = [&](const char* name) {
     return std::find(experiments.begin(), experiments.end(), name) != experiments.end();
   };
@@ -575,7 +558,7 @@ int Run(int argc, char** argv) {
         GPULAZY_ASSIGN_OR_RETURN(
             PipelineResult p,
             MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window,
-                            EngineOptions(layer_options), served_chunk_bytes, by_ref,
+                            layer_options.engine, served_chunk_bytes, by_ref,
                             layer_options.readers, server->pid()));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
@@ -598,7 +581,7 @@ int Run(int argc, char** argv) {
       }
       if (runs_case("local")) {
         Result<PipelineResult> l =
-            MeasureLocal(*image_dir, layer_options.readers, EngineOptions(layer_options),
+            MeasureLocal(*image_dir, layer_options.readers, layer_options.engine,
                          static_cast<uint32_t>(*local_chunk));
         if (!l.ok()) return fail(l.status());
         local.push_back(l->throughput_Bps);
@@ -628,7 +611,7 @@ int Run(int argc, char** argv) {
           {"file_window_bytes", *file_window},
           {"slots", slots_used},
           {"slot_bytes", slot_bytes_used},
-          {"streams", streams},
+          {"streams", layer_options.engine.streams},
           {"readers", layer_options.readers},
           {"local_chunk_bytes", *local_chunk},
           {"runs", samples.size()},
@@ -636,8 +619,8 @@ int Run(int argc, char** argv) {
           {"ceiling_Bps", ceiling_Bps},
           {"ratio", median / ceiling_Bps},
           {"verified", checked},
-          {"verify_on_device", layer_options.verify_on_device},
-          {"blocking_sync", layer_options.blocking_sync},
+          {"verify_on_device", layer_options.engine.verify_on_device},
+          {"blocking_sync", layer_options.engine.blocking_sync},
           {"chunks_verified_on_device", device_verified[name]},
           {"unchecked_chunks", unchecked[name]},
           {"setup_s", setup.contains(name) ? Percentile(setup[name], 0.5) : 0.0},
@@ -689,8 +672,8 @@ int Run(int argc, char** argv) {
                                  {"demand_chunks", t.demand_chunks},
                                  {"bytes", t.bytes},
                                  {"results_ok", t.results_ok},
-                                 {"verify_on_device", layer_options.verify_on_device},
-                                 {"blocking_sync", layer_options.blocking_sync},
+                                 {"verify_on_device", layer_options.engine.verify_on_device},
+                                 {"blocking_sync", layer_options.engine.blocking_sync},
                                  {"ceiling_Bps", *ceiling},
                                  {"ceiling_copy_s", static_cast<double>(bytes) / *ceiling},
                                  {"device", DeviceDescription()},

@@ -33,7 +33,8 @@ Status CudaError(cudaError_t error, std::string_view what) {
 constexpr uint32_t kDefaultSlotBytes = 4u << 20;  // the largest chunk a server sends
 // staging_slots = 0: slots per announced writer, and the bounds of the count. Measured on the
 // lent H100 (docs/benchmarks.md, session 14): with 16 readers, 16 slots gave 0.58-0.63 of the
-// pinned rate, 32 gave 0.76-0.83, 64 gave 0.81-0.86 and 96 no more.
+// pinned rate, 32 gave 0.76-0.83, 64 gave 0.73-0.81 by reference and 0.81-0.86 local, and 96
+// no more.
 constexpr uint32_t kSlotsPerWriter = 4;
 constexpr uint32_t kMinAutoSlots = 16;
 constexpr uint32_t kMaxAutoSlots = 128;

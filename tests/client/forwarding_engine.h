@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -51,15 +52,22 @@ class WritersAtChunkSizeEngine : public ForwardingHostEngine {
     ForwardingHostEngine::ExpectWriters(writers);
   }
   Status ExpectChunkBytes(uint32_t max_bytes) override {
-    if (!writers_at_chunk_size_) writers_at_chunk_size_ = writers_;
+    int64_t unset = kUnset;
+    writers_at_chunk_size_.compare_exchange_strong(unset, writers_.load());
     return ForwardingHostEngine::ExpectChunkBytes(max_bytes);
   }
   // nullopt: the chunk size was never said; 0: no writers were announced before it.
-  std::optional<uint32_t> writers_at_chunk_size() const { return writers_at_chunk_size_; }
+  std::optional<uint32_t> writers_at_chunk_size() const {
+    const int64_t writers = writers_at_chunk_size_.load();
+    if (writers == kUnset) return std::nullopt;
+    return static_cast<uint32_t>(writers);
+  }
 
  private:
+  static constexpr int64_t kUnset = -1;
   std::atomic<uint32_t> writers_{0};
-  std::optional<uint32_t> writers_at_chunk_size_;
+  // Read by the test thread while the restore's threads may still call in.
+  std::atomic<int64_t> writers_at_chunk_size_{kUnset};
 };
 
 }  // namespace gpulazy::client
