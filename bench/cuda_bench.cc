@@ -257,7 +257,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
 // ---- The layer workload -------------------------------------------------------------------
 
 struct LayerOptions {
-  uint32_t readers = 8;
+  uint32_t readers = 0;  // 0: the engine's default (CudaCopyEngine::DefaultWriters, one per CPU)
   // staging_slots 0: the engine's default, four per reader; slot_bytes 0: the engine sizes its
   // slots to the image's chunks (2 MiB here), as any restore's does.
   client::CudaEngineOptions engine;
@@ -477,7 +477,8 @@ int Run(int argc, char** argv) {
                  "bytes per staging slot (at least the image's chunk size; 0: that size)")
       ->capture_default_str();
   app.add_option("--streams", layer_options.engine.streams, "copy streams")->capture_default_str();
-  app.add_option("--readers", layer_options.readers, "local restore reader threads")
+  app.add_option("--readers", layer_options.readers,
+                 "reader threads of the restores (0: the engine's default, one per CPU)")
       ->capture_default_str();
   app.add_option("--local-chunk", local_chunk_text, "stream: local restore chunk size (<= 4M)")
       ->capture_default_str();
@@ -514,6 +515,8 @@ int Run(int argc, char** argv) {
   if (*slot_bytes > (4u << 20))
     return fail(InvalidArgument("--slot-bytes must be 0..4M, not {}", *slot_bytes));
   layer_options.engine.slot_bytes = static_cast<uint32_t>(*slot_bytes);
+  // Resolved here so that every case runs, and the JSON reports, the same count.
+  if (layer_options.readers == 0) layer_options.readers = client::CudaCopyEngine::DefaultWriters();
   auto wants = [&](const char* name) {
     return std::find(experiments.begin(), experiments.end(), name) != experiments.end();
   };
@@ -558,8 +561,8 @@ int Run(int argc, char** argv) {
         GPULAZY_ASSIGN_OR_RETURN(
             PipelineResult p,
             MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window,
-                            layer_options.engine, served_chunk_bytes, by_ref,
-                            layer_options.readers, server->pid()));
+                            layer_options.engine, served_chunk_bytes, by_ref, layer_options.readers,
+                            server->pid()));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
         note_cpu(name, p.cpu);

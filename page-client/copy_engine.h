@@ -27,6 +27,10 @@ namespace gpulazy::client {
 // the reason they never will be.
 using CopyDone = std::function<void(Status)>;
 
+// Writer threads of a restore that leaves the count to an engine with no preference. Tuned for
+// the host engine (docs/benchmarks.md, issue 3).
+inline constexpr uint32_t kDefaultWriters = 4;
+
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
@@ -119,11 +123,24 @@ class CopyEngine {
   // Any thread, any time, also while writes are in flight.
   virtual void ExpectWriters(uint32_t writers) { (void)writers; }
 
+  // How many threads the engine would write with, were the count left to it (a restore's
+  // readers = 0, the default): 0 for no preference, which gives kDefaultWriters. An engine whose
+  // throughput needs more writers than that says so here (the CUDA engine: one per CPU).
+  virtual uint32_t PreferredWriters() const { return 0; }
+
   // Returns once every accepted write has completed (its `done` has run); the first failure
   // since the last Flush, if any. An engine that holds writes (waiting for a destination to be
   // bound, say) must complete or refuse them before the session that issued them is destroyed:
   // `done` callbacks own session state, and one destroyed later would touch freed memory.
   virtual Status Flush() = 0;
 };
+
+// The writer threads a restore starts: `asked`, or with 0 the engine's preference, else
+// kDefaultWriters.
+inline uint32_t WritersFor(uint32_t asked, const CopyEngine& engine) {
+  if (asked != 0) return asked;
+  const uint32_t preferred = engine.PreferredWriters();
+  return preferred != 0 ? preferred : kDefaultWriters;
+}
 
 }  // namespace gpulazy::client

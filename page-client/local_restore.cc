@@ -47,7 +47,7 @@ class LocalRestore::Impl {
   }
 
   Status Start() {
-    if (options_.readers == 0) return InvalidArgument("local restore needs at least one reader");
+    reader_count_ = WritersFor(options_.readers, engine_);
     GPULAZY_ASSIGN_OR_RETURN(image_,
                              image::ImageSource::Open(options_.image_dir, options_.raw_chunk_size));
     const manifest::Manifest& m = image_->manifest();
@@ -75,13 +75,13 @@ class LocalRestore::Impl {
       total += bos_[bo].chunk_count;
     }
     // Writers first: an engine sizes its staging to them when it hears the chunk size.
-    engine_.ExpectWriters(options_.readers);
+    engine_.ExpectWriters(reader_count_);
     GPULAZY_RETURN_IF_ERROR(engine_.ExpectChunkBytes(m.chunk_size()));
     for (uint32_t bo = 0; bo < bos_.size(); ++bo)
       GPULAZY_RETURN_IF_ERROR(engine_.AddDestination(bo, bos_[bo].size));
     BuildOrder(m);
-    readers_.reserve(options_.readers);
-    for (uint32_t i = 0; i < options_.readers; ++i)
+    readers_.reserve(reader_count_);
+    for (uint32_t i = 0; i < reader_count_; ++i)
       readers_.emplace_back([this] {
         net::NameThisThread("gl-local-reader");  // for top -H and profiles
         ReadLoop();
@@ -91,6 +91,7 @@ class LocalRestore::Impl {
 
   const std::vector<BoEntry>& bos() const { return bos_; }
   uint32_t chunk_size() const { return residency_.chunk_size(); }
+  uint32_t readers() const { return reader_count_; }
 
   Status Ensure(uint32_t bo, uint64_t offset, uint64_t length,
                 std::optional<std::chrono::milliseconds> timeout) {
@@ -336,6 +337,7 @@ class LocalRestore::Impl {
 
   const LocalRestoreOptions options_;
   CopyEngine& engine_;
+  uint32_t reader_count_ = 0;  // set by Start: options_.readers, or the engine's preference
   std::shared_ptr<const image::ImageSource> image_;
   std::vector<BoEntry> bos_;
   std::vector<uint64_t> first_chunk_;  // global index of each BO's chunk 0
@@ -373,6 +375,9 @@ const std::vector<BoEntry>& LocalRestore::bos() const {
 }
 uint32_t LocalRestore::chunk_size() const {
   return impl_->chunk_size();
+}
+uint32_t LocalRestore::readers() const {
+  return impl_->readers();
 }
 Status LocalRestore::Ensure(uint32_t bo, uint64_t offset, uint64_t length,
                             std::optional<std::chrono::milliseconds> timeout) {

@@ -30,7 +30,9 @@ namespace gpulazy::client {
 
 struct LocalRestoreOptions {
   std::filesystem::path image_dir;  // a lazy image or a CRIU checkpoint directory
-  uint32_t readers = 4;             // reader threads
+  // Reader threads. 0: as many as the engine prefers (CopyEngine::PreferredWriters: the CUDA
+  // engine one per CPU), else kDefaultWriters (4).
+  uint32_t readers = 0;
   // Chunk size used to cut a plain CRIU checkpoint (a lazy image has its own).
   uint32_t raw_chunk_size = 2u << 20;
 };
@@ -49,6 +51,8 @@ class LocalRestore {
   // Valid after Start succeeded: the image's BOs in table order (the index is the engine's BO).
   const std::vector<BoEntry>& bos() const;
   uint32_t chunk_size() const;
+  // The reader threads started (LocalRestoreOptions::readers, resolved).
+  uint32_t readers() const;
 
   // As RestoreSession: blocks until the range is resident, reading its missing chunks first.
   Status Ensure(uint32_t bo, uint64_t offset, uint64_t length,

@@ -369,7 +369,8 @@ class RestoreSession::Impl {
   // Reader threads for chunks by reference (read_files on a Unix endpoint); joined after the
   // two above and before the final engine Flush.
   std::optional<asio::thread_pool> readers_;
-  std::mutex queued_mutex_;  // guards queued_reads_, queued_order_; taken before mutex_
+  uint32_t file_reader_count_ = 0;  // readers_' threads: set by Start with readers_
+  std::mutex queued_mutex_;         // guards queued_reads_, queued_order_; taken before mutex_
   std::map<ChunkId, PendingRead> queued_reads_;
   std::deque<ChunkId> queued_order_;  // may name chunks Expedite took (skipped)
 };
@@ -412,9 +413,9 @@ Status RestoreSession::Impl::Start() {
   if (options_.background_nice < 0 || options_.background_nice > 19)
     return InvalidArgument("background_nice must be 0..19, not {}", options_.background_nice);
   if (options_.read_files && endpoint_.kind == net::Endpoint::Kind::kUnix) {
-    if (options_.file_readers == 0) return InvalidArgument("read_files needs at least one reader");
-    readers_.emplace(options_.file_readers);
-    net::RunOnEachPoolThread(*readers_, options_.file_readers, [this] {
+    file_reader_count_ = WritersFor(options_.file_readers, engine_);
+    readers_.emplace(file_reader_count_);
+    net::RunOnEachPoolThread(*readers_, file_reader_count_, [this] {
       net::NameThisThread("gl-file-reader");
       BackgroundPriority();
     });
@@ -758,7 +759,7 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
   std::lock_guard engine_lock(engine_gate_);
   // The file readers we plan to write with, before the chunk size: an engine sizes its staging
   // to them then (a server that refuses the files later leaves the plan a little generous).
-  if (readers_) engine_.ExpectWriters(options_.file_readers);
+  if (readers_) engine_.ExpectWriters(file_reader_count_);
   if (Status expected = engine_.ExpectChunkBytes(reply.chunk_size()); !expected.ok())
     return expected.Context(fmt::format("image {}: preparing the {} engine for {}-byte chunks",
                                         image, engine_.name(), reply.chunk_size()));
@@ -872,10 +873,10 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
         endpoint_, join, options_.handshake_timeout, shape ? &*shape : nullptr);
     if (fetched.ok()) {
       files = *fetched;
-      engine_.ExpectWriters(options_.file_readers);
+      engine_.ExpectWriters(file_reader_count_);
       if (first)
         spdlog::info("image {}: reading chunks from {} passed image file(s) on {} threads{}",
-                     options_.image, files->files.size(), options_.file_readers,
+                     options_.image, files->files.size(), file_reader_count_,
                      files->chunk_table.empty() ? "" : "; chunks waited for are read at once");
     } else if (fetched.status().code() == Code::kInvalidArgument) {
       // The server will not pass files (--no-pass-files, TLS, an older server): the socket

@@ -1,6 +1,7 @@
 #include "page-client/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
+#include <sched.h>
 #include <sys/mman.h>
 #define XXH_STATIC_LINKING_ONLY  // XXH3_generateSecret_fromSeed
 #include <xxhash.h>
@@ -38,6 +39,8 @@ constexpr uint32_t kDefaultSlotBytes = 4u << 20;  // the largest chunk a server 
 constexpr uint32_t kSlotsPerWriter = 4;
 constexpr uint32_t kMinAutoSlots = 16;
 constexpr uint32_t kMaxAutoSlots = 128;
+constexpr uint32_t kMinDefaultWriters = 4;
+constexpr uint32_t kMaxDefaultWriters = 32;  // 128 slots at four a writer
 constexpr uint32_t kMaxSlotBytes = 64u << 20;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHugePageBytes = size_t{2} << 20;
@@ -654,6 +657,19 @@ uint32_t CudaCopyEngine::staging_slots() const {
 }
 void CudaCopyEngine::ExpectWriters(uint32_t writers) {
   impl_->ExpectWriters(writers);
+}
+uint32_t CudaCopyEngine::PreferredWriters() const {
+  return DefaultWriters();
+}
+uint32_t CudaCopyEngine::DefaultWriters() {
+  // The CPUs this process may run on (a container's or taskset's share), not the machine's.
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  uint32_t cpus = 0;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+    cpus = static_cast<uint32_t>(CPU_COUNT(&allowed));
+  if (cpus == 0) cpus = std::thread::hardware_concurrency();
+  return std::clamp(cpus, kMinDefaultWriters, kMaxDefaultWriters);
 }
 
 }  // namespace gpulazy::client

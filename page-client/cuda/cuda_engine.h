@@ -73,6 +73,13 @@ class CudaCopyEngine : public CopyEngine {
                           CopyDone done) override;
   // Sizes a ring not made yet (staging_slots = 0).
   void ExpectWriters(uint32_t writers) override;
+  // DefaultWriters(): a restore that leaves its reader count to the engine gets one per CPU.
+  uint32_t PreferredWriters() const override;
+  // One writer per CPU this process may run on, within [4, 32]; needs no device. On the lent
+  // 16-vCPU hosts one reader per vCPU streamed fastest into device memory, four gave about 0.4
+  // of the pinned rate and more than one per vCPU lost 10-25 % (docs/benchmarks.md, sessions
+  // 2, 5 and 14).
+  static uint32_t DefaultWriters();
   Status Flush() override;
 
   // The BO's device buffer (nullptr for an unknown BO).

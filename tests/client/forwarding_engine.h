@@ -43,10 +43,14 @@ class ForwardingHostEngine : public CopyEngine {
 };
 
 // Remembers how many writers the restore had announced when it said its chunk size: an engine
-// that stages writes sizes its buffers then (the CUDA engine: four slots a writer).
+// that stages writes sizes its buffers then (the CUDA engine: four slots a writer). Prefers
+// `preferred_writers` writers (0: no preference) where the restore leaves the count to it.
 class WritersAtChunkSizeEngine : public ForwardingHostEngine {
  public:
+  explicit WritersAtChunkSizeEngine(uint32_t preferred_writers = 0)
+      : preferred_writers_(preferred_writers) {}
   std::string_view name() const override { return "writers-at-chunk-size"; }
+  uint32_t PreferredWriters() const override { return preferred_writers_; }
   void ExpectWriters(uint32_t writers) override {
     writers_ = writers;
     ForwardingHostEngine::ExpectWriters(writers);
@@ -65,6 +69,7 @@ class WritersAtChunkSizeEngine : public ForwardingHostEngine {
 
  private:
   static constexpr int64_t kUnset = -1;
+  const uint32_t preferred_writers_;
   std::atomic<uint32_t> writers_{0};
   // Read by the test thread while the restore's threads may still call in.
   std::atomic<int64_t> writers_at_chunk_size_{kUnset};

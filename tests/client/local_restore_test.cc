@@ -3,6 +3,7 @@
 #include "page-client/local_restore.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
 #include <sys/stat.h>
@@ -380,6 +381,30 @@ TEST(LocalRestore, AnnouncesItsReadersBeforeItsChunkSize) {
   EXPECT_EQ(engine.writers_at_chunk_size(), 7u);
   ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(60)).ok());
   ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
+}
+
+// Left to the engine (readers = 0, the default), the reader count is the engine's preference,
+// or kDefaultWriters when it has none; a count asked for wins over a preference.
+TEST(LocalRestore, ReadersLeftToTheEngineAreAsManyAsItPrefers) {
+  TempDir root;
+  const fs::path dir = root.path() / "img";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 4ull << 20, 15));
+  struct Case {
+    uint32_t asked, preferred, started;
+  };
+  for (const Case& c : {Case{0, 7, 7}, Case{0, 0, kDefaultWriters}, Case{3, 7, 3}}) {
+    SCOPED_TRACE(fmt::format("asked {}, engine prefers {}", c.asked, c.preferred));
+    WritersAtChunkSizeEngine engine(c.preferred);
+    LocalRestoreOptions options;
+    options.image_dir = dir;
+    options.readers = c.asked;
+    LocalRestore restore(options, engine);
+    ASSERT_TRUE(restore.Start().ok());
+    EXPECT_EQ(restore.readers(), c.started);
+    EXPECT_EQ(engine.writers_at_chunk_size(), c.started);
+    ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(60)).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
+  }
 }
 
 }  // namespace

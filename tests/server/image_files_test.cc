@@ -3,6 +3,7 @@
 // with chunk locations whose bytes, read from those descriptors, are the checkpoint's; and
 // every misuse is refused with an error naming why (want_files without a session, over TCP, with
 // the server's --no-pass-files, by_reference before the files were passed).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
 #include <signal.h>
@@ -246,6 +247,24 @@ TEST_F(ImageFilesTest, SessionAnnouncesItsFileReadersBeforeItsChunkSize) {
     ASSERT_TRUE(session.Start().ok());
     ASSERT_TRUE(session.WaitComplete(30s).ok());
     EXPECT_EQ(engine.writers_at_chunk_size(), read_files ? 6u : 0u);
+  }
+}
+
+// Left to the engine (file_readers = 0, the default), the session starts as many file readers
+// as the engine prefers, or kDefaultWriters when it has no preference.
+TEST_F(ImageFilesTest, SessionStartsAsManyFileReadersAsTheEnginePrefers) {
+  for (const uint32_t preferred : {0u, 5u}) {
+    SCOPED_TRACE(fmt::format("engine prefers {}", preferred));
+    const size_t want = preferred != 0 ? preferred : client::kDefaultWriters;
+    client::WritersAtChunkSizeEngine engine(preferred);
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "raw";
+    options.stream_all = false;  // the session stays open, its readers alive
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    EXPECT_EQ(gpulazy::testing::NiceOfThreadsNamed("gl-file-reader").size(), want);
+    EXPECT_EQ(engine.writers_at_chunk_size(), want);
   }
 }
 
