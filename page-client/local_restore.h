@@ -30,8 +30,7 @@ namespace gpulazy::client {
 
 struct LocalRestoreOptions {
   std::filesystem::path image_dir;  // a lazy image or a CRIU checkpoint directory
-  // Reader threads. 0: as many as the engine prefers (CopyEngine::PreferredWriters: the CUDA
-  // engine one per CPU), else kDefaultWriters (4).
+  // Reader threads; 0 leaves the count to the engine (WritersFor in copy_engine.h).
   uint32_t readers = 0;
   // Chunk size used to cut a plain CRIU checkpoint (a lazy image has its own).
   uint32_t raw_chunk_size = 2u << 20;

@@ -68,8 +68,7 @@ struct SessionOptions {
   // but the bytes go from the page cache into the engine without crossing the socket. A server
   // that will not pass them is told nothing more: the chunks then travel through the socket.
   bool read_files = true;
-  // 0: as many as the engine prefers (CopyEngine::PreferredWriters: the CUDA engine one per
-  // CPU), else kDefaultWriters (4).
+  // 0 leaves the count to the engine (WritersFor in copy_engine.h).
   uint32_t file_readers = 0;
   // While reading files, also take the image's chunk table (where every chunk is stored) and
   // read a chunk Ensure waits for from the files at once instead of asking the server for it

@@ -25,7 +25,7 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
     UniqueFd fd(::fcntl(lazy.chunk_fd(), F_DUPFD_CLOEXEC, 0));
     if (!fd.valid()) return ErrnoError(errno, "{}: dup of {}", dir.string(), chunk_file);
     GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), dir / chunk_file));
-    source->files_.push_back(StoredFile{chunk_file, std::move(fd), size});
+    source->files_.push_back(StoredFile{chunk_file, std::move(fd), size, PageCacheProbe{}});
     source->MapCacheProbes();
     source->lazy_.emplace(std::move(lazy));
     return std::shared_ptr<const ImageSource>(std::move(source));
@@ -55,7 +55,7 @@ Result<std::shared_ptr<const ImageSource>> ImageSource::Open(const std::filesyst
   }
   for (auto& [name, fd] : pages_fds) {
     GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), dir / name));
-    source->files_.push_back(StoredFile{name, std::move(fd), size});
+    source->files_.push_back(StoredFile{name, std::move(fd), size, PageCacheProbe{}});
   }
   source->MapCacheProbes();
   const uint64_t cs = raw_chunk_size;

@@ -36,10 +36,9 @@ class CudaEngineTest : public ::testing::Test {
   }
 };
 
-// Both ways of waiting for a copy: spinning on its event (CUDA's default) and sleeping until
-// the driver signals it (blocking_sync).
 // A restore that leaves its reader count to the engine gets one reader per CPU the calling
-// thread may run on, within [4, 32] (no device needed): measured best on the lent hosts.
+// thread may run on, within [kMinDefaultWriters, kMaxDefaultWriters] (no device needed): measured
+// best on the lent hosts.
 TEST(CudaEngineDefaults, PreferredWritersAreOnePerAllowedCpu) {
   auto allowed_cpus = [] {
     cpu_set_t set;
@@ -47,7 +46,9 @@ TEST(CudaEngineDefaults, PreferredWritersAreOnePerAllowedCpu) {
     EXPECT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
     return static_cast<uint32_t>(CPU_COUNT(&set));
   };
-  EXPECT_EQ(CudaCopyEngine::DefaultWriters(), std::clamp(allowed_cpus(), 4u, 32u));
+  EXPECT_EQ(CudaCopyEngine::DefaultWriters(),
+            std::clamp(allowed_cpus(), CudaCopyEngine::kMinDefaultWriters,
+                       CudaCopyEngine::kMaxDefaultWriters));
   // Narrowed to one CPU (a container's share, say), the count follows the affinity, not the
   // machine: the floor of four.
   std::thread narrowed([&] {
@@ -56,11 +57,13 @@ TEST(CudaEngineDefaults, PreferredWritersAreOnePerAllowedCpu) {
     CPU_SET(sched_getcpu(), &one);
     ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
     EXPECT_EQ(allowed_cpus(), 1u);
-    EXPECT_EQ(CudaCopyEngine::DefaultWriters(), 4u);
+    EXPECT_EQ(CudaCopyEngine::DefaultWriters(), CudaCopyEngine::kMinDefaultWriters);
   });
   narrowed.join();
 }
 
+// Both ways of waiting for a copy: spinning on its event (CUDA's default) and sleeping until
+// the driver signals it (blocking_sync).
 TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
   for (const bool blocking : {false, true}) {
     SCOPED_TRACE(blocking ? "blocking sync" : "spinning sync");
