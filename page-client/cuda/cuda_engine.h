@@ -76,10 +76,9 @@ class CudaCopyEngine : public CopyEngine {
   // DefaultWriters(): a restore that leaves its reader count to the engine gets one per CPU.
   uint32_t PreferredWriters() const override;
   // One writer per CPU this process may run on, within [kMinDefaultWriters, kMaxDefaultWriters];
-  // needs no device. On the lent
-  // 16-vCPU hosts one reader per vCPU streamed fastest into device memory, four gave about 0.4
-  // of the pinned rate and more than one per vCPU lost 10-25 % (docs/benchmarks.md, sessions
-  // 2, 5 and 14).
+  // needs no device. On the lent 16-vCPU hosts one reader per vCPU streamed fastest into device
+  // memory, four gave about 0.4 of the pinned rate and more than one per vCPU lost 10-25 %
+  // (docs/benchmarks.md, sessions 2, 5 and 14).
   static uint32_t DefaultWriters();
   static constexpr uint32_t kMinDefaultWriters = 4;
   static constexpr uint32_t kMaxDefaultWriters = 32;  // 128 staging slots at four a writer
