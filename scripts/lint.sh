@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Style and static checks: clang-format (no diffs allowed) and clang-tidy (bug-finding checks
-# from .clang-tidy) over gpulazy's own sources. Needs a configured build dir for
-# compile_commands.json. Usage: scripts/lint.sh [--analyze] [--no-bench-tidy] [BUILD_DIR]
+# from .clang-tidy) over gpulazy's own sources. Needs a configured build dir (its options pick
+# which optional parts are analysed). Usage: scripts/lint.sh [--analyze] [--no-bench-tidy] [BUILD_DIR]
 # --no-bench-tidy: clang-tidy leaves out bench/ (clang-format still covers it). CI uses it to fit
 # its 30 minutes: the benchmarks' units are the slowest to analyse (about 90 s of the lint on two
 # cores) and are not part of what gets deployed.
@@ -34,7 +34,22 @@ if [ "$tidy_bench" = 0 ]; then
   mapfile -t units < <(printf '%s\n' "${units[@]}" | grep -v '^bench/')
 fi
 echo "lint: clang-tidy on ${#units[@]} translation units"
-[ -f "$build/compile_commands.json" ] || { echo "lint: $build/compile_commands.json missing (build first)"; exit 1; }
+[ -f "$build/CMakeCache.txt" ] || { echo "lint: $build is not a configured build dir (build first)"; exit 1; }
+# clang-tidy needs a command per source file; a unity build's database lists only the batches. So
+# the lint configures a database of its own beside the build, unity off, with the build's options
+# (CUDA, bench, build type), and generates the protobuf headers the sources include.
+compdb="$build/lint-compdb"
+cached() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
+options=(-DGPULAZY_UNITY_BUILD=OFF -DCMAKE_BUILD_TYPE="$(cached CMAKE_BUILD_TYPE)")
+for key in GPULAZY_WITH_CUDA GPULAZY_BUILD_BENCH GPULAZY_BUILD_TESTS CMAKE_CUDA_COMPILER CUDAToolkit_ROOT; do
+  value=$(cached "$key")
+  [ -n "$value" ] && options+=("-D$key=$value")
+done
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+cmake -S "$root" -B "$compdb" "${generator[@]}" "${options[@]}" >/dev/null
+cmake --build "$compdb" --target gpulazy_proto_headers >/dev/null
+build=$compdb
 # Optional parts (the CUDA engine without the toolkit) are not in this build: skip them.
 mapfile -t units < <(for u in "${units[@]}"; do grep -qF "/$u\"" "$build/compile_commands.json" && echo "$u"; done)
 log=$(mktemp)

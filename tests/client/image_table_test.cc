@@ -25,7 +25,7 @@ using gpulazy::testing::FakeServerOptions;
 using Fault = FakeServerOptions::TableFault;
 using namespace std::chrono_literals;
 
-SessionOptions Options(const FakeServer& server) {
+SessionOptions TableTestOptions(const FakeServer& server) {
   SessionOptions options;
   options.endpoint = server.endpoint();
   options.image = "test-image";
@@ -59,7 +59,7 @@ TEST(ImageTable, VersionTwoTableInManyPiecesRestoresByteExact) {
   server_options.table_piece = 7;  // a frame per 7 table bytes
   FakeServer server(image, server_options);
   HostCopyEngine engine;
-  RestoreSession session(Options(server), engine);
+  RestoreSession session(TableTestOptions(server), engine);
   ASSERT_TRUE(session.Start().ok()) << session.status().ToString();
   ASSERT_EQ(session.bos().size(), 3u);
   EXPECT_EQ(session.bos()[1].size, 40000u);
@@ -83,7 +83,7 @@ TEST(ImageTable, ManyBosRestoreAndTheirHaveSpansSeveralFrames) {
   server_options.drop_after_chunks = 10000;
   FakeServer server(image, server_options);
   HostCopyEngine engine;
-  RestoreSession session(Options(server), engine);
+  RestoreSession session(TableTestOptions(server), engine);
   ASSERT_TRUE(session.Start().ok()) << session.status().ToString();
   ASSERT_EQ(session.bos().size(), kBos);
   ASSERT_TRUE(session.WaitComplete(60s).ok()) << session.status().ToString();
@@ -139,7 +139,7 @@ TEST_P(ImageTableFault, StartFailsAtOnceWithTheReason) {
   server_options.table_fault = GetParam().fault;
   FakeServer server(image, server_options);
   HostCopyEngine engine;
-  RestoreSession session(Options(server), engine);
+  RestoreSession session(TableTestOptions(server), engine);
   const auto start = std::chrono::steady_clock::now();
   Status status = session.Start();
   // Well inside the 5 s handshake deadline: nothing waits for bytes that will not come.
@@ -258,7 +258,7 @@ TEST(ImageTable, VersionOneServerStillServes) {
   FakeImage image = FakeImage::Small();
   FakeServer server(image, {});  // version 1
   HostCopyEngine engine;
-  RestoreSession session(Options(server), engine);
+  RestoreSession session(TableTestOptions(server), engine);
   ASSERT_TRUE(session.Start().ok()) << session.status().ToString();
   EXPECT_EQ(session.profile().hot_count(), 2u);
   ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
