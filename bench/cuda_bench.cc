@@ -665,6 +665,9 @@ int Run(int argc, char** argv) {
                                  {"startup_ms", layer_options.startup_ms},
                                  {"slots", t.staging_slots},
                                  {"slot_bytes", t.slot_bytes},
+                                 // The upstream loop reads on its one thread; the server path
+                                 // uses its readers only where the server passes the files.
+                                 {"readers", path == "upstream-loop" ? 1u : layer_options.readers},
                                  {"time_to_resume_s", t.resume_s},
                                  {"resume_engine_s", t.engine_s},
                                  {"resume_kernel_s", t.kernel_s},

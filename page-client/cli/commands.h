@@ -16,7 +16,7 @@ struct FetchOptions {
   uint64_t file_window_bytes = 256u << 20;  // while reading passed image files
   bool demand_connection = true;
   bool read_files = true;     // Unix servers: read chunks from the passed image files
-  uint32_t file_readers = 4;  // threads reading them
+  uint32_t file_readers = 0;  // threads reading them; 0: the engine's choice (WritersFor)
   bool json = false;
   std::string token_file;
   net::TlsClientOptions tls;

@@ -58,7 +58,8 @@ static int Run(int argc, char** argv) {
                       "the image files the server passes");
   fetch_cmd
       ->add_option("--file-readers", fetch.file_readers,
-                   "threads reading chunks from passed image files")
+                   "threads reading chunks from passed image files (0: the copy engine's "
+                   "preference, 4 for the host engine)")
       ->capture_default_str();
   fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
   AddSecurityOptions(*fetch_cmd, &fetch.token_file, &fetch.tls, &fetch.insecure);
