@@ -295,10 +295,14 @@ class RestoreSession::Impl {
   // A claimed chunk whose payload is in `payload`: decode, verify, hand to Write.
   Status InstallChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
                       std::vector<uint8_t>& payload, bool on_stream);
-  // A verification failure of an unclaimed chunk: count it, re-request once, or fail for good
-  // (returned).
+  // A landing chunk whose copy failed verification: back to missing, counted, and marked
+  // demanded, all under one lock. Returns the bad copies so far. Done in separate steps, the
+  // stream's end could see the chunk missing and unrequested in between and demand it a second
+  // time, and that extra copy could land after a second bad one had failed the restore.
+  uint32_t UnclaimBadCopy(uint32_t bo, uint32_t chunk);
+  // After UnclaimBadCopy: re-request once, or fail for good (returned).
   Status BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
-                 uint64_t wire_bytes, bool on_stream, const Status& why);
+                 uint64_t wire_bytes, bool on_stream, const Status& why, uint32_t bad_copies);
   // Any thread (the engine decides where completions run).
   void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
                  const std::shared_ptr<std::vector<uint8_t>>& staging, uint64_t credit);
@@ -1392,10 +1396,14 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       EngineHold engine_hold(engine_gate_, urgency);
       engine_.ReleaseReceived(bo, offset, payload_length);
     }
-    Unclaim(bo, chunk);
-    if (!status.ok()) co_return status;
+    if (!status.ok()) {
+      Unclaim(bo, chunk);
+      co_return status;
+    }
+    const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
     co_return BadCopy(link, bo, chunk, payload_length, on_stream,
-                      Corrupt("{}: checksum mismatch (received in place)", What(bo, chunk)));
+                      Corrupt("{}: checksum mismatch (received in place)", What(bo, chunk)),
+                      bad_copies);
   }
   Status committed;
   {
@@ -1543,30 +1551,34 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
       },
       /*bytes_read=*/nullptr);
   if (installed.ok()) return;
-  Unclaim(c.bo, c.chunk);
   if (installed.code() != Code::kCorrupt) {
+    Unclaim(c.bo, c.chunk);
     Fail(installed);
     return;
   }
   // Bad bytes in the file: ask the server again (a second bad copy fails the restore). Credit
-  // is the stream thread's, so the bookkeeping runs there.
-  asio::post(io_, [this, link, c, on_stream, installed] {
-    Status bad = BadCopy(link, c.bo, c.chunk, c.stored_length, on_stream, installed);
+  // is the stream thread's, so the rest runs there.
+  const uint32_t bad_copies = UnclaimBadCopy(c.bo, c.chunk);
+  asio::post(io_, [this, link, c, on_stream, installed, bad_copies] {
+    Status bad = BadCopy(link, c.bo, c.chunk, c.stored_length, on_stream, installed, bad_copies);
     if (!bad.ok()) Fail(bad);
   });
 }
 
+uint32_t RestoreSession::Impl::UnclaimBadCopy(uint32_t bo, uint32_t chunk) {
+  std::lock_guard lock(mutex_);
+  residency_.ClearLanding(bo, chunk);
+  const uint32_t bad_copies = residency_.CountBadCopy(bo, chunk);
+  if (bad_copies < 2) ++counters_.refetches;
+  // Also after the second bad copy: nothing may ask for the chunk again once it failed the
+  // restore.
+  residency_.set_demanded(bo, chunk);
+  return bad_copies;
+}
+
 Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
-                                     uint64_t wire_bytes, bool on_stream, const Status& why) {
-  uint32_t bad_copies;
-  {
-    std::lock_guard lock(mutex_);
-    bad_copies = residency_.CountBadCopy(bo, chunk);
-    if (bad_copies < 2) {
-      ++counters_.refetches;
-      residency_.set_demanded(bo, chunk);
-    }
-  }
+                                     uint64_t wire_bytes, bool on_stream, const Status& why,
+                                     uint32_t bad_copies) {
   if (on_stream) ReturnCredit(link, wire_bytes);
   if (bad_copies >= 2)
     return Corrupt("{}: second copy is bad too, not installing it: {}", What(bo, chunk),
@@ -1594,8 +1606,8 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   }
   if (!decoded.ok()) {
     ReturnBuffer(std::move(*staging));
-    Unclaim(bo, chunk);
-    return BadCopy(link, bo, chunk, wire_bytes, on_stream, decoded);
+    const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
+    return BadCopy(link, bo, chunk, wire_bytes, on_stream, decoded, bad_copies);
   }
 
   std::span<const uint8_t> raw(*staging);
@@ -1620,10 +1632,11 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   if (status.code() == Code::kCorrupt) {
     // The engine verified the bytes itself (CommitUnverified) and they did not match: the same
     // as a mismatch found here, so ask again, and a second bad copy fails the restore.
-    Unclaim(id.first, id.second);
+    const uint32_t bad_copies = UnclaimBadCopy(id.first, id.second);
     if (staging) ReturnBuffer(std::move(*staging));
-    asio::post(io_, [this, link, id, credit, status] {
-      Status bad = BadCopy(link, id.first, id.second, credit, /*on_stream=*/credit > 0, status);
+    asio::post(io_, [this, link, id, credit, status, bad_copies] {
+      Status bad =
+          BadCopy(link, id.first, id.second, credit, /*on_stream=*/credit > 0, status, bad_copies);
       if (!bad.ok()) Fail(bad);
     });
     return;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Style and static checks: clang-format (no diffs allowed) and clang-tidy (bug-finding checks
 # from .clang-tidy) over gpulazy's own sources. Needs a configured build dir (its options pick
-# which optional parts are analysed). Usage: scripts/lint.sh [--analyze] [--no-bench-tidy] [BUILD_DIR]
+# which optional parts are analysed).
+# Usage: scripts/lint.sh [--analyze] [--no-bench-tidy] [BUILD_DIR]
 # --no-bench-tidy: clang-tidy leaves out bench/ (clang-format still covers it). CI uses it to fit
 # its 30 minutes: the benchmarks' units are the slowest to analyse (about 90 s of the lint on two
 # cores) and are not part of what gets deployed.

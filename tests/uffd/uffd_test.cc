@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "lazy-server/image/criu_checkpoint.h"
@@ -168,10 +169,19 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   }
 }
 
+// Test names that say what runs: Modes/UffdRestore.<test>/MissingCopy_ReadFiles, and so on.
+std::string ModeName(FillMode mode) {
+  return mode == FillMode::kMissingCopy ? "MissingCopy" : "MinorContinue";
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, UffdRestore,
                          ::testing::Combine(::testing::Values(FillMode::kMissingCopy,
                                                               FillMode::kMinorContinue),
-                                            ::testing::Bool()));
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<UffdRestore::ParamType>& info) {
+                           return ModeName(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_ReadFiles" : "_Socket");
+                         });
 
 TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
   TempDir dir;
@@ -315,7 +325,11 @@ TEST_P(UffdHandover, PagerInAnotherProcess) {
 INSTANTIATE_TEST_SUITE_P(Modes, UffdHandover,
                          ::testing::Combine(::testing::Values(FillMode::kMissingCopy,
                                                               FillMode::kMinorContinue),
-                                            ::testing::Bool()));
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<UffdHandover::ParamType>& info) {
+                           return ModeName(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_ExitsEarly" : "_RunsToEnd");
+                         });
 
 TEST(Handover, RejectsGarbage) {
   auto pair = HandoverSocketPair();
