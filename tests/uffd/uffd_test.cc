@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <random>
 #include <string>
@@ -169,9 +170,12 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   }
 }
 
-// Test names that say what runs: Modes/UffdRestore.<test>/MissingCopy_ReadFiles, and so on.
+// Test names that say what runs: Modes/UffdRestore.<test>/missing_copy_ReadFiles, and so on
+// (the pager's own mode names; gtest allows no '-').
 std::string ModeName(FillMode mode) {
-  return mode == FillMode::kMissingCopy ? "MissingCopy" : "MinorContinue";
+  std::string name = FillModeName(mode);
+  std::ranges::replace(name, '-', '_');
+  return name;
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, UffdRestore,
