@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -22,6 +23,11 @@ class VerifyingHostEngine : public ForwardingHostEngine {
   // first `spoil_times` commits.
   explicit VerifyingHostEngine(int spoil_times = 0) : spoil_times_(spoil_times) {}
 
+  // Called on the committing thread right after a kCorrupt completion has returned: a test
+  // looks there at what the client has done about the bad copy before any other thread could
+  // have run on its behalf.
+  void set_after_mismatch(std::function<void()> hook) { after_mismatch_ = std::move(hook); }
+
   std::string_view name() const override { return "verifying-host"; }
   bool VerifiesChunks(uint64_t length) const override { return length > xxh3::kMidsizeMax; }
   Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
@@ -35,9 +41,12 @@ class VerifyingHostEngine : public ForwardingHostEngine {
       std::lock_guard lock(mu_);
       ++unverified_commits_;
       if (!victim_) victim_ = {bo, offset};
-      if (*victim_ == std::pair{bo, offset} && spoiled_ < spoil_times_) {
-        ++spoiled_;
-        bytes[length / 2] ^= 0x5a;
+      if (*victim_ == std::pair{bo, offset}) {
+        ++victim_commits_;
+        if (spoiled_ < spoil_times_) {
+          ++spoiled_;
+          bytes[length / 2] ^= 0x5a;
+        }
       }
     }
     if (Checksum64(bytes) != checksum) {
@@ -50,6 +59,7 @@ class VerifyingHostEngine : public ForwardingHostEngine {
       }
       done(Corrupt("BO {} bytes [{}, {}): checksum mismatch in the engine", bo, offset,
                    offset + length));
+      if (after_mismatch_) after_mismatch_();
       return Status::Ok();
     }
     return host_.CommitReceived(bo, offset, length, std::move(done));
@@ -63,6 +73,11 @@ class VerifyingHostEngine : public ForwardingHostEngine {
     std::lock_guard lock(mu_);
     return mismatches_;
   }
+  // Commits of the spoiled chunk, good and bad.
+  uint64_t victim_commits() const {
+    std::lock_guard lock(mu_);
+    return victim_commits_;
+  }
   // The spoiled chunk's BO and offset, once there is one.
   std::optional<std::pair<uint32_t, uint64_t>> victim() const {
     std::lock_guard lock(mu_);
@@ -73,7 +88,9 @@ class VerifyingHostEngine : public ForwardingHostEngine {
   const int spoil_times_;
   mutable std::mutex mu_;
   std::optional<std::pair<uint32_t, uint64_t>> victim_;
+  std::function<void()> after_mismatch_;
   int spoiled_ = 0;
+  uint64_t victim_commits_ = 0;
   uint64_t unverified_commits_ = 0;
   uint64_t mismatches_ = 0;
 };

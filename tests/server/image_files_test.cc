@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -567,6 +568,13 @@ TEST_F(ImageFilesTest, EnsureInstallsOnTheCallersThread) {
 // the readers hand it the lazy image's chunks unhashed; a chunk it finds bad is asked for again
 // and read again from the passed files, and a second bad copy fails the restore, naming the
 // chunk, with nothing of it left in the destination.
+//
+// The bad copy must be counted (and the chunk marked as asked for) before the engine's
+// completion returns, not later on the stream thread: in between, the stream's end saw the
+// chunk as never requested and demanded it once more, and that third copy landed after the
+// second bad one had failed the restore. The engine's hook looks right after the completion,
+// before the stream thread could have caught up, so the old order fails here every time
+// rather than only under TSan's timing.
 TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly) {
   for (const int spoil_times : {1, 2}) {
     SCOPED_TRACE(fmt::format("the engine spoils a chunk {} times", spoil_times));
@@ -574,7 +582,15 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
     client::SessionOptions options;
     options.endpoint = server_->unix_endpoint().ToString();
     options.image = "lazy";
-    client::RestoreSession session(options, engine);
+    std::optional<client::RestoreSession> session_storage;
+    client::RestoreSession& session = session_storage.emplace(options, engine);
+    std::mutex seen_mu;
+    std::vector<uint64_t> refetches_seen;  // Progress::refetches right after each bad copy
+    engine.set_after_mismatch([&] {
+      const uint64_t refetches = session.progress().refetches;
+      std::lock_guard lock(seen_mu);
+      refetches_seen.push_back(refetches);
+    });
     ASSERT_TRUE(session.Start().ok());
     const Status done = session.WaitComplete(30s);
     EXPECT_TRUE(session.progress().reading_files);
@@ -584,6 +600,11 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
     EXPECT_EQ(session.progress().unchecked_chunks, 0u);
     if (spoil_times == 1) {
       ASSERT_TRUE(done.ok()) << done.ToString();
+      EXPECT_EQ(engine.victim_commits(), 2u);
+      {
+        std::lock_guard lock(seen_mu);
+        EXPECT_EQ(refetches_seen, (std::vector<uint64_t>{1}));
+      }
       EXPECT_GT(engine.unverified_commits(), 8u);
       ExpectCheckpointBytes(session, engine.host(), "lazy");
       continue;
@@ -592,9 +613,17 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
     EXPECT_NE(done.message().find("second copy is bad too"), std::string::npos) << done.message();
     const auto [bo, offset] = engine.victim().value();
     EXPECT_FALSE(session.IsResident(bo, offset, 1));
+    const uint32_t chunk_size = session.chunk_size();
+    session_storage.reset();  // waits for the session's threads and the engine's writes
+    // Two copies and no third, even counting what was in flight when the restore failed.
+    EXPECT_EQ(engine.victim_commits(), 2u);
+    {
+      std::lock_guard lock(seen_mu);
+      EXPECT_EQ(refetches_seen, (std::vector<uint64_t>{1, 1}));
+    }
     Result<std::span<uint8_t>> mapping = engine.host().Mapping(bo);
     ASSERT_TRUE(mapping.ok());
-    const uint64_t end = std::min<uint64_t>(mapping->size(), offset + session.chunk_size());
+    const uint64_t end = std::min<uint64_t>(mapping->size(), offset + chunk_size);
     for (uint64_t i = offset; i < end; ++i)
       ASSERT_EQ((*mapping)[i], 0) << "unverified byte left at " << i;
   }
