@@ -1,20 +1,40 @@
 #!/usr/bin/env bash
-# ThreadSanitizer over the threaded parts: the restore client (RestoreSession, LocalRestore),
-# the server (scheduler, sessions, shutdown, limits) and the end-to-end tests that run them
-# together (64 concurrent sessions, kill -9 + restart, fetch over unix and tcp, chunks read by
-# reference from passed image files on reader threads). Built
-# RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl) into its
-# own build dir; only the targets these tests need are built. Any race report fails the run.
-# Usage: scripts/tsan.sh [BUILD_DIR (default build-tsan)]
+# ThreadSanitizer over the threaded parts: the restore client (RestoreSession and its stream and
+# demand threads, LocalRestore, the engine gate), the server (scheduler, sessions, shutdown,
+# limits, thread pools), the userfaultfd pager (fault threads racing the background fill, the
+# server killed while faults wait, the pager in another process) and the end-to-end tests that
+# run them together (64 concurrent sessions, kill -9 + restart, fetch over unix and tcp, chunks
+# read by reference from passed image files on reader threads). That set is what CI runs, when
+# its budget leaves room (.ci/run).
+# --all adds what CI has no time for: the server under protocol abuse and reply back-pressure,
+# the embedded server, the fetch tool, and the CRIU plugin inside the simulated CRIU host
+# (page client threads in CRIU's master, the fault channel, TLS, tasks dying mid-restore).
+# Built RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl)
+# into its own build dir; only the targets these tests need are built. Any race report fails
+# the run.
+# Usage: scripts/tsan.sh [--all] [BUILD_DIR (default build-tsan)]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+all=false
+if [ "${1:-}" = "--all" ]; then
+  all=true
+  shift
+fi
 build=${1:-$root/build-tsan}
 "$root/scripts/install-deps.sh"
 targets=(client_basics_test client_session_test client_local_restore_test server_unit_test server_integration_test
-  server_image_files_test e2e_restore_test e2e_load_test gpulazy-server gpulazy-client)
-suites='RestoreSession|RestoreSessionInPlace|LocalRestore|SchedulerTest|DispatcherTest|ImageStoreTest'
-suites+='|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ImageFilesTest|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine'
-suites+='|ImageTable'
+  server_image_files_test e2e_restore_test e2e_load_test uffd_test gpulazy-server gpulazy-client)
+suites='RestoreSession|RestoreSessionInPlace|RestoreSessionThreads|LocalRestore|SchedulerTest|DispatcherTest'
+suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
+suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
+suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Modes/UffdHandover|Handover'
+if $all; then
+  targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
+    client_fetch_cli_test)
+  suites+='|ProtocolAbuseTest|ReplyBackpressureTest|ServerEmbeddingTest|FetchCli|PluginHostTest'
+  suites+='|PluginTlsTest|Modes/RenderNodeHostTest|Modes/RealServerTest|Modes/TaskDeathTest'
+  suites+='|Modes/ContentsTest'
+fi
 
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
