@@ -440,9 +440,15 @@ TEST_F(ProtocolAbuseTest, RequestsBeforeHelloOrOpenImage) {
   ExpectStillServing();
 }
 
-// Thousands of one-chunk demand requests without reading a byte: the server queues at most
-// --max-demand of them, refuses the rest with ERROR_LIMIT, and every request gets exactly one
-// answer; what arrives is byte-exact.
+// Thousands of one-chunk demand requests without reading a byte: the server never holds more
+// than --max-demand of them. Every request gets exactly one answer, a chunk or ERROR_LIMIT, and
+// what arrives is byte-exact. Which of two bounds the flood meets depends on timing: a server
+// that reads the requests faster than it can send their chunks refuses those past the limit,
+// one that sends each chunk as soon as it reads the request stops reading once the client's
+// socket is full and meets the limit never (on a 16-core host one run in ten; 16 of 160 with
+// four copies beside the rest of the suite). So the limit itself is checked first, with a
+// request asking for more chunks at once than the limit allows, which is refused whatever the
+// timing.
 TEST_F(ProtocolAbuseTest, FloodOfDemandRequestsStaysBounded) {
   wire::OpenImageReply opened;
   std::unique_ptr<TestClient> stream = Opened("raw", &opened);
@@ -451,10 +457,30 @@ TEST_F(ProtocolAbuseTest, FloodOfDemandRequestsStaysBounded) {
   TestClient demand(server_->unix_endpoint());
   ASSERT_TRUE(demand.Hello(reply->session(), reply->session_secret()).ok());
 
-  constexpr int kRequests = 4000;
-  std::vector<uint8_t> flood;
   const uint32_t chunks = reply->bos(static_cast<int>(bo)).chunk_count();
   ASSERT_GT(chunks, 0u);
+  {
+    wire::Header header;
+    header.set_request_id(1'000'000);
+    header.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+    uint32_t total = 0;
+    while (total <= kMaxDemand) {  // the whole BO, as often as it takes
+      wire::ChunkRange* range = header.mutable_request()->add_ranges();
+      range->set_bo(bo);
+      range->set_first_chunk(0);
+      range->set_chunk_count(chunks);
+      total += chunks;
+    }
+    ASSERT_TRUE(demand.Send(header).ok());
+    Result<wire::Error> error = demand.ReadError();
+    ASSERT_TRUE(error.ok()) << error.status().ToString();
+    EXPECT_EQ(error->code(), wire::ERROR_LIMIT) << error->message();
+    EXPECT_NE(error->message().find("limit " + std::to_string(kMaxDemand)), std::string::npos)
+        << error->message();
+  }
+
+  constexpr int kRequests = 4000;
+  std::vector<uint8_t> flood;
   for (int i = 0; i < kRequests; ++i) {
     wire::Header header;
     header.set_request_id(static_cast<uint64_t>(i) + 1);
@@ -491,7 +517,6 @@ TEST_F(ProtocolAbuseTest, FloodOfDemandRequestsStaysBounded) {
     EXPECT_TRUE(std::equal(raw->begin(), raw->end(), bo0.begin() + static_cast<long>(offset)));
   }
   EXPECT_GE(chunks_received, static_cast<int>(kMaxDemand));
-  EXPECT_GT(refused, 0);
   std::cerr << "demand flood: " << kRequests << " requests, " << chunks_received << " served, "
             << refused << " refused with ERROR_LIMIT\n";
   EXPECT_LT(RssBytes(server_->pid()), baseline_rss_ + kRssGrowthLimit);
