@@ -448,7 +448,10 @@ Status RestoreSession::Impl::Start() {
   });
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] { return opened_ || !failure_.ok(); });
-  return failure_;
+  // Opened is success, even if the restore failed in the moment before this thread woke (a fast
+  // host can fetch two bad copies of a chunk by then): that failure is the restore's, reported
+  // by WaitComplete, Ensure and status(), so what Start returns does not depend on timing.
+  return opened_ ? Status::Ok() : failure_;
 }
 
 void RestoreSession::Impl::BackgroundPriority() const {

@@ -137,7 +137,9 @@ class RestoreSession {
 
   // Connects, opens the image, creates one engine destination per BO and starts streaming.
   // Returns once the image is open (or why it could not be): the first connection is not
-  // retried, so a wrong address or image name fails at once. Call once.
+  // retried, so a wrong address or image name fails at once. Once the image is open it returns
+  // Ok, also when the restore has failed since (bad copies of a chunk, say): WaitComplete,
+  // Ensure and status() report that. Call once.
   Status Start();
 
   // Valid after Start succeeded; immutable for the session's life.

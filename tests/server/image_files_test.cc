@@ -591,7 +591,10 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
       std::lock_guard lock(seen_mu);
       refetches_seen.push_back(refetches);
     });
-    ASSERT_TRUE(session.Start().ok());
+    // On a fast host both bad copies can come and fail the restore before Start returns; Start
+    // still reports only the opening.
+    const Status started = session.Start();
+    ASSERT_TRUE(started.ok()) << started.ToString();
     const Status done = session.WaitComplete(30s);
     EXPECT_TRUE(session.progress().reading_files);
     EXPECT_GE(engine.unverified_commits(), 2u);
