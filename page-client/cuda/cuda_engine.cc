@@ -476,7 +476,9 @@ class CudaCopyEngine::Impl {
 
   Status Flush() {
     std::unique_lock lock(mu_);
-    idle_.wait(lock, [&] { return in_flight_.empty(); });
+    // Also until the last `done` has returned: CopyEngine::Flush promises that, and a session
+    // destroyed after Flush must not be touched by a completion still running.
+    idle_.wait(lock, [&] { return in_flight_.empty() && completing_ == 0; });
     return std::exchange(first_error_, Status::Ok());
   }
 
@@ -537,6 +539,7 @@ class CudaCopyEngine::Impl {
         std::lock_guard lock(mu_);
         in_flight_.pop_front();
         free_.push_back(index);
+        ++completing_;
         if (status.ok()) {
           bytes_written_ += slot.bytes;
           if (slot.verified) ++chunks_verified_;
@@ -544,8 +547,12 @@ class CudaCopyEngine::Impl {
           first_error_ = status;  // a bad copy is the restore's to fetch again, not a failure
       }
       freed_.notify_one();
-      idle_.notify_all();
       if (done) done(status);
+      {
+        std::lock_guard lock(mu_);
+        --completing_;
+      }
+      idle_.notify_all();
     }
   }
 
@@ -586,6 +593,7 @@ class CudaCopyEngine::Impl {
   std::condition_variable idle_;
   std::deque<uint32_t> free_;
   std::deque<uint32_t> in_flight_;
+  uint32_t completing_ = 0;  // reaped copies whose `done` is still running
   std::map<std::pair<uint32_t, uint64_t>, uint32_t> lent_;  // (BO, offset) -> slot
   bool stopping_ = false;
   Status first_error_;

@@ -62,6 +62,35 @@ TEST(CudaEngineDefaults, PreferredWritersAreOnePerAllowedCpu) {
   narrowed.join();
 }
 
+// Flush returns only after every `done` has returned, not once the copies are reaped: a
+// RestoreSession is destroyed right after its Flush, and its callbacks own session state. Each
+// callback here takes 20 ms, so a Flush that waited only for the copies would return while the
+// last one still ran (seen as one completion short, under load, on the lent H200).
+TEST_F(CudaEngineTest, FlushWaitsForTheLastCompletionToReturn) {
+  CudaEngineOptions options;
+  options.staging_slots = 4;
+  options.slot_bytes = 64 << 10;
+  options.streams = 2;
+  auto engine = CudaCopyEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  constexpr int kWrites = 6;
+  const uint64_t size = kWrites * (64 << 10);
+  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  const std::vector<uint8_t> source = RandomBytes(size, 11);
+  std::atomic<int> returned{0};
+  for (int i = 0; i < kWrites; ++i) {
+    const uint64_t at = uint64_t{64 << 10} * i;
+    Status s = (*engine)->Write(0, at, {source.data() + at, 64 << 10}, [&](Status st) {
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      returned++;
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_EQ(returned.load(), kWrites);
+}
+
 // Both ways of waiting for a copy: spinning on its event (CUDA's default) and sleeping until
 // the driver signals it (blocking_sync).
 TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
