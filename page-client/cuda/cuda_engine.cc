@@ -478,7 +478,9 @@ class CudaCopyEngine::Impl {
     std::unique_lock lock(mu_);
     // Also until the last `done` has returned: CopyEngine::Flush promises that, and a session
     // destroyed after Flush must not be touched by a completion still running.
-    idle_.wait(lock, [&] { return in_flight_.empty() && completing_ == 0; });
+    flush_waiters_.fetch_add(1);
+    idle_.wait(lock, [&] { return in_flight_.empty() && completing_.load() == 0; });
+    flush_waiters_.fetch_sub(1);
     return std::exchange(first_error_, Status::Ok());
   }
 
@@ -539,7 +541,7 @@ class CudaCopyEngine::Impl {
         std::lock_guard lock(mu_);
         in_flight_.pop_front();
         free_.push_back(index);
-        ++completing_;
+        completing_.fetch_add(1);
         if (status.ok()) {
           bytes_written_ += slot.bytes;
           if (slot.verified) ++chunks_verified_;
@@ -548,9 +550,10 @@ class CudaCopyEngine::Impl {
       }
       freed_.notify_one();
       if (done) done(status);
-      {
+      // mu_ is every reader's lock: take it again only when a Flush waits, to close the gap
+      // between its check and its wait (seq_cst: it counts itself in before it checks).
+      if (completing_.fetch_sub(1) == 1 && flush_waiters_.load() > 0) {
         std::lock_guard lock(mu_);
-        --completing_;
       }
       idle_.notify_all();
     }
@@ -593,7 +596,8 @@ class CudaCopyEngine::Impl {
   std::condition_variable idle_;
   std::deque<uint32_t> free_;
   std::deque<uint32_t> in_flight_;
-  uint32_t completing_ = 0;  // reaped copies whose `done` is still running
+  std::atomic<uint32_t> completing_{0};     // reaped copies whose `done` is still running
+  std::atomic<uint32_t> flush_waiters_{0};  // Flush calls waiting on idle_
   std::map<std::pair<uint32_t, uint64_t>, uint32_t> lent_;  // (BO, offset) -> slot
   bool stopping_ = false;
   Status first_error_;
