@@ -24,6 +24,7 @@
 #include "page-client/uffd/uffd_engine.h"
 #include "page-client/uffd/userfaultfd.h"
 #include "tests/server/test_support.h"
+#include "tests/support/sanitizers.h"
 
 namespace gpulazy::uffd {
 namespace {
@@ -112,7 +113,7 @@ void ReadRandomly(const RestoredMemory& memory, const std::vector<std::vector<ui
 
 // (fill mode, chunks read from the image files by reference). Reading the files is fast enough
 // that the whole fill can land before the readers touch a page, so only the socket data plane
-// is held to "some reads faulted".
+// is held to "some reads faulted", and only in an unsanitized build.
 class UffdRestore : public ::testing::TestWithParam<std::tuple<FillMode, bool>> {};
 
 TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
@@ -164,7 +165,9 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
     EXPECT_EQ(std::memcmp(memory->bytes(bo).data(), source[bo].data(), source[bo].size()), 0)
         << "BO " << bo;
   EXPECT_EQ(session.progress().reading_files, read_files);
-  if (!read_files) {
+  // Under a sanitizer the readers slow down far more than the kernel's fill, so the socket
+  // plane's fill too can land before they touch a page (seen once in CI's TSan stage).
+  if (!read_files && !::gpulazy::testing::kSanitized) {
     EXPECT_GT(pager.stats().faults, 0u);
     EXPECT_GT(recorder.size(), 0u);
   }
