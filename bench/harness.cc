@@ -26,6 +26,10 @@ double SecondsSince(Clock::time_point start) {
 }
 
 Result<WorkDir> WorkDir::Create(const fs::path& parent) {
+  // A --work-dir that does not exist yet is made, as `mkdir -p` would.
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  if (ec) return ErrnoError(ec.value(), "creating the work directory {}", parent.string());
   std::string templ = (parent / "gpulazy-bench.XXXXXX").string();
   if (mkdtemp(templ.data()) == nullptr) return ErrnoError(errno, "mkdtemp {}", templ);
   WorkDir dir;

@@ -3,6 +3,8 @@
 // instead of in a results table).
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -86,6 +88,29 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   EXPECT_GE(line.at("server_cpu_s").get<double>(), 0);
   EXPECT_GE(line.at("stream_wait_s").get<double>(), 0);
   EXPECT_GE(line.at("stream_chunk_s").get<double>(), 0);
+}
+
+// A --work-dir that does not exist yet is made (its scratch folder inside is removed after the
+// run); one that cannot be made is an error that names it.
+TEST(BenchSmoke, WorkDirIsMadeWhenMissingAndRefusedWhenItCannotBe) {
+  testing::TempDir work;
+  const std::filesystem::path nested = work.path() / "not" / "yet";
+  const std::vector<nlohmann::json> lines =
+      RunBench("--work-dir " + nested.string() + " stream --size 8M --sessions 1 --transport unix");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_TRUE(lines[0].at("verified").get<bool>());
+  ASSERT_TRUE(std::filesystem::is_directory(nested));
+  EXPECT_TRUE(std::filesystem::is_empty(nested));
+
+  const std::filesystem::path file = work.path() / "a-file";
+  { std::ofstream(file) << "not a directory"; }
+  const std::string command = std::string(GPULAZY_BIN_DIR) + "/gpulazy-bench --work-dir " +
+                              (file / "below").string() + " stream --size 8M --sessions 1";
+  const testing::CommandRun run = testing::RunCommand(command, 60);
+  EXPECT_NE(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find("creating the work directory " + (file / "below").string()),
+            std::string::npos)
+      << run.out;
 }
 
 }  // namespace
