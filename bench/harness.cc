@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <sys/utsname.h>
@@ -23,6 +25,13 @@ namespace fs = std::filesystem;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void LogWarningsToStderr() {
+  spdlog::set_level(spdlog::level::warn);
+  spdlog::default_logger()->sinks().clear();
+  spdlog::default_logger()->sinks().push_back(
+      std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
 }
 
 Result<WorkDir> WorkDir::Create(const fs::path& parent) {

@@ -116,6 +116,10 @@ class CpuMeter {
   std::optional<double> server_s_;
 };
 
+// Warnings and errors only, on stderr: results go to stdout (one JSON object per line with
+// --json), and the library's logs would interleave with them there, spdlog's default.
+void LogWarningsToStderr();
+
 // CPU model, cores, memory and kernel, for the report.
 nlohmann::json MachineDescription();
 

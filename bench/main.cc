@@ -94,9 +94,7 @@ int Run(int argc, char** argv) {
   // --- end restore ---
 
   CLI11_PARSE(app, argc, argv);
-  // Results go to stdout (one JSON object per line with --json); the library's progress logs
-  // would interleave with them.
-  spdlog::set_level(spdlog::level::warn);
+  bench::LogWarningsToStderr();
   // Every restore keeps a descriptor per BO (host engine memfds).
   gpulazy::Result<uint64_t> fds = gpulazy::RaiseOpenFileLimit();
   if (!fds.ok()) spdlog::warn("{}", fds.status().ToString());

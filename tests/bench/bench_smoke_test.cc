@@ -2,6 +2,7 @@
 // are read from, with values that can be true (a benchmark that reports nonsense fails here
 // instead of in a results table).
 #include <gtest/gtest.h>
+#include <spdlog/spdlog.h>
 
 #include <filesystem>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/harness.h"
 #include "proto/checksum_variants.h"
 #include "tests/support/process.h"
 #include "tests/support/temp_dir.h"
@@ -88,6 +90,22 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   EXPECT_GE(line.at("server_cpu_s").get<double>(), 0);
   EXPECT_GE(line.at("stream_wait_s").get<double>(), 0);
   EXPECT_GE(line.at("stream_chunk_s").get<double>(), 0);
+}
+
+// The benchmarks' stdout carries their results (JSON lines with --json): a library warning
+// logged during a run goes to stderr, and below-warning logs nowhere.
+TEST(BenchSmoke, LogsGoToStderrSoStdoutStaysResultsOnly) {
+  bench::LogWarningsToStderr();
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  spdlog::info("progress nobody asked for");
+  spdlog::warn("a warning from the library");
+  spdlog::default_logger()->flush();
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(out, "");
+  EXPECT_NE(err.find("a warning from the library"), std::string::npos) << err;
+  EXPECT_EQ(err.find("progress nobody asked for"), std::string::npos) << err;
 }
 
 // A --work-dir that does not exist yet is made (its scratch folder inside is removed after the
