@@ -431,4 +431,34 @@ net::Awaitable<Status> FrameWriter::Run() {
   }
 }
 
+Result<std::string> FetchServerStats(const net::Endpoint& endpoint,
+                                     const net::ClientTransport& transport,
+                                     const std::string& token, const std::string& client_name) {
+  boost::asio::io_context io;
+  GPULAZY_ASSIGN_OR_RETURN(net::Stream socket, net::ConnectBlocking(io, endpoint, transport));
+  FrameLimits limits;
+  std::vector<uint8_t> payload;
+  wire::Header hello;
+  hello.mutable_hello()->set_min_version(kMinProtocolVersion);
+  hello.mutable_hello()->set_max_version(kProtocolVersion);
+  hello.mutable_hello()->set_client_name(client_name);
+  hello.mutable_hello()->set_token(token);
+  GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(socket, hello, {}, limits));
+  GPULAZY_ASSIGN_OR_RETURN(wire::Header reply, net::ReadFrameBlocking(socket, limits, &payload));
+  if (reply.has_error())
+    return Unavailable("Hello refused: {} ({})", reply.error().message(),
+                       wire::ErrorCode_Name(reply.error().code()));
+  if (!reply.has_hello_reply()) return Corrupt("expected HelloReply from {}", endpoint.ToString());
+  wire::Header request;
+  request.set_request_id(1);
+  request.mutable_stats_request();
+  GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(socket, request, {}, limits));
+  GPULAZY_ASSIGN_OR_RETURN(reply, net::ReadFrameBlocking(socket, limits, &payload));
+  if (reply.has_error())
+    return Unavailable("stats refused: {} ({})", reply.error().message(),
+                       wire::ErrorCode_Name(reply.error().code()));
+  if (!reply.has_stats_reply()) return Corrupt("expected StatsReply from {}", endpoint.ToString());
+  return reply.stats_reply().json();
+}
+
 }  // namespace gpulazy::client

@@ -51,6 +51,13 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(
     std::chrono::milliseconds timeout, bool* refused,
     uint64_t max_table_bytes = kDefaultMaxImageTableBytes);
 
+// Asks the server for its statistics (docs/server.md, "Stats") on a connection of its own:
+// Hello with `token` (empty: none), then StatsRequest; returns the reply's JSON text. Blocking,
+// for tools and benchmarks rather than a restore's io_context.
+Result<std::string> FetchServerStats(const net::Endpoint& endpoint,
+                                     const net::ClientTransport& transport,
+                                     const std::string& token, const std::string& client_name);
+
 // Ranges per Have frame: 2048 ranges of at most 20 serialized bytes each stay well inside the
 // 64 KiB frame header, whatever the image's BO count.
 inline constexpr size_t kMaxRangesPerHave = 2048;

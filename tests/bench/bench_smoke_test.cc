@@ -92,6 +92,29 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   EXPECT_GE(line.at("stream_chunk_s").get<double>(), 0);
 }
 
+// A small demand run: the client's latencies beside the server's own share of them (request
+// read -> reply written), taken from the server's stats for the loaded session.
+TEST(BenchSmoke, DemandReportsTheServersShare) {
+  testing::TempDir work;
+  const std::vector<nlohmann::json> lines = RunBench(
+      "--work-dir " + work.path().string() + " demand --size 256M --requests 20 --transport unix");
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& line = lines[0];
+  SCOPED_TRACE(line.dump());
+  EXPECT_EQ(line.at("bench"), "demand");
+  const double p50 = line.at("server_demand_p50_s").get<double>();
+  const double p99 = line.at("server_demand_p99_s").get<double>();
+  const double max = line.at("server_demand_max_s").get<double>();
+  // The first Ensure comes right after Start, long before 256 MiB have streamed, and each one
+  // for a missing chunk asks the server.
+  EXPECT_GT(line.at("server_demand_count").get<uint64_t>(), 0u);
+  EXPECT_LE(0.0, p50);
+  EXPECT_LE(p50, p99);
+  EXPECT_LE(p99, max);
+  // Seconds, not microseconds: one 2 MiB chunk's time in a server is well under 10 s.
+  EXPECT_LT(max, 10.0);
+}
+
 // The benchmarks' stdout carries their results (JSON lines with --json): a library warning
 // logged during a run goes to stderr, and below-warning logs nowhere.
 TEST(BenchSmoke, LogsGoToStderrSoStdoutStaysResultsOnly) {
