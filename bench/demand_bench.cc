@@ -190,6 +190,19 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
   std::vector<ChunkId> chunks = FullChunks(session.bos(), session.chunk_size());
   std::mt19937_64 random(options.seed);
   std::vector<double> latencies;
+  // The server lists a session only while it is open, and a session whose stream completes may
+  // close before the loop below notices: its stats are taken every kStatsEvery samples (between
+  // samples, outside their timing) and once more at the end, and the last that saw demand
+  // chunks is reported.
+  constexpr size_t kStatsEvery = 25;
+  nlohmann::json server_side = {{"server_demand_count", 0},
+                                {"server_demand_p50_s", nullptr},
+                                {"server_demand_p99_s", nullptr},
+                                {"server_demand_max_s", nullptr}};
+  auto take_server_stats = [&] {
+    Result<nlohmann::json> now = ServerDemandLatency(endpoint);
+    if (now.ok() && (*now)["server_demand_count"].get<uint64_t>() > 0) server_side = *now;
+  };
   uint32_t skipped = 0;
   while (latencies.size() < options.requests && !session.progress().complete) {
     ChunkId id = chunks[random() % chunks.size()];
@@ -203,10 +216,11 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
         session.Ensure(id.bo, offset, session.chunk_size(), std::chrono::seconds(30)));
     double latency = SecondsSince(asked);
     if (!session.progress().complete) latencies.push_back(latency);
+    if (latencies.size() % kStatsEvery == 0) take_server_stats();
   }
   client::Progress during = session.progress();
   double stream_seconds_so_far = SecondsSince(start);
-  GPULAZY_ASSIGN_OR_RETURN(nlohmann::json server_side, ServerDemandLatency(endpoint));
+  take_server_stats();
   GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
   double total_seconds = SecondsSince(start);
   nlohmann::json result{
