@@ -7,10 +7,9 @@
 #
 # `pack` bundles the test executables, the CTest files and the libraries they need
 # (scripts/device-bundle.sh --tests), compresses them and cuts the archive into parts of at
-# most 60 MiB (NAME.tar.xz.part00, part01, ...): a Release build fits one call's carried files,
-# the sanitizer builds (every test executable links its libraries statically) take several
-# calls, each leaving its part in a folder outside the checkout, e.g. /tmp, where the machine
-# keeps it while it stays warm. `run` joins the parts and unpacks them as BUILD_DIR (the
+# most 60 MiB (NAME.tar.xz.part00, part01, ...). A sanitizer build (every test executable links
+# its libraries statically) takes several: session 19's ASan build took two, one per call,
+# each left in a folder outside the checkout, e.g. /tmp, that the machine keeps while warm. `run` joins the parts and unpacks them as BUILD_DIR (the
 # tests name their executables and sources by this checkout's absolute paths, so the checkout
 # must sit at the same path there, as the device tool's does), puts the libraries into ld.so's
 # path (tests start servers and clients whose environment some of them clear, so

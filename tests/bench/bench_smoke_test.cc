@@ -102,13 +102,12 @@ TEST(BenchSmoke, DemandReportsTheServersShare) {
   const nlohmann::json& line = lines[0];
   SCOPED_TRACE(line.dump());
   EXPECT_EQ(line.at("bench"), "demand");
+  // Ten Ensures take a few milliseconds; 512 MiB take far longer to stream on any machine here,
+  // so the session is still open for its stats. Each Ensure of a missing chunk asks the server.
+  ASSERT_GT(line.at("server_demand_count").get<uint64_t>(), 0u);
   const double p50 = line.at("server_demand_p50_s").get<double>();
   const double p99 = line.at("server_demand_p99_s").get<double>();
   const double max = line.at("server_demand_max_s").get<double>();
-  // Ten Ensures take a few milliseconds; 512 MiB take far longer to stream on any machine here,
-  // so the session is still open for its stats. Each Ensure of a missing chunk asks the server.
-  EXPECT_GT(line.at("server_demand_count").get<uint64_t>(), 0u);
-  EXPECT_LE(0.0, p50);
   EXPECT_LE(p50, p99);
   EXPECT_LE(p99, max);
   // Seconds, not microseconds: one 2 MiB chunk's time in a server is well under 10 s.
