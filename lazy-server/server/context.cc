@@ -94,7 +94,12 @@ nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
        {{"count", latency.count},
         {"p50", latency.p50_us},
         {"p99", latency.p99_us},
-        {"max", latency.max_us}}},
+        {"max", latency.max_us},
+        // The two parts: request read -> write started, and the write itself.
+        {"queued_p50", latency.queued_p50_us},
+        {"queued_p99", latency.queued_p99_us},
+        {"write_p50", latency.write_p50_us},
+        {"write_p99", latency.write_p99_us}}},
   };
   if (auto counters = dispatcher.Counters(session.id())) {
     j["credit"] = counters->credit;

@@ -126,9 +126,12 @@ void Session::Close() {
   if (demand) demand->Shutdown(wire::ERROR_NONE, "session closed");
 }
 
-void Session::RecordDemandLatency(Clock::duration latency) {
-  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(latency).count();
-  const uint32_t sample = static_cast<uint32_t>(std::clamp<int64_t>(us, 0, UINT32_MAX));
+void Session::RecordDemandLatency(Clock::duration queued, Clock::duration write) {
+  auto micros = [](Clock::duration d) {
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+    return static_cast<uint32_t>(std::clamp<int64_t>(us, 0, UINT32_MAX / 2));
+  };
+  const LatencySample sample{micros(queued), micros(write)};
   std::lock_guard lock(mu_);
   if (latency_us_.size() < kLatencySamples) {
     latency_us_.push_back(sample);
@@ -140,7 +143,7 @@ void Session::RecordDemandLatency(Clock::duration latency) {
 }
 
 Session::Latency Session::DemandLatency() const {
-  std::vector<uint32_t> samples;
+  std::vector<LatencySample> samples;
   Latency out;
   {
     std::lock_guard lock(mu_);
@@ -148,13 +151,23 @@ Session::Latency Session::DemandLatency() const {
     out.count = latency_count_;
   }
   if (samples.empty()) return out;
-  std::sort(samples.begin(), samples.end());
-  auto at = [&](double q) {
-    return static_cast<double>(samples[static_cast<size_t>(q * double(samples.size() - 1))]);
+  std::vector<uint32_t> total, queued, write;
+  for (const LatencySample& s : samples) {
+    total.push_back(s.queued_us + s.write_us);
+    queued.push_back(s.queued_us);
+    write.push_back(s.write_us);
+  }
+  auto at = [](std::vector<uint32_t>& values, double q) {
+    std::sort(values.begin(), values.end());
+    return static_cast<double>(values[static_cast<size_t>(q * double(values.size() - 1))]);
   };
-  out.p50_us = at(0.50);
-  out.p99_us = at(0.99);
-  out.max_us = samples.back();
+  out.p50_us = at(total, 0.50);
+  out.p99_us = at(total, 0.99);
+  out.max_us = total.back();
+  out.queued_p50_us = at(queued, 0.50);
+  out.queued_p99_us = at(queued, 0.99);
+  out.write_p50_us = at(write, 0.50);
+  out.write_p99_us = at(write, 0.99);
   return out;
 }
 
@@ -974,6 +987,7 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
     body->set_no_checksum(!chunk.has_checksum);
   }
   BeginWrite();
+  const auto write_started = Clock::now();
   // Not one ?: of two co_awaits: GCC 12 destroys the unused branch's temporary Status.
   Status status;
   if (chunk.from_file)
@@ -1000,7 +1014,7 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
     if (chunk.from_file) session_->stats().bytes_sendfile.fetch_add(payload);
     session_->stats().chunks_sent[priority].fetch_add(1);
     if (item.priority == wire::PRIORITY_DEMAND)
-      session_->RecordDemandLatency(sent_at - item.received);
+      session_->RecordDemandLatency(write_started - item.received, sent_at - write_started);
   }
   spdlog::trace("{}: sent BO {} chunk {} ({} bytes, {})", Tag(), item.bo, item.chunk, payload,
                 wire::Priority_Name(item.priority));

@@ -69,12 +69,19 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   void MarkFilesPassed() { files_passed_.store(true); }
   bool files_passed() const { return files_passed_.load(); }
 
-  void RecordDemandLatency(Clock::duration latency);
+  // A demand chunk sent: `queued` from reading its request to starting its frame's write
+  // (scheduling, the page-cache probe or disk read, and waiting for the connection's turn on a
+  // network thread), `write` for writing the frame into the socket.
+  void RecordDemandLatency(Clock::duration queued, Clock::duration write);
   struct Latency {
     uint64_t count = 0;
-    double p50_us = 0;
+    double p50_us = 0;  // request read -> frame written
     double p99_us = 0;
     double max_us = 0;
+    double queued_p50_us = 0;  // request read -> write started
+    double queued_p99_us = 0;
+    double write_p50_us = 0;  // write started -> frame written
+    double write_p99_us = 0;
   };
   Latency DemandLatency() const;
 
@@ -94,7 +101,11 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   mutable std::mutex mu_;
   std::weak_ptr<Connection> stream_;
   std::weak_ptr<Connection> demand_;
-  std::vector<uint32_t> latency_us_;  // ring of the latest samples
+  struct LatencySample {
+    uint32_t queued_us = 0;
+    uint32_t write_us = 0;
+  };
+  std::vector<LatencySample> latency_us_;  // ring of the latest samples
   size_t latency_next_ = 0;
   uint64_t latency_count_ = 0;
   bool closed_ = false;

@@ -574,8 +574,13 @@ TEST_F(ServerTest, StatsReportTheSession) {
               received->chunks.size());
     EXPECT_EQ(chunks["demand"].get<uint64_t>(), 2u);
     EXPECT_EQ(session["demand_latency_us"]["count"].get<uint64_t>(), 2u);
-    EXPECT_GE(session["demand_latency_us"]["p99"].get<double>(),
-              session["demand_latency_us"]["p50"].get<double>());
+    const auto& latency = session["demand_latency_us"];
+    EXPECT_GE(latency["p99"].get<double>(), latency["p50"].get<double>());
+    // Its two parts, each no longer than the longest whole.
+    EXPECT_LE(latency["queued_p50"].get<double>(), latency["queued_p99"].get<double>());
+    EXPECT_LE(latency["write_p50"].get<double>(), latency["write_p99"].get<double>());
+    EXPECT_LE(latency["queued_p99"].get<double>(), latency["max"].get<double>());
+    EXPECT_LE(latency["write_p99"].get<double>(), latency["max"].get<double>());
   }
   EXPECT_TRUE(found) << *stats;
 }
