@@ -128,6 +128,12 @@ class CopyEngine {
   // throughput needs more writers than that says so here (the CUDA engine: one per CPU).
   virtual uint32_t PreferredWriters() const { return 0; }
 
+  // Whether the engine takes calls from several threads at once, for disjoint ranges (each
+  // chunk is claimed before it is written, so a restore never writes one range twice). The
+  // restores then call it without serializing (EngineGate), and an urgent chunk never waits
+  // for a background write in progress. The default is the one-caller-at-a-time contract.
+  virtual bool ConcurrentCalls() const { return false; }
+
   // Returns once every accepted write has completed (its `done` has run); the first failure
   // since the last Flush, if any. An engine that holds writes (waiting for a destination to be
   // bound, say) must complete or refuse them before the session that issued them is destroyed:

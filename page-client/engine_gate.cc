@@ -3,6 +3,7 @@
 namespace gpulazy::client {
 
 void EngineGate::lock() {
+  if (!serialize_) return;
   for (;;) {
     // Sleep (futex) while urgent callers are announced, rather than queue on mu_ beside them.
     for (uint32_t waiting = urgent_waiting_.load(std::memory_order_acquire); waiting != 0;
@@ -16,10 +17,11 @@ void EngineGate::lock() {
 }
 
 void EngineGate::unlock() {
-  mu_.unlock();
+  if (serialize_) mu_.unlock();
 }
 
 void EngineGate::lock_urgent() {
+  if (!serialize_) return;
   urgent_waiting_.fetch_add(1, std::memory_order_acq_rel);
   mu_.lock();
   if (urgent_waiting_.fetch_sub(1, std::memory_order_acq_rel) == 1) urgent_waiting_.notify_all();

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 
@@ -24,6 +25,9 @@ enum class Urgency : uint8_t { kBackground, kUrgent };
 
 class EngineGate {
  public:
+  // `serialize` false: an open gate, whose entries return at once (for an engine that takes
+  // concurrent calls, CopyEngine::ConcurrentCalls).
+  explicit EngineGate(bool serialize = true) : serialize_(serialize) {}
   void lock();  // background entry
   void unlock();
   void lock_urgent();
@@ -38,14 +42,24 @@ class EngineGate {
   uint32_t urgent_waiting() const { return urgent_waiting_.load(std::memory_order_acquire); }
 
  private:
+  const bool serialize_;
   std::mutex mu_;
   std::atomic<uint32_t> urgent_waiting_{0};
 };
 
-// RAII entry at a given urgency.
+// RAII entry at a given urgency. With `waited`, the time spent waiting to enter is added to it.
 class EngineHold {
  public:
-  EngineHold(EngineGate& gate, Urgency urgency) : gate_(gate) { gate_.lock(urgency); }
+  EngineHold(EngineGate& gate, Urgency urgency, std::chrono::nanoseconds* waited = nullptr)
+      : gate_(gate) {
+    if (waited == nullptr) {
+      gate_.lock(urgency);
+      return;
+    }
+    const auto asked = std::chrono::steady_clock::now();
+    gate_.lock(urgency);
+    *waited += std::chrono::steady_clock::now() - asked;
+  }
   ~EngineHold() { gate_.unlock(); }
   EngineHold(const EngineHold&) = delete;
   EngineHold& operator=(const EngineHold&) = delete;

@@ -54,6 +54,14 @@ struct HostEngineOptions {
   uint64_t populate_ahead_bytes = 32u << 20;
   // Added to that thread's nice value: it should use only cores the restore leaves idle.
   int populate_nice = 10;
+  // A chunk whose destination pages do not exist yet is written through the memfd's file
+  // (pwrite) instead of the mapping, and ReceiveTarget declines it (the session receives it
+  // into a reused staging buffer and calls Write). The kernel then allocates each page and
+  // copies into it, without first zeroing it and without a page fault per 4 KiB page: a
+  // demand chunk at a random offset, which nothing populated ahead, costs about half as much
+  // (docs/benchmarks.md, "Fresh pages by write"). Pages that exist (populated ahead, say)
+  // still take the chunk in place or by memcpy.
+  bool write_fresh_pages = true;
 };
 
 class HostCopyEngine : public CopyEngine {
@@ -72,9 +80,16 @@ class HostCopyEngine : public CopyEngine {
   // Several writers take their own page faults in parallel, so the populate helper is stopped:
   // it has nothing to do they do not do already (docs/benchmarks.md, issue 3: measured 10 %
   // slower with it by reference in session 7; within noise in session 8).
+  // So is writing fresh pages through the file: with several writers each takes its own page
+  // faults in parallel, the way measured for by-reference restores; pwrite with many writers
+  // is not measured yet.
   void ExpectWriters(uint32_t writers) override {
-    if (writers > 1) populate_.Stop();
+    if (writers <= 1) return;
+    populate_.Stop();
+    write_fresh_pages_.store(false, std::memory_order_relaxed);
   }
+  // Writes to disjoint ranges touch no shared state but the BO map (locked) and counters.
+  bool ConcurrentCalls() const override { return true; }
 
   // The BO's memory: kNotFound for a BO without a destination.
   Result<std::span<uint8_t>> Mapping(uint32_t bo) const;
@@ -86,11 +101,15 @@ class HostCopyEngine : public CopyEngine {
 
  private:
   Result<const MemfdRegion*> Find(uint32_t bo) const;
+  // Whether [offset, offset + length) of `region` is fresh: pages not allocated yet, which
+  // write_fresh_pages writes through the file.
+  bool Fresh(const MemfdRegion& region, uint64_t offset, uint64_t length) const;
 
   HostEngineOptions options_;
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
   std::map<uint32_t, MemfdRegion> regions_;
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<bool> write_fresh_pages_{options_.write_fresh_pages};
   PopulateAhead populate_;  // last: its thread stops before the regions are unmapped
 };
 

@@ -195,7 +195,10 @@ void Link::CloseDemand() {
 class RestoreSession::Impl {
  public:
   Impl(SessionOptions options, CopyEngine& engine)
-      : options_(std::move(options)), engine_(engine), backoff_timer_(io_) {}
+      : options_(std::move(options)),
+        engine_(engine),
+        engine_gate_(!engine.ConcurrentCalls()),
+        backoff_timer_(io_) {}
   ~Impl();
 
   Status Start();
@@ -207,6 +210,7 @@ class RestoreSession::Impl {
   Status WaitComplete(std::optional<std::chrono::milliseconds> timeout);
   bool IsResident(uint32_t bo, uint64_t offset, uint64_t length) const;
   Progress progress() const;
+  std::vector<DemandChunkTiming> demand_timings() const;
   Status status() const;
   void Cancel();
 
@@ -293,8 +297,10 @@ class RestoreSession::Impl {
                      uint64_t wire_bytes, bool on_stream, bool* duplicate);
   void Unclaim(uint32_t bo, uint32_t chunk);
   // A claimed chunk whose payload is in `payload`: decode, verify, hand to Write.
+  // `timing`: a timed demand chunk's record so far (decoding and verifying count as hashing).
   Status InstallChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
-                      std::vector<uint8_t>& payload, bool on_stream);
+                      std::vector<uint8_t>& payload, bool on_stream,
+                      DemandChunkTiming* timing = nullptr);
   // A landing chunk whose copy failed verification: back to missing, counted, and marked
   // demanded, all under one lock. Returns the bad copies so far. Done in separate steps, the
   // stream's end could see the chunk missing and unrequested in between and demand it a second
@@ -303,9 +309,15 @@ class RestoreSession::Impl {
   // After UnclaimBadCopy: re-request once, or fail for good (returned).
   Status BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
                  uint64_t wire_bytes, bool on_stream, const Status& why, uint32_t bad_copies);
-  // Any thread (the engine decides where completions run).
+  // Any thread (the engine decides where completions run). `timing`: a timed demand chunk's
+  // record so far, completed and kept once the chunk is resident.
   void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
-                 const std::shared_ptr<std::vector<uint8_t>>& staging, uint64_t credit);
+                 const std::shared_ptr<std::vector<uint8_t>>& staging, uint64_t credit,
+                 const DemandChunkTiming* timing = nullptr);
+  // Demand thread: a timing record for a chunk arriving on the demand connection now, if the
+  // request that asked for it was timed (demand_asked_).
+  std::optional<DemandChunkTiming> StartDemandTiming(ChunkId id);
+  void KeepDemandTiming(DemandChunkTiming timing);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
   void Fail(const Status& status);
   bool Failed() const;
@@ -344,6 +356,11 @@ class RestoreSession::Impl {
   std::atomic<uint64_t> unchecked_chunks_{0};
   std::atomic<bool> cancelled_{false};
 
+  // The latest demand timings (a ring of RestoreSession::kDemandTimings); a leaf lock.
+  mutable std::mutex timings_mutex_;
+  std::vector<DemandChunkTiming> demand_timings_;
+  size_t demand_timings_next_ = 0;
+
   EngineGate engine_gate_;  // held around every engine_ call, and only there
   ChunkBufferPool file_buffers_{kMaxSpareBuffers};  // staging for encoded chunks read by reference
 
@@ -367,6 +384,8 @@ class RestoreSession::Impl {
   std::shared_ptr<DemandLink> demand_link_;
   std::deque<ChunkId> demand_queue_;
   uint32_t demand_in_flight_ = 0;  // demand chunks asked for and not yet received
+  // When each chunk asked for on the demand connection was asked, until its reply arrives.
+  std::map<ChunkId, Clock::time_point> demand_asked_;
 
   std::thread thread_;         // runs io_
   std::thread demand_thread_;  // runs demand_io_
@@ -1259,7 +1278,50 @@ void RestoreSession::Impl::PumpDemand() {
   header.mutable_request()->set_by_reference(by_reference);
   for (const ChunkRun& run : runs)
     *header.mutable_request()->add_ranges() = ToRange(run);
+  if (options_.demand_connection) {
+    // A reply the server never sends (the connection was lost) leaves an entry behind until the
+    // chunk is asked again; the bound keeps such leftovers from piling up.
+    if (demand_asked_.size() > 4 * size_t{options_.max_demand_in_flight} + 1024)
+      demand_asked_.clear();
+    const Clock::time_point now = Clock::now();
+    for (const ChunkRun& run : runs)
+      for (uint32_t i = 0; i < run.count; ++i)
+        demand_asked_[ChunkId{run.bo, run.first + i}] = now;
+  }
   out->Send(std::move(header));
+}
+
+std::optional<DemandChunkTiming> RestoreSession::Impl::StartDemandTiming(ChunkId id) {
+  const Clock::time_point head = Clock::now();
+  auto asked = demand_asked_.find(id);
+  if (asked == demand_asked_.end()) return std::nullopt;
+  DemandChunkTiming timing;
+  timing.bo = id.first;
+  timing.chunk = id.second;
+  timing.asked = asked->second;
+  timing.head = head;
+  demand_asked_.erase(asked);
+  return timing;
+}
+
+void RestoreSession::Impl::KeepDemandTiming(DemandChunkTiming timing) {
+  std::lock_guard lock(timings_mutex_);
+  if (demand_timings_.size() < RestoreSession::kDemandTimings) {
+    demand_timings_.push_back(timing);
+    return;
+  }
+  demand_timings_[demand_timings_next_] = timing;
+  demand_timings_next_ = (demand_timings_next_ + 1) % demand_timings_.size();
+}
+
+std::vector<DemandChunkTiming> RestoreSession::Impl::demand_timings() const {
+  std::lock_guard lock(timings_mutex_);
+  std::vector<DemandChunkTiming> oldest_first(
+      demand_timings_.begin() + static_cast<ptrdiff_t>(demand_timings_next_),
+      demand_timings_.end());
+  oldest_first.insert(oldest_first.end(), demand_timings_.begin(),
+                      demand_timings_.begin() + static_cast<ptrdiff_t>(demand_timings_next_));
+  return oldest_first;
 }
 
 // ---- either reader thread ----
@@ -1337,8 +1399,12 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint32_t chunk = data.chunk();
   *transport = false;
   const Urgency urgency = UrgencyOf(on_stream);
+  // Only the demand thread reads the demand connection and owns demand_asked_.
+  std::optional<DemandChunkTiming> timing;
+  if (!on_stream && options_.demand_connection) timing = StartDemandTiming(ChunkId{bo, chunk});
   if (data.has_in_file())
     co_return ReceiveByReference(link, limits, files, data, payload_length, on_stream);
+  std::chrono::nanoseconds* gate_wait = timing ? &timing->gate_wait : nullptr;
   bool duplicate = false;
   Status accepted = AcceptChunk(link, data, payload_length, on_stream, &duplicate);
   if (!accepted.ok()) co_return accepted;
@@ -1359,7 +1425,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
   if (data.codec() == manifest::CODEC_RAW && payload_length > 0 &&
       payload_length == data.raw_length()) {
-    EngineHold engine_hold(engine_gate_, urgency);
+    EngineHold engine_hold(engine_gate_, urgency, gate_wait);
     target = engine_.ReceiveTarget(bo, offset, payload_length);
     if (target && target->size() != payload_length) {
       engine_.ReleaseReceived(bo, offset, payload_length);
@@ -1374,7 +1440,8 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       *transport = true;
       co_return read;
     }
-    co_return InstallChunk(link, data, payload, on_stream);
+    if (timing) timing->received = Clock::now();
+    co_return InstallChunk(link, data, payload, on_stream, timing ? &*timing : nullptr);
   }
 
   // The checksum is computed slice by slice right after each slice lands, while it is still in
@@ -1389,9 +1456,16 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       *transport = true;
       break;
     }
-    hash.Update(slice);
+    if (timing) {
+      const Clock::time_point hashing = Clock::now();
+      hash.Update(slice);
+      timing->hashing += Clock::now() - hashing;
+    } else {
+      hash.Update(slice);
+    }
     done += slice.size();
   }
+  if (timing) timing->received = Clock::now();
   if (!status.ok() || hash.Digest() != data.checksum()) {
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
@@ -1410,11 +1484,13 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   }
   Status committed;
   {
-    EngineHold engine_hold(engine_gate_, urgency);
+    EngineHold engine_hold(engine_gate_, urgency, gate_wait);
     committed = engine_.CommitReceived(
         bo, offset, payload_length,
-        [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0](
-            const Status& written) { OnWritten(written, link, id, nullptr, credit); });
+        [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0,
+         timing](const Status& written) {
+          OnWritten(written, link, id, nullptr, credit, timing ? &*timing : nullptr);
+        });
   }
   if (!committed.ok())
     co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
@@ -1593,13 +1669,15 @@ Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t
 
 Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
                                           const wire::ChunkData& data,
-                                          std::vector<uint8_t>& payload, bool on_stream) {
+                                          std::vector<uint8_t>& payload, bool on_stream,
+                                          DemandChunkTiming* timing) {
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
   const uint64_t wire_bytes = payload.size();
   auto staging = TakeBuffer();
   Status decoded;
   std::string what = What(bo, chunk);
+  const Clock::time_point decoding = timing ? Clock::now() : Clock::time_point{};
   if (data.codec() == manifest::CODEC_RAW) {
     // The payload becomes the staging buffer; the reader gets a spare one for its next frame.
     staging->swap(payload);
@@ -1607,6 +1685,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   } else {
     decoded = DecodeChunkPayload(data, payload, staging.get(), what);
   }
+  if (timing) timing->hashing += Clock::now() - decoding;
   if (!decoded.ok()) {
     ReturnBuffer(std::move(*staging));
     const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
@@ -1617,11 +1696,16 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
   Status written;
   {
-    EngineHold engine_hold(engine_gate_, UrgencyOf(on_stream));
-    written = engine_.Write(
-        bo, uint64_t{chunk} * chunk_size_, raw,
-        [this, link, id = ChunkId{bo, chunk}, staging, credit = on_stream ? wire_bytes : 0](
-            const Status& status) { OnWritten(status, link, id, staging, credit); });
+    EngineHold engine_hold(engine_gate_, UrgencyOf(on_stream),
+                           timing ? &timing->gate_wait : nullptr);
+    std::optional<DemandChunkTiming> timed;
+    if (timing) timed = *timing;
+    written =
+        engine_.Write(bo, uint64_t{chunk} * chunk_size_, raw,
+                      [this, link, id = ChunkId{bo, chunk}, staging,
+                       credit = on_stream ? wire_bytes : 0, timed](const Status& status) {
+                        OnWritten(status, link, id, staging, credit, timed ? &*timed : nullptr);
+                      });
   }
   if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
   return Status::Ok();
@@ -1630,7 +1714,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
 void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr<Link>& link,
                                      ChunkId id,
                                      const std::shared_ptr<std::vector<uint8_t>>& staging,
-                                     uint64_t credit) {
+                                     uint64_t credit, const DemandChunkTiming* timing) {
   // Any thread, possibly inside an engine call (engine_mutex_ held): never take engine_mutex_.
   if (status.code() == Code::kCorrupt) {
     // The engine verified the bytes itself (CommitUnverified) and they did not match: the same
@@ -1656,6 +1740,11 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
     residency_.MarkResident(id.first, id.second);
     complete = residency_.complete();
     wakes = residency_.LandingWakes(id.first, id.second);
+  }
+  if (timing) {
+    DemandChunkTiming kept = *timing;
+    kept.resident = Clock::now();
+    KeepDemandTiming(kept);
   }
   // Only a chunk someone waits for ends a wait: waking every waiter for each of a 4 KiB
   // stream's 100,000s of chunks a second kept them contending for mutex_ with the installs.
@@ -1717,6 +1806,9 @@ Status RestoreSession::WaitComplete(std::optional<std::chrono::milliseconds> tim
 }
 bool RestoreSession::IsResident(uint32_t bo, uint64_t offset, uint64_t length) const {
   return impl_->IsResident(bo, offset, length);
+}
+std::vector<DemandChunkTiming> RestoreSession::demand_timings() const {
+  return impl_->demand_timings();
 }
 Progress RestoreSession::progress() const {
   return impl_->progress();

@@ -127,8 +127,29 @@ struct Progress {
   bool complete = false;
 };
 
+// One chunk Ensure asked the server for that came back on the demand connection, timed on the
+// client (steady clock). With the server's own share from its stats (request read -> reply
+// written into the socket), it shows where a demand request's time goes. Diagnostics and the
+// demand benchmark (docs/client.md, "Demand timings").
+struct DemandChunkTiming {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  uint32_t bo = 0;
+  uint32_t chunk = 0;
+  TimePoint asked;     // the demand thread handed the request to the connection's writer
+  TimePoint head;      // the reply's frame head had been read
+  TimePoint received;  // the last payload byte was in (and hashed, when received in place)
+  TimePoint resident;  // the engine had the chunk and it was marked resident (waiters wake next)
+  // Hashing (and decoding a compressed chunk), wherever it fell: during the receive for a
+  // chunk received in place, after `received` for one received into a staging buffer.
+  std::chrono::nanoseconds hashing{0};
+  std::chrono::nanoseconds gate_wait{0};  // of head -> resident, waiting to enter the engine gate
+};
+
 class RestoreSession {
  public:
+  // How many DemandChunkTiming records a session keeps (the latest).
+  static constexpr size_t kDemandTimings = 1024;
+
   RestoreSession(SessionOptions options, CopyEngine& engine);
   // Cancels what is still running and waits for the session's threads and the engine's writes.
   ~RestoreSession();
@@ -161,6 +182,10 @@ class RestoreSession {
   bool IsResident(uint32_t bo, uint64_t offset, uint64_t length) const;
 
   Progress progress() const;
+  // The latest kDemandTimings chunks received on the demand connection, in the order they
+  // became resident. Chunks that came by reference or as duplicates, and demand chunks
+  // without a demand connection, are not timed.
+  std::vector<DemandChunkTiming> demand_timings() const;
   // The error that ended the session, Ok while it runs or after it completed.
   Status status() const;
   // Stops streaming; waiters return kAborted. Idempotent.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -372,17 +373,22 @@ TEST(PopulateAhead, StopsPromptlyWhenDestroyedMidRegion) {
 TEST(HostCopyEngine, PopulatesTheDestinationAheadOfReceives) {
   HostCopyEngine engine;  // default options: on, 32 MiB ahead
   ASSERT_TRUE(engine.AddDestination(1, 16u << 20).ok());
-  std::optional<std::span<uint8_t>> target = engine.ReceiveTarget(1, 0, 2u << 20);
-  ASSERT_TRUE(target.has_value());
+  // The first chunk finds fresh pages and is written through the file; what follows it is
+  // populated, so the next chunk is received in place.
+  const std::vector<uint8_t> first(2u << 20, 0x5a);
+  ASSERT_TRUE(engine.Write(1, 0, first, nullptr).ok());
   ASSERT_TRUE(PopulatedAtLeast([&] { return engine.populated_bytes(); }, 14u << 20));
   Result<std::span<uint8_t>> mapping = engine.Mapping(1);
   ASSERT_TRUE(mapping.ok());
   EXPECT_EQ(ResidentBytes(*mapping, 2u << 20, 16u << 20), 14u << 20);
+  EXPECT_TRUE(engine.ReceiveTarget(1, 2u << 20, 2u << 20).has_value());
   // The option turns it off.
   HostCopyEngine quiet(HostEngineOptions{.populate_ahead_bytes = 0});
   ASSERT_TRUE(quiet.AddDestination(1, 16u << 20).ok());
-  ASSERT_TRUE(quiet.ReceiveTarget(1, 0, 2u << 20).has_value());
+  ASSERT_TRUE(quiet.Write(1, 0, first, nullptr).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(quiet.populated_bytes(), 0u);
+  EXPECT_EQ(ResidentBytes(*quiet.Mapping(1), 2u << 20, 16u << 20), 0u);
 }
 
 // A running helper fills megabytes within milliseconds (the tests above); a stopped one, given
@@ -406,7 +412,7 @@ TEST(HostCopyEngine, SeveralWritersStopThePopulateHelper) {
   HostCopyEngine one;
   one.ExpectWriters(1);
   ASSERT_TRUE(one.AddDestination(1, 16u << 20).ok());
-  ASSERT_TRUE(one.ReceiveTarget(1, 0, 2u << 20).has_value());
+  ASSERT_TRUE(one.Write(1, 0, std::vector<uint8_t>(2u << 20, 1), nullptr).ok());
   ASSERT_TRUE(PopulatedAtLeast([&] { return one.populated_bytes(); }, 14u << 20));
 
   HostCopyEngine many;
@@ -418,6 +424,103 @@ TEST(HostCopyEngine, SeveralWritersStopThePopulateHelper) {
   Result<std::span<uint8_t>> mapping = many.Mapping(1);
   ASSERT_TRUE(mapping.ok());
   EXPECT_EQ(ResidentBytes(*mapping, 2u << 20, 16u << 20), 0u);
+}
+
+// Fresh pages (none allocated yet) are written through the memfd, and ReceiveTarget declines
+// them so that the session hands those chunks to Write; pages that exist take chunks in place.
+// The bytes land the same either way.
+TEST(HostCopyEngine, WritesFreshPagesThroughTheFile) {
+  constexpr uint64_t kMiB = 1u << 20;
+  HostCopyEngine engine(HostEngineOptions{.populate_ahead_bytes = 0});
+  ASSERT_TRUE(engine.AddDestination(1, 16 * kMiB).ok());
+  Result<std::span<uint8_t>> mapping = engine.Mapping(1);
+  ASSERT_TRUE(mapping.ok());
+  EXPECT_FALSE(engine.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());  // fresh: declined
+
+  std::vector<uint8_t> bytes(2 * kMiB + 100);
+  for (size_t i = 0; i < bytes.size(); ++i)
+    bytes[i] = static_cast<uint8_t>(i * 7 + 1);
+  int done_calls = 0;
+  ASSERT_TRUE(engine
+                  .Write(1, 3 * kMiB - 50, bytes,
+                         [&](Status s) {
+                           EXPECT_TRUE(s.ok());
+                           ++done_calls;
+                         })
+                  .ok());
+  EXPECT_EQ(done_calls, 1);
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), mapping->begin() + 3 * kMiB - 50));
+  EXPECT_EQ((*mapping)[3 * kMiB - 51], 0);  // nothing around the write
+  EXPECT_EQ((*mapping)[5 * kMiB + 50], 0);
+  EXPECT_EQ(ResidentBytes(*mapping, 3 * kMiB - 4096, 5 * kMiB + 4096), 2 * kMiB + 8192);
+  EXPECT_EQ(engine.bytes_written(), bytes.size());
+
+  // Pages that exist (touched here, as populating ahead would) are lent for a receive.
+  for (uint64_t at = 8 * kMiB; at < 10 * kMiB; at += 4096)
+    (*mapping)[at] = 0;
+  std::optional<std::span<uint8_t>> target = engine.ReceiveTarget(1, 8 * kMiB, 2 * kMiB);
+  ASSERT_TRUE(target.has_value());
+  EXPECT_EQ(target->data(), mapping->data() + 8 * kMiB);
+  EXPECT_TRUE(engine.CommitReceived(1, 8 * kMiB, 2 * kMiB, nullptr).ok());
+
+  // Off, fresh pages are lent as before; several writers turn it off too.
+  HostCopyEngine mapped(HostEngineOptions{.populate_ahead_bytes = 0, .write_fresh_pages = false});
+  ASSERT_TRUE(mapped.AddDestination(1, 16 * kMiB).ok());
+  EXPECT_TRUE(mapped.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());
+  HostCopyEngine readers(HostEngineOptions{.populate_ahead_bytes = 0});
+  readers.ExpectWriters(4);
+  ASSERT_TRUE(readers.AddDestination(1, 16 * kMiB).ok());
+  EXPECT_TRUE(readers.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());
+}
+
+// The host engine takes calls from several threads at once (CopyEngine::ConcurrentCalls):
+// writes of disjoint ranges, fresh and populated pages mixed, all land.
+TEST(HostCopyEngine, TakesConcurrentWritesOfDisjointRanges) {
+  constexpr uint64_t kChunk = 64 * 1024;
+  constexpr uint32_t kThreads = 8;
+  constexpr uint32_t kChunksEach = 32;
+  HostCopyEngine engine;
+  EXPECT_TRUE(engine.ConcurrentCalls());
+  ASSERT_TRUE(engine.AddDestination(0, kChunk * kThreads * kChunksEach).ok());
+  Result<std::span<uint8_t>> mapping = engine.Mapping(0);
+  ASSERT_TRUE(mapping.ok());
+  for (uint64_t at = 0; at < mapping->size(); at += 3 * kChunk)  // every third chunk exists
+    (*mapping)[at + kChunk - 1] = 0;
+  std::atomic<uint32_t> completed{0};
+  std::vector<std::thread> threads;
+  for (uint32_t t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::vector<uint8_t> bytes(kChunk);
+      for (uint32_t i = 0; i < kChunksEach; ++i) {
+        const uint64_t chunk = uint64_t{i} * kThreads + t;
+        std::fill(bytes.begin(), bytes.end(), static_cast<uint8_t>(chunk + 1));
+        if (auto target = engine.ReceiveTarget(0, chunk * kChunk, kChunk)) {
+          std::memcpy(target->data(), bytes.data(), kChunk);
+          EXPECT_TRUE(engine
+                          .CommitReceived(0, chunk * kChunk, kChunk,
+                                          [&](Status s) {
+                                            EXPECT_TRUE(s.ok());
+                                            ++completed;
+                                          })
+                          .ok());
+        } else {
+          EXPECT_TRUE(engine
+                          .Write(0, chunk * kChunk, bytes,
+                                 [&](Status s) {
+                                   EXPECT_TRUE(s.ok());
+                                   ++completed;
+                                 })
+                          .ok());
+        }
+      }
+    });
+  for (std::thread& thread : threads)
+    thread.join();
+  EXPECT_EQ(completed.load(), kThreads * kChunksEach);
+  for (uint64_t chunk = 0; chunk < kThreads * kChunksEach; ++chunk)
+    for (uint64_t at : {uint64_t{0}, kChunk - 1})
+      ASSERT_EQ((*mapping)[chunk * kChunk + at], static_cast<uint8_t>(chunk + 1))
+          << "chunk " << chunk;
 }
 
 TEST(HostCopyEngine, RejectsOutOfBoundsAndUnknownBos) {
@@ -650,6 +753,34 @@ TEST(EngineGate, ExcludesAcrossBothEntries) {
     thread.join();
   EXPECT_EQ(counter, uint64_t{kThreads} * kRounds);
   EXPECT_EQ(gate.urgent_waiting(), 0u);
+}
+
+// An open gate (for an engine that takes concurrent calls) lets every caller in at once.
+TEST(EngineGate, OpenGateLetsEveryCallerIn) {
+  EngineGate gate(/*serialize=*/false);
+  gate.lock();
+  std::chrono::nanoseconds waited{0};
+  std::thread([&] {
+    EngineHold urgent(gate, Urgency::kUrgent, &waited);
+    std::lock_guard background(gate);
+  }).join();  // would hang on a closed gate
+  gate.unlock();
+  EXPECT_EQ(gate.urgent_waiting(), 0u);
+  EXPECT_GE(waited.count(), 0);
+}
+
+// EngineHold with `waited` adds the time spent waiting to enter.
+TEST(EngineGate, HoldReportsTheWait) {
+  EngineGate gate;
+  gate.lock();
+  std::chrono::nanoseconds waited{0};
+  std::thread urgent([&] { EngineHold hold(gate, Urgency::kUrgent, &waited); });
+  while (gate.urgent_waiting() == 0)
+    std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  gate.unlock();
+  urgent.join();
+  EXPECT_GE(waited, std::chrono::milliseconds(30));
 }
 
 TEST(Residency, RefusesHugeTables) {

@@ -568,7 +568,9 @@ class InPlaceEngine : public CopyEngine {
 
  private:
   const FakeImage& image_;
-  HostCopyEngine host_;
+  // Fresh pages through the mapping: every RAW chunk is then received in place, which is what
+  // these tests are about (writing fresh pages through the file has tests of its own).
+  HostCopyEngine host_{HostEngineOptions{.write_fresh_pages = false}};
   mutable std::mutex mutex_;
   int writes_ = 0;
   std::map<ChunkKey, int> write_counts_;
@@ -638,7 +640,7 @@ TEST(RestoreSessionInPlace, HostEngineCanOptOut) {
   HostCopyEngine engine(HostEngineOptions{.receive_in_place = false});
   ASSERT_TRUE(engine.AddDestination(0, 8192).ok());
   EXPECT_FALSE(engine.ReceiveTarget(0, 0, 4096).has_value());
-  HostCopyEngine in_place;
+  HostCopyEngine in_place(HostEngineOptions{.write_fresh_pages = false});
   ASSERT_TRUE(in_place.AddDestination(0, 8192).ok());
   EXPECT_TRUE(in_place.ReceiveTarget(0, 4096, 4096).has_value());
   EXPECT_FALSE(in_place.ReceiveTarget(0, 4097, 4096).has_value());  // past the end
@@ -764,6 +766,64 @@ TEST(RestoreSessionThreads, WithoutStreamAllOnlyEnsuredChunksArrive) {
   engine.ExpectEachChunkOnce();
 }
 
+// Every chunk fetched on the demand connection is timed, its steps in order; the record keeps
+// the latest RestoreSession::kDemandTimings, oldest first.
+TEST(RestoreSessionThreads, DemandChunksAreTimedStepByStep) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.stream_all = false;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  EXPECT_TRUE(session.demand_timings().empty());
+  const auto before = std::chrono::steady_clock::now();
+  ASSERT_TRUE(session.Ensure(0, 5 * 4096 + 10, 4096, 10s).ok()) << session.status().ToString();
+  const auto after = std::chrono::steady_clock::now();
+  std::vector<DemandChunkTiming> timings = session.demand_timings();
+  ASSERT_EQ(timings.size(), 2u);  // BO 0 chunks 5 and 6
+  std::set<ChunkKey> timed;
+  for (const DemandChunkTiming& t : timings) {
+    timed.insert({t.bo, t.chunk});
+    EXPECT_LE(before, t.asked);
+    EXPECT_LE(t.asked, t.head);
+    EXPECT_LE(t.head, t.received);
+    EXPECT_LE(t.received, t.resident);
+    EXPECT_LE(t.resident, after);
+    EXPECT_LE(t.hashing, t.resident - t.head);
+    EXPECT_GE(t.gate_wait.count(), 0);
+  }
+  EXPECT_EQ(timed, (std::set<ChunkKey>{{0, 5}, {0, 6}}));
+}
+
+TEST(RestoreSessionThreads, DemandTimingsKeepTheLatest) {
+  constexpr uint32_t kChunks = RestoreSession::kDemandTimings + 200;
+  FakeImage image = FakeImage::Make({uint64_t{kChunks} * 4096}, 4096, 5);
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.stream_all = false;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  // In four Ensures: the chunks become resident in request order, one batch after another.
+  for (uint32_t part = 0; part < 4; ++part)
+    ASSERT_TRUE(
+        session.Ensure(0, uint64_t{part} * kChunks / 4 * 4096, kChunks / 4 * 4096, 20s).ok())
+        << session.status().ToString();
+  std::vector<DemandChunkTiming> timings = session.demand_timings();
+  ASSERT_EQ(timings.size(), RestoreSession::kDemandTimings);
+  std::set<uint32_t> chunks;
+  for (size_t i = 0; i < timings.size(); ++i) {
+    if (i > 0) {
+      EXPECT_LE(timings[i - 1].resident, timings[i].resident) << i;
+    }
+    chunks.insert(timings[i].chunk);
+  }
+  EXPECT_EQ(chunks.size(), RestoreSession::kDemandTimings);
+  EXPECT_EQ(*chunks.rbegin(), kChunks - 1);  // the last chunk of the last Ensure is kept
+  EXPECT_EQ(*chunks.begin(), kChunks - RestoreSession::kDemandTimings);  // the oldest are gone
+}
+
 TEST(RestoreSessionThreads, WithoutStreamAllOrDemandConnection) {
   FakeImage image = SmallImage();
   FakeServer server(image, {});
@@ -778,6 +838,7 @@ TEST(RestoreSessionThreads, WithoutStreamAllOrDemandConnection) {
   EXPECT_EQ(session.progress().resident_chunks, image.ChunkCount(1));
   EXPECT_FALSE(session.IsResident(0, 0, 1));
   EXPECT_FALSE(server.credit_violated());
+  EXPECT_TRUE(session.demand_timings().empty());  // only the demand connection's are timed
 }
 
 // Demand and stream copies of the same chunks race on two threads: each chunk is still written
