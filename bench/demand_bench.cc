@@ -1,5 +1,9 @@
 #include "bench/demand_bench.h"
 
+#include <algorithm>
+#include <array>
+#include <iterator>
+#include <map>
 #include <random>
 #include <string>
 #include <utility>
@@ -19,12 +23,40 @@ struct ChunkId {
   uint32_t chunk;
 };
 
-// Full-size chunks of the image, from its BO table.
-std::vector<ChunkId> FullChunks(const std::vector<client::BoEntry>& bos, uint32_t chunk_size) {
+// Each measurement samples its own chunks. The server learns a CRIU chunk's checksum when it
+// first reads it, and sends a chunk whose checksum it knows straight from the page cache
+// (sendfile) without reading and hashing it on a disk thread: a chunk one measurement fetched
+// would take that shorter path in the next. The loaded samples are chunks the stream has not
+// reached, which the server has never read, so the lone measurements must fetch never-read
+// chunks too, or the baseline times a shorter path than the samples it is compared with
+// (before session 20 the lone Ensure drew the frame-level measurement's chunks).
+enum class Phase { kLoneFrame, kLoneEnsure, kLoaded };
+
+Phase PhaseOf(ChunkId id, uint64_t seed) {
+  // splitmix64 of the chunk's position: a fixed tenth of the chunks for each lone measurement.
+  uint64_t x = seed ^ ((uint64_t{id.bo} << 32) | id.chunk);
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  switch (x % 10) {
+    case 0:
+      return Phase::kLoneFrame;
+    case 1:
+      return Phase::kLoneEnsure;
+    default:
+      return Phase::kLoaded;
+  }
+}
+
+// Full-size chunks of the image, from its BO table, that `phase` samples.
+std::vector<ChunkId> FullChunks(const std::vector<client::BoEntry>& bos, uint32_t chunk_size,
+                                Phase phase, uint64_t seed) {
   std::vector<ChunkId> chunks;
   for (uint32_t b = 0; b < bos.size(); ++b)
     for (uint32_t c = 0; c < bos[b].chunk_count; ++c)
-      if ((uint64_t{c} + 1) * chunk_size <= bos[b].size) chunks.push_back({b, c});
+      if ((uint64_t{c} + 1) * chunk_size <= bos[b].size && PhaseOf({b, c}, seed) == phase)
+        chunks.push_back({b, c});
   return chunks;
 }
 
@@ -75,12 +107,14 @@ Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const 
     entry.chunk_count = info.chunk_count();
     bos.push_back(entry);
   }
-  std::vector<ChunkId> chunks = FullChunks(bos, reply.chunk_size());
-  if (chunks.empty()) return InvalidArgument("image has no full-size chunk");
+  std::vector<ChunkId> chunks = FullChunks(bos, reply.chunk_size(), Phase::kLoneFrame, seed);
+  if (chunks.empty()) return InvalidArgument("image has too few full-size chunks");
+  // Each chunk once while they last: a repeat would be served from the page cache.
   std::mt19937_64 random(seed);
+  std::shuffle(chunks.begin(), chunks.end(), random);
   std::vector<double> latencies;
   for (uint32_t i = 0; i < samples; ++i) {
-    ChunkId id = chunks[random() % chunks.size()];
+    ChunkId id = chunks[i % chunks.size()];
     wire::Header request;
     request.set_request_id(100 + i);
     request.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
@@ -98,6 +132,12 @@ Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const 
                         {"chunk_size", reply.chunk_size()}};
 }
 
+client::HostEngineOptions EngineOptions(const DemandOptions& options) {
+  client::HostEngineOptions engine;
+  engine.write_fresh_pages = options.write_fresh_pages;
+  return engine;
+}
+
 // The sessions both measurements open: the benchmark's endpoint, window and data plane.
 client::SessionOptions BenchSession(const std::string& endpoint, const std::string& image,
                                     const DemandOptions& options, std::string client_name) {
@@ -111,20 +151,85 @@ client::SessionOptions BenchSession(const std::string& endpoint, const std::stri
   return session_options;
 }
 
+// One sample: the chunk and when Ensure was called and returned.
+struct Sample {
+  ChunkId id;
+  Clock::time_point called;
+  Clock::time_point returned;
+};
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// The client's side of the samples, stage by stage, from the session's demand timings
+// (client::DemandChunkTiming): Ensure's hand-off to the demand thread, the request's way to the
+// server and back to the reply's first frame head (the server's share is in there), the payload's
+// receive (hashing included), the install, and waking the caller. Per stage p50/p99/max over the
+// samples the session timed, and the stages of the slowest 1 % (at least 3) one by one, so a
+// tail can be told apart from a slow median.
+nlohmann::json ClientStages(const std::vector<Sample>& samples,
+                            const std::vector<client::DemandChunkTiming>& timings) {
+  static constexpr const char* kStages[] = {"handoff",   "to_head", "receive", "hashing",
+                                            "gate_wait", "install", "wake"};
+  constexpr size_t kStageCount = std::size(kStages);
+  std::map<std::pair<uint32_t, uint32_t>, const client::DemandChunkTiming*> by_chunk;
+  for (const client::DemandChunkTiming& t : timings)
+    by_chunk[{t.bo, t.chunk}] = &t;
+  struct Split {
+    double total;
+    std::array<double, kStageCount> stage;
+  };
+  std::vector<Split> splits;
+  for (const Sample& sample : samples) {
+    auto found = by_chunk.find({sample.id.bo, sample.id.chunk});
+    if (found == by_chunk.end()) continue;  // came on the stream first, or by reference
+    const client::DemandChunkTiming& t = *found->second;
+    // A timing from before this Ensure was called is another request's (not expected: a chunk
+    // is demanded once); skip rather than mix it in.
+    if (t.asked < sample.called || t.resident > sample.returned) continue;
+    splits.push_back({Seconds(sample.returned - sample.called),
+                      {Seconds(t.asked - sample.called), Seconds(t.head - t.asked),
+                       Seconds(t.received - t.head), Seconds(t.hashing), Seconds(t.gate_wait),
+                       Seconds(t.resident - t.received), Seconds(sample.returned - t.resident)}});
+  }
+  nlohmann::json stages = nlohmann::json::object();
+  for (size_t i = 0; i < kStageCount; ++i) {
+    std::vector<double> values;
+    for (const Split& split : splits)
+      values.push_back(split.stage[i]);
+    stages[kStages[i]] = {{"p50_s", Percentile(values, 0.5)},
+                          {"p99_s", Percentile(values, 0.99)},
+                          {"max_s", values.empty() ? 0.0 : Percentile(values, 1.0)}};
+  }
+  std::sort(splits.begin(), splits.end(),
+            [](const Split& a, const Split& b) { return a.total > b.total; });
+  nlohmann::json slowest = nlohmann::json::array();
+  for (size_t n = 0; n < std::min(splits.size(), std::max<size_t>(3, splits.size() / 100)); ++n) {
+    nlohmann::json one = {{"total_s", splits[n].total}};
+    for (size_t i = 0; i < kStageCount; ++i)
+      one[std::string(kStages[i]) + "_s"] = splits[n].stage[i];
+    slowest.push_back(std::move(one));
+  }
+  return {{"timed_samples", splits.size()}, {"stages", stages}, {"slowest", slowest}};
+}
+
 // Time to fetch one chunk alone, the same operation as a loaded sample: Ensure (demand request,
 // receive, verify, install into fresh memory) on a session that streams nothing in the
 // background (SessionOptions::stream_all = false), one chunk at a time.
 Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std::string& image,
                                          uint32_t samples, const DemandOptions& options) {
-  client::HostCopyEngine engine;
+  client::HostCopyEngine engine(EngineOptions(options));
   client::SessionOptions session_options = BenchSession(endpoint, image, options, "bench-lone");
   session_options.stream_all = false;
   client::RestoreSession session(session_options, engine);
   GPULAZY_RETURN_IF_ERROR(session.Start());
-  std::vector<ChunkId> chunks = FullChunks(session.bos(), session.chunk_size());
-  if (chunks.empty()) return InvalidArgument("image has no full-size chunk");
+  std::vector<ChunkId> chunks =
+      FullChunks(session.bos(), session.chunk_size(), Phase::kLoneEnsure, options.seed);
+  if (chunks.empty()) return InvalidArgument("image has too few full-size chunks");
   std::mt19937_64 random(options.seed);
   std::vector<double> latencies;
+  std::vector<Sample> timed;
   uint32_t skipped = 0;
   while (latencies.size() < samples) {
     ChunkId id = chunks[random() % chunks.size()];
@@ -136,11 +241,15 @@ Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std:
     auto asked = Clock::now();
     GPULAZY_RETURN_IF_ERROR(
         session.Ensure(id.bo, offset, session.chunk_size(), std::chrono::seconds(30)));
-    latencies.push_back(SecondsSince(asked));
+    const Clock::time_point returned = Clock::now();
+    latencies.push_back(Seconds(returned - asked));
+    timed.push_back({id, asked, returned});
   }
   if (latencies.empty()) return Internal("no lone Ensure sample taken");
-  return nlohmann::json{{"lone_chunk_s", Percentile(latencies, 0.5)},
-                        {"lone_chunk_p99_s", Percentile(latencies, 0.99)}};
+  return nlohmann::json{{"lone_samples", latencies.size()},
+                        {"lone_chunk_s", Percentile(latencies, 0.5)},
+                        {"lone_chunk_p99_s", Percentile(latencies, 0.99)},
+                        {"lone_client", ClientStages(timed, session.demand_timings())}};
 }
 
 // The server's own view of one session's demand chunks (request read -> reply written into the
@@ -176,20 +285,27 @@ Result<nlohmann::json> ServerDemandLatency(const std::string& endpoint_text) {
   return nlohmann::json{{"server_demand_count", most},
                         {"server_demand_p50_s", seconds("p50")},
                         {"server_demand_p99_s", seconds("p99")},
-                        {"server_demand_max_s", seconds("max")}};
+                        {"server_demand_max_s", seconds("max")},
+                        {"server_demand_queued_p50_s", seconds("queued_p50")},
+                        {"server_demand_queued_p99_s", seconds("queued_p99")},
+                        {"server_demand_write_p50_s", seconds("write_p50")},
+                        {"server_demand_write_p99_s", seconds("write_p99")}};
 }
 
 // Demand latency under a saturating background stream: Ensure() on random chunks that are not
 // resident yet; only samples taken while the stream was still running count.
 Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::string& image,
                                      const DemandOptions& options) {
-  client::HostCopyEngine engine;
+  client::HostCopyEngine engine(EngineOptions(options));
   client::RestoreSession session(BenchSession(endpoint, image, options, "bench-demand"), engine);
   auto start = Clock::now();
   GPULAZY_RETURN_IF_ERROR(session.Start());
-  std::vector<ChunkId> chunks = FullChunks(session.bos(), session.chunk_size());
+  std::vector<ChunkId> chunks =
+      FullChunks(session.bos(), session.chunk_size(), Phase::kLoaded, options.seed);
+  if (chunks.empty()) return InvalidArgument("image has too few full-size chunks");
   std::mt19937_64 random(options.seed);
   std::vector<double> latencies;
+  std::vector<Sample> samples;
   // The server lists a session only while it is open, and a session whose stream completes may
   // close before the loop below notices: its stats are taken every kStatsEvery samples (between
   // samples, outside their timing) and once more at the end, and the last that saw demand
@@ -198,7 +314,11 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
   nlohmann::json server_side = {{"server_demand_count", 0},
                                 {"server_demand_p50_s", nullptr},
                                 {"server_demand_p99_s", nullptr},
-                                {"server_demand_max_s", nullptr}};
+                                {"server_demand_max_s", nullptr},
+                                {"server_demand_queued_p50_s", nullptr},
+                                {"server_demand_queued_p99_s", nullptr},
+                                {"server_demand_write_p50_s", nullptr},
+                                {"server_demand_write_p99_s", nullptr}};
   auto take_server_stats = [&] {
     Result<nlohmann::json> now = ServerDemandLatency(endpoint);
     if (now.ok() && (*now)["server_demand_count"].get<uint64_t>() > 0) server_side = *now;
@@ -214,8 +334,11 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
     auto asked = Clock::now();
     GPULAZY_RETURN_IF_ERROR(
         session.Ensure(id.bo, offset, session.chunk_size(), std::chrono::seconds(30)));
-    double latency = SecondsSince(asked);
-    if (!session.progress().complete) latencies.push_back(latency);
+    const Clock::time_point returned = Clock::now();
+    if (!session.progress().complete) {
+      latencies.push_back(Seconds(returned - asked));
+      samples.push_back({id, asked, returned});
+    }
     if (latencies.size() % kStatsEvery == 0) take_server_stats();
   }
   client::Progress during = session.progress();
@@ -230,7 +353,8 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
       {"max_s", latencies.empty() ? 0.0 : Percentile(latencies, 1.0)},
       {"background_Bps_during", static_cast<double>(during.received_bytes) / stream_seconds_so_far},
       {"time_to_full_s", total_seconds},
-      {"demand_chunks", session.progress().demand_chunks}};
+      {"demand_chunks", session.progress().demand_chunks},
+      {"client", ClientStages(samples, session.demand_timings())}};
   result.update(server_side);
   return result;
 }
@@ -267,11 +391,13 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"transport", options.transport},
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},
+                           {"fresh_pages", options.write_fresh_pages ? "write" : "map"},
                            {"chunk_size", lone_frame["chunk_size"]},
                            {"samples", loaded["samples"]},
                            {"p50_s", loaded["p50_s"]},
                            {"p99_s", p99_s},
                            {"max_s", loaded["max_s"]},
+                           {"lone_samples", lone["lone_samples"]},
                            {"lone_chunk_s", lone_s},
                            {"lone_chunk_p99_s", lone["lone_chunk_p99_s"]},
                            {"p99_over_lone", lone_s > 0 ? p99_s / lone_s : 0.0},
@@ -284,6 +410,12 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"server_demand_p50_s", loaded["server_demand_p50_s"]},
                            {"server_demand_p99_s", loaded["server_demand_p99_s"]},
                            {"server_demand_max_s", loaded["server_demand_max_s"]},
+                           {"server_demand_queued_p50_s", loaded["server_demand_queued_p50_s"]},
+                           {"server_demand_queued_p99_s", loaded["server_demand_queued_p99_s"]},
+                           {"server_demand_write_p50_s", loaded["server_demand_write_p50_s"]},
+                           {"server_demand_write_p99_s", loaded["server_demand_write_p99_s"]},
+                           {"client", loaded["client"]},
+                           {"lone_client", lone["lone_client"]},
                            {"time_to_full_s", loaded["time_to_full_s"]},
                            {"machine", MachineDescription()}};
   Emit(common, result,

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "bench/harness.h"
+#include "page-client/host_engine.h"
 
 namespace gpulazy::bench {
 
@@ -18,6 +19,8 @@ struct DemandOptions {
   std::string transport = "unix";
   uint64_t window = 16u << 20;
   uint64_t seed = 42;
+  // HostEngineOptions::write_fresh_pages for every session the benchmark opens.
+  bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
 };
 
 Status RunDemandBench(const CommonOptions& common, const DemandOptions& options);

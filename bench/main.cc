@@ -19,6 +19,16 @@ int Fail(const gpulazy::Status& status) {
   return 1;
 }
 
+// HostEngineOptions::write_fresh_pages, for the subcommands whose sessions use the host engine.
+void AddFreshPagesOption(CLI::App& command, std::string& value) {
+  command
+      .add_option("--fresh-pages", value,
+                  "host engine: write destination pages that do not exist yet through the "
+                  "memfd (write) or the mapping (map)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"write", "map"}));
+}
+
 int Run(int argc, char** argv) {
   using namespace gpulazy;
   CLI::App app{"gpulazy-bench: throughput and latency against same-run ceilings"};
@@ -64,6 +74,8 @@ int Run(int argc, char** argv) {
                    "added to the nice value of that helper thread")
       ->capture_default_str()
       ->check(CLI::Range(0, 19));
+  std::string stream_fresh_pages = "write";
+  AddFreshPagesOption(*stream_cmd, stream_fresh_pages);
 
   bench::DemandOptions demand;
   std::string demand_size = "2G", demand_window = "16M";
@@ -76,6 +88,8 @@ int Run(int argc, char** argv) {
                    "unix (payloads through the socket), unix-files (by reference) or tcp")
       ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
+  std::string demand_fresh_pages = "write";
+  AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
 
   bench::ChecksumOptions checksum;
   std::string checksum_memory = "1G";
@@ -132,6 +146,7 @@ int Run(int argc, char** argv) {
     stream.size = *size;
     stream.window = *window;
     stream.populate_ahead = *populate;
+    stream.write_fresh_pages = stream_fresh_pages == "write";
     if (stream.engine != "host" && stream.engine != "discard")
       return Fail(InvalidArgument("--engine {}: use host or discard", stream.engine));
     Status status = bench::RunStreamBench(common, stream);
@@ -143,6 +158,7 @@ int Run(int argc, char** argv) {
   if (!window.ok()) return Fail(window.status());
   demand.size = *size;
   demand.window = *window;
+  demand.write_fresh_pages = demand_fresh_pages == "write";
   Status status = bench::RunDemandBench(common, demand);
   return status.ok() ? 0 : Fail(status);
 }

@@ -161,8 +161,10 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   std::vector<std::unique_ptr<client::RestoreSession>> clients;
   for (uint32_t s = 0; s < sessions; ++s) {
     if (options.engine == "host")
-      engines.push_back(std::make_unique<client::HostCopyEngine>(client::HostEngineOptions{
-          .populate_ahead_bytes = options.populate_ahead, .populate_nice = options.populate_nice}));
+      engines.push_back(std::make_unique<client::HostCopyEngine>(
+          client::HostEngineOptions{.populate_ahead_bytes = options.populate_ahead,
+                                    .populate_nice = options.populate_nice,
+                                    .write_fresh_pages = options.write_fresh_pages}));
     else
       engines.push_back(std::make_unique<DiscardEngine>());
     client::SessionOptions session;
@@ -282,6 +284,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"ceiling_memory", host ? "memfd" : "reused"},
                                {"populate_ahead_bytes", populate_ahead},
                                {"populate_nice", options.populate_nice},
+                               {"fresh_pages", options.write_fresh_pages ? "write" : "map"},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
                                // Per session, averaged: the stream reader waiting for the next
                                // frame vs inside chunk frames (client::Progress).

@@ -24,6 +24,9 @@ struct StreamOptions {
   // same helper. 0: neither populates ahead.
   uint64_t populate_ahead = client::HostEngineOptions{}.populate_ahead_bytes;
   int populate_nice = client::HostEngineOptions{}.populate_nice;
+  // HostEngineOptions::write_fresh_pages: fresh destination pages written through the memfd's
+  // file (true) or through the mapping (false, as before session 20).
+  bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
 };
 
 Status RunStreamBench(const CommonOptions& common, const StreamOptions& options);

@@ -112,6 +112,23 @@ TEST(BenchSmoke, DemandReportsTheServersShare) {
   EXPECT_LE(p99, max);
   // Seconds, not microseconds: one 2 MiB chunk's time in a server is well under 10 s.
   EXPECT_LT(max, 10.0);
+  // Its two parts, request -> write and the write, each within the whole.
+  EXPECT_LE(line.at("server_demand_queued_p99_s").get<double>(), max);
+  EXPECT_LE(line.at("server_demand_write_p99_s").get<double>(), max);
+  // The client's stages: the samples that came back on the demand connection are timed, each
+  // stage no longer than the slowest whole sample, and the slowest samples are listed.
+  for (const char* which : {"client", "lone_client"}) {
+    const nlohmann::json& client = line.at(which);
+    ASSERT_GT(client.at("timed_samples").get<uint64_t>(), 0u) << which;
+    for (const char* stage : {"handoff", "to_head", "receive", "install", "wake"}) {
+      const nlohmann::json& s = client.at("stages").at(stage);
+      EXPECT_LE(s.at("p50_s").get<double>(), s.at("p99_s").get<double>()) << which << stage;
+      EXPECT_LE(s.at("max_s").get<double>(), client.at("slowest").at(0).at("total_s").get<double>())
+          << which << stage;
+    }
+  }
+  // The lone Ensure drew chunks of its own (a tenth of 256 here, so fewer than 50).
+  EXPECT_GT(line.at("lone_samples").get<uint64_t>(), 0u);
 }
 
 // The benchmarks' stdout carries their results (JSON lines with --json): a library warning
