@@ -118,8 +118,10 @@ class CopyEngine {
 
   // A hint: the restore writes with `writers` threads at once (file readers, local readers).
   // The restores say it before ExpectChunkBytes when they plan several, so an engine that stages
-  // writes can size its buffers to them (the CUDA engine: four slots a writer), and again when a
-  // connection starts them. An engine may drop helpers that only pay off for a single writer.
+  // writes can size its buffers to them (the CUDA engine: four slots a writer), again when a
+  // connection starts them, and 1 when a server refuses the files they would read (the socket
+  // then brings every chunk). An engine may put away helpers that only pay off for a single
+  // writer while there are several.
   // Any thread, any time, also while writes are in flight.
   virtual void ExpectWriters(uint32_t writers) { (void)writers; }
 

@@ -77,16 +77,16 @@ class HostCopyEngine : public CopyEngine {
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                   uint64_t length) override;
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
-  // Several writers take their own page faults in parallel, so the populate helper is stopped:
+  // Several writers take their own page faults in parallel, so the populate helper is paused:
   // it has nothing to do they do not do already (docs/benchmarks.md, issue 3: measured 10 %
-  // slower with it by reference in session 7; within noise in session 8).
-  // So is writing fresh pages through the file: with several writers each takes its own page
-  // faults in parallel, the way measured for by-reference restores; pwrite with many writers
-  // is not measured yet.
+  // slower with it by reference in session 7; within noise in session 8). Fresh pages then go
+  // through the mapping too, the way measured for by-reference restores (pwrite from many
+  // writers at once is not measured yet). Told one writer again (a server that refused the
+  // image files), the engine goes back to both.
   void ExpectWriters(uint32_t writers) override {
-    if (writers <= 1) return;
-    populate_.Stop();
-    write_fresh_pages_.store(false, std::memory_order_relaxed);
+    const bool several = writers > 1;
+    populate_.SetPaused(several);
+    write_fresh_pages_.store(!several && options_.write_fresh_pages, std::memory_order_relaxed);
   }
   // Writes to disjoint ranges touch no shared state but the BO map (locked) and counters.
   bool ConcurrentCalls() const override { return true; }

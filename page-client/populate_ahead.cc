@@ -39,6 +39,19 @@ void PopulateAhead::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void PopulateAhead::SetPaused(bool paused) {
+  if (!enabled()) return;
+  {
+    std::lock_guard lock(mu_);
+    paused_ = paused;
+    if (!paused) return;
+    // A new generation with nothing to do: the thread abandons its goal at the next block and
+    // sleeps until WritingAt sets another.
+    ++goal_.generation;
+    done_generation_ = goal_.generation;
+  }
+}
+
 void PopulateAhead::AddRegion(uint32_t id, std::span<uint8_t> memory) {
   if (!enabled()) return;
   std::lock_guard lock(mu_);
@@ -49,7 +62,7 @@ void PopulateAhead::WritingAt(uint32_t id, uint64_t offset, uint64_t length) {
   if (!enabled()) return;
   {
     std::lock_guard lock(mu_);
-    if (unsupported_ || stopping_) return;
+    if (unsupported_ || stopping_ || paused_) return;
     auto it = regions_.find(id);
     if (it == regions_.end()) return;
     const Region& region = it->second;

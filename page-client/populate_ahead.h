@@ -46,6 +46,9 @@ class PopulateAhead {
 
   // Stops (and joins) the thread; WritingAt does nothing afterwards. Idempotent.
   void Stop();
+  // Paused, WritingAt does nothing and the thread drops what it was doing; unpaused, it follows
+  // the writes again. For a restore whose count of writers changes (CopyEngine::ExpectWriters).
+  void SetPaused(bool paused);
   // Registers region `id` (a BO number, say). Re-registering an id is ignored.
   void AddRegion(uint32_t id, std::span<uint8_t> memory);
   // Someone is about to write [offset, offset + length) of region `id`: populate what follows,
@@ -80,6 +83,7 @@ class PopulateAhead {
   uint64_t populated_bytes_ = 0;
   bool unsupported_ = false;
   bool stopping_ = false;
+  bool paused_ = false;
   std::mutex join_mu_;  // serializes Stop's join
   std::thread thread_;  // last: started after every member above exists
 };

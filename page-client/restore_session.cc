@@ -784,7 +784,7 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
   std::lock_guard engine_lock(engine_gate_);
   // The file readers we plan to write with, before the chunk size: an engine sizes its staging
-  // to them then (a server that refuses the files later leaves the plan a little generous).
+  // to them then (a server that refuses the files later makes it one writer again, below).
   if (readers_) engine_.ExpectWriters(file_reader_count_);
   if (Status expected = engine_.ExpectChunkBytes(reply.chunk_size()); !expected.ok())
     return expected.Context(fmt::format("image {}: preparing the {} engine for {}-byte chunks",
@@ -906,7 +906,9 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
                      files->chunk_table.empty() ? "" : "; chunks waited for are read at once");
     } else if (fetched.status().code() == Code::kInvalidArgument) {
       // The server will not pass files (--no-pass-files, TLS, an older server): the socket
-      // carries the chunks.
+      // carries the chunks, one receiving thread, not the readers announced. The host engine,
+      // told of several writers, had put away what pays off for one (its populate helper).
+      engine_.ExpectWriters(1);
       if (first) spdlog::info("image {}: {}", options_.image, fetched.status().message());
     } else {
       co_return fetched.status().Context("fetching the image files");

@@ -424,6 +424,31 @@ TEST(HostCopyEngine, SeveralWritersStopThePopulateHelper) {
   Result<std::span<uint8_t>> mapping = many.Mapping(1);
   ASSERT_TRUE(mapping.ok());
   EXPECT_EQ(ResidentBytes(*mapping, 2u << 20, 16u << 20), 0u);
+
+  // One writer again (a server refused the files those writers would read): the helper follows
+  // the writes again, and fresh pages go through the file again.
+  many.ExpectWriters(1);
+  EXPECT_FALSE(many.ReceiveTarget(1, 8u << 20, 2u << 20).has_value());
+  ASSERT_TRUE(many.Write(1, 8u << 20, std::vector<uint8_t>(2u << 20, 2), nullptr).ok());
+  ASSERT_TRUE(PopulatedAtLeast([&] { return many.populated_bytes(); }, 6u << 20));
+  EXPECT_EQ(ResidentBytes(*mapping, 10u << 20, 16u << 20), 6u << 20);
+}
+
+// Paused, the helper populates nothing and drops the goal it had; unpaused, it works again.
+TEST(PopulateAhead, PausedDoesNothingUntilResumed) {
+  Result<MemfdRegion> region = MemfdRegion::Create("populate-paused", 16u << 20);
+  ASSERT_TRUE(region.ok()) << region.status().message();
+  PopulateAhead populate(8u << 20);
+  populate.AddRegion(0, region->bytes());
+  populate.SetPaused(true);
+  populate.WritingAt(0, 0, 2u << 20);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(populate.populated_bytes(), 0u);
+  EXPECT_EQ(ResidentBytes(region->bytes(), 0, 16u << 20), 0u);
+  populate.SetPaused(false);
+  populate.WritingAt(0, 0, 2u << 20);
+  ASSERT_TRUE(PopulatedAtLeast([&] { return populate.populated_bytes(); }, 8u << 20));
+  EXPECT_EQ(ResidentBytes(region->bytes(), 2u << 20, 10u << 20), 8u << 20);
 }
 
 // Fresh pages (none allocated yet) are written through the memfd, and ReceiveTarget declines

@@ -636,6 +636,39 @@ TEST(RestoreSessionInPlace, PersistentCorruptionNeverBecomesResidentAndIsScrubbe
   EXPECT_TRUE(std::all_of(range.begin(), range.end(), [](uint8_t b) { return b == 0; }));
 }
 
+// A session that planned file readers and whose server will not pass the files tells the
+// engine it writes with one thread after all (the fake server passes no files).
+TEST(RestoreSession, ServerRefusingFilesMakesItOneWriterAgain) {
+  class RecordingEngine : public CountingEngine {
+   public:
+    using CountingEngine::CountingEngine;
+    void ExpectWriters(uint32_t writers) override {
+      std::lock_guard lock(mu_);
+      said_.push_back(writers);
+    }
+    std::vector<uint32_t> said() const {
+      std::lock_guard lock(mu_);
+      return said_;
+    }
+
+   private:
+    mutable std::mutex mu_;
+    std::vector<uint32_t> said_;
+  };
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  RecordingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.read_files = true;
+  options.file_readers = 3;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_FALSE(session.progress().reading_files);
+  EXPECT_EQ(engine.said(), (std::vector<uint32_t>{3, 1}));
+  EXPECT_TRUE(engine.Matches(image));
+}
+
 TEST(RestoreSessionInPlace, HostEngineCanOptOut) {
   HostCopyEngine engine(HostEngineOptions{.receive_in_place = false});
   ASSERT_TRUE(engine.AddDestination(0, 8192).ok());
