@@ -41,14 +41,20 @@ void PopulateAhead::Stop() {
 
 void PopulateAhead::SetPaused(bool paused) {
   if (!enabled()) return;
+  // join_mu_ orders the thread's end and a new start, and a Stop racing either.
+  std::lock_guard join_lock(join_mu_);
   {
     std::lock_guard lock(mu_);
+    if (stopping_ || unsupported_ || paused_ == paused) return;
     paused_ = paused;
-    if (!paused) return;
-    // A new generation with nothing to do: the thread abandons its goal at the next block and
-    // sleeps until WritingAt sets another.
-    ++goal_.generation;
+    // Whatever goal is set now is dropped: a new one comes with the next WritingAt.
     done_generation_ = goal_.generation;
+  }
+  if (paused) {
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  } else if (!thread_.joinable()) {
+    thread_ = std::thread([this] { Run(); });
   }
 }
 
@@ -92,14 +98,14 @@ void PopulateAhead::Run() {
     spdlog::debug("populate ahead: {}", lowered.message());
   std::unique_lock lock(mu_);
   for (;;) {
-    wake_.wait(lock, [&] { return stopping_ || goal_.generation != done_generation_; });
-    if (stopping_) return;
+    wake_.wait(lock, [&] { return stopping_ || paused_ || goal_.generation != done_generation_; });
+    if (stopping_ || paused_) return;
     const Goal goal = goal_;
     // Regions are never removed and std::map nodes never move: the reference outlives unlocks.
     Region& region = regions_.at(goal.id);
     for (uint64_t block = goal.from / kBlockBytes; block < BlocksFor(goal.to); ++block) {
       // A newer position wins: populating behind the writer is wasted time.
-      if (stopping_ || goal_.generation != goal.generation) break;
+      if (stopping_ || paused_ || goal_.generation != goal.generation) break;
       if (region.populated[block]) continue;
       region.populated[block] = true;  // only this thread populates; a failure is not retried
       uint8_t* start = region.memory.data() + block * kBlockBytes;

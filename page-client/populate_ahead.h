@@ -46,8 +46,9 @@ class PopulateAhead {
 
   // Stops (and joins) the thread; WritingAt does nothing afterwards. Idempotent.
   void Stop();
-  // Paused, WritingAt does nothing and the thread drops what it was doing; unpaused, it follows
+  // Paused, the thread ends (joined) and WritingAt does nothing; unpaused, a new thread follows
   // the writes again. For a restore whose count of writers changes (CopyEngine::ExpectWriters).
+  // After Stop it does nothing.
   void SetPaused(bool paused);
   // Registers region `id` (a BO number, say). Re-registering an id is ignored.
   void AddRegion(uint32_t id, std::span<uint8_t> memory);

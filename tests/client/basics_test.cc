@@ -434,18 +434,20 @@ TEST(HostCopyEngine, SeveralWritersStopThePopulateHelper) {
   EXPECT_EQ(ResidentBytes(*mapping, 10u << 20, 16u << 20), 6u << 20);
 }
 
-// Paused, the helper populates nothing and drops the goal it had; unpaused, it works again.
+// Paused, the helper thread is gone and nothing is populated; unpaused, a new one works again.
 TEST(PopulateAhead, PausedDoesNothingUntilResumed) {
   Result<MemfdRegion> region = MemfdRegion::Create("populate-paused", 16u << 20);
   ASSERT_TRUE(region.ok()) << region.status().message();
   PopulateAhead populate(8u << 20);
   populate.AddRegion(0, region->bytes());
   populate.SetPaused(true);
+  EXPECT_TRUE(testing::NiceOfThreadsNamed("gl-populate").empty());  // no idle thread kept
   populate.WritingAt(0, 0, 2u << 20);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_EQ(populate.populated_bytes(), 0u);
   EXPECT_EQ(ResidentBytes(region->bytes(), 0, 16u << 20), 0u);
   populate.SetPaused(false);
+  EXPECT_EQ(testing::NiceOfThreadsNamedAwaiting("gl-populate", 1).size(), 1u);
   populate.WritingAt(0, 0, 2u << 20);
   ASSERT_TRUE(PopulatedAtLeast([&] { return populate.populated_bytes(); }, 8u << 20));
   EXPECT_EQ(ResidentBytes(region->bytes(), 2u << 20, 10u << 20), 8u << 20);
