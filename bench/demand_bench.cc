@@ -1,11 +1,14 @@
 #include "bench/demand_bench.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <iterator>
 #include <map>
 #include <random>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "page-client/host_engine.h"
@@ -162,6 +165,22 @@ double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
+std::vector<double> Latencies(const std::vector<Sample>& samples) {
+  std::vector<double> latencies;
+  for (const Sample& sample : samples)
+    latencies.push_back(Seconds(sample.returned - sample.called));
+  return latencies;
+}
+
+// The server's demand latency fields (its stats' demand_latency_us), reported in seconds as
+// server_demand_<field>_s.
+constexpr const char* kServerDemandFields[] = {"p50",        "p99",       "max",      "queued_p50",
+                                               "queued_p99", "write_p50", "write_p99"};
+
+std::string ServerDemandKey(std::string_view field) {
+  return fmt::format("server_demand_{}_s", field);
+}
+
 // The client's side of the samples, stage by stage, from the session's demand timings
 // (client::DemandChunkTiming): Ensure's hand-off to the demand thread, the request's way to the
 // server and back to the reply's first frame head (the server's share is in there), the payload's
@@ -228,10 +247,9 @@ Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std:
       FullChunks(session.bos(), session.chunk_size(), Phase::kLoneEnsure, options.seed);
   if (chunks.empty()) return InvalidArgument("image has too few full-size chunks");
   std::mt19937_64 random(options.seed);
-  std::vector<double> latencies;
   std::vector<Sample> timed;
   uint32_t skipped = 0;
-  while (latencies.size() < samples) {
+  while (timed.size() < samples) {
     ChunkId id = chunks[random() % chunks.size()];
     const uint64_t offset = uint64_t{id.chunk} * session.chunk_size();
     if (session.IsResident(id.bo, offset, session.chunk_size())) {
@@ -241,11 +259,10 @@ Result<nlohmann::json> MeasureLoneEnsure(const std::string& endpoint, const std:
     auto asked = Clock::now();
     GPULAZY_RETURN_IF_ERROR(
         session.Ensure(id.bo, offset, session.chunk_size(), std::chrono::seconds(30)));
-    const Clock::time_point returned = Clock::now();
-    latencies.push_back(Seconds(returned - asked));
-    timed.push_back({id, asked, returned});
+    timed.push_back({id, asked, Clock::now()});
   }
-  if (latencies.empty()) return Internal("no lone Ensure sample taken");
+  if (timed.empty()) return Internal("no lone Ensure sample taken");
+  const std::vector<double> latencies = Latencies(timed);
   return nlohmann::json{{"lone_samples", latencies.size()},
                         {"lone_chunk_s", Percentile(latencies, 0.5)},
                         {"lone_chunk_p99_s", Percentile(latencies, 0.99)},
@@ -282,14 +299,10 @@ Result<nlohmann::json> ServerDemandLatency(const std::string& endpoint_text) {
   }
   if (latency.is_null()) return NotFound("server stats list no session");
   auto seconds = [&](const char* field) { return latency.value(field, 0.0) / 1e6; };
-  return nlohmann::json{{"server_demand_count", most},
-                        {"server_demand_p50_s", seconds("p50")},
-                        {"server_demand_p99_s", seconds("p99")},
-                        {"server_demand_max_s", seconds("max")},
-                        {"server_demand_queued_p50_s", seconds("queued_p50")},
-                        {"server_demand_queued_p99_s", seconds("queued_p99")},
-                        {"server_demand_write_p50_s", seconds("write_p50")},
-                        {"server_demand_write_p99_s", seconds("write_p99")}};
+  nlohmann::json result{{"server_demand_count", most}};
+  for (const char* field : kServerDemandFields)
+    result[ServerDemandKey(field)] = seconds(field);
+  return result;
 }
 
 // Demand latency under a saturating background stream: Ensure() on random chunks that are not
@@ -304,27 +317,21 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
       FullChunks(session.bos(), session.chunk_size(), Phase::kLoaded, options.seed);
   if (chunks.empty()) return InvalidArgument("image has too few full-size chunks");
   std::mt19937_64 random(options.seed);
-  std::vector<double> latencies;
   std::vector<Sample> samples;
   // The server lists a session only while it is open, and a session whose stream completes may
   // close before the loop below notices: its stats are taken every kStatsEvery samples (between
   // samples, outside their timing) and once more at the end, and the last that saw demand
   // chunks is reported.
   constexpr size_t kStatsEvery = 25;
-  nlohmann::json server_side = {{"server_demand_count", 0},
-                                {"server_demand_p50_s", nullptr},
-                                {"server_demand_p99_s", nullptr},
-                                {"server_demand_max_s", nullptr},
-                                {"server_demand_queued_p50_s", nullptr},
-                                {"server_demand_queued_p99_s", nullptr},
-                                {"server_demand_write_p50_s", nullptr},
-                                {"server_demand_write_p99_s", nullptr}};
+  nlohmann::json server_side = {{"server_demand_count", 0}};
+  for (const char* field : kServerDemandFields)
+    server_side[ServerDemandKey(field)] = nullptr;
   auto take_server_stats = [&] {
     Result<nlohmann::json> now = ServerDemandLatency(endpoint);
     if (now.ok() && (*now)["server_demand_count"].get<uint64_t>() > 0) server_side = *now;
   };
   uint32_t skipped = 0;
-  while (latencies.size() < options.requests && !session.progress().complete) {
+  while (samples.size() < options.requests && !session.progress().complete) {
     ChunkId id = chunks[random() % chunks.size()];
     const uint64_t offset = uint64_t{id.chunk} * session.chunk_size();
     if (session.IsResident(id.bo, offset, session.chunk_size())) {
@@ -335,17 +342,15 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
     GPULAZY_RETURN_IF_ERROR(
         session.Ensure(id.bo, offset, session.chunk_size(), std::chrono::seconds(30)));
     const Clock::time_point returned = Clock::now();
-    if (!session.progress().complete) {
-      latencies.push_back(Seconds(returned - asked));
-      samples.push_back({id, asked, returned});
-    }
-    if (latencies.size() % kStatsEvery == 0) take_server_stats();
+    if (!session.progress().complete) samples.push_back({id, asked, returned});
+    if (samples.size() % kStatsEvery == 0) take_server_stats();
   }
   client::Progress during = session.progress();
   double stream_seconds_so_far = SecondsSince(start);
   take_server_stats();
   GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
   double total_seconds = SecondsSince(start);
+  const std::vector<double> latencies = Latencies(samples);
   nlohmann::json result{
       {"samples", latencies.size()},
       {"p50_s", Percentile(latencies, 0.5)},
@@ -407,17 +412,12 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"background_Bps_during", loaded["background_Bps_during"]},
                            {"demand_chunks", loaded["demand_chunks"]},
                            {"server_demand_count", loaded["server_demand_count"]},
-                           {"server_demand_p50_s", loaded["server_demand_p50_s"]},
-                           {"server_demand_p99_s", loaded["server_demand_p99_s"]},
-                           {"server_demand_max_s", loaded["server_demand_max_s"]},
-                           {"server_demand_queued_p50_s", loaded["server_demand_queued_p50_s"]},
-                           {"server_demand_queued_p99_s", loaded["server_demand_queued_p99_s"]},
-                           {"server_demand_write_p50_s", loaded["server_demand_write_p50_s"]},
-                           {"server_demand_write_p99_s", loaded["server_demand_write_p99_s"]},
                            {"client", loaded["client"]},
                            {"lone_client", lone["lone_client"]},
                            {"time_to_full_s", loaded["time_to_full_s"]},
                            {"machine", MachineDescription()}};
+  for (const char* field : kServerDemandFields)
+    result[ServerDemandKey(field)] = loaded[ServerDemandKey(field)];
   Emit(common, result,
        {"bench", "transport", "samples", "p50_s", "p99_s", "lone_chunk_s", "p99_over_lone",
         "server_demand_p99_s", "lone_chunk_frame_s", "background_Bps_during"});

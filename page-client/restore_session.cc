@@ -1458,13 +1458,9 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       *transport = true;
       break;
     }
-    if (timing) {
-      const Clock::time_point hashing = Clock::now();
-      hash.Update(slice);
-      timing->hashing += Clock::now() - hashing;
-    } else {
-      hash.Update(slice);
-    }
+    const Clock::time_point hashing = timing ? Clock::now() : Clock::time_point{};
+    hash.Update(slice);
+    if (timing) timing->hashing += Clock::now() - hashing;
     done += slice.size();
   }
   if (timing) timing->received = Clock::now();

@@ -157,9 +157,10 @@ Session::Latency Session::DemandLatency() const {
     queued.push_back(s.queued_us);
     write.push_back(s.write_us);
   }
-  auto at = [](std::vector<uint32_t>& values, double q) {
-    std::sort(values.begin(), values.end());
-    return static_cast<double>(values[static_cast<size_t>(q * double(values.size() - 1))]);
+  for (std::vector<uint32_t>* values : {&total, &queued, &write})
+    std::sort(values->begin(), values->end());
+  auto at = [](const std::vector<uint32_t>& sorted, double q) {
+    return static_cast<double>(sorted[static_cast<size_t>(q * double(sorted.size() - 1))]);
   };
   out.p50_us = at(total, 0.50);
   out.p99_us = at(total, 0.99);
