@@ -121,9 +121,19 @@ struct PipelineResult {
   // Installed by reference with no checksum (a CRIU checkpoint's chunks the server has not read
   // yet): what "verified by the client" does not cover.
   uint64_t unchecked_chunks = 0;
-  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s.
+  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s; and the engine's
+  // staging-ring stats (AddEngineReadings).
   std::map<std::string, double> cpu;
 };
+
+// The engine's CudaEngineStats as JSON fields: readers waiting for slots (DMA behind) against the
+// copy queue standing empty (readers behind), over the whole restore.
+void AddEngineReadings(const client::CudaCopyEngine& engine, std::map<std::string, double>& into) {
+  const client::CudaEngineStats stats = engine.stats();
+  into["slot_waits"] = static_cast<double>(stats.slot_waits);
+  into["slot_wait_s"] = stats.slot_wait_s;
+  into["copy_queue_empty_s"] = stats.copy_queue_empty_s;
+}
 
 // The chunk size the benchmark's server cuts its raw images into: its default, or the
 // --raw-chunk-size given with --server-arg.
@@ -221,6 +231,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   result.slot_bytes = engine->slot_bytes();
   result.staging_slots = engine->staging_slots();
   result.chunks_verified_on_device = engine->chunks_verified_on_device();
+  AddEngineReadings(*engine, result.cpu);
   return result;
 }
 
@@ -251,6 +262,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   result.slot_bytes = engine->slot_bytes();
   result.staging_slots = engine->staging_slots();
   result.chunks_verified_on_device = engine->chunks_verified_on_device();
+  AddEngineReadings(*engine, result.cpu);
   return result;
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -369,7 +370,7 @@ class CudaCopyEngine::Impl {
     uint32_t index;
     {
       std::unique_lock lock(mu_);
-      freed_.wait(lock, [&] { return !free_.empty(); });
+      WaitForFreeSlot(lock);
       index = free_.front();
       free_.pop_front();
     }
@@ -417,6 +418,13 @@ class CudaCopyEngine::Impl {
     slot.offset = offset;
     {
       std::lock_guard lock(mu_);
+      // The first copy starts the clock of stats().copy_queue_empty_s; later ones end an empty
+      // stretch the reaper began.
+      if (in_flight_.empty()) {
+        const auto now = Clock::now();
+        if (queue_empty_since_) queue_empty_ += now - *queue_empty_since_;
+        queue_empty_since_ = now;
+      }
       in_flight_.push_back(index);
     }
     work_.notify_one();
@@ -435,7 +443,7 @@ class CudaCopyEngine::Impl {
     // lent, some slot is free or in flight, and the reaper frees those without any caller. The
     // caller then goes through Write (its own buffer), which waits the same safe way.
     if (lent_.size() + 1 >= slots_.size()) return std::nullopt;
-    freed_.wait(lock, [&] { return !free_.empty(); });
+    WaitForFreeSlot(lock);
     const uint32_t index = free_.front();
     free_.pop_front();
     lent_[{bo, offset}] = index;
@@ -509,8 +517,26 @@ class CudaCopyEngine::Impl {
     std::lock_guard lock(mu_);
     return chunks_verified_;
   }
+  CudaEngineStats stats() const {
+    std::lock_guard lock(mu_);
+    return {.slot_waits = slot_waits_,
+            .slot_wait_s = std::chrono::duration<double>(slot_wait_).count(),
+            .copy_queue_empty_s = std::chrono::duration<double>(queue_empty_).count()};
+  }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
+  // Blocks (lock held on return) until a slot is free; a wait is counted and timed, a free slot
+  // found at once costs no clock read.
+  void WaitForFreeSlot(std::unique_lock<std::mutex>& lock) {
+    if (!free_.empty()) return;
+    const auto start = Clock::now();
+    freed_.wait(lock, [&] { return !free_.empty(); });
+    ++slot_waits_;
+    slot_wait_ += Clock::now() - start;
+  }
+
   std::optional<uint32_t> TakeLent(uint32_t bo, uint64_t offset) {
     std::lock_guard lock(mu_);
     auto it = lent_.find({bo, offset});
@@ -540,6 +566,7 @@ class CudaCopyEngine::Impl {
       {
         std::lock_guard lock(mu_);
         in_flight_.pop_front();
+        if (in_flight_.empty()) queue_empty_since_ = Clock::now();
         free_.push_back(index);
         completing_.fetch_add(1);
         if (status.ok()) {
@@ -603,6 +630,12 @@ class CudaCopyEngine::Impl {
   Status first_error_;
   uint64_t bytes_written_ = 0;
   uint64_t chunks_verified_ = 0;
+  // stats(): callers blocked for a slot, and time with no copy queued or unreaped since the
+  // first copy (set while the queue is empty; the reaper sets it when it empties the queue).
+  uint64_t slot_waits_ = 0;
+  Clock::duration slot_wait_{};
+  std::optional<Clock::time_point> queue_empty_since_;
+  Clock::duration queue_empty_{};
   std::thread reaper_;
 };
 
@@ -658,6 +691,9 @@ uint64_t CudaCopyEngine::bytes_written() const {
 }
 uint64_t CudaCopyEngine::chunks_verified_on_device() const {
   return impl_->chunks_verified();
+}
+CudaEngineStats CudaCopyEngine::stats() const {
+  return impl_->stats();
 }
 uint32_t CudaCopyEngine::slot_bytes() const {
   return impl_->slot_bytes();

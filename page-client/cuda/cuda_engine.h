@@ -51,6 +51,18 @@ struct CudaEngineOptions {
   bool blocking_sync = false;
 };
 
+// Which side of the staging ring holds a stream back (docs/benchmarks.md, session 21). Writers
+// waiting for a free slot: the DMA is behind them. Hardly any waits: the writers are what holds
+// it, and the copy queue standing empty says so more strongly (one copy in flight already counts
+// as a queue, so a short empty time alone does not show the DMA at full speed).
+struct CudaEngineStats {
+  uint64_t slot_waits = 0;  // Write / ReceiveTarget calls that found no free slot
+  double slot_wait_s = 0;   // their time blocked, summed over every calling thread
+  // Time with no copy queued or waiting to be reaped, from the first copy on (a lower bound on
+  // the DMA engine's idle time: a completed copy counts until the reaper takes it).
+  double copy_queue_empty_s = 0;
+};
+
 class CudaCopyEngine : public CopyEngine {
  public:
   // Fails with kUnavailable when there is no CUDA device (or driver).
@@ -91,6 +103,7 @@ class CudaCopyEngine : public CopyEngine {
   uint64_t bytes_written() const;
   // Chunks the GPU verified and installed (CommitUnverified).
   uint64_t chunks_verified_on_device() const;
+  CudaEngineStats stats() const;
   // Bytes per staging slot; 0 until the ring is made (options, ExpectChunkBytes or the first
   // AddDestination).
   uint32_t slot_bytes() const;

@@ -91,6 +91,50 @@ TEST_F(CudaEngineTest, FlushWaitsForTheLastCompletionToReturn) {
   EXPECT_EQ(returned.load(), kWrites);
 }
 
+// stats(): a writer that finds every slot in flight is counted and timed, and so is the copy
+// queue standing empty between copies. The reaper frees a slot before it runs that slot's
+// 20 ms `done`, so with 4 slots the sixth write waits for the second slot until the first
+// `done` has returned: about 20 ms.
+TEST_F(CudaEngineTest, StatsTimeSlotWaitsAndAnEmptyCopyQueue) {
+  CudaEngineOptions options;
+  options.staging_slots = 4;
+  options.slot_bytes = 64 << 10;
+  options.streams = 2;
+  auto engine = CudaCopyEngine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  constexpr int kWrites = 7;
+  const uint64_t size = kWrites * (64 << 10);
+  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  const std::vector<uint8_t> source = RandomBytes(size, 12);
+  CudaEngineStats before = (*engine)->stats();
+  EXPECT_EQ(before.slot_waits, 0u);
+  EXPECT_EQ(before.slot_wait_s, 0.0);
+  EXPECT_EQ(before.copy_queue_empty_s, 0.0);
+  auto write = [&](int i) {
+    const uint64_t at = uint64_t{64 << 10} * i;
+    Status s = (*engine)->Write(0, at, {source.data() + at, 64 << 10}, [](Status st) {
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  };
+  for (int i = 0; i < kWrites - 1; ++i)
+    write(i);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  const CudaEngineStats waited = (*engine)->stats();
+  EXPECT_GE(waited.slot_waits, 1u);
+  EXPECT_GE(waited.slot_wait_s, 0.015);
+  // The queue empties at the last reap, before its 20 ms `done`; 50 ms more pass before the
+  // next copy.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  write(kWrites - 1);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  const CudaEngineStats after = (*engine)->stats();
+  EXPECT_GE(after.copy_queue_empty_s - waited.copy_queue_empty_s, 0.05);
+  EXPECT_LT(after.copy_queue_empty_s, 10.0);
+  EXPECT_EQ(after.slot_waits, waited.slot_waits);  // a free slot costs no wait
+}
+
 // Both ways of waiting for a copy: spinning on its event (CUDA's default) and sleeping until
 // the driver signals it (blocking_sync).
 TEST_F(CudaEngineTest, WritesLandByteExactThroughMoreWritesThanSlots) {
