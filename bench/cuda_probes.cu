@@ -13,6 +13,11 @@
 //                         from an mmap of the file, XXH3 per slice then a streaming-store copy,
 //                         and that copy alone (one read of the page cache, no read-for-
 //                         ownership of the slot).
+//   hash-slices FILE      Where does verification's cost in read-dma come from? The same
+//                         readers (16 threads, 4 pinned slots each, DMA on their own
+//                         streams), each chunk hashed in slices of 16 KiB to 2 MiB right after
+//                         each slice is read, or read into a small bounce buffer, hashed there
+//                         and copied to the slot with streaming stores; rounds in rotating order.
 //   pin-overlap FILE      Does registering page-cache windows (cudaHostRegister) run beside
 //                         DMA, or stall it? Pinned copies alone, register/unregister alone,
 //                         both at once, and both with the registered windows copied too (a
@@ -352,6 +357,7 @@ enum class Fill {
   kPreadHash,   // pread slice by slice, each slice hashed after it lands (by reference)
   kMappedHash,  // from a mapping of the file: hash a slice, then copy it with streaming stores
   kMapped,      // from a mapping of the file: copy with streaming stores, no hash
+  kBounceHash,  // pread a slice into a small buffer, hash it there, stream it into the slot
 };
 const char* FillName(Fill fill) {
   switch (fill) {
@@ -363,6 +369,8 @@ const char* FillName(Fill fill) {
       return "mmap+xxh3+nt";
     case Fill::kMapped:
       return "mmap+nt";
+    case Fill::kBounceHash:
+      return "pread-bounce+xxh3+nt";
   }
   return "?";
 }
@@ -371,6 +379,10 @@ constexpr size_t kSliceBytes = 256 * 1024;
 
 // The XXH3 entry points (proto/checksum_variants.h): the plain library and its CPU dispatch.
 using Hasher = gpulazy::checksum_internal::Xxh3Variant;
+
+bool Hashes(Fill fill) {
+  return fill == Fill::kPreadHash || fill == Fill::kMappedHash || fill == Fill::kBounceHash;
+}
 
 // Streaming (non-temporal) stores: the slot's lines go to memory without being read first (no
 // read-for-ownership) and without evicting the cache, which is where the DMA engine reads them.
@@ -389,20 +401,39 @@ void CopyStreaming(char* to, const char* from, size_t length) {
   std::memcpy(to + i, from + i, length - i);
 }
 
-// One chunk into `slot`; returns its XXH3 (0 when the fill does not hash).
-uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, size_t length,
-                  size_t offset, const Hasher& hasher, XXH3_state_t* state) {
-  switch (fill) {
+// How one case fills its slots.
+struct FillPlan {
+  Fill fill = Fill::kPread;
+  const Hasher* hasher = nullptr;
+  size_t slice = kSliceBytes;  // the hashing fills' unit: read (or copy), then hash
+};
+
+// One chunk into `slot`; returns its XXH3 (0 when the fill does not hash). `bounce` holds at
+// least plan.slice bytes (kBounceHash only).
+uint64_t FillSlot(const FillPlan& plan, const File& file, const char* mapped, char* slot,
+                  size_t length, size_t offset, XXH3_state_t* state, char* bounce) {
+  const size_t slice = plan.slice;
+  switch (plan.fill) {
     case Fill::kPread:
       file.ReadFully(slot, length, offset);
       return 0;
     case Fill::kPreadHash:
       XXH3_64bits_reset(state);
-      for (size_t done = 0; done < length; done += kSliceBytes) {
-        const size_t n = std::min(kSliceBytes, length - done);
+      for (size_t done = 0; done < length; done += slice) {
+        const size_t n = std::min(slice, length - done);
         file.ReadFully(slot + done, n, offset + done);
-        hasher.update(state, slot + done, n);
+        plan.hasher->update(state, slot + done, n);
       }
+      return XXH3_64bits_digest(state);
+    case Fill::kBounceHash:
+      XXH3_64bits_reset(state);
+      for (size_t done = 0; done < length; done += slice) {
+        const size_t n = std::min(slice, length - done);
+        file.ReadFully(bounce, n, offset + done);
+        plan.hasher->update(state, bounce, n);
+        CopyStreaming(slot + done, bounce, n);
+      }
+      _mm_sfence();
       return XXH3_64bits_digest(state);
     case Fill::kMappedHash:
     case Fill::kMapped: {
@@ -412,128 +443,159 @@ uint64_t FillSlot(Fill fill, const File& file, const char* mapped, char* slot, s
         std::perror("madvise(MADV_POPULATE_READ)");
         std::exit(1);
       }
-      if (fill == Fill::kMappedHash) XXH3_64bits_reset(state);
-      for (size_t done = 0; done < length; done += kSliceBytes) {
-        const size_t n = std::min(kSliceBytes, length - done);
-        if (fill == Fill::kMappedHash) hasher.update(state, from + done, n);
+      if (plan.fill == Fill::kMappedHash) XXH3_64bits_reset(state);
+      for (size_t done = 0; done < length; done += slice) {
+        const size_t n = std::min(slice, length - done);
+        if (plan.fill == Fill::kMappedHash) plan.hasher->update(state, from + done, n);
         CopyStreaming(slot + done, from + done, n);
       }
       _mm_sfence();  // the streaming stores are visible before the DMA is queued
-      return fill == Fill::kMappedHash ? XXH3_64bits_digest(state) : 0;
+      return plan.fill == Fill::kMappedHash ? XXH3_64bits_digest(state) : 0;
     }
   }
   return 0;
 }
 
+// The XXH3 of every chunk of the file, once, to check each hashing fill against.
+std::vector<uint64_t> ChunkHashes(const File& file, size_t chunk_bytes, size_t chunks) {
+  std::vector<uint64_t> want(chunks);
+  std::vector<char> buffer(chunk_bytes);
+  for (size_t chunk = 0; chunk < chunks; ++chunk) {
+    file.ReadFully(buffer.data(), chunk_bytes, chunk * chunk_bytes);
+    want[chunk] = XXH3_64bits(buffer.data(), chunk_bytes);
+  }
+  return want;
+}
+
+// One case of T readers filling their own pinned slots (0 slots a thread: read only, no DMA),
+// the whole file once; prints one JSON line. `device` holds the file's size.
+void RunReadCase(const File& file, void* device, size_t chunk_bytes, double ceiling,
+                 const std::vector<uint64_t>& want, const FillPlan& plan, int threads,
+                 int slots_per_thread, const char* probe_name) {
+  const size_t chunks = want.size();
+  const size_t size = chunks * chunk_bytes;
+  const Fill fill = plan.fill;
+  const bool dma = slots_per_thread > 0;
+  const int slots = dma ? slots_per_thread : 1;
+  std::vector<void*> pinned(static_cast<size_t>(threads * slots));
+  for (void*& p : pinned)
+    Check(cudaMallocHost(&p, chunk_bytes), "pinning a slot");
+  std::vector<cudaStream_t> streams(static_cast<size_t>(threads));
+  for (cudaStream_t& s : streams)
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
+  std::vector<cudaEvent_t> events(pinned.size());
+  for (cudaEvent_t& ev : events)
+    Check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> mismatches{0};
+  const bool maps = fill == Fill::kMappedHash || fill == Fill::kMapped;
+  const auto start = Clock::now();
+  // Mapped and unmapped inside the timed part: a restore would pay for both.
+  char* mapped = nullptr;
+  if (maps) {
+    void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, file.fd, 0);
+    if (m == MAP_FAILED) {
+      std::perror("mmap");
+      std::exit(1);
+    }
+    mapped = static_cast<char*>(m);
+  }
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      auto state_storage = std::make_unique<XXH3_state_t>();
+      XXH3_state_t* state = state_storage.get();
+      std::vector<char> bounce(fill == Fill::kBounceHash ? plan.slice : 0);
+      std::vector<bool> used(static_cast<size_t>(slots), false);
+      for (size_t turn = 0;; ++turn) {
+        const size_t chunk = next.fetch_add(1);
+        if (chunk >= chunks) break;
+        const size_t j = turn % static_cast<size_t>(slots);
+        const size_t slot = static_cast<size_t>(t * slots) + j;
+        if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
+        const uint64_t hash = FillSlot(plan, file, mapped, static_cast<char*>(pinned[slot]),
+                                       chunk_bytes, chunk * chunk_bytes, state, bounce.data());
+        if (Hashes(fill) && hash != want[chunk]) mismatches.fetch_add(1);
+        if (!dma) continue;
+        Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * chunk_bytes, pinned[slot],
+                              chunk_bytes, cudaMemcpyHostToDevice, streams[static_cast<size_t>(t)]),
+              "copying a chunk");
+        Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]), "recording an event");
+        used[j] = true;
+      }
+      Check(cudaStreamSynchronize(streams[static_cast<size_t>(t)]), "draining a stream");
+    });
+  }
+  for (std::thread& w : workers)
+    w.join();
+  if (maps) ::munmap(mapped, size);
+  const double bps = static_cast<double>(size) / SecondsSince(start);
+  std::printf(
+      "{\"probe\":\"%s\",\"fill\":\"%s\",\"xxh3\":\"%s\",\"mode\":\"%s\","
+      "\"chunk_KiB\":%zu,\"slice_KiB\":%zu,"
+      "\"threads\":%d,\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f,"
+      "\"hash_mismatches\":%zu,\"sample_ok\":%s}\n",
+      probe_name, FillName(fill), Hashes(fill) ? std::string(plan.hasher->name).c_str() : "none",
+      dma ? "read+dma" : "read-only", chunk_bytes >> 10, Hashes(fill) ? plan.slice >> 10 : 0,
+      threads, slots_per_thread, bps / 1e9, bps / ceiling, mismatches.load(),
+      !dma || SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true" : "false");
+  std::fflush(stdout);
+  Check(cudaMemset(device, 0, size), "clearing device memory between cases");
+  // The next case's streams do not wait for the legacy stream's memset.
+  Check(cudaDeviceSynchronize(), "clearing device memory between cases");
+  for (cudaEvent_t ev : events)
+    cudaEventDestroy(ev);
+  for (cudaStream_t s : streams)
+    cudaStreamDestroy(s);
+  for (void* p : pinned)
+    cudaFreeHost(p);
+}
+
 void ReadDma(const File& file, size_t chunk_bytes) {
   const size_t chunks = file.size / chunk_bytes;
-  const size_t size = chunks * chunk_bytes;
   void* device = nullptr;
-  Check(cudaMalloc(&device, size), "allocating device memory");
-  const double ceiling = CeilingBps(device, size);
-  // The hashes of every chunk, once, to check each hashing fill against.
-  std::vector<uint64_t> want(chunks);
-  {
-    std::vector<char> buffer(chunk_bytes);
-    for (size_t chunk = 0; chunk < chunks; ++chunk) {
-      file.ReadFully(buffer.data(), chunk_bytes, chunk * chunk_bytes);
-      want[chunk] = XXH3_64bits(buffer.data(), chunk_bytes);
-    }
-  }
+  Check(cudaMalloc(&device, chunks * chunk_bytes), "allocating device memory");
+  const double ceiling = CeilingBps(device, chunks * chunk_bytes);
+  const std::vector<uint64_t> want = ChunkHashes(file, chunk_bytes, chunks);
   // Each fill once, the hashing pread with every XXH3 entry point available.
   const Hasher& selected = gpulazy::checksum_internal::SelectedXxh3();
-  std::vector<std::pair<Fill, const Hasher*>> fills = {{Fill::kPread, &selected}};
+  std::vector<FillPlan> plans = {{Fill::kPread, &selected}};
   for (const Hasher* hasher : gpulazy::checksum_internal::AvailableXxh3Variants())
-    fills.emplace_back(Fill::kPreadHash, hasher);
-  fills.emplace_back(Fill::kMappedHash, &selected);
-  fills.emplace_back(Fill::kMapped, &selected);
-  for (const auto& entry : fills) {
-    const Fill fill = entry.first;
-    const Hasher* const hasher = entry.second;
+    plans.push_back({Fill::kPreadHash, hasher});
+  plans.push_back({Fill::kMappedHash, &selected});
+  plans.push_back({Fill::kMapped, &selected});
+  for (const FillPlan& plan : plans) {
     for (int threads : {16, 24}) {
       // 0: read only, no DMA (the pread fill only)
       for (int slots_per_thread : {0, 2, 4}) {
-        if (slots_per_thread == 0 && fill != Fill::kPread) continue;
-        const bool dma = slots_per_thread > 0;
-        const int slots = dma ? slots_per_thread : 1;
-        std::vector<void*> pinned(static_cast<size_t>(threads * slots));
-        for (void*& p : pinned)
-          Check(cudaMallocHost(&p, chunk_bytes), "pinning a slot");
-        std::vector<cudaStream_t> streams(static_cast<size_t>(threads));
-        for (cudaStream_t& s : streams)
-          Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream");
-        std::vector<cudaEvent_t> events(pinned.size());
-        for (cudaEvent_t& ev : events)
-          Check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating an event");
-        std::atomic<size_t> next{0};
-        std::atomic<size_t> mismatches{0};
-        const bool maps = fill == Fill::kMappedHash || fill == Fill::kMapped;
-        const auto start = Clock::now();
-        // Mapped and unmapped inside the timed part: a restore would pay for both.
-        char* mapped = nullptr;
-        if (maps) {
-          void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, file.fd, 0);
-          if (m == MAP_FAILED) {
-            std::perror("mmap");
-            std::exit(1);
-          }
-          mapped = static_cast<char*>(m);
-        }
-        std::vector<std::thread> workers;
-        for (int t = 0; t < threads; ++t) {
-          workers.emplace_back([&, t] {
-            auto state_storage = std::make_unique<XXH3_state_t>();
-            XXH3_state_t* state = state_storage.get();
-            std::vector<bool> used(static_cast<size_t>(slots), false);
-            for (size_t turn = 0;; ++turn) {
-              const size_t chunk = next.fetch_add(1);
-              if (chunk >= chunks) break;
-              const size_t j = turn % static_cast<size_t>(slots);
-              const size_t slot = static_cast<size_t>(t * slots) + j;
-              if (used[j]) Check(cudaEventSynchronize(events[slot]), "waiting for a slot's copy");
-              const uint64_t hash = FillSlot(fill, file, mapped, static_cast<char*>(pinned[slot]),
-                                             chunk_bytes, chunk * chunk_bytes, *hasher, state);
-              if ((fill == Fill::kPreadHash || fill == Fill::kMappedHash) && hash != want[chunk])
-                mismatches.fetch_add(1);
-              if (!dma) continue;
-              Check(cudaMemcpyAsync(static_cast<char*>(device) + chunk * chunk_bytes, pinned[slot],
-                                    chunk_bytes, cudaMemcpyHostToDevice,
-                                    streams[static_cast<size_t>(t)]),
-                    "copying a chunk");
-              Check(cudaEventRecord(events[slot], streams[static_cast<size_t>(t)]),
-                    "recording an event");
-              used[j] = true;
-            }
-            Check(cudaStreamSynchronize(streams[static_cast<size_t>(t)]), "draining a stream");
-          });
-        }
-        for (std::thread& w : workers)
-          w.join();
-        if (maps) ::munmap(mapped, size);
-        const double bps = static_cast<double>(size) / SecondsSince(start);
-        std::printf(
-            "{\"probe\":\"read-dma\",\"fill\":\"%s\",\"xxh3\":\"%s\",\"mode\":\"%s\","
-            "\"chunk_KiB\":%zu,"
-            "\"threads\":%d,\"slots_per_thread\":%d,\"GBps\":%.2f,\"ratio\":%.3f,"
-            "\"hash_mismatches\":%zu,\"sample_ok\":%s}\n",
-            FillName(fill),
-            fill == Fill::kPreadHash || fill == Fill::kMappedHash
-                ? std::string(hasher->name).c_str()
-                : "none",
-            dma ? "read+dma" : "read-only", chunk_bytes >> 10, threads, slots_per_thread, bps / 1e9,
-            bps / ceiling, mismatches.load(),
-            !dma || SampleMatches(file, device, size / 3 / chunk_bytes * chunk_bytes) ? "true"
-                                                                                      : "false");
-        Check(cudaMemset(device, 0, size), "clearing device memory between cases");
-        // The next case's streams do not wait for the legacy stream's memset.
-        Check(cudaDeviceSynchronize(), "clearing device memory between cases");
-        for (cudaEvent_t ev : events)
-          cudaEventDestroy(ev);
-        for (cudaStream_t s : streams)
-          cudaStreamDestroy(s);
-        for (void* p : pinned)
-          cudaFreeHost(p);
+        if (slots_per_thread == 0 && plan.fill != Fill::kPread) continue;
+        RunReadCase(file, device, chunk_bytes, ceiling, want, plan, threads, slots_per_thread,
+                    "read-dma");
       }
+    }
+  }
+  cudaFree(device);
+}
+
+// Verification's cost by where the hash reads its bytes: slices small enough to stay in L1 or
+// L2 after their read, or a bounce buffer the slot is then streamed from. Each round runs every
+// case once, rotated so no case always runs first; the ceiling is measured once per round.
+void HashSlices(const File& file, size_t chunk_bytes, int rounds) {
+  const size_t chunks = file.size / chunk_bytes;
+  void* device = nullptr;
+  Check(cudaMalloc(&device, chunks * chunk_bytes), "allocating device memory");
+  const std::vector<uint64_t> want = ChunkHashes(file, chunk_bytes, chunks);
+  const Hasher& selected = gpulazy::checksum_internal::SelectedXxh3();
+  std::vector<FillPlan> plans = {{Fill::kPread, &selected}};
+  for (size_t kib : {16, 64, 256, 2048})
+    if (kib * 1024 <= chunk_bytes) plans.push_back({Fill::kPreadHash, &selected, kib * 1024});
+  for (size_t kib : {64, 256})
+    if (kib * 1024 <= chunk_bytes) plans.push_back({Fill::kBounceHash, &selected, kib * 1024});
+  for (int round = 0; round < rounds; ++round) {
+    const double ceiling = CeilingBps(device, chunks * chunk_bytes);
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const FillPlan& plan = plans[(i + static_cast<size_t>(round)) % plans.size()];
+      RunReadCase(file, device, chunk_bytes, ceiling, want, plan, 16, 4, "hash-slices");
     }
   }
   cudaFree(device);
@@ -628,7 +690,8 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(stderr,
                  "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE "
-                 "[CHUNK_KIB=2048] | pin-overlap FILE [WINDOW_MIB=64] | pin-cost TOTAL_MIB\n",
+                 "[CHUNK_KIB=2048] | hash-slices FILE [CHUNK_KIB=2048 ROUNDS=3] | pin-overlap FILE "
+                 "[WINDOW_MIB=64] | pin-cost TOTAL_MIB\n",
                  argv[0]);
     return 2;
   }
@@ -648,6 +711,11 @@ int main(int argc, char** argv) {
     const size_t window = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 64) * kMiB;
     if (window == 0 || window > file.size) return 2;
     PinOverlap(file, window);
+  } else if (probe == "hash-slices") {
+    const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
+    const int rounds = argc > 4 ? std::atoi(argv[4]) : 3;
+    if (chunk == 0 || chunk > 64 * kMiB || chunk % 4096 != 0 || rounds < 1) return 2;
+    HashSlices(file, chunk, rounds);
   } else if (probe == "read-dma") {
     const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
     // Whole pages: the mapped fills populate each chunk's pages (MADV_POPULATE_READ).
