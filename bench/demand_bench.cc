@@ -167,6 +167,7 @@ double Seconds(Clock::duration d) {
 
 std::vector<double> Latencies(const std::vector<Sample>& samples) {
   std::vector<double> latencies;
+  latencies.reserve(samples.size());
   for (const Sample& sample : samples)
     latencies.push_back(Seconds(sample.returned - sample.called));
   return latencies;
@@ -215,6 +216,7 @@ nlohmann::json ClientStages(const std::vector<Sample>& samples,
   nlohmann::json stages = nlohmann::json::object();
   for (size_t i = 0; i < kStageCount; ++i) {
     std::vector<double> values;
+    values.reserve(splits.size());
     for (const Split& split : splits)
       values.push_back(split.stage[i]);
     stages[kStages[i]] = {{"p50_s", Percentile(values, 0.5)},
