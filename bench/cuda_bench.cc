@@ -121,10 +121,17 @@ struct PipelineResult {
   // Installed by reference with no checksum (a CRIU checkpoint's chunks the server has not read
   // yet): what "verified by the client" does not cover.
   uint64_t unchecked_chunks = 0;
-  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s; and the engine's
-  // staging-ring stats (AddEngineReadings).
+  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s; the file readers' time
+  // (AddReaderReadings) and the engine's staging-ring stats (AddEngineReadings).
   std::map<std::string, double> cpu;
 };
+
+// The file readers' time split (Progress::file_read_s, file_engine_s), summed over readers:
+// with the restore's seconds and reader count, what is left is their time between chunks.
+void AddReaderReadings(const client::Progress& progress, std::map<std::string, double>& into) {
+  into["file_read_s"] = progress.file_read_s;
+  into["file_engine_s"] = progress.file_engine_s;
+}
 
 // The engine's CudaEngineStats as JSON fields: readers waiting for slots (DMA behind) against the
 // copy queue standing empty (readers behind), over the whole restore.
@@ -224,6 +231,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.cpu = CpuReadings(cpu);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
+    AddReaderReadings(session.progress(), result.cpu);
 
     GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
     result.verified = true;
@@ -257,6 +265,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   result.seconds = SecondsSince(start);
   result.cpu = CpuReadings(cpu);
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
+  AddReaderReadings(restore.progress(), result.cpu);
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
   result.slot_bytes = engine->slot_bytes();

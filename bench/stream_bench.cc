@@ -184,12 +184,16 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   uint64_t bytes = 0;
   double wait_s = 0;
   double chunk_s = 0;
+  double file_read_s = 0;
+  double file_engine_s = 0;
   for (auto& c : clients) {
     GPULAZY_RETURN_IF_ERROR(c->WaitComplete(std::chrono::minutes(10)));
     const client::Progress progress = c->progress();
     bytes += progress.total_bytes;
     wait_s += progress.stream_wait_s;
     chunk_s += progress.stream_chunk_s;
+    file_read_s += progress.file_read_s;
+    file_engine_s += progress.file_engine_s;
   }
   double seconds = SecondsSince(start);
   const nlohmann::json cpu_used = cpu.Read();
@@ -204,6 +208,8 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
                         {"throughput_Bps", static_cast<double>(bytes) / seconds},
                         {"stream_wait_s", wait_s / sessions},
                         {"stream_chunk_s", chunk_s / sessions},
+                        {"file_read_s", file_read_s / sessions},
+                        {"file_engine_s", file_engine_s / sessions},
                         {"verified", verified}};
   result.update(cpu_used);
   return result;
@@ -290,6 +296,11 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                // frame vs inside chunk frames (client::Progress).
                                {"stream_wait_s", pipeline["stream_wait_s"]},
                                {"stream_chunk_s", pipeline["stream_chunk_s"]},
+                               // Per session, averaged, summed over its file readers (by
+                               // reference; 0 otherwise): reading and verifying chunks, and
+                               // engine calls with their waits (client::Progress).
+                               {"file_read_s", pipeline["file_read_s"]},
+                               {"file_engine_s", pipeline["file_engine_s"]},
                                // Where the CPU went (harness.h CpuMeter): a pipeline short of its
                                // ceiling with the machine busy has no CPU left; one with idle
                                // CPUs waits on something.

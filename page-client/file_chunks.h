@@ -15,6 +15,7 @@
 // goes through `gate` (at `urgency`), which the caller shares with its other engine calls.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -54,6 +55,15 @@ class ChunkBufferPool {
   std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_;
 };
 
+// Where the threads that install file chunks spend their time, summed over chunks and threads:
+// reading the stored bytes (verifying and decoding them too), and engine calls, their waits at
+// the gate and for engine memory (a free CUDA staging slot) included. A restore's readers' wall
+// time less both is the time they spent between chunks (docs/client.md, Progress::file_read_s).
+struct FileReadTimes {
+  std::atomic<uint64_t> read_ns{0};
+  std::atomic<uint64_t> engine_ns{0};
+};
+
 // Reads, verifies and hands `c` to the engine; `done` then runs exactly once, as for
 // CopyEngine::Write. An error return means the engine never got the chunk (`done` will not
 // run) and no unverified byte is left in engine memory: kCorrupt for bytes that failed
@@ -62,8 +72,10 @@ class ChunkBufferPool {
 // `done` may also report kCorrupt, when the engine verified the bytes itself: the caller then
 // treats the chunk as it treats a kCorrupt return (missing; read again).
 // kUrgent: someone is blocked on this chunk; its engine calls go ahead of background ones.
+// `times` (when not null) gets this call's time added.
 Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
-                        const std::string& what, CopyDone done, uint64_t* bytes_read);
+                        const std::string& what, CopyDone done, uint64_t* bytes_read,
+                        FileReadTimes* times = nullptr);
 
 }  // namespace gpulazy::client

@@ -146,6 +146,9 @@ class LocalRestore::Impl {
     p.received_bytes = read_bytes_;
     p.demand_chunks = demand_chunks_;
     p.refetches = rereads_;
+    p.file_read_s = static_cast<double>(file_times_.read_ns.load(std::memory_order_relaxed)) / 1e9;
+    p.file_engine_s =
+        static_cast<double>(file_times_.engine_ns.load(std::memory_order_relaxed)) / 1e9;
     p.complete = residency_.complete();
     return p;
   }
@@ -272,7 +275,7 @@ class LocalRestore::Impl {
     Status s = InstallFileChunk(
         engine_, engine_gate_, urgency, c, buffers_, scratch, what,
         [this, id, length = c.raw_length](const Status& status) { OnWritten(id, length, status); },
-        &read);
+        &read, &file_times_);
     Count(read);
     if (s.ok()) return s;
     std::lock_guard lock(mu_);
@@ -357,6 +360,7 @@ class LocalRestore::Impl {
   size_t next_ = 0;  // next entry of order_
   uint64_t hot_resident_ = 0;
   uint64_t read_bytes_ = 0;
+  FileReadTimes file_times_;  // the readers' and Ensure callers' (Progress::file_read_s)
   uint64_t demand_chunks_ = 0;
   uint64_t rereads_ = 0;
   bool stopping_ = false;

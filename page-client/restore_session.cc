@@ -352,6 +352,8 @@ class RestoreSession::Impl {
   // mutex_: added once per frame by the one thread that reads the stream.
   std::atomic<uint64_t> stream_wait_ns_{0};
   std::atomic<uint64_t> stream_chunk_ns_{0};
+  // Progress::file_read_s / file_engine_s: every thread that installs by-reference chunks.
+  FileReadTimes file_times_;
   // Chunks installed by reference with no checksum to verify (Progress::unchecked_chunks).
   std::atomic<uint64_t> unchecked_chunks_{0};
   std::atomic<bool> cancelled_{false};
@@ -653,6 +655,9 @@ Progress RestoreSession::Impl::progress() const {
   p.stream_wait_s = static_cast<double>(stream_wait_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.stream_chunk_s = static_cast<double>(stream_chunk_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.unchecked_chunks = unchecked_chunks_.load(std::memory_order_relaxed);
+  p.file_read_s = static_cast<double>(file_times_.read_ns.load(std::memory_order_relaxed)) / 1e9;
+  p.file_engine_s =
+      static_cast<double>(file_times_.engine_ns.load(std::memory_order_relaxed)) / 1e9;
   p.total_bytes = residency_.total_bytes();
   p.total_chunks = residency_.total_chunks();
   p.resident_bytes = residency_.resident_bytes();
@@ -1626,7 +1631,7 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
         if (status.ok() && unchecked) unchecked_chunks_.fetch_add(1, std::memory_order_relaxed);
         OnWritten(status, link, id, nullptr, credit);
       },
-      /*bytes_read=*/nullptr);
+      /*bytes_read=*/nullptr, &file_times_);
   if (installed.ok()) return;
   if (installed.code() != Code::kCorrupt) {
     Unclaim(c.bo, c.chunk);

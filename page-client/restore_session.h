@@ -124,6 +124,12 @@ struct Progress {
   // reader-side work from everything else, not the server from the client outright.
   double stream_wait_s = 0;
   double stream_chunk_s = 0;
+  // Where the threads that read chunks from image files (by reference, or LocalRestore) spent
+  // their time, summed over those threads: reading the stored bytes with their verification,
+  // and engine calls with their waits (the engine gate; the CUDA engine's free staging slot).
+  // The readers' wall time less both is time between chunks: waiting for work, or for a CPU.
+  double file_read_s = 0;
+  double file_engine_s = 0;
   bool complete = false;
 };
 

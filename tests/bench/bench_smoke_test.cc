@@ -90,6 +90,9 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   EXPECT_GE(line.at("server_cpu_s").get<double>(), 0);
   EXPECT_GE(line.at("stream_wait_s").get<double>(), 0);
   EXPECT_GE(line.at("stream_chunk_s").get<double>(), 0);
+  // Through the socket no chunk is read from the image files.
+  EXPECT_EQ(line.at("file_read_s").get<double>(), 0);
+  EXPECT_EQ(line.at("file_engine_s").get<double>(), 0);
 }
 
 // A small demand run: the client's latencies beside the server's own share of them (request

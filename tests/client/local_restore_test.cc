@@ -121,6 +121,40 @@ TEST(LocalRestore, RestoresCheckpointAndLazyImageByteExact) {
   }
 }
 
+// Progress::file_read_s and file_engine_s: an engine that takes 2 ms in every ReceiveTarget puts
+// at least 2 ms per chunk into file_engine_s; reading puts some time into file_read_s; both fit
+// in the readers' wall time.
+TEST(LocalRestore, ProgressSplitsTheReadersTime) {
+  class SlowReceiveEngine : public ForwardingHostEngine {
+   public:
+    std::string_view name() const override { return "slow-receive"; }
+    std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                    uint64_t length) override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      return host_.ReceiveTarget(bo, offset, length);
+    }
+  };
+  TempDir root;
+  const fs::path dir = root.path() / "raw";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 8ull << 20, 9));
+  SlowReceiveEngine engine;
+  LocalRestoreOptions options;
+  options.image_dir = dir;
+  options.readers = 2;
+  options.raw_chunk_size = 256 * 1024;
+  LocalRestore restore(options, engine);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(restore.Start().ok());
+  const Status done = restore.WaitComplete(std::chrono::seconds(60));
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(done.ok()) << done.ToString();
+  const Progress p = restore.progress();
+  EXPECT_GE(p.file_engine_s, 0.002 * static_cast<double>(p.total_chunks));
+  EXPECT_GT(p.file_read_s, 0.0);
+  EXPECT_LE(p.file_read_s + p.file_engine_s, 2 * elapsed);
+}
+
 // The host engine, with the restore's readers held at their first engine call until Release:
 // a test can then make its Ensures while the image is surely not resident yet.
 class HeldReadersEngine : public ForwardingHostEngine {

@@ -632,6 +632,51 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
   }
 }
 
+// A host engine that takes 2 ms in every ReceiveTarget, whoever calls it.
+class SlowReceiveEngine : public client::ForwardingHostEngine {
+ public:
+  std::string_view name() const override { return "slow-receive"; }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    std::this_thread::sleep_for(2ms);
+    return host_.ReceiveTarget(bo, offset, length);
+  }
+};
+
+// Progress::file_read_s and file_engine_s split the time of the threads that install chunks by
+// reference: the engine's 2 ms per chunk lands in file_engine_s, the reads in file_read_s, and
+// together they fit in the two readers' wall time. Through the socket no chunk is read from a
+// file, so both stay 0.
+TEST_F(ImageFilesTest, ProgressSplitsTheFileReadersTime) {
+  for (const bool read_files : {true, false}) {
+    SCOPED_TRACE(read_files ? "by reference" : "through the socket");
+    SlowReceiveEngine engine;
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "raw";
+    options.read_files = read_files;
+    options.file_readers = 2;
+    client::RestoreSession session(options, engine);
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_TRUE(session.Start().ok());
+    const Status done = session.WaitComplete(30s);
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ASSERT_TRUE(done.ok()) << done.ToString();
+    ExpectCheckpointBytes(session, engine.host(), "raw");
+    const client::Progress p = session.progress();
+    ASSERT_EQ(p.reading_files, read_files);
+    if (!read_files) {
+      EXPECT_EQ(p.file_read_s, 0.0);
+      EXPECT_EQ(p.file_engine_s, 0.0);
+      continue;
+    }
+    EXPECT_GE(p.file_engine_s, 0.002 * static_cast<double>(p.total_chunks));
+    EXPECT_GT(p.file_read_s, 0.0);
+    EXPECT_LE(p.file_read_s + p.file_engine_s, 2 * elapsed);
+  }
+}
+
 // A CRIU checkpoint records no checksums: by reference, a chunk comes with one only if the
 // server has read (and hashed) it before. Progress::unchecked_chunks says how many were
 // installed unverified: all of them from a server that has read nothing, none once a session
