@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -19,6 +18,7 @@
 
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/synth.h"
+#include "page-client/net/stderr_log.h"
 
 namespace gpulazy::bench {
 namespace fs = std::filesystem;
@@ -28,10 +28,7 @@ double SecondsSince(Clock::time_point start) {
 }
 
 void LogWarningsToStderr() {
-  spdlog::set_level(spdlog::level::warn);
-  spdlog::default_logger()->sinks().clear();
-  spdlog::default_logger()->sinks().push_back(
-      std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  net::LogToStderr(spdlog::level::warn);
 }
 
 Result<WorkDir> WorkDir::Create(const fs::path& parent) {

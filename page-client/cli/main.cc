@@ -1,6 +1,5 @@
 // gpulazy-client: restore an image's GPU memory from gpulazy-server into host memory and write it
 // out as CRIU pages files (fetch), or print the server's statistics (stats).
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -9,6 +8,7 @@
 
 #include "lazy-server/image/io.h"
 #include "page-client/cli/commands.h"
+#include "page-client/net/stderr_log.h"
 #include "proto/size.h"
 
 // Options shared by every subcommand that talks to a server (docs/security.md). No --token: a
@@ -70,11 +70,7 @@ static int Run(int argc, char** argv) {
   AddSecurityOptions(*stats_cmd, &stats.token_file, &stats.tls, &stats.insecure);
 
   CLI11_PARSE(app, argc, argv);
-  spdlog::set_level(spdlog::level::from_str(log_level));
-  // Logs go to stderr so --json output on stdout stays machine-readable.
-  spdlog::default_logger()->sinks().clear();
-  spdlog::default_logger()->sinks().push_back(
-      std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  gpulazy::net::LogToStderr(spdlog::level::from_str(log_level));
 
   if (*fetch_cmd) {
     gpulazy::Result<uint64_t> bytes = gpulazy::ParseSize(window);
