@@ -3,9 +3,11 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 #include "page-client/host_engine.h"
@@ -40,6 +42,22 @@ class ForwardingHostEngine : public CopyEngine {
 
  protected:
   HostCopyEngine host_;
+};
+
+// Takes `delay` in every ReceiveTarget, whoever calls it: a stand-in for an engine call that
+// costs time (tests of where a restore's readers spend theirs).
+class SlowReceiveEngine : public ForwardingHostEngine {
+ public:
+  explicit SlowReceiveEngine(std::chrono::milliseconds delay) : delay_(delay) {}
+  std::string_view name() const override { return "slow-receive"; }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    std::this_thread::sleep_for(delay_);
+    return host_.ReceiveTarget(bo, offset, length);
+  }
+
+ private:
+  const std::chrono::milliseconds delay_;
 };
 
 // Remembers how many writers the restore had announced when it said its chunk size: an engine

@@ -125,19 +125,10 @@ TEST(LocalRestore, RestoresCheckpointAndLazyImageByteExact) {
 // at least 2 ms per chunk into file_engine_s; reading puts some time into file_read_s; both fit
 // in the readers' wall time.
 TEST(LocalRestore, ProgressSplitsTheReadersTime) {
-  class SlowReceiveEngine : public ForwardingHostEngine {
-   public:
-    std::string_view name() const override { return "slow-receive"; }
-    std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
-                                                    uint64_t length) override {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      return host_.ReceiveTarget(bo, offset, length);
-    }
-  };
   TempDir root;
   const fs::path dir = root.path() / "raw";
   ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 8ull << 20, 9));
-  SlowReceiveEngine engine;
+  SlowReceiveEngine engine(std::chrono::milliseconds(2));
   LocalRestoreOptions options;
   options.image_dir = dir;
   options.readers = 2;

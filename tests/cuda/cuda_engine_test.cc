@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -35,6 +36,22 @@ class CudaEngineTest : public ::testing::Test {
     if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
   }
 };
+
+// Four 64 KiB staging slots on two streams, and BO 0 of `bo_bytes`: the engine of the tests
+// whose `done` callbacks take their time. Null (with the failure recorded) if it cannot be made.
+std::unique_ptr<CudaCopyEngine> FourSlotEngine(uint64_t bo_bytes) {
+  CudaEngineOptions options;
+  options.staging_slots = 4;
+  options.slot_bytes = 64 << 10;
+  options.streams = 2;
+  auto engine = CudaCopyEngine::Create(options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return nullptr;
+  const Status added = (*engine)->AddDestination(0, bo_bytes);
+  EXPECT_TRUE(added.ok()) << added.ToString();
+  if (!added.ok()) return nullptr;
+  return std::move(*engine);
+}
 
 // A restore that leaves its reader count to the engine gets one reader per CPU the calling
 // thread may run on, within [kMinDefaultWriters, kMaxDefaultWriters] (no device needed): measured
@@ -67,27 +84,22 @@ TEST(CudaEngineDefaults, PreferredWritersAreOnePerAllowedCpu) {
 // callback here takes 20 ms, so a Flush that waited only for the copies would return while the
 // last one still ran (seen as one completion short, under load, on the lent H200).
 TEST_F(CudaEngineTest, FlushWaitsForTheLastCompletionToReturn) {
-  CudaEngineOptions options;
-  options.staging_slots = 4;
-  options.slot_bytes = 64 << 10;
-  options.streams = 2;
-  auto engine = CudaCopyEngine::Create(options);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   constexpr int kWrites = 6;
   const uint64_t size = kWrites * (64 << 10);
-  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  std::unique_ptr<CudaCopyEngine> engine = FourSlotEngine(size);
+  ASSERT_NE(engine, nullptr);
   const std::vector<uint8_t> source = RandomBytes(size, 11);
   std::atomic<int> returned{0};
   for (int i = 0; i < kWrites; ++i) {
     const uint64_t at = uint64_t{64 << 10} * i;
-    Status s = (*engine)->Write(0, at, {source.data() + at, 64 << 10}, [&](Status st) {
+    Status s = engine->Write(0, at, {source.data() + at, 64 << 10}, [&](Status st) {
       EXPECT_TRUE(st.ok()) << st.ToString();
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       returned++;
     });
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
-  ASSERT_TRUE((*engine)->Flush().ok());
+  ASSERT_TRUE(engine->Flush().ok());
   EXPECT_EQ(returned.load(), kWrites);
 }
 
@@ -96,23 +108,18 @@ TEST_F(CudaEngineTest, FlushWaitsForTheLastCompletionToReturn) {
 // 20 ms `done`, so with 4 slots the sixth write waits for the second slot until the first
 // `done` has returned: about 20 ms.
 TEST_F(CudaEngineTest, StatsTimeSlotWaitsAndAnEmptyCopyQueue) {
-  CudaEngineOptions options;
-  options.staging_slots = 4;
-  options.slot_bytes = 64 << 10;
-  options.streams = 2;
-  auto engine = CudaCopyEngine::Create(options);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   constexpr int kWrites = 7;
   const uint64_t size = kWrites * (64 << 10);
-  ASSERT_TRUE((*engine)->AddDestination(0, size).ok());
+  std::unique_ptr<CudaCopyEngine> engine = FourSlotEngine(size);
+  ASSERT_NE(engine, nullptr);
   const std::vector<uint8_t> source = RandomBytes(size, 12);
-  CudaEngineStats before = (*engine)->stats();
+  CudaEngineStats before = engine->stats();
   EXPECT_EQ(before.slot_waits, 0u);
   EXPECT_EQ(before.slot_wait_s, 0.0);
   EXPECT_EQ(before.copy_queue_empty_s, 0.0);
   auto write = [&](int i) {
     const uint64_t at = uint64_t{64 << 10} * i;
-    Status s = (*engine)->Write(0, at, {source.data() + at, 64 << 10}, [](Status st) {
+    Status s = engine->Write(0, at, {source.data() + at, 64 << 10}, [](Status st) {
       EXPECT_TRUE(st.ok()) << st.ToString();
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     });
@@ -120,16 +127,16 @@ TEST_F(CudaEngineTest, StatsTimeSlotWaitsAndAnEmptyCopyQueue) {
   };
   for (int i = 0; i < kWrites - 1; ++i)
     write(i);
-  ASSERT_TRUE((*engine)->Flush().ok());
-  const CudaEngineStats waited = (*engine)->stats();
+  ASSERT_TRUE(engine->Flush().ok());
+  const CudaEngineStats waited = engine->stats();
   EXPECT_GE(waited.slot_waits, 1u);
   EXPECT_GE(waited.slot_wait_s, 0.015);
   // The queue empties at the last reap, before its 20 ms `done`; 50 ms more pass before the
   // next copy.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   write(kWrites - 1);
-  ASSERT_TRUE((*engine)->Flush().ok());
-  const CudaEngineStats after = (*engine)->stats();
+  ASSERT_TRUE(engine->Flush().ok());
+  const CudaEngineStats after = engine->stats();
   EXPECT_GE(after.copy_queue_empty_s - waited.copy_queue_empty_s, 0.05);
   EXPECT_LT(after.copy_queue_empty_s, 10.0);
   EXPECT_EQ(after.slot_waits, waited.slot_waits);  // a free slot costs no wait

@@ -632,17 +632,6 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
   }
 }
 
-// A host engine that takes 2 ms in every ReceiveTarget, whoever calls it.
-class SlowReceiveEngine : public client::ForwardingHostEngine {
- public:
-  std::string_view name() const override { return "slow-receive"; }
-  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
-                                                  uint64_t length) override {
-    std::this_thread::sleep_for(2ms);
-    return host_.ReceiveTarget(bo, offset, length);
-  }
-};
-
 // Progress::file_read_s and file_engine_s split the time of the threads that install chunks by
 // reference: the engine's 2 ms per chunk lands in file_engine_s, the reads in file_read_s, and
 // together they fit in the two readers' wall time. Through the socket no chunk is read from a
@@ -650,7 +639,7 @@ class SlowReceiveEngine : public client::ForwardingHostEngine {
 TEST_F(ImageFilesTest, ProgressSplitsTheFileReadersTime) {
   for (const bool read_files : {true, false}) {
     SCOPED_TRACE(read_files ? "by reference" : "through the socket");
-    SlowReceiveEngine engine;
+    client::SlowReceiveEngine engine(2ms);
     client::SessionOptions options;
     options.endpoint = server_->unix_endpoint().ToString();
     options.image = "raw";
