@@ -67,8 +67,6 @@ Status ReadInto(const FileChunk& c, std::span<uint8_t> into, bool engine_verifie
   return DecodeChunkBytes(c.codec, *c.checksum, scratch, into, what);
 }
 
-}  // namespace
-
 // Adds the time since it was made, or since the last Lap, to one of FileReadTimes' counters.
 class Stopwatch {
  public:
@@ -90,6 +88,8 @@ class Stopwatch {
   std::chrono::steady_clock::time_point last_;
 };
 
+}  // namespace
+
 Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
                         const std::string& what, CopyDone done, uint64_t* bytes_read,
@@ -108,6 +108,8 @@ Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, c
     engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
     target.reset();
   }
+  // Taking (and zero-filling) a buffer of ours counts as reading: the engine lent nothing.
+  stopwatch.Lap(&FileReadTimes::engine_ns);
   std::shared_ptr<std::vector<uint8_t>> own;
   std::span<uint8_t> into;
   if (target) {
@@ -119,7 +121,6 @@ Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, c
   // Only a lent buffer: the engine verifies what it lent, not a Write's bytes.
   const bool engine_verifies =
       target && c.codec == manifest::CODEC_RAW && c.checksum && engine.VerifiesChunks(c.raw_length);
-  stopwatch.Lap(&FileReadTimes::engine_ns);
   Status read = ReadInto(c, into, engine_verifies, scratch, what, bytes_read);
   stopwatch.Lap(&FileReadTimes::read_ns);
   if (!read.ok()) {

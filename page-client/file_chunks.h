@@ -55,10 +55,12 @@ class ChunkBufferPool {
   std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_;
 };
 
-// Where the threads that install file chunks spend their time, summed over chunks and threads:
-// reading the stored bytes (verifying and decoding them too), and engine calls, their waits at
-// the gate and for engine memory (a free CUDA staging slot) included. A restore's readers' wall
-// time less both is the time they spent between chunks (docs/client.md, Progress::file_read_s).
+// Where the threads that install file chunks spend their time inside InstallFileChunk, summed
+// over chunks and threads: reading the stored bytes (verifying and decoding them, and taking a
+// buffer of ours when the engine lends none), and engine calls, with their waits at the gate and
+// for engine memory (a free CUDA staging slot), and any `done` an engine runs inside the call
+// (the host engine's). The rest of those threads' time is outside InstallFileChunk: the caller's
+// per-chunk work, waiting for chunks, waiting for a CPU (docs/client.md, Progress::file_read_s).
 struct FileReadTimes {
   std::atomic<uint64_t> read_ns{0};
   std::atomic<uint64_t> engine_ns{0};

@@ -360,7 +360,7 @@ class LocalRestore::Impl {
   size_t next_ = 0;  // next entry of order_
   uint64_t hot_resident_ = 0;
   uint64_t read_bytes_ = 0;
-  FileReadTimes file_times_;  // the readers' and Ensure callers' (Progress::file_read_s)
+  FileReadTimes file_times_;  // the readers' (Progress::file_read_s); Ensure only queues
   uint64_t demand_chunks_ = 0;
   uint64_t rereads_ = 0;
   bool stopping_ = false;

@@ -124,10 +124,12 @@ struct Progress {
   // reader-side work from everything else, not the server from the client outright.
   double stream_wait_s = 0;
   double stream_chunk_s = 0;
-  // Where the threads that read chunks from image files (by reference, or LocalRestore) spent
-  // their time, summed over those threads: reading the stored bytes with their verification,
-  // and engine calls with their waits (the engine gate; the CUDA engine's free staging slot).
-  // The readers' wall time less both is time between chunks: waiting for work, or for a CPU.
+  // Where the threads that install chunks from image files (by reference: the file readers, and
+  // the demand thread and Ensure callers for chunks they read themselves; LocalRestore: its
+  // readers) spent their time, summed over those threads (FileReadTimes): reading the stored
+  // bytes with their verification, and engine calls with their waits (the engine gate; the CUDA
+  // engine's free staging slot). With no Ensure, the file readers' wall time less both is their
+  // per-chunk work outside the install (queueing, locating), waiting for chunks and for a CPU.
   double file_read_s = 0;
   double file_engine_s = 0;
   bool complete = false;

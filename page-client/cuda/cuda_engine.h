@@ -58,8 +58,10 @@ struct CudaEngineOptions {
 struct CudaEngineStats {
   uint64_t slot_waits = 0;  // Write / ReceiveTarget calls that found no free slot
   double slot_wait_s = 0;   // their time blocked, summed over every calling thread
-  // Time with no copy queued or waiting to be reaped, from the first copy on (a lower bound on
-  // the DMA engine's idle time: a completed copy counts until the reaper takes it).
+  // Time with no copy queued or waiting to be reaped, from the first copy on; an empty stretch
+  // counts once the next copy has been queued (one still open when stats() is read is left
+  // out). An estimate of the DMA engine's idle time: a completed copy counts as queued until
+  // the reaper takes it, and a stretch ends just after its next copy was issued.
   double copy_queue_empty_s = 0;
 };
 

@@ -95,6 +95,20 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   EXPECT_EQ(line.at("file_engine_s").get<double>(), 0);
 }
 
+// By reference the file readers' time is reported: reading (and verifying) and engine calls.
+TEST(BenchSmoke, StreamByReferenceReportsItsReadersTime) {
+  testing::TempDir work;
+  const std::vector<nlohmann::json> lines =
+      RunBench("--work-dir " + work.path().string() +
+               " stream --size 32M --sessions 1 --transport unix-files");
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& line = lines[0];
+  SCOPED_TRACE(line.dump());
+  EXPECT_TRUE(line.at("verified").get<bool>());
+  EXPECT_GT(line.at("file_read_s").get<double>(), 0);
+  EXPECT_GT(line.at("file_engine_s").get<double>(), 0);
+}
+
 // A small demand run: the client's latencies beside the server's own share of them (request
 // read -> reply written), taken from the server's stats for the loaded session.
 TEST(BenchSmoke, DemandReportsTheServersShare) {

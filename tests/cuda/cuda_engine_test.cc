@@ -105,8 +105,9 @@ TEST_F(CudaEngineTest, FlushWaitsForTheLastCompletionToReturn) {
 
 // stats(): a writer that finds every slot in flight is counted and timed, and so is the copy
 // queue standing empty between copies. The reaper frees a slot before it runs that slot's
-// 20 ms `done`, so with 4 slots the sixth write waits for the second slot until the first
-// `done` has returned: about 20 ms.
+// `done`, and the first `done` holds the reaper until the sixth write is being issued, then 20
+// ms more: with 4 slots (the fifth write took the first one back), the sixth write waits about
+// 20 ms for the second slot, however late the test thread gets there.
 TEST_F(CudaEngineTest, StatsTimeSlotWaitsAndAnEmptyCopyQueue) {
   constexpr int kWrites = 7;
   const uint64_t size = kWrites * (64 << 10);
@@ -117,22 +118,28 @@ TEST_F(CudaEngineTest, StatsTimeSlotWaitsAndAnEmptyCopyQueue) {
   EXPECT_EQ(before.slot_waits, 0u);
   EXPECT_EQ(before.slot_wait_s, 0.0);
   EXPECT_EQ(before.copy_queue_empty_s, 0.0);
+  std::atomic<bool> sixth_issued{false};
   auto write = [&](int i) {
     const uint64_t at = uint64_t{64 << 10} * i;
-    Status s = engine->Write(0, at, {source.data() + at, 64 << 10}, [](Status st) {
+    Status s = engine->Write(0, at, {source.data() + at, 64 << 10}, [&, i](Status st) {
       EXPECT_TRUE(st.ok()) << st.ToString();
+      if (i != 0) return;
+      // Bounded: a test that never gets there still ends (and fails on what it checks).
+      for (int waited = 0; !sixth_issued.load() && waited < 10000; ++waited)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     });
     ASSERT_TRUE(s.ok()) << s.ToString();
   };
-  for (int i = 0; i < kWrites - 1; ++i)
+  for (int i = 0; i < kWrites - 1; ++i) {
+    if (i == 5) sixth_issued.store(true);
     write(i);
+  }
   ASSERT_TRUE(engine->Flush().ok());
   const CudaEngineStats waited = engine->stats();
   EXPECT_GE(waited.slot_waits, 1u);
   EXPECT_GE(waited.slot_wait_s, 0.015);
-  // The queue empties at the last reap, before its 20 ms `done`; 50 ms more pass before the
-  // next copy.
+  // The queue empties at the last reap; 50 ms pass before the next copy.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   write(kWrites - 1);
   ASSERT_TRUE(engine->Flush().ok());

@@ -634,8 +634,8 @@ TEST_F(ImageFilesTest, ChunksTheEngineFindsBadAreFetchedAgainOnceThenFailLoudly)
 
 // Progress::file_read_s and file_engine_s split the time of the threads that install chunks by
 // reference: the engine's 2 ms per chunk lands in file_engine_s, the reads in file_read_s, and
-// together they fit in the two readers' wall time. Through the socket no chunk is read from a
-// file, so both stay 0.
+// together they fit in the wall time of the threads that may install. Through the socket no chunk
+// is read from a file, so both stay 0.
 TEST_F(ImageFilesTest, ProgressSplitsTheFileReadersTime) {
   for (const bool read_files : {true, false}) {
     SCOPED_TRACE(read_files ? "by reference" : "through the socket");
@@ -649,11 +649,14 @@ TEST_F(ImageFilesTest, ProgressSplitsTheFileReadersTime) {
     const auto start = std::chrono::steady_clock::now();
     ASSERT_TRUE(session.Start().ok());
     const Status done = session.WaitComplete(30s);
+    // Progress first, then the clock: a reader adds its last lap after its chunk completes,
+    // which may be after WaitComplete returns, and a lap counted must lie inside the time
+    // measured.
+    const client::Progress p = session.progress();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ASSERT_TRUE(done.ok()) << done.ToString();
     ExpectCheckpointBytes(session, engine.host(), "raw");
-    const client::Progress p = session.progress();
     ASSERT_EQ(p.reading_files, read_files);
     if (!read_files) {
       EXPECT_EQ(p.file_read_s, 0.0);
@@ -662,7 +665,9 @@ TEST_F(ImageFilesTest, ProgressSplitsTheFileReadersTime) {
     }
     EXPECT_GE(p.file_engine_s, 0.002 * static_cast<double>(p.total_chunks));
     EXPECT_GT(p.file_read_s, 0.0);
-    EXPECT_LE(p.file_read_s + p.file_engine_s, 2 * elapsed);
+    // The two readers, and the demand thread should the stream's end ask for a chunk again:
+    // nothing calls Ensure here.
+    EXPECT_LE(p.file_read_s + p.file_engine_s, 3 * elapsed);
   }
 }
 
