@@ -24,6 +24,7 @@
 #include "page-client/residency.h"
 #include "page-client/server_connection.h"
 #include "proto/checksum.h"
+#include "proto/recent_values.h"
 
 namespace gpulazy::client {
 namespace asio = boost::asio;
@@ -360,8 +361,7 @@ class RestoreSession::Impl {
 
   // The latest demand timings (a ring of RestoreSession::kDemandTimings); a leaf lock.
   mutable std::mutex timings_mutex_;
-  std::vector<DemandChunkTiming> demand_timings_;
-  size_t demand_timings_next_ = 0;
+  RecentValues<DemandChunkTiming> demand_timings_{RestoreSession::kDemandTimings};
 
   EngineGate engine_gate_;  // held around every engine_ call, and only there
   ChunkBufferPool file_buffers_{kMaxSpareBuffers};  // staging for encoded chunks read by reference
@@ -1313,22 +1313,12 @@ std::optional<DemandChunkTiming> RestoreSession::Impl::StartDemandTiming(ChunkId
 
 void RestoreSession::Impl::KeepDemandTiming(DemandChunkTiming timing) {
   std::lock_guard lock(timings_mutex_);
-  if (demand_timings_.size() < RestoreSession::kDemandTimings) {
-    demand_timings_.push_back(timing);
-    return;
-  }
-  demand_timings_[demand_timings_next_] = timing;
-  demand_timings_next_ = (demand_timings_next_ + 1) % demand_timings_.size();
+  demand_timings_.Add(timing);
 }
 
 std::vector<DemandChunkTiming> RestoreSession::Impl::demand_timings() const {
   std::lock_guard lock(timings_mutex_);
-  std::vector<DemandChunkTiming> oldest_first(
-      demand_timings_.begin() + static_cast<ptrdiff_t>(demand_timings_next_),
-      demand_timings_.end());
-  oldest_first.insert(oldest_first.end(), demand_timings_.begin(),
-                      demand_timings_.begin() + static_cast<ptrdiff_t>(demand_timings_next_));
-  return oldest_first;
+  return demand_timings_.OldestFirst();
 }
 
 // ---- either reader thread ----

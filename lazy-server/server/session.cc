@@ -16,7 +16,6 @@ using boost::system::error_code;
 
 namespace {
 
-constexpr size_t kLatencySamples = 4096;
 constexpr auto kLinger = std::chrono::seconds(1);
 
 std::string RandomSecret() {
@@ -133,12 +132,7 @@ void Session::RecordDemandLatency(Clock::duration queued, Clock::duration write)
   };
   const LatencySample sample{micros(queued), micros(write)};
   std::lock_guard lock(mu_);
-  if (latency_us_.size() < kLatencySamples) {
-    latency_us_.push_back(sample);
-  } else {
-    latency_us_[latency_next_] = sample;
-    latency_next_ = (latency_next_ + 1) % kLatencySamples;
-  }
+  latency_us_.Add(sample);
   ++latency_count_;
 }
 
@@ -147,7 +141,7 @@ Session::Latency Session::DemandLatency() const {
   Latency out;
   {
     std::lock_guard lock(mu_);
-    samples = latency_us_;
+    samples = latency_us_.Unordered();
     out.count = latency_count_;
   }
   if (samples.empty()) return out;

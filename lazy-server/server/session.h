@@ -32,6 +32,7 @@
 #include "lazy-server/server/image_store.h"
 #include "page-client/net/frame_stream.h"
 #include "page-client/net/stream.h"
+#include "proto/recent_values.h"
 #include "proto/wire.pb.h"
 
 namespace gpulazy::server {
@@ -105,8 +106,8 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
     uint32_t queued_us = 0;
     uint32_t write_us = 0;
   };
-  std::vector<LatencySample> latency_us_;  // ring of the latest samples
-  size_t latency_next_ = 0;
+  static constexpr size_t kLatencySamples = 4096;
+  RecentValues<LatencySample> latency_us_{kLatencySamples};
   uint64_t latency_count_ = 0;
   bool closed_ = false;
 };
