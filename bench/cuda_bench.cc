@@ -121,9 +121,10 @@ struct PipelineResult {
   // Installed by reference with no checksum (a CRIU checkpoint's chunks the server has not read
   // yet): what "verified by the client" does not cover.
   uint64_t unchecked_chunks = 0;
-  // CpuMeter over the timed part: cpu_busy, client_cpu_s, server_cpu_s; the file readers' time
-  // (AddReaderReadings) and the engine's staging-ring stats (AddEngineReadings).
-  std::map<std::string, double> cpu;
+  // Named numbers reported as they are (medians over the runs): the CpuMeter over the timed
+  // part (cpu_busy, client_cpu_s, server_cpu_s), the file readers' time (AddReaderReadings) and
+  // the engine's staging-ring stats (AddEngineReadings).
+  std::map<std::string, double> readings;
 };
 
 // The file readers' time split (Progress::file_read_s, file_engine_s), summed over readers:
@@ -228,10 +229,10 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.setup_s = SecondsSince(start);
     GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
     result.seconds = SecondsSince(start);
-    result.cpu = CpuReadings(cpu);
+    result.readings = CpuReadings(cpu);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
-    AddReaderReadings(session.progress(), result.cpu);
+    AddReaderReadings(session.progress(), result.readings);
 
     GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
     result.verified = true;
@@ -239,7 +240,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   result.slot_bytes = engine->slot_bytes();
   result.staging_slots = engine->staging_slots();
   result.chunks_verified_on_device = engine->chunks_verified_on_device();
-  AddEngineReadings(*engine, result.cpu);
+  AddEngineReadings(*engine, result.readings);
   return result;
 }
 
@@ -263,15 +264,15 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   result.setup_s = SecondsSince(start);
   GPULAZY_RETURN_IF_ERROR(restore.WaitComplete(std::chrono::minutes(10)));
   result.seconds = SecondsSince(start);
-  result.cpu = CpuReadings(cpu);
+  result.readings = CpuReadings(cpu);
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
-  AddReaderReadings(restore.progress(), result.cpu);
+  AddReaderReadings(restore.progress(), result.readings);
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
   result.slot_bytes = engine->slot_bytes();
   result.staging_slots = engine->staging_slots();
   result.chunks_verified_on_device = engine->chunks_verified_on_device();
-  AddEngineReadings(*engine, result.cpu);
+  AddEngineReadings(*engine, result.readings);
   return result;
 }
 
@@ -561,11 +562,12 @@ int Run(int argc, char** argv) {
     if (!image_dir.ok()) return fail(image_dir.status());
     std::vector<double> ceiling, pipeline, by_reference, local, upstream;
     std::map<std::string, std::vector<double>> setup;
-    // Case -> CpuMeter field -> one value per run (medians reported).
-    std::map<std::string, std::map<std::string, std::vector<double>>> cpu;
-    auto note_cpu = [&](const std::string& name, const std::map<std::string, double>& reading) {
+    // Case -> reading (PipelineResult::readings) -> one value per run (medians reported).
+    std::map<std::string, std::map<std::string, std::vector<double>>> readings;
+    auto note_readings = [&](const std::string& name,
+                             const std::map<std::string, double>& reading) {
       for (const auto& [field, value] : reading)
-        cpu[name][field].push_back(value);
+        readings[name][field].push_back(value);
     };
     std::map<std::string, uint64_t> device_verified;  // chunks the GPU verified, last run
     std::map<std::string, uint64_t> unchecked;        // chunks with no checksum, last run
@@ -586,7 +588,7 @@ int Run(int argc, char** argv) {
                             server->pid()));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
-        note_cpu(name, p.cpu);
+        note_readings(name, p.readings);
         slot_bytes_used = p.slot_bytes;
         slots_used = p.staging_slots;
         device_verified[name] = p.chunks_verified_on_device;
@@ -610,7 +612,7 @@ int Run(int argc, char** argv) {
         if (!l.ok()) return fail(l.status());
         local.push_back(l->throughput_Bps);
         setup["gpulazy_local_direct"].push_back(l->setup_s);
-        note_cpu("gpulazy_local_direct", l->cpu);
+        note_readings("gpulazy_local_direct", l->readings);
         slot_bytes_used = l->slot_bytes;
         slots_used = l->staging_slots;
         device_verified["gpulazy_local_direct"] = l->chunks_verified_on_device;
@@ -650,7 +652,7 @@ int Run(int argc, char** argv) {
           {"setup_s", setup.contains(name) ? Percentile(setup[name], 0.5) : 0.0},
           {"device", DeviceDescription()},
           {"machine", MachineDescription()}};
-      for (auto& [field, values] : cpu[name])
+      for (auto& [field, values] : readings[name])
         result[field] = Percentile(values, 0.5);
       Emit(common, result,
            {"case", "throughput_Bps", "ceiling_Bps", "ratio", "setup_s", "verified",

@@ -64,6 +64,13 @@ class ChunkBufferPool {
 struct FileReadTimes {
   std::atomic<uint64_t> read_ns{0};
   std::atomic<uint64_t> engine_ns{0};
+
+  double read_s() const {
+    return static_cast<double>(read_ns.load(std::memory_order_relaxed)) / 1e9;
+  }
+  double engine_s() const {
+    return static_cast<double>(engine_ns.load(std::memory_order_relaxed)) / 1e9;
+  }
 };
 
 // Reads, verifies and hands `c` to the engine; `done` then runs exactly once, as for

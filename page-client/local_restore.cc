@@ -146,9 +146,8 @@ class LocalRestore::Impl {
     p.received_bytes = read_bytes_;
     p.demand_chunks = demand_chunks_;
     p.refetches = rereads_;
-    p.file_read_s = static_cast<double>(file_times_.read_ns.load(std::memory_order_relaxed)) / 1e9;
-    p.file_engine_s =
-        static_cast<double>(file_times_.engine_ns.load(std::memory_order_relaxed)) / 1e9;
+    p.file_read_s = file_times_.read_s();
+    p.file_engine_s = file_times_.engine_s();
     p.complete = residency_.complete();
     return p;
   }

@@ -655,9 +655,8 @@ Progress RestoreSession::Impl::progress() const {
   p.stream_wait_s = static_cast<double>(stream_wait_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.stream_chunk_s = static_cast<double>(stream_chunk_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.unchecked_chunks = unchecked_chunks_.load(std::memory_order_relaxed);
-  p.file_read_s = static_cast<double>(file_times_.read_ns.load(std::memory_order_relaxed)) / 1e9;
-  p.file_engine_s =
-      static_cast<double>(file_times_.engine_ns.load(std::memory_order_relaxed)) / 1e9;
+  p.file_read_s = file_times_.read_s();
+  p.file_engine_s = file_times_.engine_s();
   p.total_bytes = residency_.total_bytes();
   p.total_chunks = residency_.total_chunks();
   p.resident_bytes = residency_.resident_bytes();
