@@ -320,6 +320,11 @@ class SlowReadersEngine : public client::ForwardingHostEngine {
     auto found = installed_by_.find({bo, offset});
     return found == installed_by_.end() ? std::string() : found->second;
   }
+  // Chunks that reached Write so far.
+  size_t writes() const {
+    std::lock_guard lock(mu_);
+    return installed_by_.size();
+  }
 
  private:
   mutable std::mutex mu_;
@@ -377,6 +382,31 @@ TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
   ASSERT_TRUE(session.WaitComplete(60s).ok());
   EXPECT_EQ(session.progress().resident_chunks, start.total_chunks);
   ExpectCheckpointBytes(session, engine.host(), "raw");
+}
+
+// A session closed while its readers' queue is full leaves at once: the readers unclaim what is
+// still queued instead of reading it (one reader at 100 ms a chunk would need the whole queue's
+// time), and nothing reaches the engine after the destructor returned.
+TEST_F(ImageFilesTest, SessionClosedWithChunksQueuedReadsNoMoreOfThem) {
+  SlowReadersEngine engine;
+  uint64_t total_chunks = 0;
+  size_t writes_at_close = 0;
+  {
+    client::RestoreSession session(OneReaderOptions(server_->unix_endpoint()), engine);
+    ASSERT_TRUE(session.Start().ok());
+    const client::Progress start = session.progress();
+    total_chunks = start.total_chunks;
+    ASSERT_GE(total_chunks, 8u);
+    WaitForFullWindow(session, start.total_bytes);
+    ASSERT_EQ(session.progress().received_bytes, start.total_bytes);
+    writes_at_close = engine.writes();
+    ASSERT_LT(writes_at_close + 4, total_chunks) << "the queue drained before the test closed it";
+  }
+  const size_t writes_after = engine.writes();
+  // The chunk a reader held when the session closed may still have reached the engine.
+  EXPECT_LE(writes_after, writes_at_close + 1);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(engine.writes(), writes_after) << "a write after the session was gone";
 }
 
 // A chunk someone waits for that arrives by reference after Ensure asked is read at once, not
