@@ -127,11 +127,17 @@ struct PipelineResult {
   std::map<std::string, double> readings;
 };
 
-// The file readers' time split (Progress::file_read_s, file_engine_s), summed over readers:
-// with the restore's seconds and reader count, what is left is their time between chunks.
-void AddReaderReadings(const client::Progress& progress, std::map<std::string, double>& into) {
+// The file readers' time split (Progress::file_read_s, file_engine_s), summed over readers, and
+// what is left of their wall time (`readers` x the restore's `seconds`; 0 readers: none ran):
+// their time between chunks, waiting for the next or for a CPU, the session's setup included.
+void AddReaderReadings(const client::Progress& progress, uint32_t readers, double seconds,
+                       std::map<std::string, double>& into) {
   into["file_read_s"] = progress.file_read_s;
   into["file_engine_s"] = progress.file_engine_s;
+  into["file_idle_s"] =
+      readers == 0
+          ? 0.0
+          : std::max(0.0, readers * seconds - progress.file_read_s - progress.file_engine_s);
 }
 
 // The engine's CudaEngineStats as JSON fields: readers waiting for slots (DMA behind) against the
@@ -232,7 +238,8 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.readings = CpuReadings(cpu);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
-    AddReaderReadings(session.progress(), result.readings);
+    AddReaderReadings(session.progress(), read_files ? readers : 0, result.seconds,
+                      result.readings);
 
     GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
     result.verified = true;
@@ -266,7 +273,7 @@ Result<PipelineResult> MeasureLocal(const fs::path& image_dir, uint32_t readers,
   result.seconds = SecondsSince(start);
   result.readings = CpuReadings(cpu);
   result.throughput_Bps = static_cast<double>(restore.progress().total_bytes) / result.seconds;
-  AddReaderReadings(restore.progress(), result.readings);
+  AddReaderReadings(restore.progress(), readers, result.seconds, result.readings);
   GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, restore.bos(), *engine));
   result.verified = true;
   result.slot_bytes = engine->slot_bytes();

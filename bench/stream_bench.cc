@@ -203,6 +203,11 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
         image_dir, *clients[0], static_cast<const client::HostCopyEngine&>(*engines[0])));
     verified = true;
   }
+  // The readers' wall time (against the run's) not spent installing: between chunks.
+  const double file_idle_s =
+      read_files
+          ? std::max(0.0, options.file_readers * seconds - (file_read_s + file_engine_s) / sessions)
+          : 0.0;
   nlohmann::json result{{"seconds", seconds},
                         {"bytes", bytes},
                         {"throughput_Bps", static_cast<double>(bytes) / seconds},
@@ -210,6 +215,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
                         {"stream_chunk_s", chunk_s / sessions},
                         {"file_read_s", file_read_s / sessions},
                         {"file_engine_s", file_engine_s / sessions},
+                        {"file_idle_s", file_idle_s},
                         {"verified", verified}};
   result.update(cpu_used);
   return result;
@@ -301,6 +307,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                // engine calls with their waits (client::Progress).
                                {"file_read_s", pipeline["file_read_s"]},
                                {"file_engine_s", pipeline["file_engine_s"]},
+                               {"file_idle_s", pipeline["file_idle_s"]},
                                // Where the CPU went (harness.h CpuMeter): a pipeline short of its
                                // ceiling with the machine busy has no CPU left; one with idle
                                // CPUs waits on something.

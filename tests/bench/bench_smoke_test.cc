@@ -93,6 +93,7 @@ TEST(BenchSmoke, StreamReportsItsCpuUse) {
   // Through the socket no chunk is read from the image files.
   EXPECT_EQ(line.at("file_read_s").get<double>(), 0);
   EXPECT_EQ(line.at("file_engine_s").get<double>(), 0);
+  EXPECT_EQ(line.at("file_idle_s").get<double>(), 0);
 }
 
 // By reference the file readers' time is reported: reading (and verifying) and engine calls.
@@ -107,6 +108,11 @@ TEST(BenchSmoke, StreamByReferenceReportsItsReadersTime) {
   EXPECT_TRUE(line.at("verified").get<bool>());
   EXPECT_GT(line.at("file_read_s").get<double>(), 0);
   EXPECT_GT(line.at("file_engine_s").get<double>(), 0);
+  // The rest of the readers' wall time: under all of it (they did read), never negative.
+  const double idle = line.at("file_idle_s").get<double>();
+  const double readers_wall = 4 * line.at("seconds").get<double>();  // --file-readers default
+  EXPECT_GE(idle, 0);
+  EXPECT_LT(idle, readers_wall);
 }
 
 // A small demand run: the client's latencies beside the server's own share of them (request
