@@ -4,9 +4,9 @@
 # limits, thread pools), the userfaultfd pager (fault threads racing the background fill, the
 # server killed while faults wait, the pager in another process) and the end-to-end tests that
 # run them together (64 concurrent sessions, kill -9 + restart, fetch over unix and tcp, chunks
-# read by reference from passed image files on reader threads). That set is what CI runs, when
-# its budget leaves room (.ci/run).
-# --all adds what CI has no time for: the server under protocol abuse and reply back-pressure,
+# read by reference from passed image files on reader threads). CI runs that set, or --all when
+# its budget leaves room for it (.ci/run).
+# --all adds the server under protocol abuse and reply back-pressure,
 # the embedded server, the fetch tool, and the CRIU plugin inside the simulated CRIU host
 # (page client threads in CRIU's master, the fault channel, TLS, tasks dying mid-restore).
 # Built RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl)
