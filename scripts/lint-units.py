@@ -86,5 +86,6 @@ def main():
                 if source != compiled[0]:
                     print(alone(entry, source))
 
+
 if __name__ == "__main__":
     main()
