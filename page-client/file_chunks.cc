@@ -127,8 +127,11 @@ Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, c
     if (target) {
       // Nothing unverified may linger in a destination the engine lent us.
       std::memset(into.data(), 0, into.size());
-      EngineHold engine_hold(gate, urgency);
-      engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
+      {
+        EngineHold engine_hold(gate, urgency);
+        engine.ReleaseReceived(c.bo, c.dest_offset, c.raw_length);
+      }
+      stopwatch.Lap(&FileReadTimes::engine_ns);
     } else {
       buffers.Return(std::move(own));
     }

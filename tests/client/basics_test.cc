@@ -34,6 +34,7 @@
 #include "page-client/populate_ahead.h"
 #include "page-client/residency.h"
 #include "proto/checksum.h"
+#include "tests/client/forwarding_engine.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/threads.h"
 
@@ -652,6 +653,49 @@ TEST_F(InstallFileChunkTest, ShortFileIsAnErrorAndInstallsNothing) {
   EXPECT_FALSE(status.ok());
   EXPECT_EQ(done_calls, 0);
   EXPECT_TRUE(std::ranges::all_of(Destination(), [](uint8_t b) { return b == 0; }));
+}
+
+// A chunk whose read fails hands its lent destination back: that engine call, and its wait at
+// the gate, are engine time like any other (Progress::file_engine_s), not time between chunks.
+TEST(InstallFileChunkTimes, ReleaseAfterAFailedReadCountsAsEngineTime) {
+  class SlowReleaseEngine : public ForwardingHostEngine {
+   public:
+    std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t, uint64_t, uint64_t length) override {
+      lent_.assign(length, 0xAA);
+      return std::span<uint8_t>(lent_);
+    }
+    void ReleaseReceived(uint32_t, uint64_t, uint64_t) override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      released_ = true;
+    }
+    std::string_view name() const override { return "slow-release"; }
+    std::vector<uint8_t> lent_;
+    bool released_ = false;
+  };
+  const int fd = ::memfd_create("short-file", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);  // the chunk below wants 64 KiB: the read comes up short
+  SlowReleaseEngine engine;
+  EngineGate gate;
+  ChunkBufferPool buffers{1};
+  std::vector<uint8_t> scratch;
+  FileReadTimes times;
+  const FileChunk chunk{.bo = 0,
+                        .chunk = 0,
+                        .dest_offset = 0,
+                        .raw_length = 64 << 10,
+                        .checksum = std::nullopt,
+                        .fd = fd,
+                        .file_offset = 0,
+                        .stored_length = 64 << 10};
+  Status status = InstallFileChunk(engine, gate, Urgency::kBackground, chunk, buffers, scratch,
+                                   "BO 0 chunk 0", nullptr, nullptr, &times);
+  ::close(fd);
+  EXPECT_FALSE(status.ok());
+  EXPECT_TRUE(engine.released_);
+  EXPECT_TRUE(std::ranges::all_of(engine.lent_, [](uint8_t b) { return b == 0; }))
+      << "bytes read before the failure were left in the lent destination";
+  EXPECT_GE(times.engine_s(), 0.030) << "the release's 30 ms are not in the engine time";
 }
 
 TEST(Residency, GeometryAndStates) {
