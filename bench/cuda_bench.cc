@@ -135,9 +135,7 @@ void AddReaderReadings(const client::Progress& progress, uint32_t readers, doubl
   into["file_read_s"] = progress.file_read_s;
   into["file_engine_s"] = progress.file_engine_s;
   into["file_idle_s"] =
-      readers == 0
-          ? 0.0
-          : std::max(0.0, readers * seconds - progress.file_read_s - progress.file_engine_s);
+      ReadersIdleSeconds(readers, seconds, progress.file_read_s + progress.file_engine_s);
 }
 
 // The engine's CudaEngineStats as JSON fields: readers waiting for slots (DMA behind) against the

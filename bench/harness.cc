@@ -309,6 +309,10 @@ void Emit(const CommonOptions& options, const nlohmann::json& result,
   std::cout << row.str() << std::endl;
 }
 
+double ReadersIdleSeconds(uint32_t readers, double wall_s, double busy_s) {
+  return readers == 0 ? 0.0 : std::max(0.0, readers * wall_s - busy_s);
+}
+
 double Percentile(std::vector<double> samples, double fraction) {
   if (samples.empty()) return 0;
   std::sort(samples.begin(), samples.end());

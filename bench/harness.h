@@ -129,4 +129,9 @@ void Emit(const CommonOptions& options, const nlohmann::json& result,
 
 double Percentile(std::vector<double> samples, double fraction);
 
+// The file readers' time between chunks (Progress::file_read_s and file_engine_s are their time
+// inside installs, summed over them): `readers` x the run's `wall_s`, less `busy_s`; never
+// negative, 0 when no reader ran.
+double ReadersIdleSeconds(uint32_t readers, double wall_s, double busy_s);
+
 }  // namespace gpulazy::bench

@@ -203,11 +203,9 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
         image_dir, *clients[0], static_cast<const client::HostCopyEngine&>(*engines[0])));
     verified = true;
   }
-  // The readers' wall time (against the run's) not spent installing: between chunks.
-  const double file_idle_s =
-      read_files
-          ? std::max(0.0, options.file_readers * seconds - (file_read_s + file_engine_s) / sessions)
-          : 0.0;
+  // Per session, against the run's wall time.
+  const double file_idle_s = ReadersIdleSeconds(read_files ? options.file_readers : 0, seconds,
+                                                (file_read_s + file_engine_s) / sessions);
   nlohmann::json result{{"seconds", seconds},
                         {"bytes", bytes},
                         {"throughput_Bps", static_cast<double>(bytes) / seconds},

@@ -384,9 +384,9 @@ TEST_F(ImageFilesTest, EnsureOfAQueuedChunkReadsItAheadOfTheQueue) {
   ExpectCheckpointBytes(session, engine.host(), "raw");
 }
 
-// A session closed while its readers' queue is full leaves at once: the readers unclaim what is
-// still queued instead of reading it (one reader at 100 ms a chunk would need the whole queue's
-// time), and nothing reaches the engine after the destructor returned.
+// A session closed while its readers' queue is full reads no more of it: the readers unclaim what
+// is still queued (one reader at 100 ms a chunk holds back most of the image), at most the chunk
+// a reader had taken still lands, and nothing reaches the engine after the destructor returned.
 TEST_F(ImageFilesTest, SessionClosedWithChunksQueuedReadsNoMoreOfThem) {
   SlowReadersEngine engine;
   uint64_t total_chunks = 0;
