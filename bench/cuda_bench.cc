@@ -127,13 +127,15 @@ struct PipelineResult {
   std::map<std::string, double> readings;
 };
 
-// The file readers' time split (Progress::file_read_s, file_engine_s), summed over readers, and
-// what is left of their wall time (`readers` x the restore's `seconds`; 0 readers: none ran):
-// their time between chunks, waiting for the next or for a CPU, the session's setup included.
+// The file readers' time split (Progress::file_read_s, file_engine_s with its file_gate_wait_s),
+// summed over readers, and what is left of their wall time (`readers` x the restore's `seconds`; 0
+// readers: none ran): their time between chunks, waiting for the next or for a CPU, the session's
+// setup included.
 void AddReaderReadings(const client::Progress& progress, uint32_t readers, double seconds,
                        std::map<std::string, double>& into) {
   into["file_read_s"] = progress.file_read_s;
   into["file_engine_s"] = progress.file_engine_s;
+  into["file_gate_wait_s"] = progress.file_gate_wait_s;
   into["file_idle_s"] =
       ReadersIdleSeconds(readers, seconds, progress.file_read_s + progress.file_engine_s);
 }

@@ -186,6 +186,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   double chunk_s = 0;
   double file_read_s = 0;
   double file_engine_s = 0;
+  double file_gate_wait_s = 0;
   for (auto& c : clients) {
     GPULAZY_RETURN_IF_ERROR(c->WaitComplete(std::chrono::minutes(10)));
     const client::Progress progress = c->progress();
@@ -194,6 +195,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     chunk_s += progress.stream_chunk_s;
     file_read_s += progress.file_read_s;
     file_engine_s += progress.file_engine_s;
+    file_gate_wait_s += progress.file_gate_wait_s;
   }
   double seconds = SecondsSince(start);
   const nlohmann::json cpu_used = cpu.Read();
@@ -213,6 +215,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
                         {"stream_chunk_s", chunk_s / sessions},
                         {"file_read_s", file_read_s / sessions},
                         {"file_engine_s", file_engine_s / sessions},
+                        {"file_gate_wait_s", file_gate_wait_s / sessions},
                         {"file_idle_s", file_idle_s},
                         {"verified", verified}};
   result.update(cpu_used);
@@ -302,9 +305,11 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"stream_chunk_s", pipeline["stream_chunk_s"]},
                                // Per session, averaged, summed over its file readers (by
                                // reference; 0 otherwise): reading and verifying chunks, and
-                               // engine calls with their waits (client::Progress).
+                               // engine calls with their waits, the gate's among them
+                               // (client::Progress).
                                {"file_read_s", pipeline["file_read_s"]},
                                {"file_engine_s", pipeline["file_engine_s"]},
+                               {"file_gate_wait_s", pipeline["file_gate_wait_s"]},
                                {"file_idle_s", pipeline["file_idle_s"]},
                                // Where the CPU went (harness.h CpuMeter): a pipeline short of its
                                // ceiling with the machine busy has no CPU left; one with idle

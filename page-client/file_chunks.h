@@ -61,15 +61,21 @@ class ChunkBufferPool {
 // for engine memory (a free CUDA staging slot), and any `done` an engine runs inside the call
 // (the host engine's). The rest of those threads' time is outside InstallFileChunk: the caller's
 // per-chunk work, waiting for chunks, waiting for a CPU (docs/client.md, Progress::file_read_s).
+// gate_wait_ns is the part of engine_ns spent waiting to enter the engine gate: the engine's
+// own time is the rest.
 struct FileReadTimes {
   std::atomic<uint64_t> read_ns{0};
   std::atomic<uint64_t> engine_ns{0};
+  std::atomic<uint64_t> gate_wait_ns{0};
 
   double read_s() const {
     return static_cast<double>(read_ns.load(std::memory_order_relaxed)) / 1e9;
   }
   double engine_s() const {
     return static_cast<double>(engine_ns.load(std::memory_order_relaxed)) / 1e9;
+  }
+  double gate_wait_s() const {
+    return static_cast<double>(gate_wait_ns.load(std::memory_order_relaxed)) / 1e9;
   }
 };
 

@@ -148,6 +148,7 @@ class LocalRestore::Impl {
     p.refetches = rereads_;
     p.file_read_s = file_times_.read_s();
     p.file_engine_s = file_times_.engine_s();
+    p.file_gate_wait_s = file_times_.gate_wait_s();
     p.complete = residency_.complete();
     return p;
   }

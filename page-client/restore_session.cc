@@ -657,6 +657,7 @@ Progress RestoreSession::Impl::progress() const {
   p.unchecked_chunks = unchecked_chunks_.load(std::memory_order_relaxed);
   p.file_read_s = file_times_.read_s();
   p.file_engine_s = file_times_.engine_s();
+  p.file_gate_wait_s = file_times_.gate_wait_s();
   p.total_bytes = residency_.total_bytes();
   p.total_chunks = residency_.total_chunks();
   p.resident_bytes = residency_.resident_bytes();

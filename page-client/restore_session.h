@@ -132,6 +132,9 @@ struct Progress {
   // per-chunk work outside the install (queueing, locating), waiting for chunks and for a CPU.
   double file_read_s = 0;
   double file_engine_s = 0;
+  // The part of file_engine_s spent waiting to enter the engine gate (EngineGate): with an
+  // engine that takes one caller at a time, the readers' queue for it.
+  double file_gate_wait_s = 0;
   bool complete = false;
 };
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -653,6 +654,52 @@ TEST_F(InstallFileChunkTest, ShortFileIsAnErrorAndInstallsNothing) {
   EXPECT_FALSE(status.ok());
   EXPECT_EQ(done_calls, 0);
   EXPECT_TRUE(std::ranges::all_of(Destination(), [](uint8_t b) { return b == 0; }));
+}
+
+// The wait to enter the engine gate is counted apart (FileReadTimes::gate_wait_ns) and inside
+// the engine time: a chunk installed while another thread holds the gate for 30 ms waits that
+// long, and an install with the gate free waits for nothing of the kind.
+TEST(InstallFileChunkTimes, WaitAtTheGateIsCountedWithinEngineTime) {
+  const int fd = ::memfd_create("gate-wait", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  constexpr uint32_t kLength = 64 << 10;
+  ASSERT_EQ(::ftruncate(fd, kLength), 0);
+  HostCopyEngine engine;
+  ASSERT_TRUE(engine.AddDestination(0, kLength).ok());
+  EngineGate gate;
+  ChunkBufferPool buffers{1};
+  std::vector<uint8_t> scratch;
+  const FileChunk chunk{.bo = 0,
+                        .chunk = 0,
+                        .dest_offset = 0,
+                        .raw_length = kLength,
+                        .checksum = std::nullopt,
+                        .fd = fd,
+                        .file_offset = 0,
+                        .stored_length = kLength};
+  FileReadTimes free_gate;
+  ASSERT_TRUE(InstallFileChunk(
+                  engine, gate, Urgency::kBackground, chunk, buffers, scratch, "BO 0 chunk 0",
+                  [](const Status&) {}, nullptr, &free_gate)
+                  .ok());
+  EXPECT_LT(free_gate.gate_wait_s(), 0.010) << "waited at a gate no one held";
+
+  FileReadTimes held_gate;
+  std::promise<void> holding;
+  std::thread holder([&] {
+    std::lock_guard hold(gate);
+    holding.set_value();
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  });
+  holding.get_future().wait();
+  Status installed = InstallFileChunk(
+      engine, gate, Urgency::kBackground, chunk, buffers, scratch, "BO 0 chunk 0",
+      [](const Status&) {}, nullptr, &held_gate);
+  holder.join();
+  ::close(fd);
+  ASSERT_TRUE(installed.ok()) << installed.message();
+  EXPECT_GE(held_gate.gate_wait_s(), 0.025) << "the 30 ms behind the holder are not counted";
+  EXPECT_LE(held_gate.gate_wait_s(), held_gate.engine_s()) << "the wait is outside engine time";
 }
 
 // A chunk whose read fails hands its lent destination back: that engine call, and its wait at
