@@ -136,6 +136,14 @@ class CopyEngine {
   // for a background write in progress. The default is the one-caller-at-a-time contract.
   virtual bool ConcurrentCalls() const { return false; }
 
+  // Whether the calls that hand the engine a filled buffer or give one back (CommitReceived,
+  // CommitUnverified, ReleaseReceived, Write) may run on several threads at once, for disjoint
+  // ranges, while ReceiveTarget keeps the one-caller-at-a-time contract. The file readers then
+  // take lent buffers one at a time, in order, under the gate, and commit outside it: a commit
+  // that is slow (a kernel launch) no longer holds every other reader (docs/benchmarks.md,
+  // session 23). Implied by ConcurrentCalls.
+  virtual bool ConcurrentCommits() const { return ConcurrentCalls(); }
+
   // Returns once every accepted write has completed (its `done` has run); the first failure
   // since the last Flush, if any. An engine that holds writes (waiting for a destination to be
   // bound, say) must complete or refuse them before the session that issued them is destroyed:

@@ -702,6 +702,103 @@ TEST(InstallFileChunkTimes, WaitAtTheGateIsCountedWithinEngineTime) {
   EXPECT_LE(held_gate.gate_wait_s(), held_gate.engine_s()) << "the wait is outside engine time";
 }
 
+// An engine that takes concurrent commits (CopyEngine::ConcurrentCommits) is lent its buffer
+// under the gate and committed outside it; any other is committed under the gate. The engine
+// below starts a thread in ReceiveTarget that takes the gate as soon as the lend leaves it and
+// holds it until the commit or for `hold`; the commit waits up to `patience` for that thread to
+// be holding the gate. It can be only while the commit is outside the gate.
+class GateProbeEngine : public ForwardingHostEngine {
+ public:
+  GateProbeEngine(EngineGate& gate, bool concurrent_commits, std::chrono::milliseconds hold,
+                  std::chrono::milliseconds patience)
+      : gate_(gate), concurrent_commits_(concurrent_commits), hold_(hold), patience_(patience) {}
+  ~GateProbeEngine() override {
+    release_.store(true);
+    if (holder_.joinable()) holder_.join();
+  }
+  std::string_view name() const override { return "gate-probe"; }
+  bool ConcurrentCommits() const override { return concurrent_commits_; }
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                  uint64_t length) override {
+    holder_ = std::thread([this] {
+      std::lock_guard hold(gate_);
+      holding_.store(true);
+      const auto until = std::chrono::steady_clock::now() + hold_;
+      while (!release_.load() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      holding_.store(false);
+    });
+    (void)bo, (void)offset;
+    lent_.assign(length, 0);
+    return std::span<uint8_t>(lent_);
+  }
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    const auto give_up = std::chrono::steady_clock::now() + patience_;
+    while (!holding_.load() && std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    committed_beside_holder_ = holding_.load();
+    release_.store(true);
+    if (length != lent_.size())
+      return InvalidArgument("commit of {} bytes, {} lent", length, lent_.size());
+    return host_.Write(bo, offset, lent_, std::move(done));
+  }
+  bool committed_beside_holder() const { return committed_beside_holder_; }
+
+ private:
+  EngineGate& gate_;
+  const bool concurrent_commits_;
+  const std::chrono::milliseconds hold_;
+  const std::chrono::milliseconds patience_;
+  std::vector<uint8_t> lent_;
+  std::thread holder_;
+  std::atomic<bool> holding_{false};
+  std::atomic<bool> release_{false};
+  bool committed_beside_holder_ = false;
+};
+
+bool CommittedBesideAGateHolder(bool concurrent_commits, std::chrono::milliseconds hold,
+                                std::chrono::milliseconds patience) {
+  const int fd = ::memfd_create("gate-probe", MFD_CLOEXEC);
+  EXPECT_GE(fd, 0);
+  constexpr uint32_t kLength = 64 << 10;
+  EXPECT_EQ(::ftruncate(fd, kLength), 0);
+  EngineGate gate;
+  GateProbeEngine engine(gate, concurrent_commits, hold, patience);
+  EXPECT_TRUE(engine.AddDestination(0, kLength).ok());
+  ChunkBufferPool buffers{1};
+  std::vector<uint8_t> scratch;
+  const FileChunk chunk{.bo = 0,
+                        .chunk = 0,
+                        .dest_offset = 0,
+                        .raw_length = kLength,
+                        .checksum = std::nullopt,
+                        .fd = fd,
+                        .file_offset = 0,
+                        .stored_length = kLength};
+  bool written = false;
+  Status status = InstallFileChunk(
+      engine, gate, Urgency::kBackground, chunk, buffers, scratch, "BO 0 chunk 0",
+      [&](const Status& s) { written = s.ok(); }, nullptr);
+  ::close(fd);
+  EXPECT_TRUE(status.ok()) << status.message();
+  EXPECT_TRUE(engine.Flush().ok());
+  EXPECT_TRUE(written);
+  return engine.committed_beside_holder();
+}
+
+TEST(InstallFileChunkGate, ConcurrentCommitsLeaveTheGateToOthers) {
+  EXPECT_TRUE(CommittedBesideAGateHolder(true, std::chrono::seconds(10), std::chrono::seconds(10)))
+      << "the commit held the gate although the engine takes concurrent commits";
+}
+
+// The holder gives the gate up after 100 ms (the commit waits for it); the commit, under the gate,
+// never sees it holding.
+TEST(InstallFileChunkGate, SerialEnginesCommitUnderTheGate) {
+  EXPECT_FALSE(CommittedBesideAGateHolder(false, std::chrono::milliseconds(100),
+                                          std::chrono::milliseconds(300)))
+      << "another thread held the gate during the commit of a one-caller-at-a-time engine";
+}
+
 // A chunk whose read fails hands its lent destination back: that engine call, and its wait at
 // the gate, are engine time like any other (Progress::file_engine_s), not time between chunks.
 TEST(InstallFileChunkTimes, ReleaseAfterAFailedReadCountsAsEngineTime) {
