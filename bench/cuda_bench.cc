@@ -519,8 +519,10 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--blocking-sync", layer_options.engine.blocking_sync,
                "the engine's reaper sleeps until a copy completes instead of spinning on it");
-  app.add_flag("--verify-on-device", layer_options.engine.verify_on_device,
-               "the engine verifies chunks with checksums on the GPU, not the readers on the CPU");
+  app.add_flag("--verify-on-device,!--no-verify-on-device", layer_options.engine.verify_on_device,
+               "the engine verifies chunks with checksums on the GPU (the default), not the "
+               "readers on the CPU")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   LogWarningsToStderr();
   common.work_dir = work_dir;

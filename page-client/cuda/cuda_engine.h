@@ -39,12 +39,18 @@ struct CudaEngineOptions {
   // memory is staging_slots x slot_bytes, pinned before the restore's program may run, so
   // smaller slots resume sooner.
   uint32_t slot_bytes = 0;
-  uint32_t streams = 4;
+  // Copy streams. 16: with verify_on_device each chunk's copy and kernel run on one stream, and
+  // on the lent H100 hosts 16 streams streamed faster than 8 and 4 (docs/benchmarks.md, session
+  // 23); without it 16 and 4 were alike.
+  uint32_t streams = 16;
   // Verify received chunks on the GPU (CopyEngine::VerifiesChunks): the restore reads them into
   // a staging slot unhashed, the slot is copied to device staging memory, and a kernel hashes
   // it there (XXH3-64, bit for bit libxxhash's) and copies it into the BO only if it matches.
-  // Takes the CPU's hash pass off the stream; costs a second staging ring in device memory.
-  bool verify_on_device = false;
+  // Takes the CPU's hash pass off the stream, whose readers use every CPU; costs a second
+  // staging ring in device memory. On by default since session 23: with the readers' commits
+  // (and so the kernel launches) outside the restore's engine gate, the checked stream ran
+  // 0.07-0.18 of the pinned rate faster than with the readers hashing (docs/benchmarks.md).
+  bool verify_on_device = true;
   // The reaper sleeps until the driver signals a copy's completion (cudaEventBlockingSync)
   // instead of spinning on it, which CUDA does by default with one context per process: the
   // spinning reaper keeps a CPU busy for the whole restore, beside readers that need CPUs.
@@ -85,6 +91,9 @@ class CudaCopyEngine : public CopyEngine {
   bool VerifiesChunks(uint64_t length) const override;
   Status CommitUnverified(uint32_t bo, uint64_t offset, uint64_t length, uint64_t checksum,
                           CopyDone done) override;
+  // Commits, releases and Write from several threads at once: the staging ring has its own
+  // lock, and a verified commit's kernel launch then holds no other writer.
+  bool ConcurrentCommits() const override { return true; }
   // Sizes a ring not made yet (staging_slots = 0).
   void ExpectWriters(uint32_t writers) override;
   // DefaultWriters(): a restore that leaves its reader count to the engine gets one per CPU.
