@@ -656,6 +656,18 @@ TEST_F(InstallFileChunkTest, ShortFileIsAnErrorAndInstallsNothing) {
   EXPECT_TRUE(std::ranges::all_of(Destination(), [](uint8_t b) { return b == 0; }));
 }
 
+// BO 0's first chunk: the whole of `fd`'s `length` bytes, raw and without a checksum.
+FileChunk WholeFileChunk(int fd, uint32_t length) {
+  return FileChunk{.bo = 0,
+                   .chunk = 0,
+                   .dest_offset = 0,
+                   .raw_length = length,
+                   .checksum = std::nullopt,
+                   .fd = fd,
+                   .file_offset = 0,
+                   .stored_length = length};
+}
+
 // The wait to enter the engine gate is counted apart (FileReadTimes::gate_wait_ns) and inside
 // the engine time: a chunk installed while another thread holds the gate for 30 ms waits that
 // long, and an install with the gate free waits for nothing of the kind.
@@ -669,14 +681,7 @@ TEST(InstallFileChunkTimes, WaitAtTheGateIsCountedWithinEngineTime) {
   EngineGate gate;
   ChunkBufferPool buffers{1};
   std::vector<uint8_t> scratch;
-  const FileChunk chunk{.bo = 0,
-                        .chunk = 0,
-                        .dest_offset = 0,
-                        .raw_length = kLength,
-                        .checksum = std::nullopt,
-                        .fd = fd,
-                        .file_offset = 0,
-                        .stored_length = kLength};
+  const FileChunk chunk = WholeFileChunk(fd, kLength);
   FileReadTimes free_gate;
   ASSERT_TRUE(InstallFileChunk(
                   engine, gate, Urgency::kBackground, chunk, buffers, scratch, "BO 0 chunk 0",
@@ -767,14 +772,7 @@ bool CommittedBesideAGateHolder(bool concurrent_commits, std::chrono::millisecon
   EXPECT_TRUE(engine.AddDestination(0, kLength).ok());
   ChunkBufferPool buffers{1};
   std::vector<uint8_t> scratch;
-  const FileChunk chunk{.bo = 0,
-                        .chunk = 0,
-                        .dest_offset = 0,
-                        .raw_length = kLength,
-                        .checksum = std::nullopt,
-                        .fd = fd,
-                        .file_offset = 0,
-                        .stored_length = kLength};
+  const FileChunk chunk = WholeFileChunk(fd, kLength);
   bool written = false;
   Status status = InstallFileChunk(
       engine, gate, Urgency::kBackground, chunk, buffers, scratch, "BO 0 chunk 0",
