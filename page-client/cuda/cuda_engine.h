@@ -49,7 +49,8 @@ struct CudaEngineOptions {
   // Takes the CPU's hash pass off the stream, whose readers use every CPU; costs a second
   // staging ring in device memory. On by default since session 23: with the readers' commits
   // (and so the kernel launches) outside the restore's engine gate, the checked stream ran
-  // 0.06-0.18 of the pinned rate faster than with the readers hashing (docs/benchmarks.md).
+  // 0.02-0.18 of the pinned rate faster than with the readers hashing, on four lent H100 leases
+  // (docs/benchmarks.md).
   bool verify_on_device = true;
   // The reaper sleeps until the driver signals a copy's completion (cudaEventBlockingSync)
   // instead of spinning on it, which CUDA does by default with one context per process: the
