@@ -48,24 +48,30 @@ class EngineGate {
 };
 
 // RAII entry at a given urgency. With `waited`, the time spent waiting to enter is added to it.
+// A null gate is entered by no one: for calls the engine takes from several threads at once.
 class EngineHold {
  public:
   EngineHold(EngineGate& gate, Urgency urgency, std::chrono::nanoseconds* waited = nullptr)
+      : EngineHold(&gate, urgency, waited) {}
+  EngineHold(EngineGate* gate, Urgency urgency, std::chrono::nanoseconds* waited = nullptr)
       : gate_(gate) {
+    if (gate_ == nullptr) return;
     if (waited == nullptr) {
-      gate_.lock(urgency);
+      gate_->lock(urgency);
       return;
     }
     const auto asked = std::chrono::steady_clock::now();
-    gate_.lock(urgency);
+    gate_->lock(urgency);
     *waited += std::chrono::steady_clock::now() - asked;
   }
-  ~EngineHold() { gate_.unlock(); }
+  ~EngineHold() {
+    if (gate_ != nullptr) gate_->unlock();
+  }
   EngineHold(const EngineHold&) = delete;
   EngineHold& operator=(const EngineHold&) = delete;
 
  private:
-  EngineGate& gate_;
+  EngineGate* gate_;
 };
 
 }  // namespace gpulazy::client

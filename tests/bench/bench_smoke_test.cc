@@ -109,8 +109,8 @@ TEST(BenchSmoke, StreamByReferenceReportsItsReadersTime) {
   EXPECT_TRUE(line.at("verified").get<bool>());
   EXPECT_GT(line.at("file_read_s").get<double>(), 0);
   EXPECT_GT(line.at("file_engine_s").get<double>(), 0);
-  // Four readers share one host engine behind the gate; its waits are part of the engine time.
-  EXPECT_GE(line.at("file_gate_wait_s").get<double>(), 0);
+  // The gate's waits are part of the engine time (the host engine takes concurrent calls, so
+  // its gate is open and they are near 0).
   EXPECT_LE(line.at("file_gate_wait_s").get<double>(), line.at("file_engine_s").get<double>());
   // The rest of the readers' wall time: under all of it (they did read), never negative.
   const double idle = line.at("file_idle_s").get<double>();
