@@ -35,7 +35,7 @@ constexpr size_t kMaxSpareBuffers = 32;
 class LocalRestore::Impl {
  public:
   Impl(LocalRestoreOptions options, CopyEngine& engine)
-      : options_(std::move(options)), engine_(engine) {}
+      : options_(std::move(options)), engine_(engine), engine_gate_(!engine.ConcurrentCalls()) {}
 
   ~Impl() {
     Cancel();
@@ -348,7 +348,9 @@ class LocalRestore::Impl {
   std::vector<uint8_t> hot_;           // by global chunk index; immutable after Start
   uint64_t hot_count_ = 0;
 
-  // Engine calls are serialized (InstallFileChunk says why ReceiveTarget is too); reads are not.
+  // Engine calls are serialized (InstallFileChunk says why ReceiveTarget is too), unless the
+  // engine takes concurrent calls (CopyEngine::ConcurrentCalls), as in RestoreSession; reads are
+  // never serialized.
   EngineGate engine_gate_;
   ChunkBufferPool buffers_{kMaxSpareBuffers};
 

@@ -83,7 +83,9 @@ Urgency UrgencyOf(bool on_stream) {
 //   arriving on both connections at once exactly one is received and the other is dropped: no
 //   chunk is applied twice), the counters, failure_ and the lifecycle flags.
 // - engine_gate_ serializes the engine calls of all threads (CopyEngine: one caller at a
-//   time). It is held around the call only, never across a socket read. A thread installing a
+//   time; open for an engine with ConcurrentCalls, and not taken for the commits, releases and
+//   Writes of one with ConcurrentCommits: commit_gate_). It is held around the call only, never
+//   across a socket read. A thread installing a
 //   chunk someone waits for (the demand thread) enters it urgently, ahead of the readers
 //   (engine_gate.h). Engine completions (OnWritten) may run inside an engine call and take
 //   mutex_ and buffers_mutex_, never engine_gate_; so the lock order is engine_gate_, then
@@ -364,6 +366,10 @@ class RestoreSession::Impl {
   RecentValues<DemandChunkTiming> demand_timings_{RestoreSession::kDemandTimings};
 
   EngineGate engine_gate_;  // held around every engine_ call, and only there
+  // The gate for the calls that hand back a filled buffer (commits, releases, Write): none for an
+  // engine that takes them from several threads at once (CopyEngine::ConcurrentCommits), so one
+  // thread's slow commit (a kernel launch) does not hold the other's ReceiveTarget.
+  EngineGate* const commit_gate_ = engine_.ConcurrentCommits() ? nullptr : &engine_gate_;
   ChunkBufferPool file_buffers_{kMaxSpareBuffers};  // staging for encoded chunks read by reference
 
   std::mutex buffers_mutex_;
@@ -1463,7 +1469,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
     {
-      EngineHold engine_hold(engine_gate_, urgency);
+      EngineHold engine_hold(commit_gate_, urgency);
       engine_.ReleaseReceived(bo, offset, payload_length);
     }
     if (!status.ok()) {
@@ -1477,7 +1483,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   }
   Status committed;
   {
-    EngineHold engine_hold(engine_gate_, urgency, gate_wait);
+    EngineHold engine_hold(commit_gate_, urgency, gate_wait);
     committed = engine_.CommitReceived(
         bo, offset, payload_length,
         [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0,
@@ -1689,7 +1695,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
   Status written;
   {
-    EngineHold engine_hold(engine_gate_, UrgencyOf(on_stream),
+    EngineHold engine_hold(commit_gate_, UrgencyOf(on_stream),
                            timing ? &timing->gate_wait : nullptr);
     std::optional<DemandChunkTiming> timed;
     if (timing) timed = *timing;

@@ -435,5 +435,52 @@ TEST(LocalRestore, ReadersLeftToTheEngineAreAsManyAsItPrefers) {
   }
 }
 
+// An engine that takes concurrent calls gets them: its first ReceiveTarget waits (up to 5 s) for
+// another reader's to begin, which a gate around the calls would never let happen.
+TEST(LocalRestore, AnEngineTakingConcurrentCallsGetsThemConcurrently) {
+  class OverlapEngine : public ForwardingHostEngine {
+   public:
+    std::string_view name() const override { return "overlap"; }
+    bool ConcurrentCalls() const override { return true; }
+    std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
+                                                    uint64_t length) override {
+      std::unique_lock lock(mutex_);
+      ++inside_;
+      if (inside_ > 1) overlapped_ = true;
+      changed_.notify_all();
+      if (!first_done_) {
+        first_done_ = true;
+        changed_.wait_for(lock, std::chrono::seconds(5), [&] { return overlapped_; });
+      }
+      --inside_;
+      lock.unlock();
+      return ForwardingHostEngine::ReceiveTarget(bo, offset, length);
+    }
+    bool overlapped() const {
+      std::lock_guard lock(mutex_);
+      return overlapped_;
+    }
+
+   private:
+    mutable std::mutex mutex_;
+    std::condition_variable changed_;
+    int inside_ = 0;
+    bool first_done_ = false;
+    bool overlapped_ = false;
+  };
+  TempDir root;
+  const fs::path dir = root.path() / "img";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 4ull << 20, 16));
+  OverlapEngine engine;
+  LocalRestoreOptions options;
+  options.image_dir = dir;
+  options.readers = 4;
+  LocalRestore restore(options, engine);
+  ASSERT_TRUE(restore.Start().ok());
+  ASSERT_TRUE(restore.WaitComplete(std::chrono::seconds(60)).ok());
+  EXPECT_TRUE(engine.overlapped()) << "the readers' engine calls were serialized";
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
+}
+
 }  // namespace
 }  // namespace gpulazy::client

@@ -21,6 +21,7 @@
 
 #include "page-client/host_engine.h"
 #include "tests/client/fake_server.h"
+#include "tests/client/forwarding_engine.h"
 
 namespace gpulazy::client {
 namespace {
@@ -768,6 +769,76 @@ TEST(RestoreSessionThreads, DemandChunkLandsWhileTheStreamThreadIsStuck) {
   engine.ExpectEachChunkOnce();
   EXPECT_EQ(engine.bad_writes(), 0);
   EXPECT_EQ(session.progress().refetches, 1u);
+}
+
+// An engine that takes commits (not ReceiveTarget) from several threads at once, as the CUDA
+// engine does, and whose first hand-back call (a commit or a Write: the stream's first chunk)
+// stays inside the engine until Release. A demand chunk must still land meanwhile: the session
+// does not hold the engine gate around that call.
+class StuckCommitEngine : public ForwardingHostEngine {
+ public:
+  StuckCommitEngine() : ForwardingHostEngine(HostEngineOptions{.write_fresh_pages = false}) {}
+  std::string_view name() const override { return "stuck-commit"; }
+  bool ConcurrentCalls() const override { return false; }
+  bool ConcurrentCommits() const override { return true; }
+  Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    StickIfFirst();
+    return host_.CommitReceived(bo, offset, length, std::move(done));
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
+    StickIfFirst();
+    return host_.Write(bo, offset, raw, std::move(done));
+  }
+  bool WaitStuck(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, timeout, [&] { return stuck_; });
+  }
+  bool stuck_now() {
+    std::lock_guard lock(mutex_);
+    return stuck_ && !released_;
+  }
+  void Release() {
+    std::lock_guard lock(mutex_);
+    released_ = true;
+    changed_.notify_all();
+  }
+
+ private:
+  void StickIfFirst() {
+    std::unique_lock lock(mutex_);
+    if (first_taken_) return;
+    first_taken_ = true;
+    stuck_ = true;
+    changed_.notify_all();
+    changed_.wait_for(lock, 20s, [&] { return released_; });
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool first_taken_ = false;
+  bool stuck_ = false;
+  bool released_ = false;
+};
+
+TEST(RestoreSessionThreads, DemandChunkLandsWhileAConcurrentCommitIsStuck) {
+  FakeImage image = FakeImage::Make({64 * 4096, 64 * 4096}, 4096, 17);
+  FakeServer server(image, FakeServerOptions{});
+  StuckCommitEngine engine;
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(engine.WaitStuck(10s)) << "the stream's first chunk never reached the engine";
+  ASSERT_FALSE(session.IsResident(1, 63 * 4096, 4096));
+  Status ensured = session.Ensure(1, 63 * 4096, 4096, 5s);
+  const bool commit_still_stuck = engine.stuck_now();
+  engine.Release();
+  EXPECT_TRUE(ensured.ok()) << "a demand chunk waited for a commit on another thread: "
+                            << ensured.ToString();
+  EXPECT_TRUE(commit_still_stuck);  // it landed while the stream's commit was inside the engine
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo) {
+    Result<std::span<uint8_t>> mapping = engine.host().Mapping(bo);
+    ASSERT_TRUE(mapping.ok());
+    EXPECT_TRUE(SameBytes(*mapping, image.bos[bo])) << "BO " << bo;
+  }
 }
 
 TEST(RestoreSessionThreads, WithoutStreamAllOnlyEnsuredChunksArrive) {
