@@ -187,7 +187,8 @@ std::string ServerDemandKey(std::string_view field) {
 // server and back to the reply's first frame head (the server's share is in there), the payload's
 // receive (hashing included), the install, and waking the caller. Per stage p50/p99/max over the
 // samples the session timed, and the stages of the slowest 1 % (at least 3) one by one, so a
-// tail can be told apart from a slow median.
+// tail can be told apart from a slow median; each with when it was called (steady clock) and its
+// place among the samples, so slow samples at a phase's start show as such.
 nlohmann::json ClientStages(const std::vector<Sample>& samples,
                             const std::vector<client::DemandChunkTiming>& timings) {
   static constexpr const char* kStages[] = {"handoff",   "to_head", "receive", "hashing",
@@ -199,9 +200,12 @@ nlohmann::json ClientStages(const std::vector<Sample>& samples,
   struct Split {
     double total;
     std::array<double, kStageCount> stage;
+    double called_at;  // steady clock (CLOCK_MONOTONIC on Linux), to line up with other probes
+    size_t index;      // the sample's place among this measurement's samples, from 0
   };
   std::vector<Split> splits;
-  for (const Sample& sample : samples) {
+  for (size_t index = 0; index < samples.size(); ++index) {
+    const Sample& sample = samples[index];
     auto found = by_chunk.find({sample.id.bo, sample.id.chunk});
     if (found == by_chunk.end()) continue;  // came on the stream first, or by reference
     const client::DemandChunkTiming& t = *found->second;
@@ -211,7 +215,9 @@ nlohmann::json ClientStages(const std::vector<Sample>& samples,
     splits.push_back({Seconds(sample.returned - sample.called),
                       {Seconds(t.asked - sample.called), Seconds(t.head - t.asked),
                        Seconds(t.received - t.head), Seconds(t.hashing), Seconds(t.gate_wait),
-                       Seconds(t.resident - t.received), Seconds(sample.returned - t.resident)}});
+                       Seconds(t.resident - t.received), Seconds(sample.returned - t.resident)},
+                      Seconds(sample.called.time_since_epoch()),
+                      index});
   }
   nlohmann::json stages = nlohmann::json::object();
   for (size_t i = 0; i < kStageCount; ++i) {
@@ -227,7 +233,9 @@ nlohmann::json ClientStages(const std::vector<Sample>& samples,
             [](const Split& a, const Split& b) { return a.total > b.total; });
   nlohmann::json slowest = nlohmann::json::array();
   for (size_t n = 0; n < std::min(splits.size(), std::max<size_t>(3, splits.size() / 100)); ++n) {
-    nlohmann::json one = {{"total_s", splits[n].total}};
+    nlohmann::json one = {{"total_s", splits[n].total},
+                          {"called_at_s", splits[n].called_at},
+                          {"sample_index", splits[n].index}};
     for (size_t i = 0; i < kStageCount; ++i)
       one[std::string(kStages[i]) + "_s"] = splits[n].stage[i];
     slowest.push_back(std::move(one));

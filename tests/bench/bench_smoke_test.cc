@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -152,6 +153,16 @@ TEST(BenchSmoke, DemandReportsTheServersShare) {
       EXPECT_LE(s.at("p50_s").get<double>(), s.at("p99_s").get<double>()) << which << stage;
       EXPECT_LE(s.at("max_s").get<double>(), client.at("slowest").at(0).at("total_s").get<double>())
           << which << stage;
+    }
+    // Each slow sample says where among the samples it lies and when it was called, on the clock
+    // the test reads too (steady_clock), within this run.
+    const double now =
+        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    for (const nlohmann::json& slow : client.at("slowest")) {
+      EXPECT_LT(slow.at("sample_index").get<uint64_t>(), 50u) << which;
+      const double called_at = slow.at("called_at_s").get<double>();
+      EXPECT_LT(called_at, now) << which;
+      EXPECT_GT(called_at, now - 600) << which;
     }
   }
   // The lone Ensure drew chunks of its own (a tenth of 256 here, so fewer than 50).
