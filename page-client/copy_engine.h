@@ -53,7 +53,8 @@ class CopyEngine {
   // ordinary CPU-writable memory that nothing can observe (or execute from) for a chunk that is
   // not resident yet may return the writable span of [offset, offset + length) of BO `bo`.
   // The session then reads a RAW chunk's payload from the socket into that span, verifies the
-  // checksum there, and only if it matches calls CommitReceived (which completes like Write).
+  // checksum there, and only if it matches calls CommitReceived (which completes like Write);
+  // an engine that VerifiesChunks gets the span unhashed, through CommitUnverified.
   // On a mismatch or a broken connection the session zeroes the span and the chunk stays
   // missing, so corrupt bytes are never marked resident and do not linger (ReleaseReceived).
   // A DMA engine may instead lend a staging buffer of its own for the range (the CUDA engine's

@@ -1447,25 +1447,32 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     co_return InstallChunk(link, data, payload, on_stream, timing ? &*timing : nullptr);
   }
 
-  // The checksum is computed slice by slice right after each slice lands, while it is still in
-  // the cache: one pass over memory for copy and verification together.
+  // An engine that checks chunks itself (the CUDA engine, on the GPU) gets the bytes unhashed,
+  // as the file readers give it theirs: this thread then only copies from the socket, and a bad
+  // copy comes back as a kCorrupt completion (OnWritten), never installed.
+  const bool engine_verifies = engine_.VerifiesChunks(payload_length);
+  // Otherwise the checksum is computed slice by slice right after each slice lands, while it is
+  // still in the cache: one pass over memory for copy and verification together.
+  const size_t slice_bytes = engine_verifies ? target->size() : kChecksumSliceBytes;
   Checksum64Stream hash;
   Status status;
   for (size_t done = 0; status.ok() && done < target->size();) {
     const std::span<uint8_t> slice =
-        target->subspan(done, std::min(kChecksumSliceBytes, target->size() - done));
+        target->subspan(done, std::min(slice_bytes, target->size() - done));
     status = co_await net::ReadPayload(socket, slice);
     if (!status.ok()) {
       *transport = true;
       break;
     }
-    const Clock::time_point hashing = timing ? Clock::now() : Clock::time_point{};
-    hash.Update(slice);
-    if (timing) timing->hashing += Clock::now() - hashing;
+    if (!engine_verifies) {
+      const Clock::time_point hashing = timing ? Clock::now() : Clock::time_point{};
+      hash.Update(slice);
+      if (timing) timing->hashing += Clock::now() - hashing;
+    }
     done += slice.size();
   }
   if (timing) timing->received = Clock::now();
-  if (!status.ok() || hash.Digest() != data.checksum()) {
+  if (!status.ok() || (!engine_verifies && hash.Digest() != data.checksum())) {
     // Unverified bytes never stay behind: zero the range, then the chunk is missing again.
     std::memset(target->data(), 0, target->size());
     {
@@ -1484,12 +1491,15 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   Status committed;
   {
     EngineHold engine_hold(commit_gate_, urgency, gate_wait);
-    committed = engine_.CommitReceived(
-        bo, offset, payload_length,
-        [this, link, id = ChunkId{bo, chunk}, credit = on_stream ? uint64_t{payload_length} : 0,
-         timing](const Status& written) {
-          OnWritten(written, link, id, nullptr, credit, timing ? &*timing : nullptr);
-        });
+    CopyDone done = [this, link, id = ChunkId{bo, chunk},
+                     credit = on_stream ? uint64_t{payload_length} : 0,
+                     timing](const Status& written) {
+      OnWritten(written, link, id, nullptr, credit, timing ? &*timing : nullptr);
+    };
+    committed =
+        engine_verifies
+            ? engine_.CommitUnverified(bo, offset, payload_length, data.checksum(), std::move(done))
+            : engine_.CommitReceived(bo, offset, payload_length, std::move(done));
   }
   if (!committed.ok())
     co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));

@@ -22,6 +22,7 @@
 #include "page-client/host_engine.h"
 #include "tests/client/fake_server.h"
 #include "tests/client/forwarding_engine.h"
+#include "tests/client/verifying_engine.h"
 
 namespace gpulazy::client {
 namespace {
@@ -634,6 +635,68 @@ TEST(RestoreSessionInPlace, PersistentCorruptionNeverBecomesResidentAndIsScrubbe
   EXPECT_EQ(session.Ensure(0, 4 * 4096, 1, 1s).code(), Code::kCorrupt);
   // The corrupt bytes did not stay in the destination: the range was zeroed.
   std::span<const uint8_t> range = engine.Bytes(0).subspan(4 * 4096, 4096);
+  EXPECT_TRUE(std::all_of(range.begin(), range.end(), [](uint8_t b) { return b == 0; }));
+}
+
+// ---- an engine that verifies chunks itself (CopyEngine::VerifiesChunks, as the CUDA engine does
+// on the GPU): the socket path receives in place without hashing and commits unverified --------
+
+// Fresh pages through the mapping, so every RAW chunk is lent in place (as the CUDA engine lends
+// its slots).
+VerifyingHostEngine InPlaceVerifyingEngine() {
+  return VerifyingHostEngine(0, HostEngineOptions{.write_fresh_pages = false});
+}
+
+FakeServerOptions AllRaw() {
+  FakeServerOptions options;
+  options.mixed_codecs = false;
+  return options;
+}
+
+TEST(RestoreSessionEngineVerifies, StreamsUnhashedAndByteExact) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, AllRaw());
+  VerifyingHostEngine engine = InPlaceVerifyingEngine();
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+    EXPECT_TRUE(SameBytes(*engine.host().Mapping(bo), image.bos[bo])) << "BO " << bo;
+  EXPECT_GT(engine.unverified_commits(), 0u) << "the engine was never left the check";
+  EXPECT_EQ(engine.mismatches(), 0u);
+}
+
+TEST(RestoreSessionEngineVerifies, ABadCopyFoundByTheEngineIsFetchedAgain) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options = AllRaw();
+  server_options.corrupt_copies[{1, 2}] = 1;
+  FakeServer server(image, server_options);
+  VerifyingHostEngine engine = InPlaceVerifyingEngine();
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+    EXPECT_TRUE(SameBytes(*engine.host().Mapping(bo), image.bos[bo])) << "BO " << bo;
+  EXPECT_EQ(engine.mismatches(), 1u);
+  EXPECT_EQ(session.progress().refetches, 1u);
+}
+
+TEST(RestoreSessionEngineVerifies, PersistentCorruptionFailsLoudlyAndNeverBecomesResident) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options = AllRaw();
+  server_options.corrupt_copies[{0, 4}] = 100;
+  FakeServer server(image, server_options);
+  VerifyingHostEngine engine = InPlaceVerifyingEngine();
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
+  EXPECT_NE(status.message().find("chunk 4"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("checksum mismatch"), std::string::npos) << status.message();
+  EXPECT_EQ(engine.mismatches(), 2u);  // the first copy and the one fetched again
+  EXPECT_FALSE(session.IsResident(0, 4 * 4096, 4096));
+  EXPECT_EQ(session.Ensure(0, 4 * 4096, 1, 1s).code(), Code::kCorrupt);
+  std::span<const uint8_t> range = engine.host().Mapping(0)->subspan(4 * 4096, 4096);
   EXPECT_TRUE(std::all_of(range.begin(), range.end(), [](uint8_t b) { return b == 0; }));
 }
 

@@ -21,7 +21,8 @@ class VerifyingHostEngine : public ForwardingHostEngine {
  public:
   // The first chunk committed unverified is spoiled (a byte flipped before the check) on its
   // first `spoil_times` commits.
-  explicit VerifyingHostEngine(int spoil_times = 0) : spoil_times_(spoil_times) {}
+  explicit VerifyingHostEngine(int spoil_times = 0, HostEngineOptions options = {})
+      : ForwardingHostEngine(options), spoil_times_(spoil_times) {}
 
   // Called on the committing thread right after a kCorrupt completion has returned: a test
   // looks there at what the client has done about the bad copy before any other thread could
