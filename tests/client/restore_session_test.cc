@@ -641,62 +641,58 @@ TEST(RestoreSessionInPlace, PersistentCorruptionNeverBecomesResidentAndIsScrubbe
 // ---- an engine that verifies chunks itself (CopyEngine::VerifiesChunks, as the CUDA engine does
 // on the GPU): the socket path receives in place without hashing and commits unverified --------
 
-// Fresh pages through the mapping, so every RAW chunk is lent in place (as the CUDA engine lends
-// its slots).
-VerifyingHostEngine InPlaceVerifyingEngine() {
-  return VerifyingHostEngine(0, HostEngineOptions{.write_fresh_pages = false});
-}
-
-FakeServerOptions AllRaw() {
-  FakeServerOptions options;
-  options.mixed_codecs = false;
-  return options;
-}
+// The small image, every chunk RAW, behind a server that corrupts the copies `corrupt` names, and
+// a session restoring it into a verifying engine that lends its destination for every chunk
+// (fresh pages through the mapping), as the CUDA engine lends its slots.
+struct VerifiedRestore {
+  explicit VerifiedRestore(std::map<ChunkKey, int> corrupt = {})
+      : server(image,
+               [&] {
+                 FakeServerOptions options;
+                 options.mixed_codecs = false;
+                 options.corrupt_copies = std::move(corrupt);
+                 return options;
+               }()),
+        session(Options(server), engine) {}
+  void ExpectByteExact() const {
+    for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+      EXPECT_TRUE(SameBytes(*engine.host().Mapping(bo), image.bos[bo])) << "BO " << bo;
+  }
+  FakeImage image = SmallImage();
+  FakeServer server;
+  VerifyingHostEngine engine{0, HostEngineOptions{.write_fresh_pages = false}};
+  RestoreSession session;
+};
 
 TEST(RestoreSessionEngineVerifies, StreamsUnhashedAndByteExact) {
-  FakeImage image = SmallImage();
-  FakeServer server(image, AllRaw());
-  VerifyingHostEngine engine = InPlaceVerifyingEngine();
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
-  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
-    EXPECT_TRUE(SameBytes(*engine.host().Mapping(bo), image.bos[bo])) << "BO " << bo;
-  EXPECT_GT(engine.unverified_commits(), 0u) << "the engine was never left the check";
-  EXPECT_EQ(engine.mismatches(), 0u);
+  VerifiedRestore r;
+  ASSERT_TRUE(r.session.Start().ok());
+  ASSERT_TRUE(r.session.WaitComplete(10s).ok()) << r.session.status().ToString();
+  r.ExpectByteExact();
+  EXPECT_GT(r.engine.unverified_commits(), 0u) << "the engine was never left the check";
+  EXPECT_EQ(r.engine.mismatches(), 0u);
 }
 
 TEST(RestoreSessionEngineVerifies, ABadCopyFoundByTheEngineIsFetchedAgain) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options = AllRaw();
-  server_options.corrupt_copies[{1, 2}] = 1;
-  FakeServer server(image, server_options);
-  VerifyingHostEngine engine = InPlaceVerifyingEngine();
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
-  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
-    EXPECT_TRUE(SameBytes(*engine.host().Mapping(bo), image.bos[bo])) << "BO " << bo;
-  EXPECT_EQ(engine.mismatches(), 1u);
-  EXPECT_EQ(session.progress().refetches, 1u);
+  VerifiedRestore r({{{1, 2}, 1}});
+  ASSERT_TRUE(r.session.Start().ok());
+  ASSERT_TRUE(r.session.WaitComplete(10s).ok()) << r.session.status().ToString();
+  r.ExpectByteExact();
+  EXPECT_EQ(r.engine.mismatches(), 1u);
+  EXPECT_EQ(r.session.progress().refetches, 1u);
 }
 
 TEST(RestoreSessionEngineVerifies, PersistentCorruptionFailsLoudlyAndNeverBecomesResident) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options = AllRaw();
-  server_options.corrupt_copies[{0, 4}] = 100;
-  FakeServer server(image, server_options);
-  VerifyingHostEngine engine = InPlaceVerifyingEngine();
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  Status status = session.WaitComplete(10s);
+  VerifiedRestore r({{{0, 4}, 100}});
+  ASSERT_TRUE(r.session.Start().ok());
+  Status status = r.session.WaitComplete(10s);
   EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
   EXPECT_NE(status.message().find("chunk 4"), std::string::npos) << status.message();
   EXPECT_NE(status.message().find("checksum mismatch"), std::string::npos) << status.message();
-  EXPECT_EQ(engine.mismatches(), 2u);  // the first copy and the one fetched again
-  EXPECT_FALSE(session.IsResident(0, 4 * 4096, 4096));
-  EXPECT_EQ(session.Ensure(0, 4 * 4096, 1, 1s).code(), Code::kCorrupt);
-  std::span<const uint8_t> range = engine.host().Mapping(0)->subspan(4 * 4096, 4096);
+  EXPECT_EQ(r.engine.mismatches(), 2u);  // the first copy and the one fetched again
+  EXPECT_FALSE(r.session.IsResident(0, 4 * 4096, 4096));
+  EXPECT_EQ(r.session.Ensure(0, 4 * 4096, 1, 1s).code(), Code::kCorrupt);
+  std::span<const uint8_t> range = r.engine.host().Mapping(0)->subspan(4 * 4096, 4096);
   EXPECT_TRUE(std::all_of(range.begin(), range.end(), [](uint8_t b) { return b == 0; }));
 }
 
@@ -746,21 +742,26 @@ TEST(RestoreSessionInPlace, HostEngineCanOptOut) {
 
 // ---- the demand connection's own thread, and sessions that do not stream ----
 
-// A log sink that blocks whichever thread logs a message containing `needle`, until Release()
-// or `timeout` (so a regression fails the test instead of hanging it). The session logs
-// "fetching it again" on the thread that received a bad copy: with a corrupt stream chunk, that
-// parks the stream thread outside every lock and engine call.
-class BlockingSink : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+// Parks the first thread that calls Park until Release() or `timeout` (so a regression fails the
+// test instead of hanging it); later calls return at once. The test waits for the park with
+// WaitParked and asks parked_now() whether the thread is still held.
+class ParkingLot {
  public:
-  BlockingSink(std::string needle, std::chrono::milliseconds timeout)
-      : needle_(std::move(needle)), timeout_(timeout) {}
-  bool WaitBlocked(std::chrono::milliseconds timeout) {
+  explicit ParkingLot(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  void Park() {
     std::unique_lock lock(mutex_);
-    return cv_.wait_for(lock, timeout, [&] { return blocked_; });
+    if (parked_) return;
+    parked_ = true;
+    cv_.notify_all();
+    cv_.wait_for(lock, timeout_, [&] { return released_; });
   }
-  bool blocked_now() const {
+  bool WaitParked(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return parked_; });
+  }
+  bool parked_now() const {
     std::lock_guard lock(mutex_);
-    return blocked_ && !released_;
+    return parked_ && !released_;
   }
   void Release() {
     std::lock_guard lock(mutex_);
@@ -768,25 +769,37 @@ class BlockingSink : public spdlog::sinks::base_sink<spdlog::details::null_mutex
     cv_.notify_all();
   }
 
+ private:
+  const std::chrono::milliseconds timeout_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool parked_ = false;
+  bool released_ = false;
+};
+
+// A log sink that parks the first thread to log a message containing `needle` (ParkingLot,
+// until Release() or `timeout`). The session logs
+// "fetching it again" on the thread that received a bad copy: with a corrupt stream chunk, that
+// parks the stream thread outside every lock and engine call.
+class BlockingSink : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+ public:
+  BlockingSink(std::string needle, std::chrono::milliseconds timeout)
+      : needle_(std::move(needle)), lot_(timeout) {}
+  bool WaitBlocked(std::chrono::milliseconds timeout) { return lot_.WaitParked(timeout); }
+  bool blocked_now() const { return lot_.parked_now(); }
+  void Release() { lot_.Release(); }
+
  protected:
   void sink_it_(const spdlog::details::log_msg& msg) override {
-    if (std::string_view(msg.payload.data(), msg.payload.size()).find(needle_) ==
+    if (std::string_view(msg.payload.data(), msg.payload.size()).find(needle_) !=
         std::string_view::npos)
-      return;
-    std::unique_lock lock(mutex_);
-    blocked_ = true;
-    cv_.notify_all();
-    cv_.wait_for(lock, timeout_, [&] { return released_; });
+      lot_.Park();
   }
   void flush_() override {}
 
  private:
   const std::string needle_;
-  const std::chrono::milliseconds timeout_;
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  bool blocked_ = false;
-  bool released_ = false;
+  ParkingLot lot_;
 };
 
 // Adds a sink to the default logger for the scope of a test.
@@ -845,41 +858,17 @@ class StuckCommitEngine : public ForwardingHostEngine {
   bool ConcurrentCalls() const override { return false; }
   bool ConcurrentCommits() const override { return true; }
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
-    StickIfFirst();
+    first_call_.Park();
     return host_.CommitReceived(bo, offset, length, std::move(done));
   }
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override {
-    StickIfFirst();
+    first_call_.Park();
     return host_.Write(bo, offset, raw, std::move(done));
   }
-  bool WaitStuck(std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    return changed_.wait_for(lock, timeout, [&] { return stuck_; });
-  }
-  bool stuck_now() {
-    std::lock_guard lock(mutex_);
-    return stuck_ && !released_;
-  }
-  void Release() {
-    std::lock_guard lock(mutex_);
-    released_ = true;
-    changed_.notify_all();
-  }
+  ParkingLot& first_call() { return first_call_; }
 
  private:
-  void StickIfFirst() {
-    std::unique_lock lock(mutex_);
-    if (first_taken_) return;
-    first_taken_ = true;
-    stuck_ = true;
-    changed_.notify_all();
-    changed_.wait_for(lock, 20s, [&] { return released_; });
-  }
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  bool first_taken_ = false;
-  bool stuck_ = false;
-  bool released_ = false;
+  ParkingLot first_call_{20s};
 };
 
 TEST(RestoreSessionThreads, DemandChunkLandsWhileAConcurrentCommitIsStuck) {
@@ -888,11 +877,12 @@ TEST(RestoreSessionThreads, DemandChunkLandsWhileAConcurrentCommitIsStuck) {
   StuckCommitEngine engine;
   RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
-  ASSERT_TRUE(engine.WaitStuck(10s)) << "the stream's first chunk never reached the engine";
+  ASSERT_TRUE(engine.first_call().WaitParked(10s))
+      << "the stream's first chunk never reached the engine";
   ASSERT_FALSE(session.IsResident(1, 63 * 4096, 4096));
   Status ensured = session.Ensure(1, 63 * 4096, 4096, 5s);
-  const bool commit_still_stuck = engine.stuck_now();
-  engine.Release();
+  const bool commit_still_stuck = engine.first_call().parked_now();
+  engine.first_call().Release();
   EXPECT_TRUE(ensured.ok()) << "a demand chunk waited for a commit on another thread: "
                             << ensured.ToString();
   EXPECT_TRUE(commit_still_stuck);  // it landed while the stream's commit was inside the engine
