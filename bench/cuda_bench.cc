@@ -9,7 +9,8 @@
 //             copy it, wait, read the next (no server)
 // and, with --experiment layers, a restored "model" whose layers are BOs in device memory:
 // time to the first layer's kernel result and to full residency, eager / parallel / lazy, through
-// the server and locally, beside the upstream-style loop.
+// the server (over its Unix socket, reading the image files it passes: `server`; over TCP, every
+// byte on the socket as for a remote server: `tcp`) and locally, beside the upstream-style loop.
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -387,13 +388,14 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
   const auto start = Clock::now();
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(options.engine));
-  if (path == "server") {
+  if (path == "server" || path == "tcp") {
     client::SessionOptions session_options;
     session_options.endpoint = endpoint;
     session_options.image = image_dir.filename().string();
     session_options.window_bytes = options.window;
     session_options.file_window_bytes = options.file_window;
     session_options.client_name = "cuda-bench-layers";
+    session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
     session_options.file_readers = options.readers;
     client::RestoreSession session(session_options, *engine);
     return RunLayerMode(session, *engine, mode, options, expected, start);
@@ -515,6 +517,13 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--layer-sizes", layer_sizes, "layers: model sizes")->delimiter(',');
   app.add_option("--layers", layer_count, "layers: BOs of the model")->capture_default_str();
+  std::vector<std::string> layer_paths = {"server", "local"};
+  app.add_option("--layer-paths", layer_paths,
+                 "layers: server (Unix socket, image files passed), tcp (every byte on the "
+                 "socket, as from a remote server), local")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"server", "tcp", "local"}))
+      ->capture_default_str();
   app.add_option("--startup-ms", layer_options.startup_ms, "layers: the program's own start-up")
       ->capture_default_str();
   app.add_flag("--blocking-sync", layer_options.engine.blocking_sync,
@@ -708,8 +717,11 @@ int Run(int argc, char** argv) {
                                  {"slots", t.staging_slots},
                                  {"slot_bytes", t.slot_bytes},
                                  // The upstream loop reads on its one thread; the server path
-                                 // uses its readers only where the server passes the files.
-                                 {"readers", path == "upstream-loop" ? 1u : layer_options.readers},
+                                 // uses its readers only where the server passes the files (not
+                                 // over TCP: there the readers are the connections' threads).
+                                 {"readers", path == "upstream-loop" ? 1u
+                                             : path == "tcp"         ? 0u
+                                                                     : layer_options.readers},
                                  {"time_to_resume_s", t.resume_s},
                                  {"resume_engine_s", t.engine_s},
                                  {"resume_kernel_s", t.kernel_s},
@@ -733,10 +745,12 @@ int Run(int argc, char** argv) {
       Result<LayerTimes> upstream = RunUpstreamLayers(*image_dir, layer_options, *expected);
       if (!upstream.ok()) return fail(upstream.status());
       emit("upstream-loop", "eager", *upstream);
-      for (const char* path : {"server", "local"}) {
+      for (const std::string& path : layer_paths) {
+        const std::string& endpoint =
+            path == "tcp" ? server->tcp_endpoint() : server->unix_endpoint();
         for (const char* mode : {"eager", "parallel", "lazy"}) {
-          Result<LayerTimes> t = RunLayerCase(*image_dir, server->unix_endpoint(), path, mode,
-                                              layer_options, *expected);
+          Result<LayerTimes> t =
+              RunLayerCase(*image_dir, endpoint, path, mode, layer_options, *expected);
           if (!t.ok()) return fail(t.status());
           emit(path, mode, *t);
         }
