@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Packs a build's executables and the shared libraries they need (those outside glibc) into one
-# folder, stripped, so they can run on a machine that has none of Debian's packages: the lent
+# Packs a build's executables (with the CUDA engine's two GPU tests) and the shared libraries they
+# need (those outside glibc) into one folder, stripped, so they can run on a machine that has none of Debian's packages: the lent
 # GPU machines (docs/benchmarks.md), where nothing can be installed.
 # Usage: scripts/device-bundle.sh [--tests] BUILD_DIR OUT_DIR
 # Then, there: LD_LIBRARY_PATH=OUT_DIR/lib OUT_DIR/bin/gpulazy-bench ...
@@ -19,7 +19,7 @@ build=${1:?usage: device-bundle.sh [--tests] BUILD_DIR OUT_DIR}
 out=${2:?usage: device-bundle.sh [--tests] BUILD_DIR OUT_DIR}
 mkdir -p "$out/bin" "$out/lib"
 binaries=()
-for f in "$build"/bin/gpulazy-* "$build"/tests/cuda_engine_test; do
+for f in "$build"/bin/gpulazy-* "$build"/tests/cuda_engine_test "$build"/tests/cuda_session_test; do
   [ -x "$f" ] && binaries+=("$f")
 done
 [ ${#binaries[@]} -gt 0 ] || { echo "device-bundle: no executables in $build/bin" >&2; exit 1; }
