@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs a build's executables (with the CUDA engine's two GPU tests) and the shared libraries they
-# need (those outside glibc) into one folder, stripped, so they can run on a machine that has none of Debian's packages: the lent
-# GPU machines (docs/benchmarks.md), where nothing can be installed.
+# need (those outside glibc) into one folder, stripped, so they can run on a machine that has none
+# of Debian's packages: the lent GPU machines (docs/benchmarks.md), where nothing can be installed.
 # Usage: scripts/device-bundle.sh [--tests] BUILD_DIR OUT_DIR
 # Then, there: LD_LIBRARY_PATH=OUT_DIR/lib OUT_DIR/bin/gpulazy-bench ...
 # --tests also packs every test executable, the plugin and the CTest files under OUT_DIR/build,
