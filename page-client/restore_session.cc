@@ -85,11 +85,10 @@ Urgency UrgencyOf(bool on_stream) {
 // - engine_gate_ serializes the engine calls of all threads (CopyEngine: one caller at a
 //   time; open for an engine with ConcurrentCalls, and not taken for the commits, releases and
 //   Writes of one with ConcurrentCommits: commit_gate_). It is held around the call only, never
-//   across a socket read. A thread installing a
-//   chunk someone waits for (the demand thread) enters it urgently, ahead of the readers
-//   (engine_gate.h). Engine completions (OnWritten) may run inside an engine call and take
-//   mutex_ and buffers_mutex_, never engine_gate_; so the lock order is engine_gate_, then
-//   mutex_ or buffers_mutex_.
+//   across a socket read. A thread installing a chunk someone waits for (the demand thread)
+//   enters it urgently, ahead of the readers (engine_gate.h). Engine completions (OnWritten)
+//   may run inside an engine call and take mutex_ and buffers_mutex_, never engine_gate_; so
+//   the lock order is engine_gate_, then mutex_ or buffers_mutex_.
 // - buffers_mutex_ guards the pool of spare staging buffers.
 // - With image files passed (read_files on a Unix endpoint), a chunk that arrives by reference
 //   is claimed by the thread that read its ChunkData frame and installed on a reader thread
