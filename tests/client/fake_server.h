@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "proto/manifest.pb.h"
@@ -68,6 +69,15 @@ struct FakeServerOptions {
     kEmptyPart,          // an empty ImageTablePart while bytes are missing
   };
   TableFault table_fault = TableFault::kNone;
+
+  // Every chunk RAW (so a client that receives in place gets each one into the engine's memory),
+  // corrupting the copies `corrupt` names.
+  static FakeServerOptions RawChunks(std::map<ChunkKey, int> corrupt = {}) {
+    FakeServerOptions options;
+    options.mixed_codecs = false;
+    options.corrupt_copies = std::move(corrupt);
+    return options;
+  }
 };
 
 class FakeServer {

@@ -602,10 +602,7 @@ TEST(RestoreSessionInPlace, RestoresByteExactWithMixedCodecs) {
 
 TEST(RestoreSessionInPlace, RefetchesABadCopyWithoutCommittingIt) {
   FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.mixed_codecs = false;  // every chunk RAW: received in place
-  server_options.corrupt_copies[{1, 2}] = 1;
-  FakeServer server(image, server_options);
+  FakeServer server(image, FakeServerOptions::RawChunks({{{1, 2}, 1}}));
   InPlaceEngine engine(image);
   RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
@@ -619,10 +616,7 @@ TEST(RestoreSessionInPlace, RefetchesABadCopyWithoutCommittingIt) {
 
 TEST(RestoreSessionInPlace, PersistentCorruptionNeverBecomesResidentAndIsScrubbed) {
   FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.mixed_codecs = false;  // every chunk RAW: received in place
-  server_options.corrupt_copies[{0, 4}] = 100;
-  FakeServer server(image, server_options);
+  FakeServer server(image, FakeServerOptions::RawChunks({{{0, 4}, 100}}));
   InPlaceEngine engine(image);
   RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
@@ -646,13 +640,7 @@ TEST(RestoreSessionInPlace, PersistentCorruptionNeverBecomesResidentAndIsScrubbe
 // (fresh pages through the mapping), as the CUDA engine lends its slots.
 struct VerifiedRestore {
   explicit VerifiedRestore(std::map<ChunkKey, int> corrupt = {})
-      : server(image,
-               [&] {
-                 FakeServerOptions options;
-                 options.mixed_codecs = false;
-                 options.corrupt_copies = std::move(corrupt);
-                 return options;
-               }()),
+      : server(image, FakeServerOptions::RawChunks(std::move(corrupt))),
         session(Options(server), engine) {}
   void ExpectByteExact() const {
     for (uint32_t bo = 0; bo < image.bos.size(); ++bo)

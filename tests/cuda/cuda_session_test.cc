@@ -33,14 +33,7 @@ class CudaSessionTest : public ::testing::Test {
 // received into a lent slot, behind a server corrupting the copies `corrupt` names.
 struct CudaRestore {
   explicit CudaRestore(std::map<ChunkKey, int> corrupt)
-      : server(image,
-               [&] {
-                 FakeServerOptions options;
-                 options.mixed_codecs = false;
-                 options.corrupt_copies = std::move(corrupt);
-                 return options;
-               }()),
-        engine([] {
+      : server(image, FakeServerOptions::RawChunks(std::move(corrupt))), engine([] {
           Result<std::unique_ptr<CudaCopyEngine>> made = CudaCopyEngine::Create({});
           EXPECT_TRUE(made.ok()) << made.status().ToString();
           return made.ok() ? std::move(*made) : nullptr;
