@@ -138,6 +138,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--demand-window", config.demand_window, "chunks in flight per demand connection")
       ->capture_default_str();
+  app.add_option("--max-lanes", config.max_lanes,
+                 "bulk connections a session may add to its stream connection (0: none)")
+      ->capture_default_str();
   app.add_option("--read-ahead", config.read_ahead, "chunks hinted to the kernel ahead of reads")
       ->capture_default_str();
   app.add_option("--raw-chunk-size", raw_chunk_size,
@@ -242,6 +245,7 @@ Status ValidateConfig(const ServerConfig& config) {
     return InvalidArgument("--stream-window must be 1..1024");
   if (config.demand_window < 1 || config.demand_window > 1024)
     return InvalidArgument("--demand-window must be 1..1024");
+  if (config.max_lanes > 64) return InvalidArgument("--max-lanes must be 0..64");
   if (config.read_ahead > 1024) return InvalidArgument("--read-ahead must be 0..1024");
   if (config.background_nice < 0 || config.background_nice > 19)
     return InvalidArgument("--background-nice must be 0..19, not {}", config.background_nice);

@@ -61,7 +61,11 @@ struct ServerConfig {
   uint32_t max_queued = 4096;
   uint32_t stream_window = 4;  // chunks in flight per stream connection past the credit check
   uint32_t demand_window = 8;  // chunks in flight per demand connection
-  uint32_t read_ahead = 4;     // chunks hinted to the kernel ahead of the scheduler
+  // Bulk lanes a session may add to its stream connection, so that several client threads (and
+  // network threads here) carry one restore: one connection's receiving thread bounds a remote
+  // restore (docs/protocol.md, "Lanes"). Each counts against max_connections.
+  uint32_t max_lanes = 7;
+  uint32_t read_ahead = 4;             // chunks hinted to the kernel ahead of the scheduler
   uint32_t raw_chunk_size = 2u << 20;  // chunk size when serving plain CRIU checkpoints
   uint32_t max_cached_images = 64;
 

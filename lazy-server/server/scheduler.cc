@@ -164,7 +164,24 @@ void Scheduler::SkipHeld(SessionState& s) {
 }
 
 bool Scheduler::StreamMayTake(const SessionState& s, uint32_t payload) const {
-  return s.stream_in_flight < limits_.stream_in_flight && s.credit >= payload;
+  const uint64_t in_flight_limit = uint64_t{limits_.stream_in_flight} * s.lane_seq.size();
+  return s.stream_in_flight < in_flight_limit && s.credit >= payload;
+}
+
+void Scheduler::AssignLane(SessionState& s, WorkItem& item) {
+  uint32_t lane = 0;
+  if (item.priority != wire::PRIORITY_DEMAND && s.lane_seq.size() > 1) {
+    lane = s.lane_cursor;
+    s.lane_cursor = static_cast<uint32_t>((s.lane_cursor + 1) % s.lane_seq.size());
+  }
+  item.lane = lane;
+  item.stream_seq = s.lane_seq[lane]++;
+}
+
+void Scheduler::SetLanes(SessionId id, uint32_t count) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || count <= it->second.lane_seq.size()) return;
+  it->second.lane_seq.resize(count, 0);
 }
 
 std::optional<WorkItem> Scheduler::TakeQueued(SessionState& s, std::deque<WorkItem>& queue) {
@@ -174,7 +191,7 @@ std::optional<WorkItem> Scheduler::TakeQueued(SessionState& s, std::deque<WorkIt
   WorkItem item = front;
   queue.pop_front();
   item.reserved_credit = payload;
-  item.stream_seq = s.next_stream_seq++;
+  AssignLane(s, item);
   s.credit -= payload;
   ++s.stream_in_flight;
   return item;
@@ -208,7 +225,7 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s, Pick 
     item.from_stream_all = true;
     item.by_reference = s.stream_by_reference;
     item.reserved_credit = payload;
-    item.stream_seq = s.next_stream_seq++;
+    AssignLane(s, item);
     ++s.cursor;
     s.credit -= payload;
     ++s.stream_in_flight;

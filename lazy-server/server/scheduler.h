@@ -77,8 +77,11 @@ struct WorkItem {
   uint64_t request_id = 0;       // 0 for stream_all chunks
   bool from_stream_all = false;  // counts towards StreamDone
   uint32_t reserved_credit = 0;  // credit taken when picked (stream output only)
-  // Pick order on the stream output: the connection sends non-demand chunks in this order, so
-  // parallel disk reads never put a background chunk before a hot one.
+  // Stream output only: which of the session's bulk connections carries it (0: the stream
+  // connection, 1..: its lanes, in the order they joined), and its pick order there. Each
+  // connection sends its non-demand chunks in this order, so parallel disk reads never put a
+  // background chunk before a hot one on any of them.
+  uint32_t lane = 0;
   uint64_t stream_seq = 0;
   Clock::time_point received{};  // when the request arrived (demand latency)
   // The client reads the stored bytes itself from the image files it was handed: send where
@@ -87,7 +90,7 @@ struct WorkItem {
 };
 
 struct SchedulerLimits {
-  uint32_t stream_in_flight = 4;  // chunks picked but not yet written, stream connection
+  uint32_t stream_in_flight = 4;  // chunks picked but not yet written, per bulk connection
   uint32_t demand_in_flight = 8;  // the same for the demand connection
   uint32_t max_demand = 256;      // demand chunks queued + in flight per session
   uint64_t max_queued = 4096;     // explicit prefetch/background chunks queued per session
@@ -115,6 +118,10 @@ class Scheduler {
   Status Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                  const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
                  Clock::time_point now, bool by_reference = false);
+  // The session now has `count` bulk connections (its stream connection and count - 1 lanes):
+  // its later stream picks are dealt round-robin over them. Never shrinks (a lane that goes
+  // away ends its session).
+  void SetLanes(SessionId id, uint32_t count);
   // Grants stream credit (saturating).
   void AddCredit(SessionId id, uint64_t bytes);
   // Takes extra credit for a chunk whose payload turned out larger than reserved.
@@ -167,7 +174,8 @@ class Scheduler {
     uint64_t stream_sent_chunks = 0;
     uint64_t stream_sent_bytes = 0;
     uint64_t credit = 0;
-    uint64_t next_stream_seq = 0;
+    std::vector<uint64_t> lane_seq = std::vector<uint64_t>(1, 0);  // next pick order, per lane
+    uint32_t lane_cursor = 0;  // the lane the next non-demand stream pick goes to
     uint32_t stream_in_flight = 0;
     uint32_t demand_in_flight = 0;
     uint32_t demand_outstanding = 0;
@@ -181,6 +189,9 @@ class Scheduler {
   // Pops the queue's front for the stream output if the window and credit allow.
   std::optional<WorkItem> TakeQueued(SessionState& s, std::deque<WorkItem>& queue);
   bool StreamMayTake(const SessionState& s, uint32_t payload) const;
+  // Picks the bulk connection of a stream item and numbers it there. Demand chunks keep to the
+  // stream connection, where the client counts what it asked for.
+  static void AssignLane(SessionState& s, WorkItem& item);
 
   SchedulerLimits limits_;
   std::map<SessionId, SessionState> sessions_;

@@ -100,15 +100,62 @@ void Session::DetachDemand(const Connection* connection) {
   if (dropped) ctx_.dispatcher.Update([&](Scheduler& s) { s.DropOutput(id_, Output::kDemand); });
 }
 
-void Session::Close() {
-  std::shared_ptr<Connection> demand;
+Result<Session::LaneJoin> Session::AddLane(const std::shared_ptr<Connection>& connection,
+                                           uint32_t max_lanes) {
+  LaneJoin join;
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return Aborted("session {} has closed", id_);
+    if (lanes_.size() >= max_lanes)
+      return ResourceExhausted("session {} has {} lane(s), this server's limit (--max-lanes)", id_,
+                               lanes_.size());
+    lanes_.push_back(connection);
+    join.lane = static_cast<uint32_t>(lanes_.size());
+    join.done = stream_done_;
+  }
+  // Outside mu_ (the dispatcher's lock is never taken under it). Lanes joining at once may
+  // arrive here in either order: SetLanes only grows, and each lane is in lanes_ already.
+  ctx_.dispatcher.Update([&](Scheduler& s) { s.SetLanes(id_, join.lane + 1); });
+  return join;
+}
+
+void Session::BroadcastStreamDone(const StreamDoneInfo& info) {
+  std::vector<std::shared_ptr<Connection>> targets;
+  {
+    std::lock_guard lock(mu_);
+    stream_done_ = info;
+    if (auto stream = stream_.lock()) targets.push_back(std::move(stream));
+    for (const std::weak_ptr<Connection>& weak : lanes_)
+      if (auto lane = weak.lock()) targets.push_back(std::move(lane));
+  }
+  stats_.stream_done.fetch_add(1);
+  wire::Header header;
+  wire::StreamDone* body = header.mutable_stream_done();
+  body->set_chunks(info.chunks);
+  body->set_bytes(info.bytes);
+  for (const std::shared_ptr<Connection>& target : targets)
+    target->PostControl(header);
+}
+
+std::shared_ptr<Connection> Session::TargetLocked(const WorkItem& item) const {
+  if (item.output == Output::kDemand) return demand_.lock();
+  if (item.lane == 0) return stream_.lock();
+  return item.lane <= lanes_.size() ? lanes_[item.lane - 1].lock() : nullptr;
+}
+
+void Session::Close(const Connection* by) {
+  std::vector<std::shared_ptr<Connection>> others;
   {
     std::lock_guard lock(mu_);
     if (closed_) return;
     closed_ = true;
-    demand = demand_.lock();
+    for (std::weak_ptr<Connection>* weak : {&demand_, &stream_})
+      if (auto connection = weak->lock()) others.push_back(std::move(connection));
+    for (const std::weak_ptr<Connection>& weak : lanes_)
+      if (auto lane = weak.lock()) others.push_back(std::move(lane));
     demand_.reset();
     stream_.reset();
+    lanes_.clear();
   }
   ctx_.RemoveSession(id_);
   ctx_.dispatcher.RemoveSession(id_);
@@ -121,8 +168,9 @@ void Session::Close() {
       stats_.bytes_sent.load(), stats_.chunks_sent[wire::PRIORITY_DEMAND].load(),
       stats_.chunks_sent[wire::PRIORITY_PREFETCH].load(),
       stats_.chunks_sent[wire::PRIORITY_BACKGROUND].load(), latency.p50_us, latency.p99_us);
-  // Sessions do not outlive their stream connection (docs/protocol.md).
-  if (demand) demand->Shutdown(wire::ERROR_NONE, "session closed");
+  // Sessions do not outlive their stream connection, nor any lane (docs/protocol.md).
+  for (const std::shared_ptr<Connection>& connection : others)
+    if (connection.get() != by) connection->Shutdown(wire::ERROR_NONE, "session closed");
 }
 
 void Session::RecordDemandLatency(Clock::duration queued, Clock::duration write) {
@@ -170,7 +218,7 @@ void Session::OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) {
   std::shared_ptr<Connection> target;
   {
     std::lock_guard lock(mu_);
-    target = (item.output == Output::kStream ? stream_ : demand_).lock();
+    target = TargetLocked(item);
   }
   if (!target) {
     ctx_.dispatcher.Done(item, std::nullopt);
@@ -184,7 +232,7 @@ bool Session::SendsFromFiles(const WorkItem& item) const {
   std::shared_ptr<Connection> target;
   {
     std::lock_guard lock(mu_);
-    target = (item.output == Output::kStream ? stream_ : demand_).lock();
+    target = TargetLocked(item);
   }
   return target && target->can_send_from_files();
 }
@@ -212,6 +260,7 @@ std::string Connection::Tag() const {
   return fmt::format("conn {} ({}, {} of session {}, image '{}')", id_, peer_,
                      role_ == Role::kDemand  ? "demand"
                      : role_ == Role::kFiles ? "files"
+                     : role_ == Role::kLane  ? "lane"
                                              : "stream",
                      session_->id(), session_->image().name);
 }
@@ -357,10 +406,23 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
       draining_ = true;
       co_return;
     }
-    role_ = Role::kDemand;
-    session_->AttachDemand(shared_from_this());
-  } else if (hello.want_files()) {
-    Fail(wire::ERROR_BAD_REQUEST, "want_files needs join_session and join_secret", rid);
+    if (hello.join_as_lane()) {
+      Result<Session::LaneJoin> join = session_->AddLane(shared_from_this(), ctx_.config.max_lanes);
+      if (!join.ok()) {
+        Fail(ToWire(join.status().code()), join.status().message(), rid);
+        co_return;
+      }
+      role_ = Role::kLane;
+      lane_done_ = join->done;
+    } else {
+      role_ = Role::kDemand;
+      session_->AttachDemand(shared_from_this());
+    }
+  } else if (hello.want_files() || hello.join_as_lane()) {
+    Fail(wire::ERROR_BAD_REQUEST,
+         fmt::format("{} needs join_session and join_secret",
+                     hello.want_files() ? "want_files" : "join_as_lane"),
+         rid);
     co_return;
   } else {
     role_ = Role::kStream;
@@ -374,17 +436,32 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   body->set_version(version_);
   body->set_server_name(ctx_.config.server_name);
   body->set_max_payload(ctx_.limits.max_payload);
+  body->set_max_lanes(ctx_.config.max_lanes);
   Enqueue(std::move(reply));
+  // A lane that joined after the stream ended gets its StreamDone here, after the reply.
+  if (lane_done_) EnqueueStreamDone(*lane_done_);
   Touch();
   spdlog::debug("{}: hello from '{}' ({}), {} over {}", Tag(), hello.client_name().substr(0, 64),
                 identity_.ToString(),
-                role_ == Role::kDemand ? "demand connection" : "stream connection",
+                role_ == Role::kDemand ? "demand connection"
+                : role_ == Role::kLane ? "lane"
+                                       : "stream connection",
                 socket_.is_tls() ? "TLS" : "a plain socket");
   co_return;
 }
 
 net::Awaitable<void> Connection::HandleFrame(const wire::Header& frame) {
   const uint64_t rid = frame.request_id();
+  if (role_ == Role::kLane && frame.body_case() != wire::Header::kGoodbye &&
+      frame.body_case() != wire::Header::kCredit) {
+    // A lane only carries chunks to the client; requests, Have and credit go on the stream
+    // connection (credit here is ignored, as on a demand connection).
+    SendError(wire::ERROR_BAD_REQUEST,
+              fmt::format("message {} belongs on the stream connection, not a lane",
+                          int(frame.body_case())),
+              rid);
+    co_return;
+  }
   switch (frame.body_case()) {
     case wire::Header::kOpenImage:
       if (role_ != Role::kStream) {
@@ -399,7 +476,7 @@ net::Awaitable<void> Connection::HandleFrame(const wire::Header& frame) {
       HandleRequest(frame);
       break;
     case wire::Header::kCredit:
-      if (role_ == Role::kDemand) break;  // the demand connection needs no credit
+      if (role_ == Role::kDemand || role_ == Role::kLane) break;  // they need no credit
       if (!session_) {
         // Pipelined before OpenImage's reply: keep it for the session.
         pending_credit_ = std::min<uint64_t>(
@@ -709,12 +786,15 @@ void Connection::SendStatsReply(uint64_t request_id) {
 }
 
 void Connection::SendStreamDone(const StreamDoneInfo& info) {
+  spdlog::info("{}: stream done, {} chunks, {} bytes", Tag(), info.chunks, info.bytes);
+  if (session_) session_->BroadcastStreamDone(info);
+}
+
+void Connection::EnqueueStreamDone(const StreamDoneInfo& info) {
   wire::Header header;
   wire::StreamDone* body = header.mutable_stream_done();
   body->set_chunks(info.chunks);
   body->set_bytes(info.bytes);
-  if (session_) session_->stats().stream_done.fetch_add(1);
-  spdlog::info("{}: stream done, {} chunks, {} bytes", Tag(), info.chunks, info.bytes);
   Enqueue(std::move(header));
 }
 
@@ -1091,8 +1171,8 @@ void Connection::Close(std::string_view why) {
   control_bytes_ = 0;
   NoteControlQueue();
   if (session_) {
-    if (role_ == Role::kStream) {
-      session_->Close();
+    if (role_ == Role::kStream || role_ == Role::kLane) {
+      session_->Close(this);
     } else {
       session_->DetachDemand(this);
     }

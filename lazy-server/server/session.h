@@ -21,6 +21,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -63,8 +64,21 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   // Makes `connection` the demand connection; the previous one (if any) is shut down.
   void AttachDemand(const std::shared_ptr<Connection>& connection);
   void DetachDemand(const Connection* connection);
-  // The stream connection ended: unregisters the session and closes its demand connection.
-  void Close();
+  // Adds `connection` as one more bulk lane (Hello.join_as_lane). Returns its lane number
+  // (1..max_lanes), and the stream's end when StreamDone went out before it joined (the lane
+  // then owes the client one at once: every bulk connection carries one, docs/protocol.md);
+  // kResourceExhausted past max_lanes, kAborted once the session closed.
+  struct LaneJoin {
+    uint32_t lane = 0;
+    std::optional<StreamDoneInfo> done;
+  };
+  Result<LaneJoin> AddLane(const std::shared_ptr<Connection>& connection, uint32_t max_lanes);
+  // Everything stream_all scheduled has been written: StreamDone on every bulk connection, each
+  // after its own last chunk, so the client knows no chunk is still on its way on any of them.
+  void BroadcastStreamDone(const StreamDoneInfo& info);
+  // The stream connection or a lane (`by`) ended: unregisters the session and closes its other
+  // connections (a session does not outlive any of its bulk connections).
+  void Close(const Connection* by = nullptr);
 
   // The image files were handed to the client (a files connection): it may ask by_reference.
   void MarkFilesPassed() { files_passed_.store(true); }
@@ -102,6 +116,10 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   mutable std::mutex mu_;
   std::weak_ptr<Connection> stream_;
   std::weak_ptr<Connection> demand_;
+  std::vector<std::weak_ptr<Connection>> lanes_;  // lane n at lanes_[n - 1]
+  std::optional<StreamDoneInfo> stream_done_;     // broadcast already (BroadcastStreamDone)
+  // The connection a chunk for `item` goes to (mu_ held).
+  std::shared_ptr<Connection> TargetLocked(const WorkItem& item) const;
   struct LatencySample {
     uint32_t queued_us = 0;
     uint32_t write_us = 0;
@@ -115,7 +133,8 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   // kFiles: a connection that joined only to fetch the image files; it closes after them.
-  enum class Role { kNew, kStream, kDemand, kFiles };
+  // kLane: one more bulk connection of a session: it only receives stream chunks.
+  enum class Role { kNew, kStream, kDemand, kFiles, kLane };
 
   // `identity`: what the listener learned of the peer (SO_PEERCRED on Unix sockets); a TLS
   // client certificate's name is added after the handshake.
@@ -168,7 +187,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   net::Awaitable<T> OnDiskThread(Work work);
   void HandleRequest(const wire::Header& frame);
   void SendStatsReply(uint64_t request_id);
+  // Hands the stream's end to the session, which sends StreamDone on each bulk connection.
   void SendStreamDone(const StreamDoneInfo& info);
+  // StreamDone on this connection.
+  void EnqueueStreamDone(const StreamDoneInfo& info);
 
   // A reply frame; `payload` (with `payload_bytes`, a piece of it) rides along when set: the
   // image table of protocol version 2, shared with every session of the image.
@@ -243,8 +265,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool draining_ = false;         // no more requests: flush control frames, then close
   bool writer_done_ = false;
   bool closed_ = false;
-  uint64_t pending_credit_ = 0;   // Credit that arrived before OpenImage's session existed
-  std::vector<uint8_t> payload_;  // read buffer for client payloads (unused but bounded)
+  uint64_t pending_credit_ = 0;  // Credit that arrived before OpenImage's session existed
+  std::optional<StreamDoneInfo> lane_done_;  // a lane that joined after StreamDone went out
+  std::vector<uint8_t> payload_;             // read buffer for client payloads (unused but bounded)
 };
 
 }  // namespace gpulazy::server

@@ -40,5 +40,19 @@ TEST(ServerCommandLine, RefusesThreadCountsOutOfRange) {
   }
 }
 
+TEST(ServerCommandLine, MaxLanesDefaultOverrideAndLimit) {
+  ParsedCommandLine defaults = Parse({});
+  ASSERT_TRUE(defaults.config.has_value());
+  EXPECT_EQ(defaults.config->max_lanes, 7u);
+  for (const char* value : {"0", "64"}) {
+    ParsedCommandLine set = Parse({"--max-lanes", value});
+    ASSERT_TRUE(set.config.has_value()) << value;
+    EXPECT_EQ(set.config->max_lanes, static_cast<uint32_t>(std::stoul(value)));
+  }
+  ParsedCommandLine refused = Parse({"--max-lanes", "65"});
+  EXPECT_FALSE(refused.config.has_value());
+  EXPECT_NE(refused.exit_code, 0);
+}
+
 }  // namespace
 }  // namespace gpulazy::server

@@ -319,6 +319,42 @@ TEST(SchedulerTest, StreamWindowBoundsChunksInFlight) {
   EXPECT_EQ(c->request_id, 4u);
 }
 
+TEST(SchedulerTest, LanesDealTheStreamRoundRobinEachInItsOwnOrder) {
+  Scheduler s(SchedulerLimits{2, 8, 256, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({12})));
+  s.AddCredit(1, 1 << 20);
+  s.SetLanes(1, 3);
+  s.SetLanes(1, 2);  // never shrinks
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  // The window is per bulk connection: three connections, two chunks each in flight.
+  std::vector<WorkItem> picked;
+  while (std::optional<WorkItem> item = s.Next())
+    picked.push_back(*item);
+  ASSERT_EQ(picked.size(), 6u);
+  for (uint32_t i = 0; i < picked.size(); ++i) {
+    EXPECT_EQ(picked[i].chunk, i);
+    EXPECT_EQ(picked[i].lane, i % 3) << "pick " << i;
+    EXPECT_EQ(picked[i].stream_seq, i / 3) << "pick " << i;  // numbered per lane
+  }
+  // A demand chunk for the stream output keeps to the stream connection, where the client
+  // counts what it asked for, and takes the next number there.
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kStream, 4, Ranges({{0, 11, 1}}), Clock::now())
+          .ok());
+  s.Done(picked[0], picked[0].reserved_credit);
+  std::optional<WorkItem> demand = s.Next();
+  ASSERT_TRUE(demand.has_value());
+  EXPECT_EQ(demand->priority, wire::PRIORITY_DEMAND);
+  EXPECT_EQ(demand->lane, 0u);
+  EXPECT_EQ(demand->stream_seq, 2u);
+  s.Done(picked[1], picked[1].reserved_credit);
+  std::optional<WorkItem> next = s.Next();
+  ASSERT_TRUE(next.has_value());
+  EXPECT_EQ(next->chunk, 6u);
+  EXPECT_EQ(next->lane, 0u);  // the deal goes on where it stopped
+  EXPECT_EQ(next->stream_seq, 3u);
+}
+
 TEST(SchedulerTest, DroppedItemsReturnCredit) {
   Scheduler s;
   s.AddSession(1, Layout(MakeManifest({3})));

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -622,6 +623,124 @@ TEST(ServerShutdownTest, SigtermExitsCleanlyAndRemovesTheSocket) {
 }
 
 // Its own server: token, session and demand limits.
+// One session's stream over its stream connection and two lanes (one of them over TCP): every
+// chunk once across the three, some on each, each connection's chunks in the session's pick
+// order (table order for an image without profile), StreamDone on each after its chunks.
+TEST_F(ServerTest, LanesCarryOneSessionsStreamEachInPickOrder) {
+  TestClient stream(server_->unix_endpoint());
+  Result<wire::HelloReply> hello = stream.Hello();
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->max_lanes(), 7u);  // the default --max-lanes
+  Result<wire::OpenImageReply> reply = stream.Open("raw");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  TestClient lane_unix(server_->unix_endpoint());
+  TestClient lane_tcp(server_->tcp_endpoint());
+  for (TestClient* lane : {&lane_unix, &lane_tcp}) {
+    Result<wire::HelloReply> joined = lane->JoinAsLane(reply->session(), reply->session_secret());
+    ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+  }
+  ASSERT_TRUE(stream.Credit(kBigWindow).ok());
+  ASSERT_TRUE(stream.StreamAll().ok());
+
+  struct Carried {
+    std::vector<Frame> chunks;
+    bool done = false;
+    Status status;
+  };
+  std::array<Carried, 3> carried;
+  std::array<TestClient*, 3> connections{&stream, &lane_unix, &lane_tcp};
+  std::vector<std::thread> readers;
+  for (size_t i = 0; i < connections.size(); ++i)
+    readers.emplace_back([&, i] {
+      for (;;) {
+        Result<Frame> frame = connections[i]->Read(20s);
+        if (!frame.ok()) {
+          carried[i].status = frame.status();
+          return;
+        }
+        if (frame->header.has_stream_done()) {
+          carried[i].done = true;
+          return;
+        }
+        if (frame->header.has_chunk()) carried[i].chunks.push_back(std::move(*frame));
+      }
+    });
+  for (std::thread& reader : readers)
+    reader.join();
+  std::vector<Frame> all;
+  // Flat position of a chunk in table order.
+  std::vector<uint64_t> first_flat;
+  uint64_t flat = 0;
+  for (const wire::BoInfo& bo : reply->bos()) {
+    first_flat.push_back(flat);
+    flat += bo.chunk_count();
+  }
+  for (size_t i = 0; i < carried.size(); ++i) {
+    EXPECT_TRUE(carried[i].status.ok())
+        << "connection " << i << ": " << carried[i].status.ToString();
+    EXPECT_TRUE(carried[i].done) << "connection " << i << " had no StreamDone";
+    EXPECT_GT(carried[i].chunks.size(), 0u) << "connection " << i << " carried nothing";
+    uint64_t last = 0;
+    for (size_t k = 0; k < carried[i].chunks.size(); ++k) {
+      const wire::ChunkData& data = carried[i].chunks[k].header.chunk();
+      const uint64_t at = first_flat.at(data.bo()) + data.chunk();
+      if (k > 0) {
+        EXPECT_GT(at, last) << "connection " << i << ", chunk " << k;
+      }
+      last = at;
+    }
+    for (Frame& frame : carried[i].chunks)
+      all.push_back(std::move(frame));
+  }
+  Status verified = VerifyStream(*reply, all, expected_["raw"]);
+  EXPECT_TRUE(verified.ok()) << verified.ToString();
+}
+
+// Lanes the server refuses, what a lane may not do, and a lane whose end ends the session.
+TEST(ServerLimitsTest, LaneJoinsAndLaneLimits) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(MakeImage(root / "img", 2ull << 20, 6, false).ok());
+  ServerProcess server(dir.path(), root, {"--raw-chunk-size", "64K", "--max-lanes", "1"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient stream(server.unix_endpoint());
+  Result<wire::HelloReply> hello = stream.Hello();
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->max_lanes(), 1u);
+  Result<wire::OpenImageReply> reply = stream.Open("img");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  auto refused = [&](uint64_t session, const std::string& secret, const char* code) {
+    TestClient lane(server.unix_endpoint());
+    Result<wire::HelloReply> joined = lane.JoinAsLane(session, secret);
+    ASSERT_FALSE(joined.ok());
+    EXPECT_NE(joined.status().message().find(code), std::string::npos)
+        << joined.status().ToString();
+    EXPECT_TRUE(lane.WaitClosed());
+  };
+  refused(0, "", "ERROR_BAD_REQUEST");  // a lane of no session
+  refused(reply->session(), "wrong", "ERROR_NOT_FOUND");
+  TestClient lane(server.unix_endpoint());
+  ASSERT_TRUE(lane.JoinAsLane(reply->session(), reply->session_secret()).ok());
+  refused(reply->session(), reply->session_secret(), "ERROR_LIMIT");  // past --max-lanes 1
+  // Requests belong on the stream connection; the lane stays open.
+  ASSERT_TRUE(lane.Request(wire::PRIORITY_DEMAND, 0, 0, 1, 7).ok());
+  Result<wire::Error> error = lane.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status().ToString();
+  EXPECT_EQ(error->code(), wire::ERROR_BAD_REQUEST);
+  EXPECT_EQ(error->in_reply_to(), 7u);
+  // The lane goes: so does its session, and the stream connection hears Goodbye.
+  ASSERT_TRUE(lane.CloseWrite().ok());
+  EXPECT_TRUE(lane.WaitClosed());
+  Result<Frame> bye = stream.Read(5s);
+  ASSERT_TRUE(bye.ok()) << bye.status().ToString();
+  EXPECT_TRUE(bye->header.has_goodbye());
+  EXPECT_TRUE(stream.WaitClosed());
+  EXPECT_EQ(server.Terminate(10s), 0) << server.Log();
+  ::alarm(0);
+}
+
 TEST(ServerLimitsTest, TokenSessionAndDemandLimits) {
   ::alarm(120);
   TempDir dir;

@@ -202,6 +202,22 @@ Result<wire::HelloReply> TestClient::Hello(uint64_t join_session, std::string jo
   return frame.header.hello_reply();
 }
 
+Result<wire::HelloReply> TestClient::JoinAsLane(uint64_t session, std::string secret) {
+  wire::Header header;
+  header.set_request_id(1001);
+  wire::Hello* hello = header.mutable_hello();
+  hello->set_min_version(1);
+  hello->set_max_version(2);
+  hello->set_client_name("server-test-lane");
+  hello->set_join_session(session);
+  hello->set_join_secret(std::move(secret));
+  hello->set_join_as_lane(true);
+  GPULAZY_RETURN_IF_ERROR(Send(header));
+  GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
+  if (!frame.header.has_hello_reply()) return Unexpected(frame.header, "HelloReply");
+  return frame.header.hello_reply();
+}
+
 Result<wire::OpenImageReply> TestClient::Open(const std::string& image, uint64_t request_id) {
   wire::Header header;
   header.set_request_id(request_id);
