@@ -36,6 +36,8 @@ namespace {
 constexpr uint32_t kMaxAcceptedPayload = 64u << 20;
 constexpr size_t kMaxBos = 1u << 20;
 constexpr size_t kMaxSecretBytes = 1024;
+// Lanes a session opens at most, whatever its options and the server say (threads each).
+constexpr uint32_t kMaxLanes = 15;
 constexpr size_t kMaxSpareBuffers = 64;
 // A serialized ChunkLocations entry is at most about 30 bytes: images whose table could pass
 // the client's table limit do without one.
@@ -102,6 +104,7 @@ Urgency UrgencyOf(bool on_stream) {
 //   Whatever the reader must hand back (a bad copy's credit and re-request) it posts to io_.
 
 struct DemandLink;
+struct LaneLink;
 
 // The stream half of one connection generation: the stream socket and its writer. Shared by
 // the coroutines serving it; dies with the last of them. Stream thread only.
@@ -116,6 +119,7 @@ struct Link : std::enable_shared_from_this<Link> {
     boost::system::error_code ignored;
     stream.close(ignored);
     CloseDemand();
+    CloseLanes();
   }
   void Fail(Status status) {
     if (error.ok()) error = std::move(status);
@@ -132,6 +136,7 @@ struct Link : std::enable_shared_from_this<Link> {
     boost::system::error_code ignored;
     stream.shutdown(net::Socket::shutdown_send, ignored);
     CloseDemand();
+    CloseLanes();
     auto timer = std::make_shared<boost::asio::steady_timer>(stream.get_executor(), grace);
     timer->async_wait([this_link = weak_from_this(), timer](boost::system::error_code) {
       if (auto link = this_link.lock()) link->Close();
@@ -139,6 +144,8 @@ struct Link : std::enable_shared_from_this<Link> {
   }
   // The demand half is the demand thread's: ask it to close there.
   void CloseDemand();
+  // Each lane is its thread's: ask each to close there.
+  void CloseLanes();
 
   net::Stream stream;
   FrameLimits limits;
@@ -149,7 +156,17 @@ struct Link : std::enable_shared_from_this<Link> {
   // The image files the server passed for this connection's session: chunks arrive by
   // reference and are read from them. Null: chunks travel through the socket.
   std::shared_ptr<const ImageFileSet> files;
-  uint64_t credit_outstanding = 0;  // granted to the server and not yet used by it
+  // Lanes of this generation, each owned by its lane thread (registered on the stream thread
+  // once joined).
+  std::vector<std::pair<boost::asio::any_io_executor, std::weak_ptr<LaneLink>>> lanes;
+  // StreamDone comes on every bulk connection, each after its own last chunk: the stream has
+  // ended once it came on the stream connection and on every lane that joined (or is joining:
+  // a lane refused or failing to connect is taken off). Stream thread.
+  uint32_t bulk_connections = 1;
+  uint32_t stream_done_marks = 0;
+  // Granted to the server and not yet used by it: the stream thread adds, the thread receiving a
+  // chunk (stream or lane) takes.
+  std::atomic<uint64_t> credit_outstanding{0};
   // Credit of installed chunks not yet sent back (any thread adds; the stream thread takes it
   // all): completions that land while one return is queued ride along with it, so a stream of
   // small chunks sends one Credit frame per wake-up of the stream thread, not one per chunk.
@@ -187,11 +204,37 @@ struct DemandLink {
   bool closed = false;
 };
 
+// One more bulk connection of a connection generation (Hello.join_as_lane): it only receives
+// stream chunks. Its lane thread only.
+struct LaneLink {
+  LaneLink(net::Stream lane_socket, FrameLimits frame_limits, std::weak_ptr<Link> stream_link)
+      : socket(std::move(lane_socket)), limits(frame_limits), link(std::move(stream_link)) {}
+
+  void Close() {
+    if (closed) return;
+    closed = true;
+    boost::system::error_code ignored;
+    socket.close(ignored);
+  }
+
+  net::Stream socket;
+  FrameLimits limits;
+  std::weak_ptr<Link> link;  // its stream half: credit, and to abort when this lane breaks
+  bool closed = false;
+};
+
 void Link::CloseDemand() {
   if (demand.expired()) return;
   boost::asio::post(demand_executor, [weak = demand] {
     if (auto link = weak.lock()) link->Close();
   });
+}
+
+void Link::CloseLanes() {
+  for (const auto& lane : lanes)
+    boost::asio::post(lane.first, [weak = lane.second] {
+      if (auto lane_link = weak.lock()) lane_link->Close();
+    });
 }
 
 class RestoreSession::Impl {
@@ -231,6 +274,21 @@ class RestoreSession::Impl {
   asio::awaitable<Status> ReadStream(std::shared_ptr<Link> link);
   asio::awaitable<void> RunWriter(std::shared_ptr<Link> link);
   void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
+  // Any thread: credit back to the server, at once on the stream thread, else posted there
+  // (returns that land meanwhile ride along).
+  void GiveBackCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
+  // StreamDone came on one more bulk connection (or a lane is off): once on all of them, asks
+  // for anything the server never sent.
+  void NoteStreamEnd(const std::shared_ptr<Link>& link);
+  // Lanes: starts `count` lane threads (once; the stream thread) and has each join `link`'s
+  // session as a lane on its own thread.
+  void StartLanes(const std::shared_ptr<Link>& link, const wire::Hello& join, FrameLimits limits,
+                  uint32_t count);
+  asio::awaitable<void> RunLane(size_t index, std::weak_ptr<Link> link, wire::Hello join,
+                                FrameLimits limits);
+  asio::awaitable<void> ReadLane(std::shared_ptr<LaneLink> lane);
+  // The lane broke: close it and abort its stream half (which reconnects them all).
+  void LoseLane(const std::shared_ptr<LaneLink>& lane, Status why);
   // Demand thread: connects and joins the session `join` names, installs the new DemandLink
   // and starts serving it. Returns it (weakly) to RunAttempt, or why it could not.
   asio::awaitable<std::pair<Status, std::weak_ptr<DemandLink>>> JoinDemand(
@@ -394,6 +452,18 @@ class RestoreSession::Impl {
   // When each chunk asked for on the demand connection was asked, until its reply arrives.
   std::map<ChunkId, Clock::time_point> demand_asked_;
 
+  // Lane threads, each running its io_context: made by the stream thread when a connection
+  // first has lanes, never removed before the destructor. `current` is its thread's.
+  struct LaneThread {
+    asio::io_context io;
+    std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+    std::shared_ptr<LaneLink> current;
+    std::thread thread;
+  };
+  std::vector<std::unique_ptr<LaneThread>> lane_threads_;
+  std::atomic<uint32_t> lanes_joined_{0};  // Progress::lanes
+  std::atomic<uint64_t> lane_bytes_{0};    // Progress::lane_bytes
+
   std::thread thread_;         // runs io_
   std::thread demand_thread_;  // runs demand_io_
   // Reader threads for chunks by reference (read_files on a Unix endpoint); joined after the
@@ -421,6 +491,11 @@ RestoreSession::Impl::~Impl() {
     demand_io_.stop();
     thread_.join();
     if (demand_thread_.joinable()) demand_thread_.join();
+  }
+  // Made by the stream thread, which has ended: the vector is ours now.
+  for (const std::unique_ptr<LaneThread>& lane : lane_threads_) {
+    lane->io.stop();
+    if (lane->thread.joinable()) lane->thread.join();
   }
   if (readers_) readers_->join();
   // Engine callbacks hold our staging buffers and call OnWritten; let them all run first.
@@ -660,6 +735,8 @@ Progress RestoreSession::Impl::progress() const {
   p.stream_wait_s = static_cast<double>(stream_wait_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.stream_chunk_s = static_cast<double>(stream_chunk_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.unchecked_chunks = unchecked_chunks_.load(std::memory_order_relaxed);
+  p.lanes = lanes_joined_.load(std::memory_order_relaxed);
+  p.lane_bytes = lane_bytes_.load(std::memory_order_relaxed);
   p.file_read_s = file_times_.read_s();
   p.file_engine_s = file_times_.engine_s();
   p.file_gate_wait_s = file_times_.gate_wait_s();
@@ -740,6 +817,12 @@ asio::awaitable<void> RestoreSession::Impl::Main() {
   }
   if (link_) link_->Close();
   link_.reset();
+  for (const std::unique_ptr<LaneThread>& lane : lane_threads_)
+    asio::post(lane->io, [lane = lane.get()] {
+      if (lane->current) lane->current->Close();
+      lane->current.reset();
+      lane->work.reset();
+    });
   if (options_.demand_connection) {
     // Let the demand thread's loop end once its coroutines have unwound.
     asio::post(demand_io_, [this] {
@@ -793,9 +876,11 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
   }
   // Destinations before anything streams: the engine must have somewhere to put the bytes.
   std::lock_guard engine_lock(engine_gate_);
-  // The file readers we plan to write with, before the chunk size: an engine sizes its staging
-  // to them then (a server that refuses the files later makes it one writer again, below).
-  if (readers_) engine_.ExpectWriters(file_reader_count_);
+  // The writers we plan, before the chunk size, so that an engine sizes its staging to them: the
+  // file readers, or one thread per bulk connection when the bytes come through the socket (as
+  // many as asked for). Each connection says again what it ended up with (RunAttempt).
+  engine_.ExpectWriters(readers_ ? file_reader_count_
+                                 : std::min(LanesFor(options_.lanes), kMaxLanes + 1));
   if (Status expected = engine_.ExpectChunkBytes(reply.chunk_size()); !expected.ok())
     return expected.Context(fmt::format("image {}: preparing the {} engine for {}-byte chunks",
                                         image, engine_.name(), reply.chunk_size()));
@@ -916,9 +1001,8 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
                      files->chunk_table.empty() ? "" : "; chunks waited for are read at once");
     } else if (fetched.status().code() == Code::kInvalidArgument) {
       // The server will not pass files (--no-pass-files, TLS, an older server): the socket
-      // carries the chunks, one receiving thread, not the readers announced. The host engine,
-      // told of several writers, had put away what pays off for one (its populate helper).
-      engine_.ExpectWriters(1);
+      // carries the chunks, one receiving thread per bulk connection (told to the engine with
+      // the lanes, below), not the readers announced.
       if (first) spdlog::info("image {}: {}", options_.image, fetched.status().message());
     } else {
       co_return fetched.status().Context("fetching the image files");
@@ -948,6 +1032,21 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     link->Close();
     co_return Aborted("image {}: session ended while connecting", options_.image);
   }
+  // Lanes when the chunks travel through the socket: several threads receive them.
+  lanes_joined_.store(0);
+  if (!files) {
+    const uint32_t lanes =
+        std::min({LanesFor(options_.lanes) - 1, stream->reply.max_lanes(), kMaxLanes});
+    // Each lane's thread receives into the engine as the stream thread does. The host engine,
+    // told of several writers before (file readers announced), gets back what pays off for one
+    // (its populate helper) when there is one.
+    engine_.ExpectWriters(1 + lanes);
+    if (lanes > 0) {
+      wire::Hello lane_join = join;
+      lane_join.set_join_as_lane(true);
+      StartLanes(link, lane_join, limits, lanes);
+    }
+  }
   std::vector<ChunkRun> held;
   {
     std::lock_guard lock(mutex_);
@@ -962,7 +1061,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   const uint64_t window = files ? std::max(window_, options_.file_window_bytes) : window_;
   wire::Header credit;
   credit.mutable_credit()->set_bytes(window);
-  link->credit_outstanding = window;
+  link->credit_outstanding.store(window);
   link->stream_writer.Send(std::move(credit));
   if (options_.stream_all) {
     wire::Header stream_all;
@@ -1038,32 +1137,13 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
           if (!options_.demand_connection) PumpDemand();
           break;
         }
-        case wire::Header::kStreamDone: {
-          std::vector<ChunkRun> missed;
-          {
-            std::lock_guard lock(mutex_);
-            missed = residency_.UnrequestedRuns();
-          }
+        case wire::Header::kStreamDone:
           spdlog::info("image {}: stream done ({} chunks, {} bytes sent by the server)",
                        options_.image, header->stream_done().chunks(),
                        header->stream_done().bytes());
-          // A server that skipped chunks would leave us waiting forever: ask for them.
-          if (!missed.empty()) {
-            spdlog::warn("image {}: stream ended with {} run(s) never sent; demanding them",
-                         options_.image, missed.size());
-            std::vector<ChunkId> chunks;
-            for (const ChunkRun& run : missed)
-              for (uint32_t i = 0; i < run.count; ++i)
-                chunks.emplace_back(run.bo, run.first + i);
-            {
-              std::lock_guard lock(mutex_);
-              for (const ChunkId& id : chunks)
-                residency_.set_demanded(id.first, id.second);
-            }
-            OnDemandThread([this, chunks = std::move(chunks)] { QueueDemand(chunks); });
-          }
+          ++link->stream_done_marks;
+          NoteStreamEnd(link);
           break;
-        }
         case wire::Header::kError: {
           Status error = HandleErrorFrame(header->error(), "stream connection");
           if (!error.ok()) co_return error;
@@ -1081,6 +1161,153 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
     Fail(status);
     co_return status;
   }
+}
+
+// ---- lanes ----
+
+void RestoreSession::Impl::NoteStreamEnd(const std::shared_ptr<Link>& link) {
+  if (link->stream_done_marks == 0 || link->stream_done_marks < link->bulk_connections) return;
+  std::vector<ChunkRun> missed;
+  {
+    std::lock_guard lock(mutex_);
+    missed = residency_.UnrequestedRuns();
+  }
+  // A server that skipped chunks would leave us waiting forever: ask for them.
+  if (missed.empty()) return;
+  spdlog::warn("image {}: stream ended with {} run(s) never sent; demanding them", options_.image,
+               missed.size());
+  std::vector<ChunkId> chunks;
+  for (const ChunkRun& run : missed)
+    for (uint32_t i = 0; i < run.count; ++i)
+      chunks.emplace_back(run.bo, run.first + i);
+  {
+    std::lock_guard lock(mutex_);
+    for (const ChunkId& id : chunks)
+      residency_.set_demanded(id.first, id.second);
+  }
+  OnDemandThread([this, chunks = std::move(chunks)] { QueueDemand(chunks); });
+}
+
+void RestoreSession::Impl::StartLanes(const std::shared_ptr<Link>& link, const wire::Hello& join,
+                                      FrameLimits limits, uint32_t count) {
+  while (lane_threads_.size() < count) {
+    auto lane = std::make_unique<LaneThread>();
+    lane->work.emplace(lane->io.get_executor());
+    lane->thread = std::thread([this, lane = lane.get(), index = lane_threads_.size()] {
+      net::NameThisThread(fmt::format("gl-lane-{}", index + 1));
+      BackgroundPriority();
+      lane->io.run();
+    });
+    lane_threads_.push_back(std::move(lane));
+  }
+  link->bulk_connections = 1 + count;
+  for (uint32_t i = 0; i < count; ++i)
+    asio::co_spawn(lane_threads_[i]->io, RunLane(i, link, join, limits), asio::detached);
+}
+
+asio::awaitable<void> RestoreSession::Impl::RunLane(size_t index, std::weak_ptr<Link> link,
+                                                    wire::Hello join, FrameLimits limits) {
+  // Without this lane the stream still ends: StreamDone is no longer awaited on it.
+  auto take_off = [this, link] {
+    asio::post(io_, [this, link] {
+      auto stream_link = link.lock();
+      if (!stream_link || stream_link->closed) return;
+      --stream_link->bulk_connections;
+      NoteStreamEnd(stream_link);
+    });
+  };
+  try {
+    bool refused = false;
+    Result<Handshake> joined =
+        co_await ConnectAndHello(endpoint_, transport_, join, options_.handshake_timeout, &refused);
+    if (!joined.ok()) {
+      // The other connections carry the stream without it.
+      spdlog::warn("image {}: lane {} not joined: {}", options_.image, index + 1,
+                   joined.status().ToString());
+      take_off();
+      co_return;
+    }
+    auto lane = std::make_shared<LaneLink>(std::move(joined->socket), limits, link);
+    LaneThread& thread = *lane_threads_[index];
+    if (thread.current) thread.current->Close();  // an earlier generation's
+    thread.current = lane;
+    lanes_joined_.fetch_add(1, std::memory_order_relaxed);
+    asio::post(io_,
+               [link, weak = std::weak_ptr<LaneLink>(lane), executor = thread.io.get_executor()] {
+                 auto stream_link = link.lock();
+                 if (!stream_link || stream_link->closed) {
+                   asio::post(executor, [weak] {
+                     if (auto lane = weak.lock()) lane->Close();
+                   });
+                   return;
+                 }
+                 stream_link->lanes.emplace_back(executor, weak);
+               });
+    co_await ReadLane(std::move(lane));
+  } catch (const std::exception& e) {
+    Fail(Internal("image {}: lane {}: {}", options_.image, index + 1, e.what()));
+  }
+}
+
+asio::awaitable<void> RestoreSession::Impl::ReadLane(std::shared_ptr<LaneLink> lane) {
+  std::vector<uint8_t> payload;
+  for (;;) {
+    Result<net::FrameHead> head = co_await net::ReadFrameHead(lane->socket, lane->limits);
+    if (lane->closed) co_return;
+    if (!head.ok()) {
+      LoseLane(lane, head.status().Context("lane"));
+      co_return;
+    }
+    std::shared_ptr<Link> link = lane->link.lock();
+    if (!link) co_return;
+    const wire::Header& header = head->header;
+    if (header.has_chunk()) {
+      bool transport = false;
+      Status handled =
+          co_await ReceiveChunk(link, lane->socket, lane->limits, nullptr, header,
+                                head->payload_length, payload, /*on_stream=*/true, &transport);
+      if (!handled.ok()) {
+        if (transport)
+          LoseLane(lane, handled.Context("lane"));
+        else
+          Fail(handled);
+        co_return;
+      }
+      lane_bytes_.fetch_add(head->payload_length, std::memory_order_relaxed);
+      continue;
+    }
+    payload.resize(head->payload_length);
+    if (Status read = co_await net::ReadPayload(lane->socket, payload); !read.ok()) {
+      LoseLane(lane, read.Context("lane"));
+      co_return;
+    }
+    if (header.has_stream_done()) {
+      asio::post(io_, [this, link] {
+        ++link->stream_done_marks;
+        NoteStreamEnd(link);
+      });
+    } else if (header.has_error()) {
+      Status error = HandleErrorFrame(header.error(), "lane");
+      if (!error.ok()) {
+        LoseLane(lane, error);
+        co_return;
+      }
+    } else if (header.has_goodbye()) {
+      LoseLane(lane, Unavailable("server said goodbye on a lane"));
+      co_return;
+    }
+  }
+}
+
+void RestoreSession::Impl::LoseLane(const std::shared_ptr<LaneLink>& lane, Status why) {
+  if (lane->closed) return;
+  lane->Close();
+  // A session does not outlive any of its bulk connections: reconnect them all. What the
+  // stream connection has received is good, so let its reader drain it first.
+  asio::post(io_, [stream = lane->link, why = std::move(why),
+                   grace = options_.handshake_timeout]() mutable {
+    if (auto stream_link = stream.lock()) stream_link->Abort(std::move(why), grace);
+  });
 }
 
 // ---- the demand thread ----
@@ -1359,17 +1586,21 @@ Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
   const uint32_t bo = data.bo();
   const uint32_t chunk = data.chunk();
   if (on_stream) {
-    if (wire_bytes > link->credit_outstanding)
-      return Corrupt(
-          "image {}: server sent a {}-byte chunk with {} bytes of credit left "
-          "(flow control violated)",
-          options_.image, wire_bytes, link->credit_outstanding);
-    link->credit_outstanding -= wire_bytes;
+    // Lanes take from the same credit on their own threads.
+    uint64_t left = link->credit_outstanding.load();
+    do {
+      if (wire_bytes > left)
+        return Corrupt(
+            "image {}: server sent a {}-byte chunk with {} bytes of credit left "
+            "(flow control violated)",
+            options_.image, wire_bytes, left);
+    } while (!link->credit_outstanding.compare_exchange_weak(left, left - wire_bytes));
   }
   // The in-flight count belongs to the connection the demand requests went out on (and to the
-  // thread serving it): the demand connection, or the stream connection when there is none.
+  // thread serving it): the demand connection, or the stream connection when there is none. The
+  // server sends demand chunks on the stream connection, never on a lane.
   if (data.priority() == wire::PRIORITY_DEMAND && on_stream != options_.demand_connection &&
-      demand_in_flight_ > 0)
+      (!on_stream || io_.get_executor().running_in_this_thread()) && demand_in_flight_ > 0)
     --demand_in_flight_;
   std::lock_guard lock(mutex_);
   Status valid = residency_.CheckChunk(bo, chunk);
@@ -1417,7 +1648,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       *transport = true;
       co_return read;
     }
-    if (on_stream) ReturnCredit(link, payload_length);
+    if (on_stream) GiveBackCredit(link, payload_length);
     co_return Status::Ok();
   }
 
@@ -1536,7 +1767,7 @@ Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& lin
   bool duplicate = false;
   GPULAZY_RETURN_IF_ERROR(AcceptChunk(link, data, where.length(), on_stream, &duplicate));
   if (duplicate) {
-    if (on_stream) ReturnCredit(link, where.length());
+    if (on_stream) GiveBackCredit(link, where.length());
     return Status::Ok();
   }
   // Claimed (AcceptChunk marked it landing): the reader installs it or unclaims it.
@@ -1666,7 +1897,7 @@ uint32_t RestoreSession::Impl::UnclaimBadCopy(uint32_t bo, uint32_t chunk) {
 Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
                                      uint64_t wire_bytes, bool on_stream, const Status& why,
                                      uint32_t bad_copies) {
-  if (on_stream) ReturnCredit(link, wire_bytes);
+  if (on_stream) GiveBackCredit(link, wire_bytes);
   if (bad_copies >= 2)
     return Corrupt("{}: second copy is bad too, not installing it: {}", What(bo, chunk),
                    why.message());
@@ -1774,15 +2005,32 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   });
 }
 
+void RestoreSession::Impl::GiveBackCredit(const std::shared_ptr<Link>& link, uint64_t bytes) {
+  if (bytes == 0) return;
+  if (io_.get_executor().running_in_this_thread()) {
+    ReturnCredit(link, bytes);
+    return;
+  }
+  if (link->credit_to_return.fetch_add(bytes, std::memory_order_acq_rel) == 0)
+    asio::post(io_, [this, link] {
+      ReturnCredit(link, link->credit_to_return.exchange(0, std::memory_order_acq_rel));
+    });
+}
+
 void RestoreSession::Impl::ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes) {
   if (link->closed || bytes == 0) return;
-  link->credit_outstanding += bytes;
+  link->credit_outstanding.fetch_add(bytes);
   wire::Header header;
   header.mutable_credit()->set_bytes(bytes);
   link->stream_writer.Send(std::move(header));
 }
 
 // ---- RestoreSession forwards to Impl ----
+
+uint32_t LanesFor(uint32_t asked) {
+  if (asked != 0) return asked;
+  return std::clamp(net::UsableCpus() / 4, 1u, 4u);
+}
 
 RestoreSession::RestoreSession(SessionOptions options, CopyEngine& engine)
     : impl_(std::make_unique<Impl>(std::move(options), engine)) {}

@@ -70,6 +70,12 @@ struct SessionOptions {
   bool read_files = true;
   // 0 leaves the count to the engine (WritersFor in copy_engine.h).
   uint32_t file_readers = 0;
+  // Bulk connections carrying the stream when its chunks travel through the socket (TCP, or a
+  // server that does not pass its files), the stream connection included: the server deals
+  // the stream's chunks over them and each is received by a thread of its own, so one thread's
+  // copy from the socket does not bound the restore (docs/protocol.md, "Lanes"). At most what
+  // the server allows (HelloReply.max_lanes + 1); 1 = the stream connection alone; 0 = LanesFor.
+  uint32_t lanes = 0;
   // While reading files, also take the image's chunk table (where every chunk is stored) and
   // read a chunk Ensure waits for from the files at once instead of asking the server for it
   // (a round trip through two more threads). Protocol version 2.
@@ -87,6 +93,12 @@ struct SessionOptions {
   // a resumed program then get the CPU first where cores are few (docs/client.md).
   int background_nice = 0;
 };
+
+// The bulk connections a session opens for `asked` (SessionOptions::lanes): `asked`, or for 0 one
+// per four CPUs this process may use, 1 to 4. Each brings a receiving thread here and a network
+// thread's work on the server; on two cores they only compete with each other (measured:
+// docs/benchmarks.md, "Lanes").
+uint32_t LanesFor(uint32_t asked);
 
 // A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).
 struct BoEntry {
@@ -116,6 +128,8 @@ struct Progress {
   uint64_t duplicates = 0;     // copies of chunks already held, ignored
   uint64_t reconnects = 0;     // successful re-opens after a lost connection
   bool reading_files = false;  // the current connection passed the image files (by reference)
+  uint32_t lanes = 0;          // lanes joined to the current connection (besides the stream's)
+  uint64_t lane_bytes = 0;     // of received_bytes: payload bytes that came on lanes
   // Where the stream connection's reading thread spent its time (wall time, other work of that
   // thread included): waiting for the next frame to start, and inside chunk frames (receiving
   // the payload, which may also wait for bytes, verifying it, handing it to the engine).

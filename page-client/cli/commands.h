@@ -17,6 +17,7 @@ struct FetchOptions {
   bool demand_connection = true;
   bool read_files = true;     // Unix servers: read chunks from the passed image files
   uint32_t file_readers = 0;  // threads reading them; 0: the engine's choice (WritersFor)
+  uint32_t lanes = 0;         // bulk connections when bytes use the socket; 0: LanesFor
   bool json = false;
   std::string token_file;
   net::TlsClientOptions tls;

@@ -120,6 +120,7 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
   session_options.demand_connection = options.demand_connection;
   session_options.read_files = options.read_files;
   session_options.file_readers = options.file_readers;
+  session_options.lanes = options.lanes;
   if (!options.token_file.empty()) {
     GPULAZY_ASSIGN_OR_RETURN(session_options.token, net::ReadTokenFile(options.token_file));
   }
@@ -153,6 +154,8 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
       {"write_seconds", Seconds(Clock::now() - write_start)},
       {"reconnects", p.reconnects},
       {"read_files", p.reading_files},
+      {"lanes", p.lanes},
+      {"lane_bytes", p.lane_bytes},
       {"refetches", p.refetches},
       {"duplicates", p.duplicates},
       {"demand_chunks", p.demand_chunks},

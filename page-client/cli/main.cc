@@ -61,6 +61,12 @@ static int Run(int argc, char** argv) {
                    "threads reading chunks from passed image files (0: the copy engine's "
                    "preference, 4 for the host engine)")
       ->capture_default_str();
+  fetch_cmd
+      ->add_option("--lanes", fetch.lanes,
+                   "bulk connections when the bytes travel through the socket (tcp, "
+                   "--no-read-files), each received by a thread (0: one per four CPUs, 1-4)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 16));
   fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
   AddSecurityOptions(*fetch_cmd, &fetch.token_file, &fetch.tls, &fetch.insecure);
 

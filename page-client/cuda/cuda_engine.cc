@@ -1,7 +1,6 @@
 #include "page-client/cuda/cuda_engine.h"
 
 #include <cuda_runtime.h>
-#include <sched.h>
 #include <sys/mman.h>
 #define XXH_STATIC_LINKING_ONLY  // XXH3_generateSecret_fromSeed
 #include <xxhash.h>
@@ -18,6 +17,7 @@
 #include <thread>
 
 #include "page-client/cuda/verify_kernel.h"
+#include "page-client/net/threads.h"
 #include "proto/xxh3_blocks.h"
 
 namespace gpulazy::client {
@@ -708,14 +708,7 @@ uint32_t CudaCopyEngine::PreferredWriters() const {
   return DefaultWriters();
 }
 uint32_t CudaCopyEngine::DefaultWriters() {
-  // The CPUs this process may run on (a container's or taskset's share), not the machine's.
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  uint32_t cpus = 0;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
-    cpus = static_cast<uint32_t>(CPU_COUNT(&allowed));
-  if (cpus == 0) cpus = std::thread::hardware_concurrency();
-  return std::clamp(cpus, kMinDefaultWriters, kMaxDefaultWriters);
+  return std::clamp(net::UsableCpus(), kMinDefaultWriters, kMaxDefaultWriters);
 }
 
 }  // namespace gpulazy::client

@@ -1,6 +1,7 @@
 #include "page-client/net/threads.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <latch>
 #include <string>
+#include <thread>
 
 namespace gpulazy::net {
 
@@ -60,6 +62,16 @@ void RunOnEachPoolThread(boost::asio::thread_pool& pool, uint32_t threads,
     });
   }
   finished.wait();
+}
+
+uint32_t UsableCpus() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  uint32_t cpus = 0;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+    cpus = static_cast<uint32_t>(CPU_COUNT(&allowed));
+  if (cpus == 0) cpus = std::thread::hardware_concurrency();
+  return std::max(cpus, 1u);
 }
 
 }  // namespace gpulazy::net

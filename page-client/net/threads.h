@@ -24,6 +24,10 @@ void NameThisThread(std::string_view name);
 // Adds `increment` (>= 0) to the calling thread's nice value, capped at 19. 0 does nothing.
 Status LowerThisThreadPriority(int increment);
 
+// The CPUs this process may run on (a container's or taskset's share, not the machine's); at
+// least 1.
+uint32_t UsableCpus();
+
 // Runs `fn` once on each of the pool's `threads` threads, before any other work posted after
 // this call: each thread takes one task and holds it until all have taken theirs. The pool
 // must have exactly `threads` threads, all idle.

@@ -197,8 +197,11 @@ void FakeServer::Serve(int fd) {
         std::min(header.hello().max_version(), options_.version));
     reply.mutable_hello_reply()->set_server_name("fake");
     reply.mutable_hello_reply()->set_max_payload(options_.max_payload);
+    reply.mutable_hello_reply()->set_max_lanes(options_.max_lanes);
     if (WriteFrame(fd, reply)) {
-      if (header.hello().join_session() != 0)
+      if (header.hello().join_session() != 0 && header.hello().join_as_lane())
+        ServeLane(fd, header.hello());
+      else if (header.hello().join_session() != 0)
         ServeDemand(fd, header.hello());
       else
         ServeStream(fd, header.hello());
@@ -391,6 +394,7 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
       if (seen.insert({bo, c}).second) order.push_back({bo, c});
 
   size_t next = 0;
+  size_t lane_cursor = 0;
   bool done_sent = false;
   for (;;) {
     ChunkKey key;
@@ -416,10 +420,13 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
       } else if (next < order.size()) {
         key = order[next++];
       } else {
+        const std::vector<int> lanes = lanes_[session_id];
         lock.unlock();
         wire::Header done;
         done.mutable_stream_done()->set_chunks(order.size());
         WriteFrame(fd, done);
+        for (int lane : lanes)
+          WriteFrame(lane, done);
         done_sent = true;
         continue;
       }
@@ -428,23 +435,53 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
       cv_.wait(lock, [&] { return stopping_ || state.closed || state.credit >= need; });
       if (stopping_ || state.closed) break;
     }
-    uint64_t payload_bytes = 0;
-    SendChunk(fd, key.first, key.second, priority, request_id, &payload_bytes, [&](uint64_t bytes) {
+    // Background chunks are dealt over the stream connection and its lanes; demand keeps to it.
+    int target = fd;
+    bool on_lane = false;
+    {
       std::lock_guard lock(mutex_);
-      if (bytes > state.credit) credit_violated_ = true;
-      state.credit -= std::min(state.credit, bytes);
-      state.sent += bytes;
-    });
+      const std::vector<int>& lanes = lanes_[session_id];
+      if (priority != wire::PRIORITY_DEMAND && !lanes.empty()) {
+        const size_t pick = lane_cursor++ % (lanes.size() + 1);
+        if (pick > 0) {
+          target = lanes[pick - 1];
+          on_lane = true;
+        }
+      }
+    }
+    uint64_t payload_bytes = 0;
+    SendChunk(target, key.first, key.second, priority, request_id, &payload_bytes,
+              [&](uint64_t bytes) {
+                std::lock_guard lock(mutex_);
+                if (bytes > state.credit) credit_violated_ = true;
+                state.credit -= std::min(state.credit, bytes);
+                state.sent += bytes;
+              });
     bool drop = false;
+    int lane_drop = -1;
     {
       std::lock_guard lock(mutex_);
       stream_sent_[session_index].insert(key);
       ++stream_chunks_sent_;
+      if (on_lane) {
+        ++lane_chunks_sent_;
+        if (!lane_dropped_ && options_.drop_lane_after_chunks >= 0 &&
+            lane_chunks_sent_ >= static_cast<uint64_t>(options_.drop_lane_after_chunks)) {
+          lane_dropped_ = true;
+          lane_drop = target;
+        }
+      }
       if (!dropped_ && options_.drop_after_chunks >= 0 &&
           stream_chunks_sent_ >= options_.drop_after_chunks) {
         dropped_ = true;
         drop = true;
       }
+    }
+    if (lane_drop >= 0) {
+      // A session does not outlive its lanes: the stream connection goes too.
+      ::shutdown(lane_drop, SHUT_RDWR);
+      ::shutdown(fd, SHUT_RDWR);
+      break;
     }
     if (drop) {
       if (options_.restart_on_drop) {
@@ -472,6 +509,34 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
     if (it->second.second >= 0) ::shutdown(it->second.second, SHUT_RDWR);
     live_sessions_.erase(it);
   }
+  for (int lane : lanes_[session_id])
+    ::shutdown(lane, SHUT_RDWR);
+  lanes_.erase(session_id);
+  cv_.notify_all();
+}
+
+// A lane: the stream thread writes chunks to it; this thread reads until the client or the
+// session closes it.
+void FakeServer::ServeLane(int fd, const wire::Hello& hello) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = live_sessions_.find(hello.join_session());
+    if (it == live_sessions_.end() || it->second.first != hello.join_secret()) {
+      SendError(fd, wire::ERROR_NOT_FOUND, "no such session");
+      return;
+    }
+    if (lanes_[hello.join_session()].size() >= options_.max_lanes) {
+      SendError(fd, wire::ERROR_LIMIT, "too many lanes");
+      return;
+    }
+    lanes_[hello.join_session()].push_back(fd);
+  }
+  wire::Header header;
+  while (ReadFrame(fd, &header)) {
+  }
+  // The stream thread may still write to this fd: keep it open until its session ended.
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return stopping_ || !live_sessions_.contains(hello.join_session()); });
 }
 
 // The demand connection: answers each request at once, in order.
@@ -524,6 +589,10 @@ std::vector<wire::Request> FakeServer::demand_requests() const {
 std::vector<std::set<ChunkKey>> FakeServer::stream_sent() const {
   std::lock_guard lock(mutex_);
   return stream_sent_;
+}
+uint64_t FakeServer::lane_chunks_sent() const {
+  std::lock_guard lock(mutex_);
+  return lane_chunks_sent_;
 }
 uint64_t FakeServer::max_outstanding_credit() const {
   std::lock_guard lock(mutex_);

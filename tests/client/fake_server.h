@@ -54,6 +54,13 @@ struct FakeServerOptions {
   bool different_image_after_first = false;
   // Hold stream_all chunks until Resume() (demand still flows).
   bool paused = false;
+  // Lanes a session may add (HelloReply.max_lanes): background chunks are dealt round-robin over
+  // the stream connection and the lanes present, StreamDone goes on each (stream connection
+  // first, so a client acting on it alone would miss chunks still in the lanes' sockets).
+  uint32_t max_lanes = 0;
+  // Close a lane (and with it, as the real server does, its session) after it carried this many
+  // chunks (once; -1: never).
+  int drop_lane_after_chunks = -1;
   // The highest protocol version spoken. 2 (when the client offers it) sends the image table as
   // payload after OpenImageReply, in pieces of at most table_piece bytes.
   uint32_t version = 1;
@@ -93,6 +100,7 @@ class FakeServer {
   std::vector<std::vector<wire::ChunkRange>> haves() const;  // per session, in order
   std::vector<wire::Request> demand_requests() const;        // from the demand connections
   std::vector<std::set<ChunkKey>> stream_sent() const;       // per session
+  uint64_t lane_chunks_sent() const;                         // of those, on lanes (all sessions)
   uint64_t max_outstanding_credit() const;  // max of granted minus sent, over all sessions
   bool credit_violated() const;             // ever asked to send past credit (never happens)
 
@@ -103,6 +111,7 @@ class FakeServer {
   void Serve(int fd);
   void ServeStream(int fd, const wire::Hello& hello);
   void ServeDemand(int fd, const wire::Hello& hello);
+  void ServeLane(int fd, const wire::Hello& hello);
   // The OpenImageReply as version 1 (table in the header) or 2 (table as payload frames, with
   // options_.table_fault applied).
   bool SendOpenImageReply(int fd, wire::Header reply, bool version2);
@@ -130,6 +139,9 @@ class FakeServer {
   int stream_chunks_sent_ = 0;
   bool dropped_ = false;
   std::map<uint64_t, std::pair<std::string, int>> live_sessions_;  // id -> secret, demand fd
+  std::map<uint64_t, std::vector<int>> lanes_;                     // id -> lane fds, in join order
+  uint64_t lane_chunks_sent_ = 0;
+  bool lane_dropped_ = false;
   std::vector<std::vector<wire::ChunkRange>> haves_;
   std::vector<wire::Request> demand_requests_;
   std::vector<std::set<ChunkKey>> stream_sent_;

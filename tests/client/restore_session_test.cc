@@ -1024,5 +1024,84 @@ TEST(RestoreSessionThreads, EnsureRacingTheStreamWritesEachChunkOnce) {
   EXPECT_GT(session.progress().demand_chunks, 0u);
 }
 
+// ---- lanes: one session's stream over several bulk connections ----
+
+// The server's stream held until `lanes` lanes have joined, so each of them carries chunks.
+void ResumeOnceLanesJoined(FakeServer& server, const RestoreSession& session, uint32_t lanes) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (session.progress().lanes < lanes && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(session.progress().lanes, lanes);
+  server.Resume();
+}
+
+FakeServerOptions PausedWithLanes(uint32_t max_lanes) {
+  FakeServerOptions options;
+  options.paused = true;
+  options.max_lanes = max_lanes;
+  return options;
+}
+
+TEST(RestoreSessionLanes, TheStreamComesOverEveryLaneByteExact) {
+  FakeImage image = FakeImage::Make({512 * 1024, 300000}, 4096, 23);
+  FakeServer server(image, PausedWithLanes(3));
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.lanes = 8;  // more than the server allows: it gets three besides the stream's
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ResumeOnceLanesJoined(server, session, 3);
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  const Progress progress = session.progress();
+  EXPECT_GT(progress.lane_bytes, 0u);
+  EXPECT_GT(server.lane_chunks_sent(), 0u);
+  EXPECT_EQ(progress.duplicates, 0u);
+  // The stream's end counts once StreamDone came on every connection (the fake server sends it
+  // on the stream connection first): a chunk still in a lane's socket is never asked for again.
+  EXPECT_TRUE(server.demand_requests().empty());
+  // The lanes take from the one window the client granted (raised to the server's max payload).
+  EXPECT_FALSE(server.credit_violated());
+  EXPECT_LE(server.max_outstanding_credit(),
+            std::max<uint64_t>(options.window_bytes, FakeServerOptions{}.max_payload));
+}
+
+TEST(RestoreSessionLanes, OneLaneAtMostOrNoneWhenTheServerSaysSo) {
+  FakeImage image = FakeImage::Make({256 * 1024}, 4096, 27);
+  for (uint32_t max_lanes : {0u, 1u}) {
+    FakeServer server(image, PausedWithLanes(max_lanes));
+    CountingEngine engine(image);
+    SessionOptions options = Options(server);
+    options.lanes = 4;
+    RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    ResumeOnceLanesJoined(server, session, max_lanes);
+    ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+    EXPECT_TRUE(engine.Matches(image));
+    EXPECT_EQ(session.progress().lanes, max_lanes);
+    EXPECT_EQ(session.progress().lane_bytes > 0, max_lanes > 0);
+  }
+}
+
+TEST(RestoreSessionLanes, ALaneThatDropsEndsTheAttemptAndTheRestoreResumes) {
+  FakeImage image = FakeImage::Make({256 * 1024, 100000}, 4096, 29);
+  FakeServerOptions server_options = PausedWithLanes(2);
+  server_options.drop_lane_after_chunks = 20;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.lanes = 3;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ResumeOnceLanesJoined(server, session, 2);
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();  // nothing lost with the lane, nothing applied twice
+  EXPECT_EQ(session.progress().reconnects, 1u);
+  ASSERT_EQ(server.sessions(), 2);
+  EXPECT_EQ(session.progress().lanes, 2u);  // the new connection has its lanes again
+}
+
 }  // namespace
 }  // namespace gpulazy::client

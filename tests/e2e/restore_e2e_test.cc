@@ -80,19 +80,21 @@ TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
   }
 
   // Over unix the client reads chunks from the image files the server passes (by reference);
-  // --no-read-files and tcp take every byte through the socket; a server with --no-pass-files
-  // refuses the files and the client falls back to the socket by itself.
+  // --no-read-files and tcp take every byte through the socket, tcp on the stream connection and
+  // three lanes; a server with --no-pass-files refuses the files and the client falls back to the
+  // socket by itself.
   struct Mode {
     std::string name;
     bool pass_files;  // server side
     bool tcp;
     std::string client_args;
     bool expect_files;  // the client's JSON says it read the files
+    int lanes = 0;      // lanes the client's JSON reports
   };
   const std::vector<Mode> modes = {
       {"unix, by reference", true, false, "", true},
       {"unix, --no-read-files", true, false, " --no-read-files", false},
-      {"tcp", true, true, "", false},
+      {"tcp, 4 bulk connections", true, true, " --lanes 4", false, 3},
       {"unix, server --no-pass-files", false, false, "", false},
   };
   int n = 0;
@@ -114,6 +116,8 @@ TEST(E2eFetch, ByteIdenticalPagesFilesRawAndLazyOverUnixAndTcp) {
       ASSERT_EQ(run.exit_code, 0) << run.out << "\n" << server.Log();
       EXPECT_NE(run.out.find(mode.expect_files ? "\"read_files\": true" : "\"read_files\": false"),
                 std::string::npos)
+          << run.out;
+      EXPECT_NE(run.out.find("\"lanes\": " + std::to_string(mode.lanes)), std::string::npos)
           << run.out;
       const auto fetched = PagesFiles(out);
       ASSERT_EQ(fetched.size(), source->size());

@@ -232,10 +232,10 @@ TEST_F(ImageFilesTest, ReadingFilesStopsTheHostEnginesPopulateHelper) {
   }
 }
 
-// A session that will read the files names its readers to the engine before its chunk size,
-// when an engine that stages writes sizes its buffers (the CUDA engine: four slots a reader);
-// one that will not names none.
-TEST_F(ImageFilesTest, SessionAnnouncesItsFileReadersBeforeItsChunkSize) {
+// A session names the threads it plans to write with to the engine before its chunk size, when
+// an engine that stages writes sizes its buffers (the CUDA engine: four slots a writer): its
+// file readers when it will read the files, else one per bulk connection (lanes).
+TEST_F(ImageFilesTest, SessionAnnouncesItsWritersBeforeItsChunkSize) {
   for (const bool read_files : {true, false}) {
     SCOPED_TRACE(read_files ? "reading files" : "through the socket");
     client::WritersAtChunkSizeEngine engine;
@@ -244,10 +244,11 @@ TEST_F(ImageFilesTest, SessionAnnouncesItsFileReadersBeforeItsChunkSize) {
     options.image = "raw";
     options.read_files = read_files;
     options.file_readers = 6;
+    options.lanes = 3;
     client::RestoreSession session(options, engine);
     ASSERT_TRUE(session.Start().ok());
     ASSERT_TRUE(session.WaitComplete(30s).ok());
-    EXPECT_EQ(engine.writers_at_chunk_size(), read_files ? 6u : 0u);
+    EXPECT_EQ(engine.writers_at_chunk_size(), read_files ? 6u : 3u);
   }
 }
 

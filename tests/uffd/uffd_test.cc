@@ -128,6 +128,9 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   UffdCopyEngine engine(*uffd);
   client::SessionOptions options = Options(server);
   options.read_files = read_files;
+  // One receiving thread: with lanes the socket plane's fill, too, can land before the readers
+  // touch a page.
+  options.lanes = 1;
   client::RestoreSession session(options, engine);
   ASSERT_TRUE(session.Start().ok());
   auto source = SourceBytes(image_dir, session.bos());
