@@ -210,13 +210,13 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
                                        uint64_t window, uint64_t file_window,
                                        const client::CudaEngineOptions& engine_options,
                                        uint32_t served_chunk_bytes, bool read_files,
-                                       uint32_t readers, pid_t server) {
+                                       uint32_t readers, uint32_t lanes, pid_t server) {
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<client::CudaCopyEngine> engine,
                            client::CudaCopyEngine::Create(engine_options));
   // The staging ring is made outside the timed stream, as with slots of a fixed size (made in
   // Create): this measures streaming; the layers experiment times the ring as resume. Sized as
   // the session would size it: to the file readers it plans.
-  if (read_files) engine->ExpectWriters(readers);
+  engine->ExpectWriters(read_files ? readers : client::LanesFor(lanes));
   GPULAZY_RETURN_IF_ERROR(engine->ExpectChunkBytes(served_chunk_bytes));
   client::SessionOptions options;
   options.endpoint = endpoint;
@@ -227,6 +227,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   options.client_name = "cuda-bench";
   options.read_files = read_files;
   options.file_readers = readers;
+  options.lanes = lanes;
   PipelineResult result;
   {
     client::RestoreSession session(options, *engine);
@@ -294,6 +295,7 @@ struct LayerOptions {
   uint64_t window = 64u << 20;
   uint64_t file_window = client::SessionOptions{}.file_window_bytes;
   uint32_t startup_ms = 20;
+  uint32_t lanes = 0;  // bulk connections when the bytes cross the socket (SessionOptions::lanes)
 };
 
 // Expected kernel result per layer, keyed by (process, BO index), from the pages files.
@@ -397,6 +399,7 @@ Result<LayerTimes> RunLayerCase(const fs::path& image_dir, const std::string& en
     session_options.client_name = "cuda-bench-layers";
     session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
     session_options.file_readers = options.readers;
+    session_options.lanes = options.lanes;
     client::RestoreSession session(session_options, *engine);
     return RunLayerMode(session, *engine, mode, options, expected, start);
   }
@@ -490,12 +493,13 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
   app.add_option("--experiment", experiments, "stream, layers")->delimiter(',');
   app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
-  app.add_option("--cases", cases,
-                 "stream: unix, unix-files, local, upstream (the ceiling always; unix-files gets "
-                 "checksums to verify only after unix made the server read the image: see "
-                 "unchecked_chunks)")
+  app.add_option(
+         "--cases", cases,
+         "stream: unix, tcp, unix-files, local, upstream (the ceiling always; unix-files gets "
+         "checksums to verify only after unix made the server read the image: see "
+         "unchecked_chunks)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"unix", "unix-files", "local", "upstream"}))
+      ->check(CLI::IsMember({"unix", "tcp", "unix-files", "local", "upstream"}))
       ->capture_default_str();
   app.add_option("--window", window_text, "client credit window")->capture_default_str();
   app.add_option("--file-window", file_window_text, "client credit window by reference")
@@ -508,6 +512,10 @@ int Run(int argc, char** argv) {
                  "bytes per staging slot (at least the image's chunk size; 0: that size)")
       ->capture_default_str();
   app.add_option("--streams", layer_options.engine.streams, "copy streams")->capture_default_str();
+  app.add_option("--lanes", layer_options.lanes,
+                 "bulk connections per session when the bytes cross the socket (unix, tcp; 0: "
+                 "one per four CPUs, 1-4)")
+      ->capture_default_str();
   app.add_option("--readers", layer_options.readers,
                  "reader threads of the restores (0: the engine's default, one per CPU)")
       ->capture_default_str();
@@ -578,7 +586,7 @@ int Run(int argc, char** argv) {
   if (wants("stream")) {
     Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
     if (!image_dir.ok()) return fail(image_dir.status());
-    std::vector<double> ceiling, pipeline, by_reference, local, upstream;
+    std::vector<double> ceiling, pipeline, pipeline_tcp, by_reference, local, upstream;
     std::map<std::string, std::vector<double>> setup;
     // Case -> reading (PipelineResult::readings) -> one value per run (medians reported).
     std::map<std::string, std::map<std::string, std::vector<double>>> readings;
@@ -589,7 +597,7 @@ int Run(int argc, char** argv) {
     };
     std::map<std::string, uint64_t> device_verified;  // chunks the GPU verified, last run
     std::map<std::string, uint64_t> unchecked;        // chunks with no checksum, last run
-    bool verified = true, local_verified = true, by_reference_verified = true;
+    bool verified = true, verified_tcp = true, local_verified = true, by_reference_verified = true;
     uint32_t slot_bytes_used = 0;  // what the engines used (the option may say 0: the image's)
     uint32_t slots_used = 0;       // likewise (0: four per reader)
     for (uint32_t r = 0; r < repeat; ++r) {
@@ -598,12 +606,12 @@ int Run(int argc, char** argv) {
       ceiling.push_back(*c);
       // Through the server: every byte through the socket, or by reference.
       auto run_pipeline = [&](bool by_ref, const char* name, std::vector<double>& samples,
-                              bool& checked) -> Status {
+                              bool& checked, bool tcp = false) -> Status {
         GPULAZY_ASSIGN_OR_RETURN(
             PipelineResult p,
-            MeasurePipeline(*image_dir, server->unix_endpoint(), *window, *file_window,
-                            layer_options.engine, served_chunk_bytes, by_ref, layer_options.readers,
-                            server->pid()));
+            MeasurePipeline(*image_dir, tcp ? server->tcp_endpoint() : server->unix_endpoint(),
+                            *window, *file_window, layer_options.engine, served_chunk_bytes, by_ref,
+                            layer_options.readers, layer_options.lanes, server->pid()));
         samples.push_back(p.throughput_Bps);
         setup[name].push_back(p.setup_s);
         note_readings(name, p.readings);
@@ -616,6 +624,10 @@ int Run(int argc, char** argv) {
       };
       if (runs_case("unix")) {
         Status s = run_pipeline(false, "gpulazy_pipeline_unix", pipeline, verified);
+        if (!s.ok()) return fail(s);
+      }
+      if (runs_case("tcp")) {
+        Status s = run_pipeline(false, "gpulazy_pipeline_tcp", pipeline_tcp, verified_tcp, true);
         if (!s.ok()) return fail(s);
       }
       if (runs_case("unix-files")) {
@@ -657,6 +669,7 @@ int Run(int argc, char** argv) {
           {"slot_bytes", slot_bytes_used},
           {"streams", layer_options.engine.streams},
           {"readers", layer_options.readers},
+          {"lanes", client::LanesFor(layer_options.lanes)},
           {"local_chunk_bytes", *local_chunk},
           {"runs", samples.size()},
           {"throughput_Bps", median},
@@ -678,6 +691,7 @@ int Run(int argc, char** argv) {
     };
     emit("ceiling_pinned_cudaMemcpy", ceiling, false);
     emit("gpulazy_pipeline_unix", pipeline, verified);
+    emit("gpulazy_pipeline_tcp", pipeline_tcp, verified_tcp);
     emit("gpulazy_pipeline_unix_files", by_reference, by_reference_verified);
     // `verified` compares the device's bytes after the run; a by-reference chunk with no
     // checksum was still installed without the readers' check, which is a different (cheaper)
@@ -708,36 +722,38 @@ int Run(int argc, char** argv) {
       Result<double> ceiling = MeasurePinnedCeiling(bytes);
       if (!ceiling.ok()) return fail(ceiling.status());
       auto emit = [&](const std::string& path, const std::string& mode, const LayerTimes& t) {
-        nlohmann::json result = {{"bench", "cuda-layers"},
-                                 {"path", path},
-                                 {"mode", mode},
-                                 {"size_bytes", bytes},
-                                 {"layers", layer_count},
-                                 {"startup_ms", layer_options.startup_ms},
-                                 {"slots", t.staging_slots},
-                                 {"slot_bytes", t.slot_bytes},
-                                 // The upstream loop reads on its one thread; the server path
-                                 // uses its readers only where the server passes the files (not
-                                 // over TCP: there the readers are the connections' threads).
-                                 {"readers", path == "upstream-loop" ? 1u
-                                             : path == "tcp"         ? 0u
-                                                                     : layer_options.readers},
-                                 {"time_to_resume_s", t.resume_s},
-                                 {"resume_engine_s", t.engine_s},
-                                 {"resume_kernel_s", t.kernel_s},
-                                 {"resume_start_s", t.start_s},
-                                 {"time_to_first_result_s", t.first_result_s},
-                                 {"time_to_all_layers_s", t.all_layers_s},
-                                 {"time_to_full_s", t.full_s},
-                                 {"demand_chunks", t.demand_chunks},
-                                 {"bytes", t.bytes},
-                                 {"results_ok", t.results_ok},
-                                 {"verify_on_device", layer_options.engine.verify_on_device},
-                                 {"blocking_sync", layer_options.engine.blocking_sync},
-                                 {"ceiling_Bps", *ceiling},
-                                 {"ceiling_copy_s", static_cast<double>(bytes) / *ceiling},
-                                 {"device", DeviceDescription()},
-                                 {"machine", MachineDescription()}};
+        nlohmann::json result = {
+            {"bench", "cuda-layers"},
+            {"path", path},
+            {"lanes", path == "tcp" ? client::LanesFor(layer_options.lanes) : 0},
+            {"mode", mode},
+            {"size_bytes", bytes},
+            {"layers", layer_count},
+            {"startup_ms", layer_options.startup_ms},
+            {"slots", t.staging_slots},
+            {"slot_bytes", t.slot_bytes},
+            // The upstream loop reads on its one thread; the server path
+            // uses its readers only where the server passes the files (not
+            // over TCP: there the readers are the connections' threads).
+            {"readers", path == "upstream-loop" ? 1u
+                        : path == "tcp"         ? 0u
+                                                : layer_options.readers},
+            {"time_to_resume_s", t.resume_s},
+            {"resume_engine_s", t.engine_s},
+            {"resume_kernel_s", t.kernel_s},
+            {"resume_start_s", t.start_s},
+            {"time_to_first_result_s", t.first_result_s},
+            {"time_to_all_layers_s", t.all_layers_s},
+            {"time_to_full_s", t.full_s},
+            {"demand_chunks", t.demand_chunks},
+            {"bytes", t.bytes},
+            {"results_ok", t.results_ok},
+            {"verify_on_device", layer_options.engine.verify_on_device},
+            {"blocking_sync", layer_options.engine.blocking_sync},
+            {"ceiling_Bps", *ceiling},
+            {"ceiling_copy_s", static_cast<double>(bytes) / *ceiling},
+            {"device", DeviceDescription()},
+            {"machine", MachineDescription()}};
         Emit(common, result,
              {"path", "mode", "size_bytes", "time_to_resume_s", "time_to_first_result_s",
               "time_to_full_s", "results_ok"});

@@ -151,6 +151,7 @@ client::SessionOptions BenchSession(const std::string& endpoint, const std::stri
   session_options.window_bytes = options.window;
   session_options.client_name = std::move(client_name);
   session_options.read_files = options.transport == "unix-files";
+  session_options.lanes = options.lanes;
   return session_options;
 }
 
@@ -404,6 +405,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   nlohmann::json result = {{"bench", "demand"},
                            {"server_args", common.server_args},
                            {"transport", options.transport},
+                           {"lanes", client::LanesFor(options.lanes)},
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},
                            {"fresh_pages", options.write_fresh_pages ? "write" : "map"},

@@ -10,6 +10,7 @@
 
 #include "bench/harness.h"
 #include "page-client/host_engine.h"
+#include "page-client/restore_session.h"
 
 namespace gpulazy::bench {
 
@@ -19,6 +20,7 @@ struct DemandOptions {
   std::string transport = "unix";
   uint64_t window = 16u << 20;
   uint64_t seed = 42;
+  uint32_t lanes = client::SessionOptions{}.lanes;  // bulk connections (SessionOptions::lanes)
   // HostEngineOptions::write_fresh_pages for every session the benchmark opens.
   bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
 };

@@ -65,6 +65,12 @@ int Run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   stream_cmd
+      ->add_option("--lanes", stream.lanes,
+                   "unix, tcp: bulk connections per session, each with a receiving thread (and "
+                   "ceiling threads); 0: one per four CPUs, 1-4")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 16));
+  stream_cmd
       ->add_option("--populate-ahead", stream_populate,
                    "host engine: fault destination pages in this far ahead of the writes on a "
                    "helper thread, the memfd ceiling likewise (0: off)")
@@ -88,6 +94,12 @@ int Run(int argc, char** argv) {
                    "unix (payloads through the socket), unix-files (by reference) or tcp")
       ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
+  demand_cmd
+      ->add_option("--lanes", demand.lanes,
+                   "unix, tcp: bulk connections of the session whose stream saturates the link "
+                   "(0: one per four CPUs, 1-4)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 16));
   std::string demand_fresh_pages = "write";
   AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
 

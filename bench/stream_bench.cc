@@ -175,6 +175,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     session.client_name = fmt::format("bench-{}", s);
     session.read_files = read_files;
     session.file_readers = options.file_readers;
+    session.lanes = options.lanes;
     clients.push_back(std::make_unique<client::RestoreSession>(session, *engines.back()));
   }
   const CpuMeter cpu(server_pid);
@@ -187,6 +188,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   double file_read_s = 0;
   double file_engine_s = 0;
   double file_gate_wait_s = 0;
+  uint64_t lanes_joined = 0;
   for (auto& c : clients) {
     GPULAZY_RETURN_IF_ERROR(c->WaitComplete(std::chrono::minutes(10)));
     const client::Progress progress = c->progress();
@@ -196,6 +198,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     file_read_s += progress.file_read_s;
     file_engine_s += progress.file_engine_s;
     file_gate_wait_s += progress.file_gate_wait_s;
+    lanes_joined += progress.lanes;
   }
   double seconds = SecondsSince(start);
   const nlohmann::json cpu_used = cpu.Read();
@@ -217,6 +220,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
                         {"file_engine_s", file_engine_s / sessions},
                         {"file_gate_wait_s", file_gate_wait_s / sessions},
                         {"file_idle_s", file_idle_s},
+                        {"lanes_joined", lanes_joined / sessions},  // per session
                         {"verified", verified}};
   result.update(cpu_used);
   return result;
@@ -253,8 +257,10 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
     const std::string& endpoint =
         transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
     for (uint32_t sessions : options.sessions) {
-      // Like for like: by reference a session reads on its file readers, so its ceiling does.
-      const uint32_t ceiling_threads = read_files ? options.file_readers : 1;
+      // Like for like: by reference a session reads on its file readers, through the socket on
+      // one thread per bulk connection (lanes), and its ceiling reads with as many.
+      const uint32_t lanes = read_files ? 0 : client::LanesFor(options.lanes);
+      const uint32_t ceiling_threads = read_files ? options.file_readers : lanes;
       // Like for like in memory too: the host engine's destinations are memfds, whose fresh
       // pages cost more than anonymous ones; the anonymous ceiling is reported beside it.
       const bool host = options.engine == "host";
@@ -293,6 +299,8 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"throughput_Bps", throughput},
                                {"ceiling_Bps", ceiling_Bps},
                                {"ceiling_threads_per_session", ceiling_threads},
+                               {"lanes", lanes},
+                               {"lanes_joined", pipeline["lanes_joined"]},
                                {"ratio", throughput / ceiling_Bps},
                                {"ceiling_memory", host ? "memfd" : "reused"},
                                {"populate_ahead_bytes", populate_ahead},

@@ -10,6 +10,7 @@
 
 #include "bench/harness.h"
 #include "page-client/host_engine.h"
+#include "page-client/restore_session.h"
 
 namespace gpulazy::bench {
 
@@ -20,6 +21,9 @@ struct StreamOptions {
   std::string engine = "host";  // host (memcpy into memfds) or discard
   uint64_t window = 16u << 20;
   uint32_t file_readers = 4;  // unix-files: the client's reader threads per session
+  // unix, tcp: bulk connections per session (SessionOptions::lanes, 0: client::LanesFor), each
+  // received by a thread of its own; the ceiling reads with as many threads.
+  uint32_t lanes = client::SessionOptions{}.lanes;
   // The host engine's populate-ahead distance (HostEngineOptions); the memfd ceiling gets the
   // same helper. 0: neither populates ahead.
   uint64_t populate_ahead = client::HostEngineOptions{}.populate_ahead_bytes;
