@@ -514,7 +514,7 @@ int Run(int argc, char** argv) {
   app.add_option("--streams", layer_options.engine.streams, "copy streams")->capture_default_str();
   app.add_option("--lanes", layer_options.lanes,
                  "bulk connections per session when the bytes cross the socket (unix, tcp; 0: "
-                 "one per four CPUs, 1-4)")
+                 "one per two CPUs, 1-8; 1 below 8 CPUs)")
       ->capture_default_str();
   app.add_option("--readers", layer_options.readers,
                  "reader threads of the restores (0: the engine's default, one per CPU)")

@@ -67,7 +67,7 @@ int Run(int argc, char** argv) {
   stream_cmd
       ->add_option("--lanes", stream.lanes,
                    "unix, tcp: bulk connections per session, each with a receiving thread (and "
-                   "ceiling threads); 0: one per four CPUs, 1-4")
+                   "ceiling threads); 0: one per two CPUs, 1-8; 1 below 8 CPUs")
       ->capture_default_str()
       ->check(CLI::Range(0, 16));
   stream_cmd
@@ -97,7 +97,7 @@ int Run(int argc, char** argv) {
   demand_cmd
       ->add_option("--lanes", demand.lanes,
                    "unix, tcp: bulk connections of the session whose stream saturates the link "
-                   "(0: one per four CPUs, 1-4)")
+                   "(0: one per two CPUs, 1-8; 1 below 8 CPUs)")
       ->capture_default_str()
       ->check(CLI::Range(0, 16));
   std::string demand_fresh_pages = "write";

@@ -2029,7 +2029,8 @@ void RestoreSession::Impl::ReturnCredit(const std::shared_ptr<Link>& link, uint6
 
 uint32_t LanesFor(uint32_t asked) {
   if (asked != 0) return asked;
-  return std::clamp(net::UsableCpus() / 4, 1u, 4u);
+  const uint32_t cpus = net::UsableCpus();
+  return cpus < 8 ? 1 : std::min(cpus / 2, 8u);
 }
 
 RestoreSession::RestoreSession(SessionOptions options, CopyEngine& engine)

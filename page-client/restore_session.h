@@ -95,9 +95,10 @@ struct SessionOptions {
 };
 
 // The bulk connections a session opens for `asked` (SessionOptions::lanes): `asked`, or for 0 one
-// per four CPUs this process may use, 1 to 4. Each brings a receiving thread here and a network
-// thread's work on the server; on two cores they only compete with each other (measured:
-// docs/benchmarks.md, "Lanes").
+// per two CPUs this process may use, at most 8, and 1 below 8 CPUs. Each brings a receiving
+// thread here and a network thread's work on the server: on 16 CPUs eight made one restore 2-5
+// times as fast as one, while on two cores the extra threads only compete with each other and the
+// server (docs/benchmarks.md, "Session 25").
 uint32_t LanesFor(uint32_t asked);
 
 // A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).

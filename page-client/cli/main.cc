@@ -64,7 +64,7 @@ static int Run(int argc, char** argv) {
   fetch_cmd
       ->add_option("--lanes", fetch.lanes,
                    "bulk connections when the bytes travel through the socket (tcp, "
-                   "--no-read-files), each received by a thread (0: one per four CPUs, 1-4)")
+                   "--no-read-files), each received by a thread (0: one per two CPUs, 1-8; 1 below 8 CPUs)")
       ->capture_default_str()
       ->check(CLI::Range(0, 16));
   fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
