@@ -1228,21 +1228,26 @@ asio::awaitable<void> RestoreSession::Impl::RunLane(size_t index, std::weak_ptr<
       co_return;
     }
     auto lane = std::make_shared<LaneLink>(std::move(joined->socket), limits, link);
+    // An earlier generation's lane on this thread is closed by its own Link (CloseLanes, or
+    // below when it joined after that Link closed), never here: its join may finish after this
+    // generation's lane joined.
     LaneThread& thread = *lane_threads_[index];
-    if (thread.current) thread.current->Close();  // an earlier generation's
     thread.current = lane;
-    lanes_joined_.fetch_add(1, std::memory_order_relaxed);
-    asio::post(io_,
-               [link, weak = std::weak_ptr<LaneLink>(lane), executor = thread.io.get_executor()] {
-                 auto stream_link = link.lock();
-                 if (!stream_link || stream_link->closed) {
-                   asio::post(executor, [weak] {
-                     if (auto lane = weak.lock()) lane->Close();
-                   });
-                   return;
-                 }
-                 stream_link->lanes.emplace_back(executor, weak);
-               });
+    asio::post(io_, [this, link, weak = std::weak_ptr<LaneLink>(lane),
+                     executor = thread.io.get_executor()] {
+      auto stream_link = link.lock();
+      if (!stream_link || stream_link->closed) {
+        asio::post(executor, [weak] {
+          if (auto lane = weak.lock()) lane->Close();
+        });
+        return;
+      }
+      stream_link->lanes.emplace_back(executor, weak);
+      // Progress::lanes: the current connection's lanes.
+      if (stream_link == link_)
+        lanes_joined_.store(static_cast<uint32_t>(stream_link->lanes.size()),
+                            std::memory_order_relaxed);
+    });
     co_await ReadLane(std::move(lane));
   } catch (const std::exception& e) {
     Fail(Internal("image {}: lane {}: {}", options_.image, index + 1, e.what()));

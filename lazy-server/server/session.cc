@@ -55,6 +55,14 @@ wire::ErrorCode ToWire(Code code) {
   }
 }
 
+wire::Header StreamDoneFrame(const StreamDoneInfo& info) {
+  wire::Header header;
+  wire::StreamDone* body = header.mutable_stream_done();
+  body->set_chunks(info.chunks);
+  body->set_bytes(info.bytes);
+  return header;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -129,10 +137,7 @@ void Session::BroadcastStreamDone(const StreamDoneInfo& info) {
       if (auto lane = weak.lock()) targets.push_back(std::move(lane));
   }
   stats_.stream_done.fetch_add(1);
-  wire::Header header;
-  wire::StreamDone* body = header.mutable_stream_done();
-  body->set_chunks(info.chunks);
-  body->set_bytes(info.bytes);
+  const wire::Header header = StreamDoneFrame(info);
   for (const std::shared_ptr<Connection>& target : targets)
     target->PostControl(header);
 }
@@ -791,11 +796,7 @@ void Connection::SendStreamDone(const StreamDoneInfo& info) {
 }
 
 void Connection::EnqueueStreamDone(const StreamDoneInfo& info) {
-  wire::Header header;
-  wire::StreamDone* body = header.mutable_stream_done();
-  body->set_chunks(info.chunks);
-  body->set_bytes(info.bytes);
-  Enqueue(std::move(header));
+  Enqueue(StreamDoneFrame(info));
 }
 
 void Connection::Enqueue(wire::Header header, std::shared_ptr<const std::string> payload,
