@@ -62,9 +62,10 @@ static int Run(int argc, char** argv) {
                    "preference, 4 for the host engine)")
       ->capture_default_str();
   fetch_cmd
-      ->add_option("--lanes", fetch.lanes,
-                   "bulk connections when the bytes travel through the socket (tcp, "
-                   "--no-read-files), each received by a thread (0: one per two CPUs, 1-8; 1 below 8 CPUs)")
+      ->add_option(
+          "--lanes", fetch.lanes,
+          "bulk connections when the bytes travel through the socket (tcp, "
+          "--no-read-files), each received by a thread (0: one per two CPUs, 1-8; 1 below 8 CPUs)")
       ->capture_default_str()
       ->check(CLI::Range(0, 16));
   fetch_cmd->add_flag("--json", fetch.json, "print a JSON summary on stdout");
