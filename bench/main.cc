@@ -29,6 +29,17 @@ void AddFreshPagesOption(CLI::App& command, std::string& value) {
       ->check(CLI::IsMember({"write", "map"}));
 }
 
+// --lanes: bulk connections per session when the bytes cross the socket
+// (client::SessionOptions::lanes); `what` says what they carry in this benchmark.
+void AddLanesOption(CLI::App& command, uint32_t& value, const std::string& what) {
+  command
+      .add_option(
+          "--lanes", value,
+          "unix, tcp: bulk connections " + what + " (0: one per two CPUs, 1-8; 1 below 8 CPUs)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 16));
+}
+
 int Run(int argc, char** argv) {
   using namespace gpulazy;
   CLI::App app{"gpulazy-bench: throughput and latency against same-run ceilings"};
@@ -64,12 +75,8 @@ int Run(int argc, char** argv) {
                    "unix-files: client reader threads per session (and ceiling threads)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
-  stream_cmd
-      ->add_option("--lanes", stream.lanes,
-                   "unix, tcp: bulk connections per session, each with a receiving thread (and "
-                   "ceiling threads); 0: one per two CPUs, 1-8; 1 below 8 CPUs")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 16));
+  AddLanesOption(*stream_cmd, stream.lanes,
+                 "per session, each with a receiving thread (and ceiling threads)");
   stream_cmd
       ->add_option("--populate-ahead", stream_populate,
                    "host engine: fault destination pages in this far ahead of the writes on a "
@@ -94,12 +101,7 @@ int Run(int argc, char** argv) {
                    "unix (payloads through the socket), unix-files (by reference) or tcp")
       ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
-  demand_cmd
-      ->add_option("--lanes", demand.lanes,
-                   "unix, tcp: bulk connections of the session whose stream saturates the link "
-                   "(0: one per two CPUs, 1-8; 1 below 8 CPUs)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 16));
+  AddLanesOption(*demand_cmd, demand.lanes, "of the session whose stream saturates the link");
   std::string demand_fresh_pages = "write";
   AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
 

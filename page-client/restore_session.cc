@@ -280,6 +280,8 @@ class RestoreSession::Impl {
   // StreamDone came on one more bulk connection (or a lane is off): once on all of them, asks
   // for anything the server never sent.
   void NoteStreamEnd(const std::shared_ptr<Link>& link);
+  // Lanes asked for (options_.lanes less the stream connection), at most kMaxLanes.
+  uint32_t WantedLanes() const { return std::min(LanesFor(options_.lanes) - 1, kMaxLanes); }
   // Lanes: starts `count` lane threads (once; the stream thread) and has each join `link`'s
   // session as a lane on its own thread.
   void StartLanes(const std::shared_ptr<Link>& link, const wire::Hello& join, FrameLimits limits,
@@ -879,8 +881,7 @@ Status RestoreSession::Impl::AdoptImage(const wire::OpenImageReply& reply, uint3
   // The writers we plan, before the chunk size, so that an engine sizes its staging to them: the
   // file readers, or one thread per bulk connection when the bytes come through the socket (as
   // many as asked for). Each connection says again what it ended up with (RunAttempt).
-  engine_.ExpectWriters(readers_ ? file_reader_count_
-                                 : std::min(LanesFor(options_.lanes), kMaxLanes + 1));
+  engine_.ExpectWriters(readers_ ? file_reader_count_ : 1 + WantedLanes());
   if (Status expected = engine_.ExpectChunkBytes(reply.chunk_size()); !expected.ok())
     return expected.Context(fmt::format("image {}: preparing the {} engine for {}-byte chunks",
                                         image, engine_.name(), reply.chunk_size()));
@@ -1035,8 +1036,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   // Lanes when the chunks travel through the socket: several threads receive them.
   lanes_joined_.store(0);
   if (!files) {
-    const uint32_t lanes =
-        std::min({LanesFor(options_.lanes) - 1, stream->reply.max_lanes(), kMaxLanes});
+    const uint32_t lanes = std::min(WantedLanes(), stream->reply.max_lanes());
     // Each lane's thread receives into the engine as the stream thread does. The host engine,
     // told of several writers before (file readers announced), gets back what pays off for one
     // (its populate helper) when there is one.
@@ -1166,7 +1166,8 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
 // ---- lanes ----
 
 void RestoreSession::Impl::NoteStreamEnd(const std::shared_ptr<Link>& link) {
-  if (link->stream_done_marks == 0 || link->stream_done_marks < link->bulk_connections) return;
+  // bulk_connections is at least 1 (the stream connection's own StreamDone).
+  if (link->stream_done_marks < link->bulk_connections) return;
   std::vector<ChunkRun> missed;
   {
     std::lock_guard lock(mutex_);

@@ -515,16 +515,19 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
   cv_.notify_all();
 }
 
+bool FakeServer::JoinsLiveSessionLocked(int fd, const wire::Hello& hello) {
+  auto it = live_sessions_.find(hello.join_session());
+  if (it != live_sessions_.end() && it->second.first == hello.join_secret()) return true;
+  SendError(fd, wire::ERROR_NOT_FOUND, "no such session");
+  return false;
+}
+
 // A lane: the stream thread writes chunks to it; this thread reads until the client or the
 // session closes it.
 void FakeServer::ServeLane(int fd, const wire::Hello& hello) {
   {
     std::lock_guard lock(mutex_);
-    auto it = live_sessions_.find(hello.join_session());
-    if (it == live_sessions_.end() || it->second.first != hello.join_secret()) {
-      SendError(fd, wire::ERROR_NOT_FOUND, "no such session");
-      return;
-    }
+    if (!JoinsLiveSessionLocked(fd, hello)) return;
     if (lanes_[hello.join_session()].size() >= options_.max_lanes) {
       SendError(fd, wire::ERROR_LIMIT, "too many lanes");
       return;
@@ -543,12 +546,8 @@ void FakeServer::ServeLane(int fd, const wire::Hello& hello) {
 void FakeServer::ServeDemand(int fd, const wire::Hello& hello) {
   {
     std::lock_guard lock(mutex_);
-    auto it = live_sessions_.find(hello.join_session());
-    if (it == live_sessions_.end() || it->second.first != hello.join_secret()) {
-      SendError(fd, wire::ERROR_NOT_FOUND, "no such session");
-      return;
-    }
-    it->second.second = fd;
+    if (!JoinsLiveSessionLocked(fd, hello)) return;
+    live_sessions_[hello.join_session()].second = fd;
   }
   wire::Header header;
   while (ReadFrame(fd, &header)) {

@@ -112,6 +112,8 @@ class FakeServer {
   void ServeStream(int fd, const wire::Hello& hello);
   void ServeDemand(int fd, const wire::Hello& hello);
   void ServeLane(int fd, const wire::Hello& hello);
+  // mutex_ held: whether hello names a live session with its secret; if not, tells the client.
+  bool JoinsLiveSessionLocked(int fd, const wire::Hello& hello);
   // The OpenImageReply as version 1 (table in the header) or 2 (table as payload frames, with
   // options_.table_fault applied).
   bool SendOpenImageReply(int fd, wire::Header reply, bool version2);
