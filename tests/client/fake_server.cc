@@ -198,6 +198,13 @@ void FakeServer::Serve(int fd) {
     reply.mutable_hello_reply()->set_server_name("fake");
     reply.mutable_hello_reply()->set_max_payload(options_.max_payload);
     reply.mutable_hello_reply()->set_max_lanes(options_.max_lanes);
+    const uint64_t joins = header.hello().join_session();
+    if (joins != 0 && header.hello().join_as_lane() && options_.lanes_join_after_stream_done) {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] {
+        return stopping_ || stream_done_chunks_.contains(joins) || !live_sessions_.contains(joins);
+      });
+    }
     if (WriteFrame(fd, reply)) {
       if (header.hello().join_session() != 0 && header.hello().join_as_lane())
         ServeLane(fd, header.hello());
@@ -420,7 +427,11 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
       } else if (next < order.size()) {
         key = order[next++];
       } else {
+        // Under the lock that registers lanes: a lane joining from here on is sent StreamDone
+        // by ServeLane, every earlier one below.
         const std::vector<int> lanes = lanes_[session_id];
+        stream_done_chunks_[session_id] = order.size();
+        cv_.notify_all();
         lock.unlock();
         wire::Header done;
         done.mutable_stream_done()->set_chunks(order.size());
@@ -512,6 +523,7 @@ void FakeServer::ServeStream(int fd, const wire::Hello& hello) {
   for (int lane : lanes_[session_id])
     ::shutdown(lane, SHUT_RDWR);
   lanes_.erase(session_id);
+  stream_done_chunks_.erase(session_id);
   cv_.notify_all();
 }
 
@@ -533,6 +545,14 @@ void FakeServer::ServeLane(int fd, const wire::Hello& hello) {
       return;
     }
     lanes_[hello.join_session()].push_back(fd);
+    // A lane that joins after the stream ended is told so at once, as the real server does;
+    // the stream thread sends nothing more on it.
+    if (auto done = stream_done_chunks_.find(hello.join_session());
+        done != stream_done_chunks_.end()) {
+      wire::Header frame;
+      frame.mutable_stream_done()->set_chunks(done->second);
+      WriteFrame(fd, frame);
+    }
   }
   wire::Header header;
   while (ReadFrame(fd, &header)) {

@@ -61,6 +61,9 @@ struct FakeServerOptions {
   // Close a lane (and with it, as the real server does, its session) after it carried this many
   // chunks (once; -1: never).
   int drop_lane_after_chunks = -1;
+  // Hold each lane's HelloReply until its session's stream connection has sent StreamDone: the
+  // lanes join a stream that has ended, and (as from the real server) hear its end on joining.
+  bool lanes_join_after_stream_done = false;
   // The highest protocol version spoken. 2 (when the client offers it) sends the image table as
   // payload after OpenImageReply, in pieces of at most table_piece bytes.
   uint32_t version = 1;
@@ -142,6 +145,7 @@ class FakeServer {
   bool dropped_ = false;
   std::map<uint64_t, std::pair<std::string, int>> live_sessions_;  // id -> secret, demand fd
   std::map<uint64_t, std::vector<int>> lanes_;                     // id -> lane fds, in join order
+  std::map<uint64_t, uint64_t> stream_done_chunks_;  // id -> StreamDone.chunks, once it went out
   uint64_t lane_chunks_sent_ = 0;
   bool lane_dropped_ = false;
   std::vector<std::vector<wire::ChunkRange>> haves_;

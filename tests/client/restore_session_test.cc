@@ -1102,5 +1102,26 @@ TEST(RestoreSessionLanes, ALaneThatDropsEndsTheAttemptAndTheRestoreResumes) {
   ASSERT_EQ(server.sessions(), 2);
 }
 
+TEST(RestoreSessionLanes, LanesThatJoinAfterTheStreamEndedHearItsEndToo) {
+  FakeImage image = FakeImage::Make({256 * 1024, 50000}, 4096, 31);
+  FakeServerOptions server_options;
+  server_options.max_lanes = 2;
+  server_options.lanes_join_after_stream_done = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  SessionOptions options = Options(server);
+  options.lanes = 3;
+  RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  // The stream's end waits for StreamDone on both lanes, which join only after it went out on
+  // the stream connection: without it on joining, this would wait until the deadline.
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(server.lane_chunks_sent(), 0u);
+  EXPECT_EQ(session.progress().lane_bytes, 0u);
+  EXPECT_TRUE(server.demand_requests().empty());
+}
+
 }  // namespace
 }  // namespace gpulazy::client
