@@ -1,7 +1,8 @@
 // Two hosts on one machine (issue 7): gpulazy-server in one network namespace, `gpulazy-client
 // fetch` in another, joined by a link the test makes itself and impairs with 20 ms of one-way
 // delay and 1 % random loss in each direction, then cuts for 3 s while the fetch runs. The
-// fetch must finish and reproduce every pages file byte for byte.
+// fetch, over three bulk connections (lanes), must finish and reproduce every pages file byte for
+// byte.
 //
 // The link: a veth pair with `tc netem` on both ends where the kernel has sch_netem; otherwise
 // (this VM's and CI's kernels) a UserspaceWire: a TUN device in each namespace and a relay
@@ -29,6 +30,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -264,8 +266,8 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
   const fs::path out = run.path() / "out";
   const fs::path client_out = run.path() / "client.out";
   const std::string fetch = hosts.InClient(
-      "timeout 120 " + bin + "/gpulazy-client fetch --insecure --json --server " + listen +
-      " --image img --out " + out.string() + " >" + client_out.string() + " 2>&1");
+      "timeout 120 " + bin + "/gpulazy-client fetch --insecure --json --lanes 3 --server " +
+      listen + " --image img --out " + out.string() + " >" + client_out.string() + " 2>&1");
   const auto start = std::chrono::steady_clock::now();
   std::atomic<int> fetch_status{-2};
   std::thread client([&] {
@@ -314,6 +316,12 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
     ASSERT_NE(it, fetched.end()) << name;
     EXPECT_TRUE(it->second == bytes) << name << " differs";
   }
+
+  // Three bulk connections (lanes) crossed the link; the two besides the stream's carried bytes.
+  std::smatch lane_bytes;
+  ASSERT_TRUE(std::regex_search(summary, lane_bytes, std::regex(R"re("lane_bytes":\s*(\d+))re")))
+      << summary;
+  EXPECT_GT(std::stoull(lane_bytes[1].str()), 0u) << summary;
 
   // Both directions are delayed 20 ms (+-2 ms): the kernel's own RTT estimate must show it.
   EXPECT_GE(rtt_ms, 36.0) << "the impairment did not delay the link";
