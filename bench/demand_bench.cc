@@ -152,6 +152,7 @@ client::SessionOptions BenchSession(const std::string& endpoint, const std::stri
   session_options.client_name = std::move(client_name);
   session_options.read_files = options.transport == "unix-files";
   session_options.lanes = options.lanes;
+  session_options.background_nice = options.background_nice;
   return session_options;
 }
 
@@ -385,8 +386,10 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   const fs::path root = work.path() / "images";
   fs::create_directories(root);
   GPULAZY_ASSIGN_OR_RETURN(fs::path image_dir, MakeWarmImage(root, "ckpt", options.size, 2, 11));
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server, ServerChild::Start(common.bin_dir, root, work.path(),
-                                                                  common.server_args));
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
+                           ServerChild::Start(common.bin_dir, root, work.path(),
+                                              ServerArgsWithBackgroundNice(options.background_nice,
+                                                                           common.server_args)));
   const std::string& endpoint =
       options.transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
   const std::string image = image_dir.filename().string();
@@ -406,6 +409,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"server_args", common.server_args},
                            {"transport", options.transport},
                            {"lanes", client::LanesFor(options.lanes)},
+                           {"background_nice", options.background_nice},
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},
                            {"fresh_pages", options.write_fresh_pages ? "write" : "map"},

@@ -21,6 +21,9 @@ struct DemandOptions {
   uint64_t window = 16u << 20;
   uint64_t seed = 42;
   uint32_t lanes = client::SessionOptions{}.lanes;  // bulk connections (SessionOptions::lanes)
+  // Added to the nice value of the background threads, client and server: the plugin's default
+  // (as for `gpulazy-bench restore`), so the tail measured is the one a restore sees.
+  int background_nice = 10;
   // HostEngineOptions::write_fresh_pages for every session the benchmark opens.
   bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
 };

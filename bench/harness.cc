@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -22,6 +23,21 @@
 
 namespace gpulazy::bench {
 namespace fs = std::filesystem;
+
+void AddBackgroundNiceOption(CLI::App& command, int& value) {
+  command
+      .add_option("--background-nice", value,
+                  "added to the nice value of background restore threads, client and server")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 19));
+}
+
+std::vector<std::string> ServerArgsWithBackgroundNice(int nice,
+                                                      const std::vector<std::string>& more) {
+  std::vector<std::string> args = {"--background-nice", std::to_string(nice)};
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();

@@ -19,6 +19,10 @@
 #include "page-client/copy_engine.h"
 #include "proto/status.h"
 
+namespace CLI {
+class App;
+}
+
 namespace gpulazy::bench {
 
 using Clock = std::chrono::steady_clock;
@@ -30,6 +34,14 @@ struct CommonOptions {
   bool json = false;
   std::vector<std::string> server_args;  // more gpulazy-server options (--server-arg, repeatable)
 };
+
+// --background-nice for a subcommand: added to the nice value of the restore's background threads,
+// client (SessionOptions::background_nice) and server (its --background-nice).
+void AddBackgroundNiceOption(CLI::App& command, int& value);
+// The server's options for that: --background-nice `nice`, then `more` (--server-arg), so an
+// explicit --server-arg=--background-nice=N wins.
+std::vector<std::string> ServerArgsWithBackgroundNice(int nice,
+                                                      const std::vector<std::string>& more);
 
 // A fresh directory, removed with everything in it on destruction.
 class WorkDir {

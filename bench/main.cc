@@ -102,6 +102,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
   AddLanesOption(*demand_cmd, demand.lanes, "of the session whose stream saturates the link");
+  bench::AddBackgroundNiceOption(*demand_cmd, demand.background_nice);
   std::string demand_fresh_pages = "write";
   AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
 

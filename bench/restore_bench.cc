@@ -320,11 +320,10 @@ Status RunRestoreBench(const CommonOptions& common, const RestoreOptions& option
     if (options.chunk_size != 0) convert.chunk_size = options.chunk_size;
     GPULAZY_RETURN_IF_ERROR(image::ConvertToLazyImage(checkpoint, convert).status());
   }
-  std::vector<std::string> server_args = {"--background-nice",
-                                          std::to_string(options.background_nice)};
-  server_args.insert(server_args.end(), common.server_args.begin(), common.server_args.end());
   GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
-                           ServerChild::Start(common.bin_dir, root, work.path(), server_args));
+                           ServerChild::Start(common.bin_dir, root, work.path(),
+                                              ServerArgsWithBackgroundNice(options.background_nice,
+                                                                           common.server_args)));
 
   std::vector<std::string> modes = options.modes;
   const bool has_lazy = std::find(modes.begin(), modes.end(), "lazy") != modes.end();
@@ -521,10 +520,7 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
         options.file_window = *bytes;
       },
       "credit window while reading passed image files (default: the client's)");
-  cmd->add_option("--background-nice", options.background_nice,
-                  "added to the nice value of background restore threads, client and server")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 19));
+  AddBackgroundNiceOption(*cmd, options.background_nice);
   cmd->add_option("--svg", options.svg, "write a timeline plot (SVG) here");
   cmd->add_flag("--mechanisms", options.mechanisms,
                 "compare MISSING+COPY and MINOR+CONTINUE (no server)");

@@ -124,12 +124,14 @@ TEST(BenchSmoke, StreamByReferenceReportsItsReadersTime) {
 // read -> reply written), taken from the server's stats for the loaded session.
 TEST(BenchSmoke, DemandReportsTheServersShare) {
   testing::TempDir work;
-  const std::vector<nlohmann::json> lines = RunBench(
-      "--work-dir " + work.path().string() + " demand --size 512M --requests 10 --transport unix");
+  const std::vector<nlohmann::json> lines =
+      RunBench("--work-dir " + work.path().string() +
+               " demand --size 512M --requests 10 --transport unix --background-nice 3");
   ASSERT_EQ(lines.size(), 1u);
   const nlohmann::json& line = lines[0];
   SCOPED_TRACE(line.dump());
   EXPECT_EQ(line.at("bench"), "demand");
+  EXPECT_EQ(line.at("background_nice"), 3);
   // Ten Ensures take a few milliseconds; 512 MiB take far longer to stream on any machine here,
   // so the session is still open for its stats. Each Ensure of a missing chunk asks the server.
   ASSERT_GT(line.at("server_demand_count").get<uint64_t>(), 0u);
