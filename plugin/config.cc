@@ -7,6 +7,9 @@
 namespace gpulazy::plugin {
 namespace {
 
+// The most `lanes` accepts, as `gpulazy-client fetch --lanes` (the client uses at most 16).
+constexpr uint64_t kMaxLanesSetting = 16;
+
 std::string Trim(std::string s) {
   const char* ws = " \t\r\n";
   s.erase(0, s.find_first_not_of(ws));
@@ -82,6 +85,10 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
     GPULAZY_ASSIGN_OR_RETURN(uint64_t nice, ParseU64(key, value));
     if (nice > 19) return InvalidArgument("background_nice: {} is not in 0..19", nice);
     c.background_nice = static_cast<int>(nice);
+  } else if (key == "lanes") {
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t lanes, ParseU64(key, value));
+    if (lanes > kMaxLanesSetting) return InvalidArgument("lanes: {} is not in 0..16", lanes);
+    c.lanes = static_cast<uint32_t>(lanes);
   } else if (key == "resume_timeout_ms") {
     GPULAZY_ASSIGN_OR_RETURN(uint64_t ms, ParseU64(key, value));
     c.resume_timeout = std::chrono::milliseconds(ms);
@@ -104,7 +111,8 @@ const char* const kKeys[] = {
     "mode",      "server",          "image",        "token",    "engine",
     "fake_kfd",  "topology",        "fault_socket", "window",   "resume_timeout_ms",
     "log_level", "lazy_image",      "token_file",   "tls_ca",   "tls_cert",
-    "tls_key",   "tls_server_name", "insecure_tcp", "dri_root", "background_nice"};
+    "tls_key",   "tls_server_name", "insecure_tcp", "dri_root", "background_nice",
+    "lanes"};
 
 }  // namespace
 

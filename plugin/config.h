@@ -24,6 +24,9 @@
 //   background_nice   GPULAZY_BACKGROUND_NICE   parallel/lazy: added to the nice value of the
 //                                               background restore threads (0..19, default
 //                                               10; 0: same priority as the restored program)
+//   lanes             GPULAZY_LANES             bulk connections per session where chunks cross
+//                                               the socket (0..16; default 0: one per two CPUs,
+//                                               at most 8; 1: the stream connection alone)
 //   resume_timeout_ms GPULAZY_RESUME_TIMEOUT_MS most a RESUME_DEVICES_LATE waits for contents
 //   check_*           GPULAZY_CHECK_*           topology checks (topology.h), 0 disables one
 //   lazy_image        GPULAZY_LAZY_IMAGE        dump: also write the lazy image (0 | 1)
@@ -64,6 +67,7 @@ struct PluginConfig {
   std::filesystem::path fault_socket;
   uint64_t window_bytes = 16u << 20;
   int background_nice = 10;
+  uint32_t lanes = 0;  // client::SessionOptions::lanes
   std::chrono::milliseconds resume_timeout{600'000};
   TopologyChecks checks;
   bool lazy_image = false;  // dump: convert the finished checkpoint into a lazy image too

@@ -101,6 +101,7 @@ Status RestoreCoordinator::Start() {
   options.insecure_tcp = config_.insecure_tcp;
   options.window_bytes = config_.window_bytes;
   options.background_nice = config_.background_nice;
+  options.lanes = config_.lanes;
   options.client_name = "gpulazy-plugin";
   session_ = std::make_unique<client::RestoreSession>(options, router_);
   Status started = session_->Start();
@@ -110,8 +111,11 @@ Status RestoreCoordinator::Start() {
   const auto& bos = session_->bos();
   for (uint32_t i = 0; i < bos.size(); ++i)
     session_index_[{bos[i].process_id, bos[i].bo_index}] = i;
-  spdlog::info("gpulazy: {} restore of {} ({} BOs) from {}", ModeName(config_.mode), config_.image,
-               bos.size(), config_.server);
+  spdlog::info(
+      "gpulazy: {} restore of {} ({} BOs) from {}; asks for {} bulk connections where "
+      "chunks cross the socket",
+      ModeName(config_.mode), config_.image, bos.size(), config_.server,
+      client::LanesFor(options.lanes));
   if (config_.mode == Mode::kLazy) {
     fs::path path = config_.fault_socket;
     if (path.empty()) path = fs::path("/tmp") / fmt::format("gpulazy-fault-{}.sock", ::getpid());

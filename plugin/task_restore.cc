@@ -390,6 +390,7 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
     options.tls = config_.tls;
     options.insecure_tcp = config_.insecure_tcp;
     options.window_bytes = config_.window_bytes;
+    options.lanes = config_.lanes;
     client::RestoreSession session(options, router);
     GPULAZY_RETURN_IF_ERROR(
         session.Start().Context(fmt::format("eager restore: page server {}", config_.server)));

@@ -708,13 +708,16 @@ TEST_F(PluginTlsTest, PlainTcpWithoutInsecureTcpIsRefusedSayingHowToAllowIt) {
       << eager.output;
   EXPECT_EQ(Slurp(dir_ / "server.log").find("hello from"), std::string::npos)
       << "the plugin connected anyway";
-  // Allowed explicitly, the same restore goes through.
-  Outcome allowed =
-      Sim({"1", "2"},
-          {{"GPULAZY_MODE", "lazy"}, {"GPULAZY_SERVER", endpoint}, {"GPULAZY_INSECURE_TCP", "1"}});
+  // Allowed explicitly, the same restore goes through, with the bulk connections asked for.
+  Outcome allowed = Sim({"1", "2"}, {{"GPULAZY_MODE", "lazy"},
+                                     {"GPULAZY_SERVER", endpoint},
+                                     {"GPULAZY_INSECURE_TCP", "1"},
+                                     {"GPULAZY_LANES", "3"}});
   StopServer(server);
   EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
   EXPECT_NE(allowed.output.find("sim: ok"), std::string::npos) << allowed.output;
+  EXPECT_NE(allowed.output.find("asks for 3 bulk connections"), std::string::npos)
+      << allowed.output;
 }
 
 // ---- processes without GPU state: every hook passes ----

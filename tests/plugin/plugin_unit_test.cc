@@ -876,6 +876,32 @@ TEST(Config, BackgroundNice) {
       << bad.status().ToString();
 }
 
+// lanes reaches the session (coordinator and eager tasks); bounded like gpulazy-client's --lanes.
+TEST(Config, Lanes) {
+  auto with = [](std::optional<std::string> value) {
+    return LoadConfig([value](const std::string& k) -> std::optional<std::string> {
+      if (k == "GPULAZY_CONFIG") return "/dev/null";
+      if (k == "GPULAZY_LANES") return value;
+      return std::nullopt;
+    });
+  };
+  auto unset = with(std::nullopt);
+  ASSERT_TRUE(unset.ok());
+  EXPECT_EQ(unset->lanes, 0u);  // the client's default for this host
+  auto one = with("1");
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->lanes, 1u);
+  auto most = with("16");
+  ASSERT_TRUE(most.ok());
+  EXPECT_EQ(most->lanes, 16u);
+  for (const char* bad : {"17", "-1", "four"}) {
+    auto refused = with(bad);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("GPULAZY_LANES"), std::string::npos)
+        << refused.status().ToString();
+  }
+}
+
 // ---- SDMA engine pipelining ----
 
 // An SDMA engine over a fake device whose copies take `latency`; *fake (when given) is the device.
