@@ -856,13 +856,18 @@ TEST(Config, DriRoot) {
   EXPECT_EQ(d->dri_root, "/dev/dri");
 }
 
+// The config with no file and one environment variable, `name`, set to `value` (or unset).
+Result<PluginConfig> ConfigWithOnly(const std::string& name, std::optional<std::string> value) {
+  return LoadConfig([&](const std::string& k) -> std::optional<std::string> {
+    if (k == "GPULAZY_CONFIG") return "/dev/null";
+    if (k == name) return value;
+    return std::nullopt;
+  });
+}
+
 TEST(Config, BackgroundNice) {
   auto with = [](std::optional<std::string> value) {
-    return LoadConfig([value](const std::string& k) -> std::optional<std::string> {
-      if (k == "GPULAZY_CONFIG") return "/dev/null";
-      if (k == "GPULAZY_BACKGROUND_NICE") return value;
-      return std::nullopt;
-    });
+    return ConfigWithOnly("GPULAZY_BACKGROUND_NICE", std::move(value));
   };
   auto unset = with(std::nullopt);
   ASSERT_TRUE(unset.ok());
@@ -879,11 +884,7 @@ TEST(Config, BackgroundNice) {
 // lanes reaches the session (coordinator and eager tasks); bounded like gpulazy-client's --lanes.
 TEST(Config, Lanes) {
   auto with = [](std::optional<std::string> value) {
-    return LoadConfig([value](const std::string& k) -> std::optional<std::string> {
-      if (k == "GPULAZY_CONFIG") return "/dev/null";
-      if (k == "GPULAZY_LANES") return value;
-      return std::nullopt;
-    });
+    return ConfigWithOnly("GPULAZY_LANES", std::move(value));
   };
   auto unset = with(std::nullopt);
   ASSERT_TRUE(unset.ok());
