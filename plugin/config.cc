@@ -87,7 +87,8 @@ Status Apply(PluginConfig& c, const std::string& key, const std::string& value) 
     c.background_nice = static_cast<int>(nice);
   } else if (key == "lanes") {
     GPULAZY_ASSIGN_OR_RETURN(uint64_t lanes, ParseU64(key, value));
-    if (lanes > kMaxLanesSetting) return InvalidArgument("lanes: {} is not in 0..16", lanes);
+    if (lanes > kMaxLanesSetting)
+      return InvalidArgument("lanes: {} is not in 0..{}", lanes, kMaxLanesSetting);
     c.lanes = static_cast<uint32_t>(lanes);
   } else if (key == "resume_timeout_ms") {
     GPULAZY_ASSIGN_OR_RETURN(uint64_t ms, ParseU64(key, value));
