@@ -138,6 +138,7 @@ Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const 
 client::HostEngineOptions EngineOptions(const DemandOptions& options) {
   client::HostEngineOptions engine;
   engine.write_fresh_pages = options.write_fresh_pages;
+  engine.prepare_waited_ranges = options.prepare_waited_ranges;
   return engine;
 }
 
@@ -413,6 +414,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},
                            {"fresh_pages", options.write_fresh_pages ? "write" : "map"},
+                           {"prepare_waited", options.prepare_waited_ranges},
                            {"chunk_size", lone_frame["chunk_size"]},
                            {"samples", loaded["samples"]},
                            {"p50_s", loaded["p50_s"]},

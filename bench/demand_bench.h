@@ -26,6 +26,8 @@ struct DemandOptions {
   int background_nice = 10;
   // HostEngineOptions::write_fresh_pages for every session the benchmark opens.
   bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
+  // HostEngineOptions::prepare_waited_ranges: the Ensure caller faults in its chunks' pages.
+  bool prepare_waited_ranges = client::HostEngineOptions{}.prepare_waited_ranges;
 };
 
 Status RunDemandBench(const CommonOptions& common, const DemandOptions& options);

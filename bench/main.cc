@@ -105,6 +105,9 @@ int Run(int argc, char** argv) {
   bench::AddBackgroundNiceOption(*demand_cmd, demand.background_nice);
   std::string demand_fresh_pages = "write";
   AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
+  demand_cmd->add_flag("--prepare-waited,!--no-prepare-waited", demand.prepare_waited_ranges,
+                       "host engine: the thread that waits in Ensure faults in its chunks' pages "
+                       "during the round trip (default on)");
 
   bench::ChecksumOptions checksum;
   std::string checksum_memory = "1G";

@@ -117,6 +117,18 @@ class CopyEngine {
     return Status::Ok();
   }
 
+  // A hint from a thread about to wait for [offset, offset + length) of BO `bo` (an Ensure whose
+  // chunks the server has been asked for): it has nothing else to do until they arrive, so an
+  // engine may ready their destination meanwhile. The host engine faults in the pages that do
+  // not exist yet, last first, while the request makes its round trip; the receive then copies
+  // into existing pages from the front. Must never change a byte that is there: it runs
+  // concurrently with writes to the same range. Any thread; best effort, nothing to report.
+  virtual void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) {
+    (void)bo;
+    (void)offset;
+    (void)length;
+  }
+
   // A hint: the restore writes with `writers` threads at once (file readers, local readers).
   // The restores say it before ExpectChunkBytes when they plan several, so an engine that stages
   // writes can size its buffers to them (the CUDA engine: four slots a writer), again when a

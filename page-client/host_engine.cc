@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -130,6 +131,32 @@ Status HostCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t len
   bytes_written_.fetch_add(length, std::memory_order_relaxed);
   if (done) done(Status::Ok());
   return Status::Ok();
+}
+
+void HostCopyEngine::PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) {
+  if (!options_.prepare_waited_ranges || length == 0) return;
+  Result<const MemfdRegion*> region = Find(bo);
+  if (!region.ok()) return;
+  const uint64_t size = (*region)->size();
+  if (offset >= size || length > size - offset) return;
+  static const uint64_t kPage = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  // Pieces of this size, last first: the chunk's receive (or pwrite) starts at its front, so
+  // the two meet in the middle and each allocates about half the pages. A piece whose first
+  // page exists was reached by the writer (or filled before): what lies in front of it is its.
+  constexpr uint64_t kPieceBytes = 256u << 10;
+  const uint64_t first = offset / kPage * kPage;
+  const uint64_t end = std::min(size, (offset + length + kPage - 1) / kPage * kPage);
+  uint8_t* base = (*region)->bytes().data();
+  for (uint64_t piece_end = end; piece_end > first;) {
+    const uint64_t piece = piece_end - first > kPieceBytes ? piece_end - kPieceBytes : first;
+    unsigned char present = 0;
+    if (::mincore(base + piece, 1, &present) != 0 || (present & 1) != 0) return;
+    // Never changes bytes: MADV_POPULATE_WRITE only faults in what is missing, as a write
+    // would. EINVAL (before Linux 5.14), ENOMEM and the like leave the pages to the writer.
+    if (::madvise(base + piece, piece_end - piece, MADV_POPULATE_WRITE) != 0) return;
+    prepared_bytes_.fetch_add(piece_end - piece, std::memory_order_relaxed);
+    piece_end = piece;
+  }
 }
 
 bool HostCopyEngine::Fresh(const MemfdRegion& region, uint64_t offset, uint64_t length) const {

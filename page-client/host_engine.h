@@ -62,6 +62,10 @@ struct HostEngineOptions {
   // (docs/benchmarks.md, "Fresh pages by write"). Pages that exist (populated ahead, say)
   // still take the chunk in place or by memcpy.
   bool write_fresh_pages = true;
+  // PrepareDestination faults in the missing pages of a range a caller waits for (the thread
+  // that called Ensure, idle until the chunk arrives), so the chunk's page allocation overlaps
+  // its round trip to the server instead of following it (docs/client.md, "Fresh pages").
+  bool prepare_waited_ranges = true;
 };
 
 class HostCopyEngine : public CopyEngine {
@@ -77,6 +81,7 @@ class HostCopyEngine : public CopyEngine {
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                   uint64_t length) override;
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
+  void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override;
   // Several writers take their own page faults in parallel, so the populate helper is paused:
   // it has nothing to do they do not do already (docs/benchmarks.md, issue 3: measured 10 %
   // slower with it by reference in session 7; within noise in session 8). Fresh pages then go
@@ -98,6 +103,8 @@ class HostCopyEngine : public CopyEngine {
   uint64_t bytes_written() const;
   // Bytes the populate-ahead thread faulted in (0 when it is off).
   uint64_t populated_bytes() const { return populate_.populated_bytes(); }
+  // Bytes PrepareDestination faulted in (whole pieces it found missing).
+  uint64_t prepared_bytes() const { return prepared_bytes_.load(std::memory_order_relaxed); }
 
  private:
   Result<const MemfdRegion*> Find(uint32_t bo) const;
@@ -109,6 +116,7 @@ class HostCopyEngine : public CopyEngine {
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
   std::map<uint32_t, MemfdRegion> regions_;
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> prepared_bytes_{0};
   std::atomic<bool> write_fresh_pages_{options_.write_fresh_pages};
   PopulateAhead populate_;  // last: its thread stops before the regions are unmapped
 };

@@ -1,5 +1,6 @@
 #include "page-client/restore_session.h"
 
+#include <sched.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -671,6 +672,11 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   // With the chunk table, what the files hold is read right here: handing it to the demand
   // thread would put one more thread wake-up on a fault's path (docs/benchmarks.md, session 12).
   std::vector<FileChunk> read_here;
+  struct ChunkRange {
+    ChunkId id;
+    uint64_t length = 0;
+  };
+  std::vector<ChunkRange> asked;  // of the server, on the demand thread
   std::shared_ptr<const ImageFileSet> files;
   if (!wanted.empty()) {
     counters_.demand_chunks += wanted.size();
@@ -682,15 +688,23 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
         return c.has_value();
       });
     }
+    for (const ChunkId& id : wanted)
+      asked.push_back(ChunkRange{id, residency_.ChunkLength(id.first, id.second)});
     if (!wanted.empty())
       OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
   }
   if (!landing.empty()) OnDemandThread([this, landing = std::move(landing)] { Expedite(landing); });
-  if (!read_here.empty()) {
+  if (!read_here.empty() || !asked.empty()) {
     // Not under mutex_: the install takes engine_gate_, which comes first in the lock order.
     lock.unlock();
     for (const FileChunk& c : read_here)
       ReadByReference(nullptr, c, /*on_stream=*/false, Urgency::kUrgent);
+    // Idle until the server's answer arrives: ready the destination meanwhile (CopyEngine::
+    // PrepareDestination), so its pages are not allocated on the receive's path. The demand
+    // thread just woken may have been queued on this CPU: let it send the request first.
+    if (!asked.empty()) sched_yield();
+    for (const auto& [id, chunk_length] : asked)
+      engine_.PrepareDestination(id.first, uint64_t{id.second} * chunk_size_, chunk_length);
     lock.lock();
   }
   // Chunks become resident in any order; remember how far the prefix is known to be resident.

@@ -502,6 +502,58 @@ TEST(HostCopyEngine, WritesFreshPagesThroughTheFile) {
   EXPECT_TRUE(readers.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());
 }
 
+// PrepareDestination faults in the missing pages of a waited range, never changes a byte that
+// is there, stops where the writer has already been, and ignores what is out of bounds or off.
+TEST(HostCopyEngine, PrepareDestinationFaultsInMissingPagesAndKeepsBytes) {
+  constexpr uint64_t kMiB = 1u << 20;
+  HostCopyEngine engine(HostEngineOptions{.populate_ahead_bytes = 0});
+  ASSERT_TRUE(engine.AddDestination(1, 16 * kMiB).ok());
+  Result<std::span<uint8_t>> mapping = engine.Mapping(1);
+  ASSERT_TRUE(mapping.ok());
+
+  engine.PrepareDestination(1, 2 * kMiB + 100, 2 * kMiB);
+  EXPECT_EQ(ResidentBytes(*mapping, 2 * kMiB, 4 * kMiB + 4096), 2 * kMiB + 4096);
+  EXPECT_EQ(ResidentBytes(*mapping, 0, 2 * kMiB), 0u);  // nothing outside the range
+  EXPECT_EQ(ResidentBytes(*mapping, 4 * kMiB + 4096, 16 * kMiB), 0u);
+  EXPECT_EQ(engine.prepared_bytes(), 2 * kMiB + 4096);
+  // (Reading a shared mapping allocates its pages too: only the prepared range is read.)
+  EXPECT_TRUE(std::all_of(mapping->begin() + 2 * kMiB, mapping->begin() + 4 * kMiB + 4096,
+                          [](uint8_t b) { return b == 0; }));
+
+  // Bytes a writer has put there stay, and a range whose front the writer has reached is left
+  // to it: only the pieces behind that are still missing get faulted in.
+  std::vector<uint8_t> front(300 * 1024, 0x5a);
+  std::copy(front.begin(), front.end(), mapping->begin() + 8 * kMiB);
+  const uint64_t before = engine.prepared_bytes();
+  engine.PrepareDestination(1, 8 * kMiB, 2 * kMiB);
+  EXPECT_TRUE(std::all_of(mapping->begin() + 8 * kMiB, mapping->begin() + 8 * kMiB + front.size(),
+                          [](uint8_t b) { return b == 0x5a; }));
+  // Pieces of 256 KiB from the back: the one at 8 MiB + 256 KiB starts in the written bytes.
+  EXPECT_EQ(engine.prepared_bytes() - before, 2 * kMiB - 512 * 1024);
+  EXPECT_EQ(ResidentBytes(*mapping, 8 * kMiB + 512 * 1024, 10 * kMiB), 2 * kMiB - 512 * 1024);
+
+  // A fresh range then takes its chunk in place: the pages exist.
+  EXPECT_TRUE(engine.ReceiveTarget(1, 2 * kMiB, 2 * kMiB).has_value());
+  engine.ReleaseReceived(1, 2 * kMiB, 2 * kMiB);
+
+  // Out of bounds, unknown BOs, empty ranges: nothing happens.
+  const uint64_t settled = engine.prepared_bytes();
+  engine.PrepareDestination(1, 16 * kMiB, 4096);
+  engine.PrepareDestination(1, 15 * kMiB, 2 * kMiB);
+  engine.PrepareDestination(2, 0, 4096);
+  engine.PrepareDestination(1, 12 * kMiB, 0);
+  EXPECT_EQ(engine.prepared_bytes(), settled);
+  EXPECT_EQ(ResidentBytes(*mapping, 12 * kMiB, 16 * kMiB), 0u);
+
+  HostCopyEngine off(HostEngineOptions{.populate_ahead_bytes = 0, .prepare_waited_ranges = false});
+  ASSERT_TRUE(off.AddDestination(1, 4 * kMiB).ok());
+  off.PrepareDestination(1, 0, 2 * kMiB);
+  Result<std::span<uint8_t>> off_mapping = off.Mapping(1);
+  ASSERT_TRUE(off_mapping.ok());
+  EXPECT_EQ(ResidentBytes(*off_mapping, 0, 4 * kMiB), 0u);
+  EXPECT_EQ(off.prepared_bytes(), 0u);
+}
+
 // The host engine takes calls from several threads at once (CopyEngine::ConcurrentCalls):
 // writes of disjoint ranges, fresh and populated pages mixed, all land.
 TEST(HostCopyEngine, TakesConcurrentWritesOfDisjointRanges) {

@@ -36,6 +36,9 @@ class ForwardingHostEngine : public CopyEngine {
   }
   Status ExpectChunkBytes(uint32_t max_bytes) override { return host_.ExpectChunkBytes(max_bytes); }
   void ExpectWriters(uint32_t writers) override { host_.ExpectWriters(writers); }
+  void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override {
+    host_.PrepareDestination(bo, offset, length);
+  }
   Status Flush() override { return host_.Flush(); }
 
   const HostCopyEngine& host() const { return host_; }

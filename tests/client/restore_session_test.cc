@@ -18,6 +18,8 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "page-client/host_engine.h"
 #include "tests/client/fake_server.h"
@@ -511,6 +513,63 @@ TEST(RestoreSession, EnsureFromManyThreads) {
   ASSERT_TRUE(session.WaitComplete(10s).ok());
   EXPECT_TRUE(engine.Matches(image));
   engine.ExpectEachChunkOnce();
+}
+
+// Records the ranges the session asks it to prepare (CopyEngine::PrepareDestination).
+class PrepareRecordingEngine : public ForwardingHostEngine {
+ public:
+  std::string_view name() const override { return "prepare-recording"; }
+  void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override {
+    {
+      std::lock_guard lock(mutex_);
+      prepared_.push_back({bo, offset, length});
+    }
+    ForwardingHostEngine::PrepareDestination(bo, offset, length);
+  }
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> prepared() const {
+    std::lock_guard lock(mutex_);
+    return prepared_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> prepared_;
+};
+
+// The thread that waits in Ensure readies the destination of exactly the chunks it asked the
+// server for, whole chunks (the last one short), while the request makes its round trip; the
+// chunks still land byte-exact, and a range already resident prepares nothing.
+TEST(RestoreSession, EnsurePreparesTheDestinationOfTheChunksItAsksFor) {
+  constexpr uint32_t kChunk = 64 * 1024;
+  FakeImage image = FakeImage::Make({8 * kChunk, 3 * kChunk + 1000}, kChunk, 47);
+  FakeServerOptions server_options = FakeServerOptions::RawChunks();
+  server_options.paused = true;
+  FakeServer server(image, server_options);
+  PrepareRecordingEngine engine;
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+
+  ASSERT_TRUE(session.Ensure(0, 2 * kChunk + 10, kChunk, 10s).ok());  // chunks 2 and 3
+  ASSERT_TRUE(session.Ensure(1, 3 * kChunk, 1000, 10s).ok());         // the short last chunk
+  using Range = std::tuple<uint32_t, uint64_t, uint64_t>;
+  EXPECT_EQ(engine.prepared(),
+            (std::vector<Range>{
+                {0, 2 * kChunk, kChunk}, {0, 3 * kChunk, kChunk}, {1, 3 * kChunk, 1000}}));
+  ASSERT_TRUE(session.Ensure(0, 2 * kChunk, 2 * kChunk, 10s).ok());  // resident: nothing to ask
+  EXPECT_EQ(engine.prepared().size(), 3u);
+  Result<std::span<uint8_t>> bo0 = engine.host().Mapping(0);
+  ASSERT_TRUE(bo0.ok());
+  EXPECT_TRUE(std::equal(bo0->begin() + 2 * kChunk, bo0->begin() + 4 * kChunk,
+                         image.bos[0].begin() + 2 * kChunk));
+
+  server.Resume();
+  ASSERT_TRUE(session.WaitComplete(10s).ok());
+  for (uint32_t bo = 0; bo < 2; ++bo) {
+    Result<std::span<uint8_t>> bytes = engine.host().Mapping(bo);
+    ASSERT_TRUE(bytes.ok());
+    EXPECT_TRUE(std::equal(image.bos[bo].begin(), image.bos[bo].end(), bytes->begin()))
+        << "BO " << bo;
+  }
 }
 
 // ---- receiving RAW chunks straight into the engine's destination (CopyEngine::ReceiveTarget) --
