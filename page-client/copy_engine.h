@@ -122,7 +122,9 @@ class CopyEngine {
   // engine may ready their destination meanwhile. The host engine faults in the pages that do
   // not exist yet, last first, while the request makes its round trip; the receive then copies
   // into existing pages from the front. Must never change a byte that is there: it runs
-  // concurrently with writes to the same range. Any thread; best effort, nothing to report.
+  // concurrently with writes to the same range. An engine whose destination a running program
+  // already maps keeps the default (nothing): for the userfaultfd engine a page made present
+  // would never fault, and the program would read its zeros. Any thread; best effort.
   virtual void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) {
     (void)bo;
     (void)offset;
