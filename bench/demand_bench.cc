@@ -138,6 +138,7 @@ Result<nlohmann::json> MeasureLoneChunk(const std::string& endpoint_text, const 
 client::HostEngineOptions EngineOptions(const DemandOptions& options) {
   client::HostEngineOptions engine;
   engine.write_fresh_pages = options.write_fresh_pages;
+  engine.fresh_pages_with_several_writers = options.fresh_pages_with_several_writers;
   engine.prepare_waited_ranges = options.prepare_waited_ranges;
   return engine;
 }
@@ -406,6 +407,8 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   const double lone_s = lone["lone_chunk_s"].get<double>();
   const double lone_frame_s = lone_frame["lone_chunk_frame_s"].get<double>();
   const double p99_s = loaded["p99_s"].get<double>();
+  const std::string fresh_pages =
+      FreshPagesName(options.write_fresh_pages, options.fresh_pages_with_several_writers);
   nlohmann::json result = {{"bench", "demand"},
                            {"server_args", common.server_args},
                            {"transport", options.transport},
@@ -413,7 +416,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"background_nice", options.background_nice},
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},
-                           {"fresh_pages", options.write_fresh_pages ? "write" : "map"},
+                           {"fresh_pages", fresh_pages},
                            {"prepare_waited", options.prepare_waited_ranges},
                            {"chunk_size", lone_frame["chunk_size"]},
                            {"samples", loaded["samples"]},

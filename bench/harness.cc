@@ -11,11 +11,14 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <string_view>
 #include <thread>
+#include <tuple>
 
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/synth.h"
@@ -23,6 +26,47 @@
 
 namespace gpulazy::bench {
 namespace fs = std::filesystem;
+
+namespace {
+using SeveralWriters = client::HostEngineOptions::SeveralWriters;
+// --fresh-pages names: write_fresh_pages, then what several writers do.
+constexpr std::array<std::tuple<std::string_view, bool, SeveralWriters>, 4> kFreshPages{{
+    {"write", true, SeveralWriters::kMap},  // the default: pwrite while one thread writes
+    {"write-one-per-bo", true, SeveralWriters::kOnePerBo},
+    {"write-always", true, SeveralWriters::kWrite},
+    {"map", false, SeveralWriters::kMap},
+}};
+}  // namespace
+
+void AddFreshPagesOption(CLI::App& command, std::string& value) {
+  std::vector<std::string> names;
+  for (const auto& [name, write, several] : kFreshPages)
+    names.emplace_back(name);
+  command
+      .add_option("--fresh-pages", value,
+                  "host engine: destination pages that do not exist yet are written through the "
+                  "memfd while one thread writes, through the mapping with several (write); "
+                  "with several, one pwrite per BO at a time (write-one-per-bo) or all "
+                  "(write-always); always through the mapping (map)")
+      ->capture_default_str()
+      ->check(CLI::IsMember(names));
+}
+
+void ParseFreshPages(const std::string& value, bool* write_fresh_pages,
+                     SeveralWriters* with_several_writers) {
+  for (const auto& [name, write, several] : kFreshPages) {
+    if (name != value) continue;
+    *write_fresh_pages = write;
+    *with_several_writers = several;
+  }
+}
+
+std::string FreshPagesName(bool write_fresh_pages, SeveralWriters with_several_writers) {
+  for (const auto& [name, write, several] : kFreshPages)
+    if (write == write_fresh_pages && (!write || several == with_several_writers))
+      return std::string(name);
+  return "?";
+}
 
 void AddBackgroundNiceOption(CLI::App& command, int& value) {
   command

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "page-client/copy_engine.h"
+#include "page-client/host_engine.h"
 #include "proto/status.h"
 
 namespace CLI {
@@ -42,6 +43,16 @@ void AddBackgroundNiceOption(CLI::App& command, int& value);
 // explicit --server-arg=--background-nice=N wins.
 std::vector<std::string> ServerArgsWithBackgroundNice(int nice,
                                                       const std::vector<std::string>& more);
+
+// --fresh-pages for a subcommand whose sessions use the host engine: how destination pages that
+// do not exist yet are written (HostEngineOptions::write_fresh_pages and
+// fresh_pages_with_several_writers). `value` takes the name; ParseFreshPages reads it.
+void AddFreshPagesOption(CLI::App& command, std::string& value);
+void ParseFreshPages(const std::string& value, bool* write_fresh_pages,
+                     client::HostEngineOptions::SeveralWriters* with_several_writers);
+// The --fresh-pages name of those settings, for the JSON.
+std::string FreshPagesName(bool write_fresh_pages,
+                           client::HostEngineOptions::SeveralWriters with_several_writers);
 
 // A fresh directory, removed with everything in it on destruction.
 class WorkDir {

@@ -19,16 +19,6 @@ int Fail(const gpulazy::Status& status) {
   return 1;
 }
 
-// HostEngineOptions::write_fresh_pages, for the subcommands whose sessions use the host engine.
-void AddFreshPagesOption(CLI::App& command, std::string& value) {
-  command
-      .add_option("--fresh-pages", value,
-                  "host engine: write destination pages that do not exist yet through the "
-                  "memfd (write) or the mapping (map)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"write", "map"}));
-}
-
 // --lanes: bulk connections per session when the bytes cross the socket
 // (client::SessionOptions::lanes); `what` says what they carry in this benchmark.
 void AddLanesOption(CLI::App& command, uint32_t& value, const std::string& what) {
@@ -88,7 +78,7 @@ int Run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0, 19));
   std::string stream_fresh_pages = "write";
-  AddFreshPagesOption(*stream_cmd, stream_fresh_pages);
+  bench::AddFreshPagesOption(*stream_cmd, stream_fresh_pages);
 
   bench::DemandOptions demand;
   std::string demand_size = "2G", demand_window = "16M";
@@ -104,7 +94,7 @@ int Run(int argc, char** argv) {
   AddLanesOption(*demand_cmd, demand.lanes, "of the session whose stream saturates the link");
   bench::AddBackgroundNiceOption(*demand_cmd, demand.background_nice);
   std::string demand_fresh_pages = "write";
-  AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
+  bench::AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
   demand_cmd->add_flag("--prepare-waited,!--no-prepare-waited", demand.prepare_waited_ranges,
                        "host engine: the thread that waits in Ensure faults in its chunks' pages "
                        "during the round trip (default on)");
@@ -164,7 +154,8 @@ int Run(int argc, char** argv) {
     stream.size = *size;
     stream.window = *window;
     stream.populate_ahead = *populate;
-    stream.write_fresh_pages = stream_fresh_pages == "write";
+    bench::ParseFreshPages(stream_fresh_pages, &stream.write_fresh_pages,
+                           &stream.fresh_pages_with_several_writers);
     if (stream.engine != "host" && stream.engine != "discard")
       return Fail(InvalidArgument("--engine {}: use host or discard", stream.engine));
     Status status = bench::RunStreamBench(common, stream);
@@ -176,7 +167,8 @@ int Run(int argc, char** argv) {
   if (!window.ok()) return Fail(window.status());
   demand.size = *size;
   demand.window = *window;
-  demand.write_fresh_pages = demand_fresh_pages == "write";
+  bench::ParseFreshPages(demand_fresh_pages, &demand.write_fresh_pages,
+                         &demand.fresh_pages_with_several_writers);
   Status status = bench::RunDemandBench(common, demand);
   return status.ok() ? 0 : Fail(status);
 }

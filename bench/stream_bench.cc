@@ -161,10 +161,11 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
   std::vector<std::unique_ptr<client::RestoreSession>> clients;
   for (uint32_t s = 0; s < sessions; ++s) {
     if (options.engine == "host")
-      engines.push_back(std::make_unique<client::HostCopyEngine>(
-          client::HostEngineOptions{.populate_ahead_bytes = options.populate_ahead,
-                                    .populate_nice = options.populate_nice,
-                                    .write_fresh_pages = options.write_fresh_pages}));
+      engines.push_back(std::make_unique<client::HostCopyEngine>(client::HostEngineOptions{
+          .populate_ahead_bytes = options.populate_ahead,
+          .populate_nice = options.populate_nice,
+          .write_fresh_pages = options.write_fresh_pages,
+          .fresh_pages_with_several_writers = options.fresh_pages_with_several_writers}));
     else
       engines.push_back(std::make_unique<DiscardEngine>());
     client::SessionOptions session;
@@ -288,6 +289,8 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                }));
       const double throughput = pipeline["throughput_Bps"].get<double>();
       const double ceiling_Bps = ceiling["throughput_Bps"].get<double>();
+      const std::string fresh_pages =
+          FreshPagesName(options.write_fresh_pages, options.fresh_pages_with_several_writers);
       nlohmann::json result = {{"bench", "stream"},
                                {"server_args", common.server_args},
                                {"transport", transport},
@@ -305,7 +308,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"ceiling_memory", host ? "memfd" : "reused"},
                                {"populate_ahead_bytes", populate_ahead},
                                {"populate_nice", options.populate_nice},
-                               {"fresh_pages", options.write_fresh_pages ? "write" : "map"},
+                               {"fresh_pages", fresh_pages},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
                                // Per session, averaged: the stream reader waiting for the next
                                // frame vs inside chunk frames (client::Progress).

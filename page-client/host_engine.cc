@@ -67,11 +67,11 @@ Status HostCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   GPULAZY_ASSIGN_OR_RETURN(MemfdRegion region,
                            MemfdRegion::Create(fmt::format("gpulazy-bo-{}", bo), size));
   populate_.AddRegion(bo, region.bytes());
-  regions_.emplace(bo, std::move(region));
+  regions_.try_emplace(bo, std::move(region));
   return Status::Ok();
 }
 
-Result<const MemfdRegion*> HostCopyEngine::Find(uint32_t bo) const {
+Result<HostCopyEngine::Destination*> HostCopyEngine::Find(uint32_t bo) const {
   std::lock_guard lock(mutex_);
   auto it = regions_.find(bo);
   if (it == regions_.end()) return NotFound("host engine: BO {} has no destination", bo);
@@ -79,31 +79,67 @@ Result<const MemfdRegion*> HostCopyEngine::Find(uint32_t bo) const {
   return &it->second;
 }
 
+Result<const MemfdRegion*> HostCopyEngine::Memfd(uint32_t bo) const {
+  GPULAZY_ASSIGN_OR_RETURN(Destination * destination, Find(bo));
+  return &destination->memfd;
+}
+
+Status HostCopyEngine::WriteThroughFile(Destination& destination, uint32_t bo, uint64_t offset,
+                                        std::span<const uint8_t> raw) {
+  Status status = Status::Ok();
+  for (size_t done_bytes = 0; done_bytes < raw.size();) {
+    const ssize_t n = ::pwrite(destination.memfd.fd(), raw.data() + done_bytes,
+                               raw.size() - done_bytes, static_cast<off_t>(offset + done_bytes));
+    if (n < 0 && errno == EINTR) continue;
+    // The memfd's size is fixed, so a short write means memory ran out (ENOSPC, ENOMEM).
+    if (n < 0) {
+      status = ErrnoError(errno, "host engine: pwrite of {} bytes at offset {} of BO {}",
+                          raw.size() - done_bytes, offset + done_bytes, bo);
+      break;
+    }
+    if (n == 0) {
+      status = Internal("host engine: pwrite at offset {} of BO {} wrote nothing",
+                        offset + done_bytes, bo);
+      break;
+    }
+    done_bytes += static_cast<size_t>(n);
+  }
+  EndFileWrite(destination, offset);
+  return status;
+}
+
+bool HostCopyEngine::ClaimFileWrite(Destination& destination, uint64_t offset) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard lock(destination.claim_mu);
+  if (destination.claimed && destination.claim_offset == offset) return true;
+  if (destination.claimed && now < destination.claim_until) return false;
+  destination.claimed = true;
+  destination.claim_offset = offset;
+  destination.claim_until = now + kFileWriteClaim;
+  return true;
+}
+
+void HostCopyEngine::EndFileWrite(Destination& destination, uint64_t offset) {
+  if (fresh_writes_.load(std::memory_order_relaxed) != FreshWrites::kOnePerBo) return;
+  std::lock_guard lock(destination.claim_mu);
+  if (destination.claimed && destination.claim_offset == offset) destination.claimed = false;
+}
+
 Status HostCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                              CopyDone done) {
-  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  GPULAZY_ASSIGN_OR_RETURN(Destination * destination, Find(bo));
+  const MemfdRegion& region = destination->memfd;
   // Written so that neither sum can overflow: offset is checked against the size first.
-  if (offset > region->size() || raw.size() > region->size() - offset)
+  if (offset > region.size() || raw.size() > region.size() - offset)
     return OutOfRange(
         "host engine: write of {} bytes at offset {} past the end of BO {} ({} bytes)", raw.size(),
-        offset, bo, region->size());
+        offset, bo, region.size());
   populate_.WritingAt(bo, offset, raw.size());
-  if (!raw.empty() && Fresh(*region, offset, raw.size())) {
-    for (size_t done_bytes = 0; done_bytes < raw.size();) {
-      const ssize_t n = ::pwrite(region->fd(), raw.data() + done_bytes, raw.size() - done_bytes,
-                                 static_cast<off_t>(offset + done_bytes));
-      if (n < 0 && errno == EINTR) continue;
-      // The memfd's size is fixed, so a short write means memory ran out (ENOSPC, ENOMEM).
-      if (n < 0)
-        return ErrnoError(errno, "host engine: pwrite of {} bytes at offset {} of BO {}",
-                          raw.size() - done_bytes, offset + done_bytes, bo);
-      if (n == 0)
-        return Internal("host engine: pwrite at offset {} of BO {} wrote nothing",
-                        offset + done_bytes, bo);
-      done_bytes += static_cast<size_t>(n);
-    }
+  if (!raw.empty() && ThroughFile(*destination, offset, raw.size())) {
+    GPULAZY_RETURN_IF_ERROR(WriteThroughFile(*destination, bo, offset, raw));
   } else if (!raw.empty()) {
-    std::memcpy(region->bytes().data() + offset, raw.data(), raw.size());
+    std::memcpy(region.bytes().data() + offset, raw.data(), raw.size());
+    EndFileWrite(*destination, offset);  // a claim whose pages came meanwhile (prepared, say)
   }
   bytes_written_.fetch_add(raw.size(), std::memory_order_relaxed);
   if (done) done(Status::Ok());
@@ -113,18 +149,19 @@ Status HostCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
 std::optional<std::span<uint8_t>> HostCopyEngine::ReceiveTarget(uint32_t bo, uint64_t offset,
                                                                 uint64_t length) {
   if (!options_.receive_in_place) return std::nullopt;
-  Result<const MemfdRegion*> region = Find(bo);
-  if (!region.ok()) return std::nullopt;  // Write will say why
-  const uint64_t size = (*region)->size();
+  Result<Destination*> destination = Find(bo);
+  if (!destination.ok()) return std::nullopt;  // Write will say why
+  const MemfdRegion& region = (*destination)->memfd;
+  const uint64_t size = region.size();
   if (offset > size || length > size - offset || length == 0) return std::nullopt;
-  if (Fresh(**region, offset, length)) return std::nullopt;  // Write: pwrite is cheaper there
+  if (ThroughFile(**destination, offset, length)) return std::nullopt;  // Write: pwrite
   populate_.WritingAt(bo, offset, length);
-  return (*region)->bytes().subspan(static_cast<size_t>(offset), static_cast<size_t>(length));
+  return region.bytes().subspan(static_cast<size_t>(offset), static_cast<size_t>(length));
 }
 
 Status HostCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t length,
                                       CopyDone done) {
-  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Memfd(bo));
   if (offset > region->size() || length > region->size() - offset)
     return OutOfRange("host engine: commit of {} bytes at offset {} past the end of BO {}", length,
                       offset, bo);
@@ -135,7 +172,7 @@ Status HostCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t len
 
 void HostCopyEngine::PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) {
   if (!options_.prepare_waited_ranges || length == 0) return;
-  Result<const MemfdRegion*> region = Find(bo);
+  Result<const MemfdRegion*> region = Memfd(bo);
   if (!region.ok()) return;
   const uint64_t size = (*region)->size();
   if (offset >= size || length > size - offset) return;
@@ -159,8 +196,16 @@ void HostCopyEngine::PrepareDestination(uint32_t bo, uint64_t offset, uint64_t l
   }
 }
 
+bool HostCopyEngine::ThroughFile(Destination& destination, uint64_t offset, uint64_t length) {
+  const FreshWrites mode = fresh_writes_.load(std::memory_order_relaxed);
+  if (mode == FreshWrites::kNone || !Fresh(destination.memfd, offset, length)) return false;
+  // kOnePerBo: a second pwrite into the memfd would wait on its inode lock, while the mapping's
+  // page faults run in parallel.
+  return mode == FreshWrites::kAll || ClaimFileWrite(destination, offset);
+}
+
 bool HostCopyEngine::Fresh(const MemfdRegion& region, uint64_t offset, uint64_t length) const {
-  if (!write_fresh_pages_.load(std::memory_order_relaxed) || length == 0) return false;
+  if (length == 0) return false;
   // Only the range's last page is asked about: chunks are written whole and populating ahead
   // runs forwards, so where the last page exists the earlier ones almost always do too, and a
   // wrong guess costs speed, never bytes. mincore reports the memfd's page cache.
@@ -172,12 +217,12 @@ bool HostCopyEngine::Fresh(const MemfdRegion& region, uint64_t offset, uint64_t 
 }
 
 Result<std::span<uint8_t>> HostCopyEngine::Mapping(uint32_t bo) const {
-  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Memfd(bo));
   return region->bytes();
 }
 
 Result<int> HostCopyEngine::Fd(uint32_t bo) const {
-  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Find(bo));
+  GPULAZY_ASSIGN_OR_RETURN(const MemfdRegion* region, Memfd(bo));
   return region->fd();
 }
 

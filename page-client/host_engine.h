@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -62,6 +63,13 @@ struct HostEngineOptions {
   // (docs/benchmarks.md, "Fresh pages by write"). Pages that exist (populated ahead, say)
   // still take the chunk in place or by memcpy.
   bool write_fresh_pages = true;
+  // With several writers (ExpectWriters above 1: lanes, file readers) `pwrite` into one memfd
+  // serializes them on its inode lock, which halved one restore with eight lanes or its file
+  // readers (docs/benchmarks.md, "Session 27"). So by default such chunks go through the
+  // mapping (kMap); kOnePerBo writes a fresh chunk through the file only while no other chunk
+  // of that BO is on its way there (the rest go through the mapping); kWrite always does.
+  enum class SeveralWriters { kMap, kOnePerBo, kWrite };
+  SeveralWriters fresh_pages_with_several_writers = SeveralWriters::kMap;
   // PrepareDestination faults in the missing pages of a range a caller waits for (the thread
   // that called Ensure, idle until the chunk arrives), so the chunk's page allocation overlaps
   // its round trip to the server instead of following it (docs/client.md, "Fresh pages").
@@ -85,13 +93,27 @@ class HostCopyEngine : public CopyEngine {
   // Several writers take their own page faults in parallel, so the populate helper is paused:
   // it has nothing to do they do not do already (docs/benchmarks.md, issue 3: measured 10 %
   // slower with it by reference in session 7; within noise in session 8). Fresh pages then go
-  // through the mapping too, the way measured for by-reference restores (pwrite from many
-  // writers at once is not measured yet). Told one writer again (a server that refused the
-  // image files), the engine goes back to both.
+  // as fresh_pages_with_several_writers says (by default through the mapping: pwrite from
+  // several writers serializes them, session 27). Told one writer again (a server that refused
+  // the image files), the engine goes back to both.
   void ExpectWriters(uint32_t writers) override {
     const bool several = writers > 1;
     populate_.SetPaused(several);
-    write_fresh_pages_.store(!several && options_.write_fresh_pages, std::memory_order_relaxed);
+    FreshWrites mode = options_.write_fresh_pages ? FreshWrites::kAll : FreshWrites::kNone;
+    if (several && mode == FreshWrites::kAll) {
+      using SeveralWriters = HostEngineOptions::SeveralWriters;
+      switch (options_.fresh_pages_with_several_writers) {
+        case SeveralWriters::kMap:
+          mode = FreshWrites::kNone;
+          break;
+        case SeveralWriters::kOnePerBo:
+          mode = FreshWrites::kOnePerBo;
+          break;
+        case SeveralWriters::kWrite:
+          break;
+      }
+    }
+    fresh_writes_.store(mode, std::memory_order_relaxed);
   }
   // Writes to disjoint ranges touch no shared state but the BO map (locked) and counters.
   bool ConcurrentCalls() const override { return true; }
@@ -105,19 +127,45 @@ class HostCopyEngine : public CopyEngine {
   uint64_t populated_bytes() const { return populate_.populated_bytes(); }
   // Bytes PrepareDestination faulted in (whole pieces it found missing).
   uint64_t prepared_bytes() const { return prepared_bytes_.load(std::memory_order_relaxed); }
+  // How long a fresh chunk's claim on its BO's file lasts without its Write (kOnePerBo).
+  static constexpr std::chrono::milliseconds kFileWriteClaim{20};
 
  private:
-  Result<const MemfdRegion*> Find(uint32_t bo) const;
-  // Whether [offset, offset + length) of `region` is fresh: pages not allocated yet, which
-  // write_fresh_pages writes through the file.
+  // Which fresh chunks go through the file: none, those of a BO no other write through its
+  // file is in progress for, or all.
+  enum class FreshWrites { kNone, kOnePerBo, kAll };
+  struct Destination {
+    explicit Destination(MemfdRegion m) : memfd(std::move(m)) {}
+    MemfdRegion memfd;
+    // kOnePerBo: the chunk whose write through this memfd is claimed, from ReceiveTarget's
+    // decline to the end of its Write's pwrite. The claim lapses after kFileWriteClaim, so a
+    // chunk whose receive failed (and never reaches Write) holds nobody up for long.
+    std::mutex claim_mu;
+    bool claimed = false;
+    uint64_t claim_offset = 0;
+    std::chrono::steady_clock::time_point claim_until{};
+  };
+
+  Result<Destination*> Find(uint32_t bo) const;
+  Result<const MemfdRegion*> Memfd(uint32_t bo) const;
+  // Whether [offset, offset + length) of `region` is fresh: pages not allocated yet.
   bool Fresh(const MemfdRegion& region, uint64_t offset, uint64_t length) const;
+  // Whether a chunk for that range goes through the BO's file (fresh, and the mode allows it
+  // now, claiming it for kOnePerBo): ReceiveTarget declines it and Write uses pwrite.
+  bool ThroughFile(Destination& destination, uint64_t offset, uint64_t length);
+  // kOnePerBo: claims the memfd's file for the chunk at `offset` (true if it holds it already).
+  bool ClaimFileWrite(Destination& destination, uint64_t offset);
+  void EndFileWrite(Destination& destination, uint64_t offset);
+  Status WriteThroughFile(Destination& destination, uint32_t bo, uint64_t offset,
+                          std::span<const uint8_t> raw);
 
   HostEngineOptions options_;
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
-  std::map<uint32_t, MemfdRegion> regions_;
+  mutable std::map<uint32_t, Destination> regions_;
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> prepared_bytes_{0};
-  std::atomic<bool> write_fresh_pages_{options_.write_fresh_pages};
+  std::atomic<FreshWrites> fresh_writes_{options_.write_fresh_pages ? FreshWrites::kAll
+                                                                    : FreshWrites::kNone};
   PopulateAhead populate_;  // last: its thread stops before the regions are unmapped
 };
 

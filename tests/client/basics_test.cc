@@ -554,6 +554,48 @@ TEST(HostCopyEngine, PrepareDestinationFaultsInMissingPagesAndKeepsBytes) {
   EXPECT_EQ(off.prepared_bytes(), 0u);
 }
 
+// With several writers, fresh chunks go through the mapping by default, through the file with
+// kWrite, and with kOnePerBo through the file for one chunk of a BO at a time (a second pwrite
+// into its memfd would wait on the inode lock): from ReceiveTarget's decline to its Write, or
+// until the claim lapses.
+TEST(HostCopyEngine, SeveralWritersWriteFreshPagesAsConfigured) {
+  constexpr uint64_t kMiB = 1u << 20;
+  using SeveralWriters = HostEngineOptions::SeveralWriters;
+  HostCopyEngine always(HostEngineOptions{
+      .populate_ahead_bytes = 0, .fresh_pages_with_several_writers = SeveralWriters::kWrite});
+  always.ExpectWriters(8);
+  ASSERT_TRUE(always.AddDestination(1, 16 * kMiB).ok());
+  EXPECT_FALSE(always.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());
+  EXPECT_FALSE(always.ReceiveTarget(1, 6 * kMiB, 2 * kMiB).has_value());
+
+  HostCopyEngine one(HostEngineOptions{
+      .populate_ahead_bytes = 0, .fresh_pages_with_several_writers = SeveralWriters::kOnePerBo});
+  one.ExpectWriters(8);
+  ASSERT_TRUE(one.AddDestination(1, 16 * kMiB).ok());
+  ASSERT_TRUE(one.AddDestination(2, 4 * kMiB).ok());
+  EXPECT_FALSE(one.ReceiveTarget(1, 0, 2 * kMiB).has_value());  // claims BO 1's file
+  std::optional<std::span<uint8_t>> lent = one.ReceiveTarget(1, 2 * kMiB, 2 * kMiB);
+  EXPECT_TRUE(lent.has_value());                                // the mapping, meanwhile
+  EXPECT_FALSE(one.ReceiveTarget(2, 0, 2 * kMiB).has_value());  // another BO, another file
+  if (lent) one.ReleaseReceived(1, 2 * kMiB, 2 * kMiB);
+
+  std::vector<uint8_t> bytes(2 * kMiB, 0x3c);
+  ASSERT_TRUE(one.Write(1, 0, bytes, nullptr).ok());  // the claimed chunk, by pwrite
+  Result<std::span<uint8_t>> mapping = one.Mapping(1);
+  ASSERT_TRUE(mapping.ok());
+  EXPECT_TRUE(std::all_of(mapping->begin(), mapping->begin() + 2 * kMiB,
+                          [](uint8_t b) { return b == 0x3c; }));
+  EXPECT_FALSE(one.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());  // released: claimed again
+  EXPECT_TRUE(one.ReceiveTarget(1, 6 * kMiB, 2 * kMiB).has_value());
+  one.ReleaseReceived(1, 6 * kMiB, 2 * kMiB);
+  // A claim whose chunk never reaches Write (its receive failed) lapses.
+  std::this_thread::sleep_for(HostCopyEngine::kFileWriteClaim * 3);
+  EXPECT_FALSE(one.ReceiveTarget(1, 8 * kMiB, 2 * kMiB).has_value());
+  // One writer again: every fresh chunk goes through the file.
+  one.ExpectWriters(1);
+  EXPECT_FALSE(one.ReceiveTarget(1, 10 * kMiB, 2 * kMiB).has_value());
+}
+
 // The host engine takes calls from several threads at once (CopyEngine::ConcurrentCalls):
 // writes of disjoint ranges, fresh and populated pages mixed, all land.
 TEST(HostCopyEngine, TakesConcurrentWritesOfDisjointRanges) {
