@@ -389,8 +389,10 @@ class RestoreSession::Impl {
   void ReturnBuffer(std::vector<uint8_t> buffer);
   // Waits (lock held) until done() or the session failed or the timeout passed.
   template <typename Done>
+  // Waits until done() or `timeout` past `since` (the caller's start).
   Status WaitFor(std::unique_lock<std::mutex>& lock, Done done,
-                 std::optional<std::chrono::milliseconds> timeout, std::string_view what);
+                 std::optional<std::chrono::milliseconds> timeout, std::string_view what,
+                 Clock::time_point since = Clock::now());
 
   // Immutable once Start has begun (endpoint_, transport_) or the image is open (hot_chunks_).
   SessionOptions options_;
@@ -629,10 +631,10 @@ void RestoreSession::Impl::Cancel() {
 template <typename Done>
 Status RestoreSession::Impl::WaitFor(std::unique_lock<std::mutex>& lock, Done done,
                                      std::optional<std::chrono::milliseconds> timeout,
-                                     std::string_view what) {
+                                     std::string_view what, Clock::time_point since) {
   auto stop = [&] { return done() || !failure_.ok(); };
   if (timeout) {
-    if (!cv_.wait_for(lock, *timeout, stop))
+    if (!cv_.wait_until(lock, since + *timeout, stop))
       return TimedOut("image {}: {} not resident after {} ms", options_.image, what,
                       timeout->count());
   } else {
@@ -644,6 +646,7 @@ Status RestoreSession::Impl::WaitFor(std::unique_lock<std::mutex>& lock, Done do
 
 Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t length,
                                     std::optional<std::chrono::milliseconds> timeout) {
+  const Clock::time_point called = Clock::now();
   std::unique_lock lock(mutex_);
   if (!opened_) return InvalidArgument("Ensure on a session that has not started");
   if (bo >= residency_.bo_count())
@@ -702,9 +705,14 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
     // Idle until the server's answer arrives: ready the destination meanwhile (CopyEngine::
     // PrepareDestination), so its pages are not allocated on the receive's path. The demand
     // thread just woken may have been queued on this CPU: let it send the request first.
+    // Within the caller's timeout: a large range's pages are prepared only while it would wait.
     if (!asked.empty()) sched_yield();
-    for (const auto& [id, chunk_length] : asked)
+    const std::optional<Clock::time_point> deadline =
+        timeout ? std::optional(called + *timeout) : std::nullopt;
+    for (const auto& [id, chunk_length] : asked) {
+      if (deadline && Clock::now() >= *deadline) break;
       engine_.PrepareDestination(id.first, uint64_t{id.second} * chunk_size_, chunk_length);
+    }
     lock.lock();
   }
   // Chunks become resident in any order; remember how far the prefix is known to be resident.
@@ -714,7 +722,8 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
       ++next;
     return next == run.first + run.count;
   };
-  return WaitFor(lock, done, timeout, fmt::format("BO {} range [{}, +{})", bo, offset, length));
+  return WaitFor(lock, done, timeout, fmt::format("BO {} range [{}, +{})", bo, offset, length),
+                 called);
 }
 
 Status RestoreSession::Impl::WaitHotSet(std::optional<std::chrono::milliseconds> timeout) {

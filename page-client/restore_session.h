@@ -82,7 +82,8 @@ struct SessionOptions {
   bool local_demand = true;
   // With local_demand: Ensure reads those chunks on the thread that called it, rather than
   // handing them to the session's demand thread (one thread wake-up fewer on a fault's path;
-  // several callers read in parallel). Ensure's timeout does not cut such a read short.
+  // several callers read in parallel). Ensure's timeout does not cut such a read short, but
+  // counts it.
   bool demand_on_caller = true;
   // The window while reading by reference (never below window_bytes). Its chunks arrive as
   // file ranges queued for the readers, not as payloads, so it bounds queued reads rather than
@@ -197,7 +198,8 @@ class RestoreSession {
 
   // Blocks until [offset, offset + length) of `bo` is resident, asking the server for the
   // missing chunks at demand priority. Returns the session's error if it fails meanwhile,
-  // kTimeout if `timeout` passes first.
+  // kTimeout if `timeout` (from the call) passes first. While it waits, the calling thread
+  // readies the destination of what it asked for (CopyEngine::PrepareDestination).
   Status Ensure(uint32_t bo, uint64_t offset, uint64_t length,
                 std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   // Blocks until the profile's hot set (or, with an empty profile, nothing) is resident.

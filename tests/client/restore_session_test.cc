@@ -572,6 +572,32 @@ TEST(RestoreSession, EnsurePreparesTheDestinationOfTheChunksItAsksFor) {
   }
 }
 
+// Preparing the destination stays within Ensure's timeout: a caller that asked for many chunks
+// with a short timeout stops readying them when the timeout has passed.
+TEST(RestoreSession, EnsurePreparesOnlyWithinItsTimeout) {
+  class SlowPrepareEngine : public PrepareRecordingEngine {
+   public:
+    void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override {
+      PrepareRecordingEngine::PrepareDestination(bo, offset, length);
+      std::this_thread::sleep_for(200ms);
+    }
+  };
+  constexpr uint32_t kChunk = 64 * 1024;
+  FakeImage image = FakeImage::Make({8 * kChunk}, kChunk, 53);
+  FakeServerOptions server_options = FakeServerOptions::RawChunks();
+  server_options.paused = true;
+  FakeServer server(image, server_options);
+  SlowPrepareEngine engine;
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  const auto start = std::chrono::steady_clock::now();
+  // The chunks arrive while the first ones are prepared; the timeout only bounds the preparing.
+  EXPECT_TRUE(session.Ensure(0, 0, 8 * kChunk, 250ms).ok()) << session.status().ToString();
+  EXPECT_GE(engine.prepared().size(), 1u);
+  EXPECT_LE(engine.prepared().size(), 2u);  // 8 without the bound, 1.6 s of it
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1200ms);
+}
+
 // ---- receiving RAW chunks straight into the engine's destination (CopyEngine::ReceiveTarget) --
 
 // A host engine that lets the session receive in place, and checks at every commit that the
