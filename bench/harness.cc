@@ -40,6 +40,7 @@ constexpr std::array<std::tuple<std::string_view, bool, SeveralWriters>, 4> kFre
 
 void AddFreshPagesOption(CLI::App& command, std::string& value) {
   std::vector<std::string> names;
+  names.reserve(kFreshPages.size());
   for (const auto& [name, write, several] : kFreshPages)
     names.emplace_back(name);
   command
