@@ -387,9 +387,9 @@ class RestoreSession::Impl {
   std::string What(uint32_t bo, uint32_t chunk) const;
   std::shared_ptr<std::vector<uint8_t>> TakeBuffer();
   void ReturnBuffer(std::vector<uint8_t> buffer);
-  // Waits (lock held) until done() or the session failed or the timeout passed.
+  // Waits (lock held) until done() or the session failed or `timeout` past `since` (the
+  // caller's start) passed.
   template <typename Done>
-  // Waits until done() or `timeout` past `since` (the caller's start).
   Status WaitFor(std::unique_lock<std::mutex>& lock, Done done,
                  std::optional<std::chrono::milliseconds> timeout, std::string_view what,
                  Clock::time_point since = Clock::now());
