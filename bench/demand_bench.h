@@ -26,7 +26,7 @@ struct DemandOptions {
   int background_nice = 10;
   // HostEngineOptions::write_fresh_pages for every session the benchmark opens.
   bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
-  client::HostEngineOptions::SeveralWriters fresh_pages_with_several_writers =
+  client::HostEngineOptions::FreshPages fresh_pages_with_several_writers =
       client::HostEngineOptions{}.fresh_pages_with_several_writers;
   // HostEngineOptions::prepare_waited_ranges: the Ensure caller faults in its chunks' pages.
   bool prepare_waited_ranges = client::HostEngineOptions{}.prepare_waited_ranges;

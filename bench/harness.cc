@@ -28,13 +28,13 @@ namespace gpulazy::bench {
 namespace fs = std::filesystem;
 
 namespace {
-using SeveralWriters = client::HostEngineOptions::SeveralWriters;
+using FreshPages = client::HostEngineOptions::FreshPages;
 // --fresh-pages names: write_fresh_pages, then what several writers do.
-constexpr std::array<std::tuple<std::string_view, bool, SeveralWriters>, 4> kFreshPages{{
-    {"write", true, SeveralWriters::kMap},  // the default: pwrite while one thread writes
-    {"write-one-per-bo", true, SeveralWriters::kOnePerBo},
-    {"write-always", true, SeveralWriters::kWrite},
-    {"map", false, SeveralWriters::kMap},
+constexpr std::array<std::tuple<std::string_view, bool, FreshPages>, 4> kFreshPages{{
+    {"write", true, FreshPages::kMap},  // the default: pwrite while one thread writes
+    {"write-one-per-bo", true, FreshPages::kOnePerBo},
+    {"write-always", true, FreshPages::kWrite},
+    {"map", false, FreshPages::kMap},
 }};
 }  // namespace
 
@@ -54,7 +54,7 @@ void AddFreshPagesOption(CLI::App& command, std::string& value) {
 }
 
 void ParseFreshPages(const std::string& value, bool* write_fresh_pages,
-                     SeveralWriters* with_several_writers) {
+                     FreshPages* with_several_writers) {
   for (const auto& [name, write, several] : kFreshPages) {
     if (name != value) continue;
     *write_fresh_pages = write;
@@ -62,7 +62,7 @@ void ParseFreshPages(const std::string& value, bool* write_fresh_pages,
   }
 }
 
-std::string FreshPagesName(bool write_fresh_pages, SeveralWriters with_several_writers) {
+std::string FreshPagesName(bool write_fresh_pages, FreshPages with_several_writers) {
   for (const auto& [name, write, several] : kFreshPages)
     if (write == write_fresh_pages && (!write || several == with_several_writers))
       return std::string(name);

@@ -49,10 +49,10 @@ std::vector<std::string> ServerArgsWithBackgroundNice(int nice,
 // fresh_pages_with_several_writers). `value` takes the name; ParseFreshPages reads it.
 void AddFreshPagesOption(CLI::App& command, std::string& value);
 void ParseFreshPages(const std::string& value, bool* write_fresh_pages,
-                     client::HostEngineOptions::SeveralWriters* with_several_writers);
+                     client::HostEngineOptions::FreshPages* with_several_writers);
 // The --fresh-pages name of those settings, for the JSON.
 std::string FreshPagesName(bool write_fresh_pages,
-                           client::HostEngineOptions::SeveralWriters with_several_writers);
+                           client::HostEngineOptions::FreshPages with_several_writers);
 
 // A fresh directory, removed with everything in it on destruction.
 class WorkDir {

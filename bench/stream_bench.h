@@ -31,7 +31,7 @@ struct StreamOptions {
   // HostEngineOptions::write_fresh_pages: fresh destination pages written through the memfd's
   // file (true) or through the mapping (false, as before session 20).
   bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
-  client::HostEngineOptions::SeveralWriters fresh_pages_with_several_writers =
+  client::HostEngineOptions::FreshPages fresh_pages_with_several_writers =
       client::HostEngineOptions{}.fresh_pages_with_several_writers;
 };
 

@@ -120,7 +120,8 @@ bool HostCopyEngine::ClaimFileWrite(Destination& destination, uint64_t offset) {
 }
 
 void HostCopyEngine::EndFileWrite(Destination& destination, uint64_t offset) {
-  if (fresh_writes_.load(std::memory_order_relaxed) != FreshWrites::kOnePerBo) return;
+  if (fresh_pages_.load(std::memory_order_relaxed) != HostEngineOptions::FreshPages::kOnePerBo)
+    return;
   std::lock_guard lock(destination.claim_mu);
   if (destination.claimed && destination.claim_offset == offset) destination.claimed = false;
 }
@@ -197,11 +198,12 @@ void HostCopyEngine::PrepareDestination(uint32_t bo, uint64_t offset, uint64_t l
 }
 
 bool HostCopyEngine::ThroughFile(Destination& destination, uint64_t offset, uint64_t length) {
-  const FreshWrites mode = fresh_writes_.load(std::memory_order_relaxed);
-  if (mode == FreshWrites::kNone || !Fresh(destination.memfd, offset, length)) return false;
+  using FreshPages = HostEngineOptions::FreshPages;
+  const FreshPages mode = fresh_pages_.load(std::memory_order_relaxed);
+  if (mode == FreshPages::kMap || !Fresh(destination.memfd, offset, length)) return false;
   // kOnePerBo: a second pwrite into the memfd would wait on its inode lock, while the mapping's
   // page faults run in parallel.
-  return mode == FreshWrites::kAll || ClaimFileWrite(destination, offset);
+  return mode == FreshPages::kWrite || ClaimFileWrite(destination, offset);
 }
 
 bool HostCopyEngine::Fresh(const MemfdRegion& region, uint64_t offset, uint64_t length) const {

@@ -68,11 +68,11 @@ struct HostEngineOptions {
   // readers (docs/benchmarks.md, "Session 27"). So by default such chunks go through the
   // mapping (kMap); kOnePerBo writes a fresh chunk through the file only while no other chunk
   // of that BO is on its way there (the rest go through the mapping); kWrite always does.
-  // kOnePerBo made eight concurrent restores by reference 10-12 % faster on less CPU, left one
+  // kOnePerBo made eight concurrent restores by reference 12 % faster on less CPU, left one
   // restore as fast, was mixed over sockets and lengthened the demand tail while a stream ran
   // (a demand chunk can end up waiting for a background pwrite): not the default.
-  enum class SeveralWriters { kMap, kOnePerBo, kWrite };
-  SeveralWriters fresh_pages_with_several_writers = SeveralWriters::kMap;
+  enum class FreshPages { kMap, kOnePerBo, kWrite };
+  FreshPages fresh_pages_with_several_writers = FreshPages::kMap;
   // PrepareDestination faults in the missing pages of a range a caller waits for (the thread
   // that called Ensure, idle until the chunk arrives), so the chunk's page allocation overlaps
   // its round trip to the server instead of following it (docs/client.md, "Fresh pages").
@@ -102,21 +102,11 @@ class HostCopyEngine : public CopyEngine {
   void ExpectWriters(uint32_t writers) override {
     const bool several = writers > 1;
     populate_.SetPaused(several);
-    FreshWrites mode = options_.write_fresh_pages ? FreshWrites::kAll : FreshWrites::kNone;
-    if (several && mode == FreshWrites::kAll) {
-      using SeveralWriters = HostEngineOptions::SeveralWriters;
-      switch (options_.fresh_pages_with_several_writers) {
-        case SeveralWriters::kMap:
-          mode = FreshWrites::kNone;
-          break;
-        case SeveralWriters::kOnePerBo:
-          mode = FreshWrites::kOnePerBo;
-          break;
-        case SeveralWriters::kWrite:
-          break;
-      }
-    }
-    fresh_writes_.store(mode, std::memory_order_relaxed);
+    using FreshPages = HostEngineOptions::FreshPages;
+    const FreshPages mode = !options_.write_fresh_pages ? FreshPages::kMap
+                            : several                   ? options_.fresh_pages_with_several_writers
+                                                        : FreshPages::kWrite;
+    fresh_pages_.store(mode, std::memory_order_relaxed);
   }
   // Writes to disjoint ranges touch no shared state but the BO map (locked) and counters.
   bool ConcurrentCalls() const override { return true; }
@@ -134,9 +124,6 @@ class HostCopyEngine : public CopyEngine {
   static constexpr std::chrono::milliseconds kFileWriteClaim{20};
 
  private:
-  // Which fresh chunks go through the file: none, those of a BO no other write through its
-  // file is in progress for, or all.
-  enum class FreshWrites { kNone, kOnePerBo, kAll };
   struct Destination {
     explicit Destination(MemfdRegion m) : memfd(std::move(m)) {}
     MemfdRegion memfd;
@@ -167,8 +154,10 @@ class HostCopyEngine : public CopyEngine {
   mutable std::map<uint32_t, Destination> regions_;
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> prepared_bytes_{0};
-  std::atomic<FreshWrites> fresh_writes_{options_.write_fresh_pages ? FreshWrites::kAll
-                                                                    : FreshWrites::kNone};
+  // How fresh chunks are written now (ExpectWriters): kWrite while one thread writes.
+  std::atomic<HostEngineOptions::FreshPages> fresh_pages_{
+      options_.write_fresh_pages ? HostEngineOptions::FreshPages::kWrite
+                                 : HostEngineOptions::FreshPages::kMap};
   PopulateAhead populate_;  // last: its thread stops before the regions are unmapped
 };
 

@@ -675,11 +675,11 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   // With the chunk table, what the files hold is read right here: handing it to the demand
   // thread would put one more thread wake-up on a fault's path (docs/benchmarks.md, session 12).
   std::vector<FileChunk> read_here;
-  struct ChunkRange {
+  struct AskedChunk {
     ChunkId id;
     uint64_t length = 0;
   };
-  std::vector<ChunkRange> asked;  // of the server, on the demand thread
+  std::vector<AskedChunk> asked;  // of the server, on the demand thread
   std::shared_ptr<const ImageFileSet> files;
   if (!wanted.empty()) {
     counters_.demand_chunks += wanted.size();
@@ -692,7 +692,7 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
       });
     }
     for (const ChunkId& id : wanted)
-      asked.push_back(ChunkRange{id, residency_.ChunkLength(id.first, id.second)});
+      asked.push_back(AskedChunk{id, residency_.ChunkLength(id.first, id.second)});
     if (!wanted.empty())
       OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
   }

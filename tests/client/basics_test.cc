@@ -560,16 +560,16 @@ TEST(HostCopyEngine, PrepareDestinationFaultsInMissingPagesAndKeepsBytes) {
 // until the claim lapses.
 TEST(HostCopyEngine, SeveralWritersWriteFreshPagesAsConfigured) {
   constexpr uint64_t kMiB = 1u << 20;
-  using SeveralWriters = HostEngineOptions::SeveralWriters;
-  HostCopyEngine always(HostEngineOptions{
-      .populate_ahead_bytes = 0, .fresh_pages_with_several_writers = SeveralWriters::kWrite});
+  using FreshPages = HostEngineOptions::FreshPages;
+  HostCopyEngine always(HostEngineOptions{.populate_ahead_bytes = 0,
+                                          .fresh_pages_with_several_writers = FreshPages::kWrite});
   always.ExpectWriters(8);
   ASSERT_TRUE(always.AddDestination(1, 16 * kMiB).ok());
   EXPECT_FALSE(always.ReceiveTarget(1, 4 * kMiB, 2 * kMiB).has_value());
   EXPECT_FALSE(always.ReceiveTarget(1, 6 * kMiB, 2 * kMiB).has_value());
 
-  HostCopyEngine one(HostEngineOptions{
-      .populate_ahead_bytes = 0, .fresh_pages_with_several_writers = SeveralWriters::kOnePerBo});
+  HostCopyEngine one(HostEngineOptions{.populate_ahead_bytes = 0,
+                                       .fresh_pages_with_several_writers = FreshPages::kOnePerBo});
   one.ExpectWriters(8);
   ASSERT_TRUE(one.AddDestination(1, 16 * kMiB).ok());
   ASSERT_TRUE(one.AddDestination(2, 4 * kMiB).ok());

@@ -515,9 +515,11 @@ TEST(RestoreSession, EnsureFromManyThreads) {
   engine.ExpectEachChunkOnce();
 }
 
-// Records the ranges the session asks it to prepare (CopyEngine::PrepareDestination).
+// Records the ranges the session asks it to prepare (CopyEngine::PrepareDestination), taking
+// `delay` over each.
 class PrepareRecordingEngine : public ForwardingHostEngine {
  public:
+  explicit PrepareRecordingEngine(std::chrono::milliseconds delay = 0ms) : delay_(delay) {}
   std::string_view name() const override { return "prepare-recording"; }
   void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override {
     {
@@ -525,6 +527,7 @@ class PrepareRecordingEngine : public ForwardingHostEngine {
       prepared_.push_back({bo, offset, length});
     }
     ForwardingHostEngine::PrepareDestination(bo, offset, length);
+    std::this_thread::sleep_for(delay_);
   }
   std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> prepared() const {
     std::lock_guard lock(mutex_);
@@ -532,6 +535,7 @@ class PrepareRecordingEngine : public ForwardingHostEngine {
   }
 
  private:
+  const std::chrono::milliseconds delay_;
   mutable std::mutex mutex_;
   std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> prepared_;
 };
@@ -575,19 +579,12 @@ TEST(RestoreSession, EnsurePreparesTheDestinationOfTheChunksItAsksFor) {
 // Preparing the destination stays within Ensure's timeout: a caller that asked for many chunks
 // with a short timeout stops readying them when the timeout has passed.
 TEST(RestoreSession, EnsurePreparesOnlyWithinItsTimeout) {
-  class SlowPrepareEngine : public PrepareRecordingEngine {
-   public:
-    void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override {
-      PrepareRecordingEngine::PrepareDestination(bo, offset, length);
-      std::this_thread::sleep_for(200ms);
-    }
-  };
   constexpr uint32_t kChunk = 64 * 1024;
   FakeImage image = FakeImage::Make({8 * kChunk}, kChunk, 53);
   FakeServerOptions server_options = FakeServerOptions::RawChunks();
   server_options.paused = true;
   FakeServer server(image, server_options);
-  SlowPrepareEngine engine;
+  PrepareRecordingEngine engine(200ms);
   RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
   const auto start = std::chrono::steady_clock::now();
