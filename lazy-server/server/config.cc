@@ -84,6 +84,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--images", roots, "image root directory (repeatable)")->required();
   app.add_option("--listen", listen, "unix:PATH or tcp:HOST:PORT (repeatable)")->required();
   app.add_option("--threads", config.io_threads, "network threads")->capture_default_str();
+  app.add_option("--demand-network-threads", config.demand_io_threads,
+                 "network threads for demand connections only (0: they share --threads)")
+      ->capture_default_str();
   app.add_option("--disk-threads", config.disk_threads,
                  "threads reading prefetch/background chunks")
       ->capture_default_str();
@@ -218,6 +221,9 @@ Status ValidateConfig(const ServerConfig& config) {
   if (config.listen.empty()) return InvalidArgument("--listen: at least one endpoint is needed");
   if (config.io_threads < 1 || config.io_threads > 256)
     return InvalidArgument("--threads must be 1..256, not {}", config.io_threads);
+  if (config.demand_io_threads > 64)
+    return InvalidArgument("--demand-network-threads must be 0..64, not {}",
+                           config.demand_io_threads);
   if (config.disk_threads < 1 || config.disk_threads > 256)
     return InvalidArgument("--disk-threads must be 1..256, not {}", config.disk_threads);
   if (config.demand_threads < 1 || config.demand_threads > 256)

@@ -33,6 +33,10 @@ struct ServerConfig {
   // held 8 TCP sessions to two thirds; 2 was best or tied in every case (docs/benchmarks.md,
   // session 12).
   uint32_t io_threads = 2;
+  // Threads running a second event loop for plain (non-TLS) demand connections only, so a
+  // demand chunk's frame is written without waiting for a network thread busy with the bulk
+  // stream's writes. 0: demand connections share the network threads.
+  uint32_t demand_io_threads = 1;
   uint32_t disk_threads = 4;    // threads reading prefetch/background chunks (and opening images)
   uint32_t demand_threads = 2;  // threads reading demand chunks only (the demand lane)
   // Added to the disk threads' nice value (0..19): on few cores demand reads and the network

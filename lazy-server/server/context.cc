@@ -127,6 +127,7 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"chunks_sent", ChunksByPriority(totals.chunks_sent)},
       {"errors_sent", totals.errors_sent.load()},
       {"frames_received", totals.frames_received.load()},
+      {"demand_connections_moved", totals.demand_connections_moved.load()},
       {"images_cached", store.cached()},
       {"shutting_down", shutting_down.load()},
   };

@@ -19,6 +19,10 @@
 #include "lazy-server/server/image_store.h"
 #include "proto/frame.h"
 
+namespace boost::asio {
+class io_context;
+}
+
 namespace gpulazy::server {
 
 class Session;
@@ -35,6 +39,8 @@ struct ServerTotals {
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> frames_received{0};
+  // Demand connections moved onto the demand network threads after their Hello.
+  std::atomic<uint64_t> demand_connections_moved{0};
   // The most replies (control frames) and reply bytes ever queued for one connection, and how
   // many clients were cut off for not reading theirs (Connection's reply limits).
   std::atomic<uint64_t> reply_frames_queued_peak{0};
@@ -51,6 +57,8 @@ struct ServerContext {
   Dispatcher dispatcher;
   ServerTotals totals;
   std::atomic<bool> shutting_down{false};
+  // The event loop of --demand-network-threads (owned by Server); null when there are none.
+  boost::asio::io_context* demand_io = nullptr;
 
   // Sessions by id (demand connections join through it) and open connections (shutdown).
   std::shared_ptr<Session> FindSession(SessionId id) const;

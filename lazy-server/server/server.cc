@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -50,6 +51,10 @@ Server::Server(const ServerConfig& config)
       strand_(asio::make_strand(io_)),
       stats_timer_(strand_) {
   if (config.handle_signals) signals_.emplace(strand_, SIGTERM, SIGINT);
+  if (config.demand_io_threads > 0) {
+    demand_io_.emplace(static_cast<int>(config.demand_io_threads));
+    ctx_->demand_io = &*demand_io_;
+  }
 }
 
 Server::~Server() {
@@ -239,33 +244,51 @@ int Server::Run() {
     asio::co_spawn(strand_, AcceptLoop(listener), asio::detached);
   if (ctx_->config.stats_interval.count() > 0) asio::co_spawn(strand_, StatsLoop(), asio::detached);
 
-  int exit_code = 0;
-  auto run = [&] {
+  std::atomic<int> exit_code = 0;
+  auto run = [&](asio::io_context& io) {
     try {
-      io_.run();
+      io.run();
     } catch (const std::exception& e) {
       spdlog::critical("network thread failed: {}", e.what());
       exit_code = 1;
       io_.stop();
+      if (demand_io_) demand_io_->stop();
     }
   };
-  spdlog::info("threads: {} network, {} bulk disk, {} demand disk", ctx_->config.io_threads,
-               ctx_->config.disk_threads, ctx_->config.demand_threads);
+  spdlog::info("threads: {} network, {} demand network, {} bulk disk, {} demand disk",
+               ctx_->config.io_threads, ctx_->config.demand_io_threads, ctx_->config.disk_threads,
+               ctx_->config.demand_threads);
+  // The demand loop has no acceptor to keep it running between demand connections.
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> demand_work;
+  std::vector<std::thread> demand_threads;
+  if (demand_io_) {
+    demand_work.emplace(demand_io_->get_executor());
+    for (uint32_t i = 0; i < ctx_->config.demand_io_threads; ++i)
+      demand_threads.emplace_back([&] {
+        net::NameThisThread("gl-demand-net");
+        run(*demand_io_);
+      });
+  }
   std::vector<std::thread> threads;
   for (uint32_t i = 1; i < ctx_->config.io_threads; ++i)
     threads.emplace_back([&] {
       net::NameThisThread("gl-net");  // not the calling thread: that would rename the process
-      run();
+      run(io_);
     });
-  run();
+  run(io_);
   for (std::thread& thread : threads)
+    thread.join();
+  // io_ ran out of work: the listeners are closed and its connections gone. The demand
+  // connections were told to shut down with the others; let their loop end when they have.
+  demand_work.reset();
+  for (std::thread& thread : demand_threads)
     thread.join();
   ctx_->dispatcher.Stop();
   for (const std::string& path : unix_paths_)
     ::unlink(path.c_str());
   spdlog::info("stopped: {} bytes sent in {} sessions", ctx_->totals.bytes_sent.load(),
                ctx_->totals.sessions_opened.load());
-  return exit_code;
+  return exit_code.load();
 }
 
 }  // namespace gpulazy::server

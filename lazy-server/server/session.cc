@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -320,7 +321,7 @@ net::Awaitable<void> Connection::Run() {
     writer_exit_.expires_at(Clock::time_point::max());
     co_await writer_exit_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
   }
-  if (!closed_) {
+  if (!closed_ && !moved_away_) {
     // Closing a socket with unread input resets the connection, which can destroy our last
     // frame before the client reads it; so half-close and discard input for a moment.
     socket_.shutdown(asio::socket_base::shutdown_send, ec);
@@ -421,7 +422,6 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
       lane_done_ = join->done;
     } else {
       role_ = Role::kDemand;
-      session_->AttachDemand(shared_from_this());
     }
   } else if (hello.want_files() || hello.join_as_lane()) {
     Fail(wire::ERROR_BAD_REQUEST,
@@ -442,6 +442,10 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   body->set_server_name(ctx_.config.server_name);
   body->set_max_payload(ctx_.limits.max_payload);
   body->set_max_lanes(ctx_.config.max_lanes);
+  if (role_ == Role::kDemand) {
+    if (MoveToDemandThreads(reply)) co_return;
+    session_->AttachDemand(shared_from_this());
+  }
   Enqueue(std::move(reply));
   // A lane that joined after the stream ended gets its StreamDone here, after the reply.
   if (lane_done_) EnqueueStreamDone(*lane_done_);
@@ -453,6 +457,52 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
                                        : "stream connection",
                 socket_.is_tls() ? "TLS" : "a plain socket");
   co_return;
+}
+
+bool Connection::MoveToDemandThreads(const wire::Header& reply) {
+  if (ctx_.demand_io == nullptr || socket_.is_tls() || draining_ || ctx_.shutting_down)
+    return false;
+  net::Socket& socket = socket_.socket();
+  error_code ec;
+  const net::Socket::protocol_type protocol = socket.local_endpoint(ec).protocol();
+  if (ec) return false;
+  // Nothing is pending on the socket here (the reader is in this call, the writer and the
+  // watchdog wait on timers), so releasing it cancels nothing.
+  const int fd = socket.release(ec);
+  if (ec) {
+    spdlog::warn("{}: staying on the shared network threads: {}", Tag(), ec.message());
+    return false;
+  }
+  net::Socket moved(asio::make_strand(*ctx_.demand_io));
+  moved.assign(protocol, fd, ec);
+  if (ec) {
+    ::close(fd);
+    spdlog::warn("{}: moving to the demand network threads failed: {}; closing", Tag(),
+                 ec.message());
+    Close("move failed");
+    return true;
+  }
+  auto successor =
+      std::make_shared<Connection>(ctx_, net::Stream(std::move(moved)), id_, peer_, identity_);
+  successor->role_ = role_;
+  successor->version_ = version_;
+  successor->grant_ = grant_;
+  successor->session_ = session_;
+  successor_ = successor;
+  moved_away_ = true;
+  draining_ = true;                    // this one's reader and writer end now
+  ctx_.AddConnection(id_, successor);  // replaces this one: a shutdown reaches the successor
+  ctx_.totals.demand_connections_moved.fetch_add(1);
+  asio::post(successor->socket_.get_executor(), [successor, reply] {
+    successor->session_->AttachDemand(successor);
+    successor->Enqueue(reply);
+    successor->Touch();
+    asio::co_spawn(
+        successor->socket_.get_executor(),
+        [successor]() -> net::Awaitable<void> { co_await successor->Run(); }, asio::detached);
+  });
+  spdlog::debug("{}: moved to the demand network threads", Tag());
+  return true;
 }
 
 net::Awaitable<void> Connection::HandleFrame(const wire::Header& frame) {
@@ -888,6 +938,11 @@ void Connection::Fail(wire::ErrorCode code, std::string message, uint64_t in_rep
 void Connection::Shutdown(wire::ErrorCode code, std::string message) {
   asio::post(socket_.get_executor(), [self = shared_from_this(), code,
                                       message = std::move(message)]() mutable {
+    if (self->moved_away_) {
+      if (std::shared_ptr<Connection> successor = self->successor_.lock())
+        successor->Shutdown(code, std::move(message));
+      return;
+    }
     if (self->closed_ || self->draining_) return;
     if (code != wire::ERROR_NONE) {
       self->SendError(code, std::move(message), 0);
@@ -1159,6 +1214,13 @@ void Connection::Close(std::string_view why) {
   if (closed_) return;
   closed_ = true;
   draining_ = true;
+  if (moved_away_) {
+    // The socket, the registry entry and the count of open connections are the successor's.
+    wake_.cancel();
+    watchdog_.cancel();
+    reader_resume_.cancel();
+    return;
+  }
   error_code ec;
   socket_.shutdown(asio::socket_base::shutdown_both, ec);
   socket_.close(ec);

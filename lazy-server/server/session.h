@@ -175,6 +175,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   net::Awaitable<void> HandleHello(const wire::Header& frame);
   net::Awaitable<void> HandleFrame(const wire::Header& frame);
   net::Awaitable<void> HandleOpenImage(const wire::Header& frame);
+  // A demand connection whose Hello was accepted moves onto the demand network threads
+  // (--demand-network-threads): its socket goes to a successor Connection with the same id,
+  // which sends `reply` and serves the connection from then on; this one ends without a word.
+  // False when it stays here: no demand threads, TLS (its state cannot change event loops), or
+  // shutting down.
+  bool MoveToDemandThreads(const wire::Header& reply);
   // Answers a files connection (Hello want_files): ImageFiles with the descriptors attached
   // (true), or an error saying why not (false, and the connection is closing).
   bool SendImageFiles(uint64_t request_id);
@@ -265,6 +271,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool draining_ = false;         // no more requests: flush control frames, then close
   bool writer_done_ = false;
   bool closed_ = false;
+  // Its socket went to successor_ (MoveToDemandThreads): Close only ends this object, and a
+  // Shutdown goes to the successor.
+  bool moved_away_ = false;
+  std::weak_ptr<Connection> successor_;
   uint64_t pending_credit_ = 0;  // Credit that arrived before OpenImage's session existed
   std::optional<StreamDoneInfo> lane_done_;  // a lane that joined after StreamDone went out
   std::vector<uint8_t> payload_;             // read buffer for client payloads (unused but bounded)

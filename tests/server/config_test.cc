@@ -23,11 +23,14 @@ TEST(ServerCommandLine, ThreadCountsDefaultAndOverride) {
   EXPECT_EQ(defaults.config->io_threads, 2u);
   EXPECT_EQ(defaults.config->disk_threads, 4u);
   EXPECT_EQ(defaults.config->demand_threads, 2u);
-  ParsedCommandLine set = Parse({"--threads", "5", "--disk-threads", "3", "--demand-threads", "1"});
+  EXPECT_EQ(defaults.config->demand_io_threads, 1u);
+  ParsedCommandLine set = Parse({"--threads", "5", "--disk-threads", "3", "--demand-threads", "1",
+                                 "--demand-network-threads", "0"});
   ASSERT_TRUE(set.config.has_value());
   EXPECT_EQ(set.config->io_threads, 5u);
   EXPECT_EQ(set.config->disk_threads, 3u);
   EXPECT_EQ(set.config->demand_threads, 1u);
+  EXPECT_EQ(set.config->demand_io_threads, 0u);
 }
 
 TEST(ServerCommandLine, RefusesThreadCountsOutOfRange) {
@@ -38,6 +41,9 @@ TEST(ServerCommandLine, RefusesThreadCountsOutOfRange) {
       EXPECT_NE(parsed.exit_code, 0) << option << " " << value;
     }
   }
+  ParsedCommandLine parsed = Parse({"--demand-network-threads", "65"});
+  EXPECT_FALSE(parsed.config.has_value());
+  EXPECT_NE(parsed.exit_code, 0);
 }
 
 TEST(ServerCommandLine, MaxLanesDefaultOverrideAndLimit) {

@@ -127,6 +127,10 @@ TEST_F(SecurityTest, TlsFetchIsByteExact) {
                             pki().pem("ca"));
   ASSERT_EQ(stats.exit_code, 0) << stats.out;
   EXPECT_NE(stats.out.find("\"sessions_opened\":1"), std::string::npos) << stats.out;
+  // A TLS stream's state cannot change event loops: its demand connection stays on the shared
+  // network threads (--demand-network-threads serves plain sockets only) and still works.
+  EXPECT_TRUE(server->LogShows({"demand connection over TLS"})) << server->Log();
+  EXPECT_NE(stats.out.find("\"demand_connections_moved\":0"), std::string::npos) << stats.out;
 }
 
 TEST_F(SecurityTest, ServerCertificateFromAnotherCaIsRefused) {

@@ -622,6 +622,100 @@ TEST(ServerShutdownTest, SigtermExitsCleanlyAndRemovesTheSocket) {
   ::alarm(0);
 }
 
+// How many of the server's threads are named `name` (/proc/PID/task/*/comm).
+int ThreadsNamed(pid_t pid, std::string_view name) {
+  int count = 0;
+  std::error_code ec;
+  for (const fs::directory_entry& task :
+       fs::directory_iterator(fs::path("/proc") / std::to_string(pid) / "task", ec)) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++count;
+  }
+  return count;
+}
+
+// --demand-network-threads N: a demand connection on a plain socket moves onto the N demand
+// network threads after its Hello (0: it stays on the shared ones). Either way its demand
+// chunks arrive intact over Unix and TCP, the connection counts once, and a SIGTERM reaches
+// it: the server exits without waiting out the grace and the client hears why.
+class DemandNetworkThreadsTest : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(DemandNetworkThreadsTest, DemandConnectionsAreServedAndShutDown) {
+  ::alarm(120);
+  const uint32_t threads = GetParam();
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  ASSERT_TRUE(MakeImage(root / "img", 8ull << 20, 21, false).ok());
+  auto expected = LoadCriuContents(root / "img");
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  // A grace well above the exit time allowed below, so waiting it out cannot pass.
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "64K", "--shutdown-grace", "10",
+                        "--demand-network-threads", std::to_string(threads)});
+  ASSERT_TRUE(server.ready()) << server.Log();
+
+  std::vector<std::unique_ptr<TestClient>> clients;  // stream, demand per transport
+  uint64_t request_id = 100;
+  for (const net::Endpoint& endpoint : {server.unix_endpoint(), server.tcp_endpoint()}) {
+    SCOPED_TRACE(endpoint.ToString());
+    auto& stream = clients.emplace_back(std::make_unique<TestClient>(endpoint));
+    ASSERT_TRUE(stream->Hello().ok());
+    Result<wire::OpenImageReply> reply = stream->Open("img");
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    auto& demand = clients.emplace_back(std::make_unique<TestClient>(endpoint));
+    ASSERT_TRUE(demand->Hello(reply->session(), reply->session_secret()).ok());
+    // Several requests, so the moved connection serves more than its first frame.
+    for (uint32_t bo = 0; bo < 3; ++bo) {
+      const uint32_t chunk = reply->bos(static_cast<int>(bo)).chunk_count() - 1;
+      ASSERT_TRUE(demand->Request(wire::PRIORITY_DEMAND, bo, chunk, 1, ++request_id).ok());
+      Result<Frame> answer = demand->Read(5s);
+      ASSERT_TRUE(answer.ok()) << answer.status().ToString();
+      ASSERT_TRUE(answer->header.has_chunk());
+      EXPECT_EQ(answer->header.request_id(), request_id);
+      EXPECT_EQ(answer->header.chunk().bo(), bo);
+      EXPECT_EQ(answer->header.chunk().chunk(), chunk);
+      Result<std::vector<uint8_t>> raw = DecodeChunkFrame(*answer);
+      ASSERT_TRUE(raw.ok()) << raw.status().ToString();
+      const wire::BoInfo& info = reply->bos(static_cast<int>(bo));
+      const std::vector<uint8_t>& bytes = expected->at({info.process_id(), info.bo_index()});
+      const uint64_t offset = uint64_t{chunk} * reply->chunk_size();
+      ASSERT_LE(offset + raw->size(), bytes.size());
+      EXPECT_TRUE(std::equal(raw->begin(), raw->end(), bytes.begin() + static_cast<long>(offset)))
+          << "BO " << bo << " chunk " << chunk;
+    }
+  }
+  // Counted once the server serves (it starts its threads after writing the ready file).
+  EXPECT_EQ(ThreadsNamed(server.pid(), "gl-demand-net"), static_cast<int>(threads));
+  Result<std::string> stats = clients[1]->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  const nlohmann::json doc = nlohmann::json::parse(*stats)["server"];
+  EXPECT_EQ(doc["demand_connections_moved"].get<uint64_t>(), threads > 0 ? 2u : 0u) << *stats;
+  EXPECT_EQ(doc["connections_open"].get<uint64_t>(), 4u) << *stats;
+  EXPECT_EQ(doc["connections_accepted"].get<uint64_t>(), 4u) << *stats;
+
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(server.Terminate(15s), 0) << server.Log();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);  // not the 10 s grace
+  // Each demand connection is told before it closes: ERROR_SHUTTING_DOWN, or Goodbye when its
+  // session's stream connection closed first (a session ends with its stream connection).
+  for (size_t i = 1; i < clients.size(); i += 2) {
+    bool told = false;
+    while (true) {
+      Result<Frame> frame = clients[i]->Read(2s);
+      if (!frame.ok()) break;
+      told |=
+          frame->header.has_goodbye() ||
+          (frame->header.has_error() && frame->header.error().code() == wire::ERROR_SHUTTING_DOWN);
+    }
+    EXPECT_TRUE(told) << "demand connection " << i / 2;
+    EXPECT_TRUE(clients[i]->WaitClosed(1s));
+  }
+  ::alarm(0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, DemandNetworkThreadsTest, ::testing::Values(0u, 1u, 2u));
+
 // Its own server: token, session and demand limits.
 // One session's stream over its stream connection and two lanes (one of them over TCP): every
 // chunk once across the three, some on each, each connection's chunks in the session's pick
