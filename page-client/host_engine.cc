@@ -71,7 +71,7 @@ Status HostCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   return Status::Ok();
 }
 
-Result<HostCopyEngine::Destination*> HostCopyEngine::Find(uint32_t bo) const {
+Result<const HostCopyEngine::Destination*> HostCopyEngine::Find(uint32_t bo) const {
   std::lock_guard lock(mutex_);
   auto it = regions_.find(bo);
   if (it == regions_.end()) return NotFound("host engine: BO {} has no destination", bo);
@@ -79,8 +79,13 @@ Result<HostCopyEngine::Destination*> HostCopyEngine::Find(uint32_t bo) const {
   return &it->second;
 }
 
+Result<HostCopyEngine::Destination*> HostCopyEngine::Find(uint32_t bo) {
+  GPULAZY_ASSIGN_OR_RETURN(const Destination* destination, std::as_const(*this).Find(bo));
+  return const_cast<Destination*>(destination);  // this object is not const
+}
+
 Result<const MemfdRegion*> HostCopyEngine::Memfd(uint32_t bo) const {
-  GPULAZY_ASSIGN_OR_RETURN(Destination * destination, Find(bo));
+  GPULAZY_ASSIGN_OR_RETURN(const Destination* destination, Find(bo));
   return &destination->memfd;
 }
 

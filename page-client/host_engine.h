@@ -136,7 +136,8 @@ class HostCopyEngine : public CopyEngine {
     std::chrono::steady_clock::time_point claim_until{};
   };
 
-  Result<Destination*> Find(uint32_t bo) const;
+  Result<const Destination*> Find(uint32_t bo) const;
+  Result<Destination*> Find(uint32_t bo);  // the writers', who change its claim
   Result<const MemfdRegion*> Memfd(uint32_t bo) const;
   // Whether [offset, offset + length) of `region` is fresh: pages not allocated yet.
   bool Fresh(const MemfdRegion& region, uint64_t offset, uint64_t length) const;
@@ -151,7 +152,7 @@ class HostCopyEngine : public CopyEngine {
 
   HostEngineOptions options_;
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
-  mutable std::map<uint32_t, Destination> regions_;
+  std::map<uint32_t, Destination> regions_;
   std::atomic<uint64_t> bytes_written_{0};
   std::atomic<uint64_t> prepared_bytes_{0};
   // How fresh chunks are written now (ExpectWriters): kWrite while one thread writes.
