@@ -11,6 +11,7 @@
 
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/server/image_store.h"
+#include "page-client/net/threads.h"
 #include "proto/size.h"
 
 namespace gpulazy::server {
@@ -29,6 +30,10 @@ Result<uint32_t> ParseSize32(const std::string& text, const char* option) {
 }
 
 }  // namespace
+
+uint32_t DefaultNetworkThreads() {
+  return std::clamp(net::UsableCpus() / 4, 2u, 4u);
+}
 
 Result<ImageAccessRule> ImageAccessRule::Parse(std::string_view text) {
   const size_t equals = text.find('=');
@@ -83,7 +88,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
 
   app.add_option("--images", roots, "image root directory (repeatable)")->required();
   app.add_option("--listen", listen, "unix:PATH or tcp:HOST:PORT (repeatable)")->required();
-  app.add_option("--threads", config.io_threads, "network threads")->capture_default_str();
+  app.add_option("--threads", config.io_threads,
+                 "network threads (default: one per four usable CPUs, 2 to 4)")
+      ->capture_default_str();
   app.add_option("--demand-network-threads", config.demand_io_threads,
                  "network threads for demand connections only (0: they share --threads)")
       ->capture_default_str();

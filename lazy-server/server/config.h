@@ -25,14 +25,18 @@ struct ImageAccessRule {
   static Result<ImageAccessRule> Parse(std::string_view text);
 };
 
+// The network threads for the CPUs this process may use: one per four, 2 to 4. On the lent
+// 16-core hosts 4 (instead of 2) made eight concurrent sessions 8-15 % faster over TCP and Unix,
+// and by reference into device memory no slower in three interleaved pairs, once demand
+// connections had threads of their own (docs/benchmarks.md, session 28); 8 halved the
+// by-reference stream (session 12) and 1 held eight TCP sessions to two thirds.
+uint32_t DefaultNetworkThreads();
+
 struct ServerConfig {
   std::vector<std::filesystem::path> image_roots;
   std::vector<net::Endpoint> listen;
-  // Threads running the network event loop. 2 on every machine: on the 16-core lent host, 8
-  // halved the by-reference stream (each chunk's small frame hopping between threads) and 1
-  // held 8 TCP sessions to two thirds; 2 was best or tied in every case (docs/benchmarks.md,
-  // session 12).
-  uint32_t io_threads = 2;
+  // Threads running the network event loop: DefaultNetworkThreads().
+  uint32_t io_threads = DefaultNetworkThreads();
   // Threads running a second event loop for plain (non-TLS) demand connections only, so a
   // demand chunk's frame is written without waiting for a network thread busy with the bulk
   // stream's writes. 0: demand connections share the network threads.

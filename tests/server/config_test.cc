@@ -2,7 +2,9 @@
 #include "lazy-server/server/config.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -20,7 +22,11 @@ ParsedCommandLine Parse(std::vector<std::string> args) {
 TEST(ServerCommandLine, ThreadCountsDefaultAndOverride) {
   ParsedCommandLine defaults = Parse({});
   ASSERT_TRUE(defaults.config.has_value());
-  EXPECT_EQ(defaults.config->io_threads, 2u);
+  // One per four usable CPUs, 2 to 4.
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  const uint32_t cpus = static_cast<uint32_t>(CPU_COUNT(&allowed));
+  EXPECT_EQ(defaults.config->io_threads, std::clamp(cpus / 4, 2u, 4u));
   EXPECT_EQ(defaults.config->disk_threads, 4u);
   EXPECT_EQ(defaults.config->demand_threads, 2u);
   EXPECT_EQ(defaults.config->demand_io_threads, 1u);
