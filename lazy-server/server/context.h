@@ -67,7 +67,7 @@ struct ServerContext {
   std::vector<std::shared_ptr<Session>> Sessions() const;
   void AddConnection(uint64_t id, const std::shared_ptr<Connection>& connection);
   void RemoveConnection(uint64_t id);
-  std::vector<std::shared_ptr<Connection>> Connections() const;
+  std::vector<std::shared_ptr<Connection>> Connections() const;  // oldest first (by id)
   uint64_t NextConnectionId() { return next_connection_id_.fetch_add(1) + 1; }
   SessionId NextSessionId() { return next_session_id_.fetch_add(1) + 1; }
 

@@ -10,6 +10,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <system_error>
 
 #include "lazy-server/image/io.h"
 #include "lazy-server/server/access.h"
@@ -227,8 +228,12 @@ void Server::BeginShutdown(std::string_view why) {
   unix_paths_.clear();
   if (signals_) signals_->cancel(ec);
   stats_timer_.cancel();
-  for (const std::shared_ptr<Connection>& connection : ctx_->Connections())
-    connection->Shutdown(wire::ERROR_SHUTTING_DOWN, "server is shutting down");
+  // Newest first: a demand connection, a lane or a files connection is newer than the stream
+  // connection whose session it joined, so it hears why before that session's close could
+  // send it a plain Goodbye (both are posted to its strand, in this order).
+  std::vector<std::shared_ptr<Connection>> connections = ctx_->Connections();
+  for (auto it = connections.rbegin(); it != connections.rend(); ++it)
+    (*it)->Shutdown(wire::ERROR_SHUTTING_DOWN, "server is shutting down");
 }
 
 void Server::Stop() {
@@ -260,22 +265,29 @@ int Server::Run() {
                ctx_->config.demand_threads);
   // The demand loop has no acceptor to keep it running between demand connections.
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> demand_work;
+  if (demand_io_) demand_work.emplace(demand_io_->get_executor());
+  std::vector<std::thread> threads;
   std::vector<std::thread> demand_threads;
-  if (demand_io_) {
-    demand_work.emplace(demand_io_->get_executor());
-    for (uint32_t i = 0; i < ctx_->config.demand_io_threads; ++i)
+  try {
+    for (uint32_t i = 1; i < ctx_->config.io_threads; ++i)
+      threads.emplace_back([&] {
+        net::NameThisThread("gl-net");  // not the calling thread: that would rename the process
+        run(io_);
+      });
+    for (uint32_t i = 0; demand_io_ && i < ctx_->config.demand_io_threads; ++i)
       demand_threads.emplace_back([&] {
         net::NameThisThread("gl-demand-net");
         run(*demand_io_);
       });
+  } catch (const std::system_error& e) {
+    // Out of threads (RLIMIT_NPROC, a cgroup's pids.max): stop what started and say so,
+    // rather than std::terminate on a joinable thread.
+    spdlog::critical("cannot start the server's threads: {}", e.what());
+    exit_code = 1;
+    io_.stop();
+    if (demand_io_) demand_io_->stop();
   }
-  std::vector<std::thread> threads;
-  for (uint32_t i = 1; i < ctx_->config.io_threads; ++i)
-    threads.emplace_back([&] {
-      net::NameThisThread("gl-net");  // not the calling thread: that would rename the process
-      run(io_);
-    });
-  run(io_);
+  if (exit_code == 0) run(io_);
   for (std::thread& thread : threads)
     thread.join();
   // io_ ran out of work: the listeners are closed and its connections gone. The demand

@@ -82,10 +82,11 @@ void Session::SetStream(const std::shared_ptr<Connection>& connection) {
   stream_ = connection;
 }
 
-void Session::AttachDemand(const std::shared_ptr<Connection>& connection) {
+Status Session::AttachDemand(const std::shared_ptr<Connection>& connection) {
   std::shared_ptr<Connection> previous;
   {
     std::lock_guard lock(mu_);
+    if (closed_) return Aborted("session {} has closed", id_);
     previous = demand_.lock();
     demand_ = connection;
   }
@@ -94,6 +95,7 @@ void Session::AttachDemand(const std::shared_ptr<Connection>& connection) {
                  previous->id());
     previous->Shutdown(wire::ERROR_NONE, "replaced by a newer demand connection");
   }
+  return Status::Ok();
 }
 
 void Session::DetachDemand(const Connection* connection) {
@@ -442,20 +444,24 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   body->set_server_name(ctx_.config.server_name);
   body->set_max_payload(ctx_.limits.max_payload);
   body->set_max_lanes(ctx_.config.max_lanes);
-  if (role_ == Role::kDemand) {
-    if (MoveToDemandThreads(reply)) co_return;
-    session_->AttachDemand(shared_from_this());
-  }
-  Enqueue(std::move(reply));
-  // A lane that joined after the stream ended gets its StreamDone here, after the reply.
-  if (lane_done_) EnqueueStreamDone(*lane_done_);
-  Touch();
+  // Before a demand connection moves: the log line names the connection it arrived on.
   spdlog::debug("{}: hello from '{}' ({}), {} over {}", Tag(), hello.client_name().substr(0, 64),
                 identity_.ToString(),
                 role_ == Role::kDemand ? "demand connection"
                 : role_ == Role::kLane ? "lane"
                                        : "stream connection",
                 socket_.is_tls() ? "TLS" : "a plain socket");
+  if (role_ == Role::kDemand) {
+    if (MoveToDemandThreads(reply)) co_return;
+    if (Status attached = session_->AttachDemand(shared_from_this()); !attached.ok()) {
+      Fail(ToWire(attached.code()), attached.message(), rid);
+      co_return;
+    }
+  }
+  Enqueue(std::move(reply));
+  // A lane that joined after the stream ended gets its StreamDone here, after the reply.
+  if (lane_done_) EnqueueStreamDone(*lane_done_);
+  Touch();
   co_return;
 }
 
@@ -490,17 +496,25 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
   successor->session_ = session_;
   successor_ = successor;
   moved_away_ = true;
-  draining_ = true;                    // this one's reader and writer end now
-  ctx_.AddConnection(id_, successor);  // replaces this one: a shutdown reaches the successor
-  ctx_.totals.demand_connections_moved.fetch_add(1);
-  asio::post(successor->socket_.get_executor(), [successor, reply] {
-    successor->session_->AttachDemand(successor);
-    successor->Enqueue(reply);
+  draining_ = true;  // this one's reader and writer end now
+  const uint64_t rid = reply.request_id();
+  // Posted before the successor is registered: a shutdown that finds it in the registry posts
+  // behind this on the same strand, so the client gets its HelloReply first.
+  asio::post(successor->socket_.get_executor(), [successor, reply, rid] {
+    // The session may have closed since the Hello (its stream connection went): its close
+    // could not reach a connection not yet attached, so this one ends itself.
+    if (Status attached = successor->session_->AttachDemand(successor); !attached.ok()) {
+      successor->Fail(ToWire(attached.code()), attached.message(), rid);
+    } else {
+      successor->Enqueue(reply);
+    }
     successor->Touch();
     asio::co_spawn(
         successor->socket_.get_executor(),
         [successor]() -> net::Awaitable<void> { co_await successor->Run(); }, asio::detached);
   });
+  ctx_.AddConnection(id_, successor);  // replaces this one: a shutdown reaches the successor
+  ctx_.totals.demand_connections_moved.fetch_add(1);
   spdlog::debug("{}: moved to the demand network threads", Tag());
   return true;
 }

@@ -62,7 +62,9 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
 
   void SetStream(const std::shared_ptr<Connection>& connection);
   // Makes `connection` the demand connection; the previous one (if any) is shut down.
-  void AttachDemand(const std::shared_ptr<Connection>& connection);
+  // kAborted once the session closed (it may close while a demand connection moves threads):
+  // nothing would ever tell that connection to go.
+  Status AttachDemand(const std::shared_ptr<Connection>& connection);
   void DetachDemand(const Connection* connection);
   // Adds `connection` as one more bulk lane (Hello.join_as_lane). Returns its lane number
   // (1..max_lanes), and the stream's end when StreamDone went out before it joined (the lane
