@@ -9,6 +9,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 #include "page-client/host_engine.h"
@@ -366,6 +367,8 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
   double total_seconds = SecondsSince(start);
   const std::vector<double> latencies = Latencies(samples);
   nlohmann::json result{
+      {"image", image},
+      {"latencies_s", latencies},  // pooled across sessions, then dropped from the output
       {"samples", latencies.size()},
       {"p50_s", Percentile(latencies, 0.5)},
       {"p99_s", Percentile(latencies, 0.99)},
@@ -378,6 +381,52 @@ Result<nlohmann::json> MeasureLoaded(const std::string& endpoint, const std::str
   return result;
 }
 
+// MeasureLoaded on `images.size()` sessions at once, one thread each, started together. p50/p99
+// over all their samples; background_Bps_during summed; each session's own figures (and its
+// client stages) under per_session; the top-level client stages are the first session's, the
+// server's figures those of the session with the most demand chunks (ServerDemandLatency).
+Result<nlohmann::json> MeasureLoadedSessions(const std::string& endpoint,
+                                             const std::vector<std::string>& images,
+                                             const DemandOptions& options) {
+  if (images.size() == 1) return MeasureLoaded(endpoint, images[0], options);
+  std::vector<Result<nlohmann::json>> results(images.size(), Internal("not measured"));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < images.size(); ++i)
+    threads.emplace_back([&, i] {
+      DemandOptions own = options;
+      own.seed = options.seed + i;  // each session samples its own random order
+      results[i] = MeasureLoaded(endpoint, images[i], own);
+    });
+  for (std::thread& thread : threads)
+    thread.join();
+  std::vector<double> pooled;
+  double background = 0;
+  uint64_t demand_chunks = 0;
+  double time_to_full = 0;
+  nlohmann::json per_session = nlohmann::json::array();
+  for (Result<nlohmann::json>& result : results) {
+    if (!result.ok()) return result.status();
+    for (double latency : (*result)["latencies_s"])
+      pooled.push_back(latency);
+    background += (*result)["background_Bps_during"].get<double>();
+    demand_chunks += (*result)["demand_chunks"].get<uint64_t>();
+    time_to_full = std::max(time_to_full, (*result)["time_to_full_s"].get<double>());
+    nlohmann::json own = *result;
+    own.erase("latencies_s");
+    per_session.push_back(std::move(own));
+  }
+  nlohmann::json combined = per_session[0];
+  combined["samples"] = pooled.size();
+  combined["p50_s"] = Percentile(pooled, 0.5);
+  combined["p99_s"] = Percentile(pooled, 0.99);
+  combined["max_s"] = pooled.empty() ? 0.0 : Percentile(pooled, 1.0);
+  combined["background_Bps_during"] = background;
+  combined["demand_chunks"] = demand_chunks;
+  combined["time_to_full_s"] = time_to_full;
+  combined["per_session"] = std::move(per_session);
+  return combined;
+}
+
 }  // namespace
 
 Status RunDemandBench(const CommonOptions& common, const DemandOptions& options) {
@@ -387,14 +436,24 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   GPULAZY_ASSIGN_OR_RETURN(WorkDir work, WorkDir::Create(common.work_dir));
   const fs::path root = work.path() / "images";
   fs::create_directories(root);
-  GPULAZY_ASSIGN_OR_RETURN(fs::path image_dir, MakeWarmImage(root, "ckpt", options.size, 2, 11));
+  if (options.sessions < 1 || options.sessions > 64)
+    return InvalidArgument("--sessions {}: use 1 to 64", options.sessions);
+  // An image per session: a chunk another session's stream read would reach the server's
+  // shorter path (see Phase), and the samples must fetch never-read chunks like the baseline.
+  std::vector<std::string> images;
+  for (uint32_t i = 0; i < options.sessions; ++i) {
+    GPULAZY_ASSIGN_OR_RETURN(
+        fs::path dir, MakeWarmImage(root, i == 0 ? std::string("ckpt") : fmt::format("ckpt-{}", i),
+                                    options.size, 2, 11 + i));
+    images.push_back(dir.filename().string());
+  }
   GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
                            ServerChild::Start(common.bin_dir, root, work.path(),
                                               ServerArgsWithBackgroundNice(options.background_nice,
                                                                            common.server_args)));
   const std::string& endpoint =
       options.transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
-  const std::string image = image_dir.filename().string();
+  const std::string& image = images[0];  // the lone measurements' image
 
   GPULAZY_ASSIGN_OR_RETURN(nlohmann::json lone_frame, RunInChild([&] {
                              return MeasureLoneChunk(endpoint, image, 50, options.seed);
@@ -402,8 +461,9 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   GPULAZY_ASSIGN_OR_RETURN(nlohmann::json lone, RunInChild([&] {
                              return MeasureLoneEnsure(endpoint, image, 50, options);
                            }));
-  GPULAZY_ASSIGN_OR_RETURN(nlohmann::json loaded,
-                           RunInChild([&] { return MeasureLoaded(endpoint, image, options); }));
+  GPULAZY_ASSIGN_OR_RETURN(nlohmann::json loaded, RunInChild([&] {
+                             return MeasureLoadedSessions(endpoint, images, options);
+                           }));
   const double lone_s = lone["lone_chunk_s"].get<double>();
   const double lone_frame_s = lone_frame["lone_chunk_frame_s"].get<double>();
   const double p99_s = loaded["p99_s"].get<double>();
@@ -412,6 +472,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
   nlohmann::json result = {{"bench", "demand"},
                            {"server_args", common.server_args},
                            {"transport", options.transport},
+                           {"sessions", options.sessions},
                            {"lanes", client::LanesFor(options.lanes)},
                            {"background_nice", options.background_nice},
                            {"size_bytes", options.size},
@@ -436,12 +497,13 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"client", loaded["client"]},
                            {"lone_client", lone["lone_client"]},
                            {"time_to_full_s", loaded["time_to_full_s"]},
+                           {"per_session", loaded.value("per_session", nlohmann::json::array())},
                            {"machine", MachineDescription()}};
   for (const char* field : kServerDemandFields)
     result[ServerDemandKey(field)] = loaded[ServerDemandKey(field)];
   Emit(common, result,
-       {"bench", "transport", "samples", "p50_s", "p99_s", "lone_chunk_s", "p99_over_lone",
-        "server_demand_p99_s", "lone_chunk_frame_s", "background_Bps_during"});
+       {"bench", "transport", "sessions", "samples", "p50_s", "p99_s", "lone_chunk_s",
+        "p99_over_lone", "server_demand_p99_s", "lone_chunk_frame_s", "background_Bps_during"});
   return Status::Ok();
 }
 

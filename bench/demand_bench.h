@@ -16,7 +16,11 @@ namespace gpulazy::bench {
 
 struct DemandOptions {
   uint64_t size = 2ull << 30;
-  uint32_t requests = 200;
+  uint32_t requests = 200;  // per session
+  // Sessions measured at once, each on an image of its own (`size` each) with its own stream
+  // and demand connection: how the server's demand path holds up with several restores asking
+  // at the same time (its demand network threads serve all of them). p50/p99 pool the samples.
+  uint32_t sessions = 1;
   std::string transport = "unix";
   uint64_t window = 16u << 20;
   uint64_t seed = 42;

@@ -85,7 +85,13 @@ int Run(int argc, char** argv) {
   CLI::App* demand_cmd =
       app.add_subcommand("demand", "demand latency under a saturating background stream");
   demand_cmd->add_option("--size", demand_size, "image content bytes")->capture_default_str();
-  demand_cmd->add_option("--requests", demand.requests, "demand requests")->capture_default_str();
+  demand_cmd->add_option("--requests", demand.requests, "demand requests per session")
+      ->capture_default_str();
+  demand_cmd
+      ->add_option("--sessions", demand.sessions,
+                   "sessions measured at once, each on an image of --size, each streaming")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   demand_cmd
       ->add_option("--transport", demand.transport,
                    "unix (payloads through the socket), unix-files (by reference) or tcp")

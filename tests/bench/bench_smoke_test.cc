@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -169,6 +170,32 @@ TEST(BenchSmoke, DemandReportsTheServersShare) {
   }
   // The lone Ensure drew chunks of its own (a tenth of 256 here, so fewer than 50).
   EXPECT_GT(line.at("lone_samples").get<uint64_t>(), 0u);
+}
+
+// Several sessions at once, each on its own image: their samples pooled, each listed with its own.
+TEST(BenchSmoke, DemandWithSeveralSessionsPoolsTheirSamples) {
+  testing::TempDir work;
+  const std::vector<nlohmann::json> lines =
+      RunBench("--work-dir " + work.path().string() +
+               " demand --size 256M --requests 8 --sessions 2 --lanes 1 --transport tcp");
+  ASSERT_EQ(lines.size(), 1u);
+  const nlohmann::json& line = lines[0];
+  SCOPED_TRACE(line.dump());
+  EXPECT_EQ(line.at("sessions"), 2);
+  const nlohmann::json& per_session = line.at("per_session");
+  ASSERT_EQ(per_session.size(), 2u);
+  EXPECT_NE(per_session[0].at("image"), per_session[1].at("image"));
+  uint64_t samples = 0;
+  double slowest = 0;
+  for (const nlohmann::json& one : per_session) {
+    EXPECT_FALSE(one.contains("latencies_s"));
+    samples += one.at("samples").get<uint64_t>();
+    slowest = std::max(slowest, one.at("max_s").get<double>());
+  }
+  EXPECT_GT(samples, 0u);
+  EXPECT_EQ(line.at("samples").get<uint64_t>(), samples);
+  EXPECT_DOUBLE_EQ(line.at("max_s").get<double>(), slowest);
+  EXPECT_LE(line.at("p50_s").get<double>(), line.at("p99_s").get<double>());
 }
 
 // The benchmarks' stdout carries their results (JSON lines with --json): a library warning
