@@ -63,7 +63,8 @@ Status RestoreCoordinator::StartServer() {
                            net::Endpoint::Parse("unix:" + (server_dir_ / "s").string()));
   sc.listen = {ep};
   sc.io_threads = 1;
-  // A fault's demand chunk must not queue behind the bulk writes on that one network thread.
+  // A fault's demand chunk must not queue behind the bulk writes on that one network thread;
+  // one restore has one demand connection, which one loop serves whatever the CPUs.
   sc.demand_io_threads = 1;
   sc.disk_threads = 2;
   // The restored program runs beside this server: its bulk reads yield the CPU to it.

@@ -35,6 +35,10 @@ uint32_t DefaultNetworkThreads() {
   return std::clamp(net::UsableCpus() / 4, 2u, 4u);
 }
 
+uint32_t DefaultDemandNetworkThreads() {
+  return std::clamp(net::UsableCpus() / 8, 1u, 2u);
+}
+
 Result<ImageAccessRule> ImageAccessRule::Parse(std::string_view text) {
   const size_t equals = text.find('=');
   if (equals == std::string_view::npos)
@@ -92,7 +96,8 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
                  "network threads (default: one per four usable CPUs, 2 to 4)")
       ->capture_default_str();
   app.add_option("--demand-network-threads", config.demand_io_threads,
-                 "network threads for demand connections only (0: they share --threads)")
+                 "network threads for demand connections only, each its own event loop "
+                 "(default: one per eight usable CPUs, 1 to 2; 0: they share --threads)")
       ->capture_default_str();
   app.add_option("--disk-threads", config.disk_threads,
                  "threads reading prefetch/background chunks")

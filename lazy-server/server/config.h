@@ -31,16 +31,23 @@ struct ImageAccessRule {
 // connections had threads of their own (docs/benchmarks.md, session 28); 8 halved the
 // by-reference stream (session 12) and 1 held eight TCP sessions to two thirds.
 uint32_t DefaultNetworkThreads();
+// The demand network threads (each its own event loop) for the CPUs this process may use: one
+// per eight, 1 to 2. On the lent 16-core hosts, with eight sessions asking at once, two instead
+// of one cut the demand p50 by a quarter (one session sees no difference: it stays on one loop);
+// four were no better than two there, and more than 16 CPUs were never measured
+// (docs/benchmarks.md, session 29).
+uint32_t DefaultDemandNetworkThreads();
 
 struct ServerConfig {
   std::vector<std::filesystem::path> image_roots;
   std::vector<net::Endpoint> listen;
   // Threads running the network event loop: DefaultNetworkThreads().
   uint32_t io_threads = DefaultNetworkThreads();
-  // Threads running a second event loop for plain (non-TLS) demand connections only, so a
-  // demand chunk's frame is written without waiting for a network thread busy with the bulk
-  // stream's writes. 0: demand connections share the network threads.
-  uint32_t demand_io_threads = 1;
+  // Threads for plain (non-TLS) demand connections only, each running an event loop of its own,
+  // so a demand chunk's frame is written without waiting for a network thread busy with the
+  // bulk stream's writes; a connection goes to the loop with the fewest. 0: demand connections
+  // share the network threads. DefaultDemandNetworkThreads().
+  uint32_t demand_io_threads = DefaultDemandNetworkThreads();
   uint32_t disk_threads = 4;    // threads reading prefetch/background chunks (and opening images)
   uint32_t demand_threads = 2;  // threads reading demand chunks only (the demand lane)
   // Added to the disk threads' nice value (0..19): on few cores demand reads and the network

@@ -48,6 +48,13 @@ std::vector<std::shared_ptr<Session>> ServerContext::Sessions() const {
   return out;
 }
 
+ServerContext::DemandLoop* ServerContext::LeastBusyDemandLoop() {
+  DemandLoop* least = nullptr;
+  for (DemandLoop& loop : demand_loops)
+    if (least == nullptr || loop.connections.load() < least->connections.load()) least = &loop;
+  return least;
+}
+
 void ServerContext::AddConnection(uint64_t id, const std::shared_ptr<Connection>& connection) {
   std::lock_guard lock(mu_);
   connections_[id] = connection;
@@ -114,6 +121,10 @@ nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
 
 std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_bytes,
                                      const ImageGrant& visible) const {
+  // Live demand connections on each demand network thread.
+  nlohmann::json demand_loop_connections = nlohmann::json::array();
+  for (const DemandLoop& loop : demand_loops)
+    demand_loop_connections.push_back(loop.connections.load());
   nlohmann::json server = {
       {"name", config.server_name},
       {"uptime_s", std::chrono::duration<double>(Clock::now() - started).count()},
@@ -128,6 +139,7 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"errors_sent", totals.errors_sent.load()},
       {"frames_received", totals.frames_received.load()},
       {"demand_connections_moved", totals.demand_connections_moved.load()},
+      {"demand_loop_connections", demand_loop_connections},
       {"images_cached", store.cached()},
       {"shutting_down", shutting_down.load()},
   };

@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,8 +58,16 @@ struct ServerContext {
   Dispatcher dispatcher;
   ServerTotals totals;
   std::atomic<bool> shutting_down{false};
-  // The event loop of --demand-network-threads (owned by Server); null when there are none.
-  boost::asio::io_context* demand_io = nullptr;
+  // The event loops of --demand-network-threads, one thread each (the loops are owned by
+  // Server; none when 0). A demand connection moves to the one with the fewest demand
+  // connections and stays there: one connection's reads and writes stay on one thread, and
+  // several sessions' demand spreads over them.
+  struct DemandLoop {
+    boost::asio::io_context* io = nullptr;
+    std::atomic<uint32_t> connections{0};
+  };
+  std::deque<DemandLoop> demand_loops;  // a deque: the atomics never move
+  DemandLoop* LeastBusyDemandLoop();    // null when there are none
 
   // Sessions by id (demand connections join through it) and open connections (shutdown).
   std::shared_ptr<Session> FindSession(SessionId id) const;

@@ -52,9 +52,10 @@ Server::Server(const ServerConfig& config)
       strand_(asio::make_strand(io_)),
       stats_timer_(strand_) {
   if (config.handle_signals) signals_.emplace(strand_, SIGTERM, SIGINT);
-  if (config.demand_io_threads > 0) {
-    demand_io_.emplace(static_cast<int>(config.demand_io_threads));
-    ctx_->demand_io = &*demand_io_;
+  for (uint32_t i = 0; i < config.demand_io_threads; ++i) {
+    // Concurrency hint 1: one thread runs each loop (posting from others stays safe).
+    demand_ios_.push_back(std::make_unique<asio::io_context>(1));
+    ctx_->demand_loops.emplace_back().io = demand_ios_.back().get();
   }
 }
 
@@ -250,22 +251,27 @@ int Server::Run() {
   if (ctx_->config.stats_interval.count() > 0) asio::co_spawn(strand_, StatsLoop(), asio::detached);
 
   std::atomic<int> exit_code = 0;
+  auto stop_loops = [&] {
+    io_.stop();
+    for (const std::unique_ptr<asio::io_context>& io : demand_ios_)
+      io->stop();
+  };
   auto run = [&](asio::io_context& io) {
     try {
       io.run();
     } catch (const std::exception& e) {
       spdlog::critical("network thread failed: {}", e.what());
       exit_code = 1;
-      io_.stop();
-      if (demand_io_) demand_io_->stop();
+      stop_loops();
     }
   };
   spdlog::info("threads: {} network, {} demand network, {} bulk disk, {} demand disk",
                ctx_->config.io_threads, ctx_->config.demand_io_threads, ctx_->config.disk_threads,
                ctx_->config.demand_threads);
-  // The demand loop has no acceptor to keep it running between demand connections.
-  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> demand_work;
-  if (demand_io_) demand_work.emplace(demand_io_->get_executor());
+  // The demand loops have no acceptor to keep them running between demand connections.
+  std::vector<asio::executor_work_guard<asio::io_context::executor_type>> demand_work;
+  for (const std::unique_ptr<asio::io_context>& io : demand_ios_)
+    demand_work.emplace_back(io->get_executor());
   std::vector<std::thread> threads;
   std::vector<std::thread> demand_threads;
   try {
@@ -274,25 +280,24 @@ int Server::Run() {
         net::NameThisThread("gl-net");  // not the calling thread: that would rename the process
         run(io_);
       });
-    for (uint32_t i = 0; demand_io_ && i < ctx_->config.demand_io_threads; ++i)
-      demand_threads.emplace_back([&] {
+    for (const std::unique_ptr<asio::io_context>& io : demand_ios_)
+      demand_threads.emplace_back([&run, &io = *io] {
         net::NameThisThread("gl-demand-net");
-        run(*demand_io_);
+        run(io);
       });
   } catch (const std::system_error& e) {
     // Out of threads (RLIMIT_NPROC, a cgroup's pids.max): stop what started and say so,
     // rather than std::terminate on a joinable thread.
     spdlog::critical("cannot start the server's threads: {}", e.what());
     exit_code = 1;
-    io_.stop();
-    if (demand_io_) demand_io_->stop();
+    stop_loops();
   }
   if (exit_code == 0) run(io_);
   for (std::thread& thread : threads)
     thread.join();
   // io_ ran out of work: the listeners are closed and its connections gone. The demand
   // connections were told to shut down with the others; let their loop end when they have.
-  demand_work.reset();
+  demand_work.clear();
   for (std::thread& thread : demand_threads)
     thread.join();
   ctx_->dispatcher.Stop();

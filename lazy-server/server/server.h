@@ -54,9 +54,9 @@ class Server {
   // hold connections, which refer to the context.
   std::unique_ptr<ServerContext> ctx_;
   boost::asio::io_context io_;
-  // --demand-network-threads: plain demand connections move here after their Hello
-  // (Connection::MoveToDemandThreads). After io_, so destroyed before it.
-  std::optional<boost::asio::io_context> demand_io_;
+  // --demand-network-threads, one loop and one thread each: plain demand connections move to
+  // one after their Hello (Connection::MoveToDemandThreads). After io_, so destroyed before it.
+  std::vector<std::unique_ptr<boost::asio::io_context>> demand_ios_;
   // Listeners, signals and the stats timer are touched only on this strand.
   boost::asio::strand<boost::asio::io_context::executor_type> strand_;
   std::vector<Listener> listeners_;

@@ -261,7 +261,9 @@ Connection::Connection(ServerContext& ctx, net::Stream stream, uint64_t id, std:
       deadline_(Clock::now() + ctx.config.hello_timeout),
       reader_resume_(socket_.get_executor()) {}
 
-Connection::~Connection() = default;
+Connection::~Connection() {
+  if (demand_loop_ != nullptr) demand_loop_->connections.fetch_sub(1);
+}
 
 std::string Connection::Tag() const {
   if (!session_) return fmt::format("conn {} ({})", id_, peer_);
@@ -466,8 +468,8 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
 }
 
 bool Connection::MoveToDemandThreads(const wire::Header& reply) {
-  if (ctx_.demand_io == nullptr || socket_.is_tls() || draining_ || ctx_.shutting_down)
-    return false;
+  ServerContext::DemandLoop* loop = ctx_.LeastBusyDemandLoop();
+  if (loop == nullptr || socket_.is_tls() || draining_ || ctx_.shutting_down) return false;
   net::Socket& socket = socket_.socket();
   error_code ec;
   const net::Socket::protocol_type protocol = socket.local_endpoint(ec).protocol();
@@ -479,7 +481,7 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
     spdlog::warn("{}: staying on the shared network threads: {}", Tag(), ec.message());
     return false;
   }
-  net::Socket moved(asio::make_strand(*ctx_.demand_io));
+  net::Socket moved(asio::make_strand(*loop->io));
   moved.assign(protocol, fd, ec);
   if (ec) {
     ::close(fd);
@@ -494,6 +496,8 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
   successor->version_ = version_;
   successor->grant_ = grant_;
   successor->session_ = session_;
+  successor->demand_loop_ = loop;
+  loop->connections.fetch_add(1);
   successor_ = successor;
   moved_away_ = true;
   draining_ = true;  // this one's reader and writer end now

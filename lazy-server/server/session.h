@@ -276,6 +276,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Its socket went to successor_ (MoveToDemandThreads): Close only ends this object, and a
   // Shutdown goes to the successor.
   bool moved_away_ = false;
+  // The demand loop this connection was moved to (its count of connections drops with it).
+  ServerContext::DemandLoop* demand_loop_ = nullptr;
   std::weak_ptr<Connection> successor_;
   uint64_t pending_credit_ = 0;  // Credit that arrived before OpenImage's session existed
   std::optional<StreamDoneInfo> lane_done_;  // a lane that joined after StreamDone went out

@@ -22,14 +22,15 @@ ParsedCommandLine Parse(std::vector<std::string> args) {
 TEST(ServerCommandLine, ThreadCountsDefaultAndOverride) {
   ParsedCommandLine defaults = Parse({});
   ASSERT_TRUE(defaults.config.has_value());
-  // One per four usable CPUs, 2 to 4.
+  // Network threads: one per four usable CPUs, 2 to 4; demand network threads one per eight,
+  // 1 to 2.
   cpu_set_t allowed;
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
   const uint32_t cpus = static_cast<uint32_t>(CPU_COUNT(&allowed));
   EXPECT_EQ(defaults.config->io_threads, std::clamp(cpus / 4, 2u, 4u));
   EXPECT_EQ(defaults.config->disk_threads, 4u);
   EXPECT_EQ(defaults.config->demand_threads, 2u);
-  EXPECT_EQ(defaults.config->demand_io_threads, 1u);
+  EXPECT_EQ(defaults.config->demand_io_threads, std::clamp(cpus / 8, 1u, 2u));
   ParsedCommandLine set = Parse({"--threads", "5", "--disk-threads", "3", "--demand-threads", "1",
                                  "--demand-network-threads", "0"});
   ASSERT_TRUE(set.config.has_value());

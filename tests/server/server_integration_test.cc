@@ -709,6 +709,36 @@ TEST_P(DemandNetworkThreadsTest, DemandConnectionsAreServedAndShutDown) {
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   const nlohmann::json doc = nlohmann::json::parse(*stats)["server"];
   EXPECT_EQ(doc["demand_connections_moved"].get<uint64_t>(), threads > 0 ? 2u : 0u) << *stats;
+  // One loop per demand network thread, each connection on the least busy: two connections on
+  // two threads take one each.
+  const std::vector<uint64_t> per_loop = doc["demand_loop_connections"];
+  const std::vector<std::vector<uint64_t>> expected_per_loop = {{}, {2}, {1, 1}};
+  EXPECT_EQ(per_loop, expected_per_loop.at(threads)) << *stats;
+  // A third session's demand connection counts while it lives and not after it closed.
+  auto moved_now = [&]() -> uint64_t {
+    Result<std::string> now = clients[1]->Stats(++request_id);
+    if (!now.ok()) return ~0ull;
+    const nlohmann::json parsed = nlohmann::json::parse(*now);
+    uint64_t sum = 0;
+    for (uint64_t n : parsed["server"]["demand_loop_connections"])
+      sum += n;
+    return sum;
+  };
+  {
+    TestClient stream(server.unix_endpoint());
+    ASSERT_TRUE(stream.Hello().ok());
+    Result<wire::OpenImageReply> third = stream.Open("img");
+    ASSERT_TRUE(third.ok()) << third.status().ToString();
+    TestClient demand(server.unix_endpoint());
+    ASSERT_TRUE(demand.Hello(third->session(), third->session_secret()).ok());
+    EXPECT_EQ(moved_now(), threads > 0 ? 3u : 0u);
+  }
+  uint64_t moved = 0;
+  for (const auto until = std::chrono::steady_clock::now() + 5s;
+       (moved = moved_now()) != (threads > 0 ? 2u : 0u) &&
+       std::chrono::steady_clock::now() < until;)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(moved, threads > 0 ? 2u : 0u);
   EXPECT_EQ(doc["connections_open"].get<uint64_t>(), 4u) << *stats;
   EXPECT_EQ(doc["connections_accepted"].get<uint64_t>(), 4u) << *stats;
 
