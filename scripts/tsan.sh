@@ -29,6 +29,7 @@ suites+='|DispatcherTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Modes/UffdHandover|Handover'
+suites+='|Threads/DemandNetworkThreadsTest'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
     client_fetch_cli_test)
