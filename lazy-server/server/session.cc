@@ -501,14 +501,13 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
   successor_ = successor;
   moved_away_ = true;
   draining_ = true;  // this one's reader and writer end now
-  const uint64_t rid = reply.request_id();
   // Posted before the successor is registered: a shutdown that finds it in the registry posts
   // behind this on the same strand, so the client gets its HelloReply first.
-  asio::post(successor->socket_.get_executor(), [successor, reply, rid] {
+  asio::post(successor->socket_.get_executor(), [successor, reply] {
     // The session may have closed since the Hello (its stream connection went): its close
     // could not reach a connection not yet attached, so this one ends itself.
     if (Status attached = successor->session_->AttachDemand(successor); !attached.ok()) {
-      successor->Fail(ToWire(attached.code()), attached.message(), rid);
+      successor->Fail(ToWire(attached.code()), attached.message(), reply.request_id());
     } else {
       successor->Enqueue(reply);
     }

@@ -635,6 +635,16 @@ int ThreadsNamed(pid_t pid, std::string_view name) {
   return count;
 }
 
+// `read()` until it returns `want` or 5 s passed; the last reading.
+template <typename T, typename Read>
+T ReadUntil(Read read, T want) {
+  T got = read();
+  for (const auto until = std::chrono::steady_clock::now() + 5s;
+       got != want && std::chrono::steady_clock::now() < until; got = read())
+    std::this_thread::sleep_for(10ms);
+  return got;
+}
+
 // --demand-network-threads N: a demand connection on a plain socket moves onto the N demand
 // network threads after its Hello (0: it stays on the shared ones). Either way its demand
 // chunks arrive intact over Unix and TCP, the connection counts once, and a SIGTERM reaches
@@ -666,21 +676,15 @@ TEST_P(DemandNetworkThreadsTest, DemandConnectionsAreServedAndShutDown) {
     auto& demand = clients.emplace_back(std::make_unique<TestClient>(endpoint));
     // The Hello and the first request in one go, before the HelloReply: the request must not
     // be lost when the socket changes threads after the Hello.
-    wire::Header hello;
-    hello.set_request_id(1000);
-    hello.mutable_hello()->set_min_version(1);
-    hello.mutable_hello()->set_max_version(kProtocolVersion);
-    hello.mutable_hello()->set_join_session(reply->session());
-    hello.mutable_hello()->set_join_secret(reply->session_secret());
-    ASSERT_TRUE(demand->Send(hello).ok());
+    ASSERT_TRUE(
+        demand->SendHello(reply->session(), reply->session_secret(), {}, kProtocolVersion).ok());
     // Several requests, so the moved connection serves more than its first frame.
     for (uint32_t bo = 0; bo < 3; ++bo) {
       const uint32_t chunk = reply->bos(static_cast<int>(bo)).chunk_count() - 1;
       ASSERT_TRUE(demand->Request(wire::PRIORITY_DEMAND, bo, chunk, 1, ++request_id).ok());
       if (bo == 0) {
-        Result<Frame> hello_reply = demand->Read(5s);
+        Result<wire::HelloReply> hello_reply = demand->ReadHelloReply();
         ASSERT_TRUE(hello_reply.ok()) << hello_reply.status().ToString();
-        ASSERT_TRUE(hello_reply->header.has_hello_reply());
       }
       Result<Frame> answer = demand->Read(5s);
       ASSERT_TRUE(answer.ok()) << answer.status().ToString();
@@ -699,16 +703,15 @@ TEST_P(DemandNetworkThreadsTest, DemandConnectionsAreServedAndShutDown) {
     }
   }
   // The server names its threads as they start, after it wrote the ready file: wait for them.
-  int named = 0;
-  for (const auto until = std::chrono::steady_clock::now() + 5s;
-       (named = ThreadsNamed(server.pid(), "gl-demand-net")) != static_cast<int>(threads) &&
-       std::chrono::steady_clock::now() < until;)
-    std::this_thread::sleep_for(10ms);
-  EXPECT_EQ(named, static_cast<int>(threads));
+  EXPECT_EQ(ReadUntil([&] { return ThreadsNamed(server.pid(), "gl-demand-net"); },
+                      static_cast<int>(threads)),
+            static_cast<int>(threads));
   Result<std::string> stats = clients[1]->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   const nlohmann::json doc = nlohmann::json::parse(*stats)["server"];
   EXPECT_EQ(doc["demand_connections_moved"].get<uint64_t>(), threads > 0 ? 2u : 0u) << *stats;
+  EXPECT_EQ(doc["connections_open"].get<uint64_t>(), 4u) << *stats;
+  EXPECT_EQ(doc["connections_accepted"].get<uint64_t>(), 4u) << *stats;
   // One loop per demand network thread, each connection on the least busy: two connections on
   // two threads take one each.
   const std::vector<uint64_t> per_loop = doc["demand_loop_connections"];
@@ -733,14 +736,7 @@ TEST_P(DemandNetworkThreadsTest, DemandConnectionsAreServedAndShutDown) {
     ASSERT_TRUE(demand.Hello(third->session(), third->session_secret()).ok());
     EXPECT_EQ(moved_now(), threads > 0 ? 3u : 0u);
   }
-  uint64_t moved = 0;
-  for (const auto until = std::chrono::steady_clock::now() + 5s;
-       (moved = moved_now()) != (threads > 0 ? 2u : 0u) &&
-       std::chrono::steady_clock::now() < until;)
-    std::this_thread::sleep_for(10ms);
-  EXPECT_EQ(moved, threads > 0 ? 2u : 0u);
-  EXPECT_EQ(doc["connections_open"].get<uint64_t>(), 4u) << *stats;
-  EXPECT_EQ(doc["connections_accepted"].get<uint64_t>(), 4u) << *stats;
+  EXPECT_EQ(ReadUntil(moved_now, uint64_t{threads > 0 ? 2u : 0u}), threads > 0 ? 2u : 0u);
 
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(server.Terminate(15s), 0) << server.Log();

@@ -186,6 +186,13 @@ bool TestClient::WaitClosed(std::chrono::milliseconds timeout) {
 
 Result<wire::HelloReply> TestClient::Hello(uint64_t join_session, std::string join_secret,
                                            std::string token, uint32_t max_version) {
+  GPULAZY_RETURN_IF_ERROR(
+      SendHello(join_session, std::move(join_secret), std::move(token), max_version));
+  return ReadHelloReply();
+}
+
+Status TestClient::SendHello(uint64_t join_session, std::string join_secret, std::string token,
+                             uint32_t max_version) {
   wire::Header header;
   header.set_request_id(1000);
   wire::Hello* hello = header.mutable_hello();
@@ -195,7 +202,10 @@ Result<wire::HelloReply> TestClient::Hello(uint64_t join_session, std::string jo
   hello->set_join_session(join_session);
   hello->set_join_secret(std::move(join_secret));
   hello->set_token(std::move(token));
-  GPULAZY_RETURN_IF_ERROR(Send(header));
+  return Send(header);
+}
+
+Result<wire::HelloReply> TestClient::ReadHelloReply() {
   GPULAZY_ASSIGN_OR_RETURN(Frame frame, Read());
   if (!frame.header.has_hello_reply()) return Unexpected(frame.header, "HelloReply");
   version_ = frame.header.hello_reply().version();

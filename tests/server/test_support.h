@@ -79,6 +79,10 @@ class TestClient {
   // Offers protocol versions 1..max_version; the version the server picks is kept for Open.
   Result<wire::HelloReply> Hello(uint64_t join_session = 0, std::string join_secret = {},
                                  std::string token = {}, uint32_t max_version = 1);
+  // Hello's two halves, for a client that sends more before the reply (pipelining).
+  Status SendHello(uint64_t join_session = 0, std::string join_secret = {}, std::string token = {},
+                   uint32_t max_version = 1);
+  Result<wire::HelloReply> ReadHelloReply();
   // Joins session `session` as one more bulk lane (Hello.join_as_lane).
   Result<wire::HelloReply> JoinAsLane(uint64_t session, std::string secret);
   // With version 2 also reads the image table's frames and returns the reply with bos and
