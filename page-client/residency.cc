@@ -55,7 +55,7 @@ Result<ChunkRun> ResidencyMap::Covering(uint32_t bo, uint64_t offset, uint64_t l
 
 bool ResidencyMap::MarkLanding(uint32_t bo, uint32_t chunk) {
   ChunkState& state = At(bo, chunk);
-  if (state.flags & (kLanding | kResident)) return false;
+  if (state.flags & (kLanding | kResident | kAbandoned)) return false;
   state.flags |= kLanding;
   return true;
 }
@@ -74,6 +74,20 @@ bool ResidencyMap::MarkResident(uint32_t bo, uint32_t chunk) {
   ++resident_chunks_;
   resident_bytes_ += ChunkLength(bo, chunk);
   return true;
+}
+
+void ResidencyMap::Abandon(uint32_t bo, std::vector<ChunkRun>* runs) {
+  for (uint32_t chunk = 0; chunk < bos_[bo].chunk_count; ++chunk) {
+    ChunkState& state = At(bo, chunk);
+    if (state.flags & (kLanding | kResident | kAbandoned)) continue;
+    state.flags |= kAbandoned;
+    ++abandoned_chunks_;
+    abandoned_bytes_ += ChunkLength(bo, chunk);
+    if (!runs->empty() && runs->back().bo == bo && runs->back().first + runs->back().count == chunk)
+      ++runs->back().count;
+    else
+      runs->push_back(ChunkRun{bo, chunk, 1});
+  }
 }
 
 bool ResidencyMap::AllResident(const ChunkRun& run) const {
@@ -99,18 +113,20 @@ std::vector<ChunkRun> ResidencyMap::Runs(Pred pred) const {
 }
 
 std::vector<ChunkRun> ResidencyMap::HeldRuns() const {
-  return Runs([](const ChunkState& s) { return (s.flags & (kLanding | kResident)) != 0; });
+  return Runs(
+      [](const ChunkState& s) { return (s.flags & (kLanding | kResident | kAbandoned)) != 0; });
 }
 
 std::vector<ChunkRun> ResidencyMap::PendingDemandRuns() const {
   return Runs([](const ChunkState& s) {
-    return (s.flags & kDemanded) != 0 && (s.flags & (kLanding | kResident)) == 0;
+    return (s.flags & kDemanded) != 0 && (s.flags & (kLanding | kResident | kAbandoned)) == 0;
   });
 }
 
 std::vector<ChunkRun> ResidencyMap::UnrequestedRuns() const {
-  return Runs(
-      [](const ChunkState& s) { return (s.flags & (kLanding | kResident | kDemanded)) == 0; });
+  return Runs([](const ChunkState& s) {
+    return (s.flags & (kLanding | kResident | kDemanded | kAbandoned)) == 0;
+  });
 }
 
 }  // namespace gpulazy::client

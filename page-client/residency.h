@@ -46,9 +46,15 @@ class ResidencyMap {
 
   // Chunk states. Callers check indices first (CheckChunk / Covering).
   bool resident(uint32_t bo, uint32_t chunk) const { return At(bo, chunk).flags & kResident; }
-  // Resident or on its way to the engine: a copy arriving now must be ignored.
+  // Resident, on its way to the engine, or abandoned: a copy arriving now must be ignored.
   bool held(uint32_t bo, uint32_t chunk) const {
-    return At(bo, chunk).flags & (kResident | kLanding);
+    return At(bo, chunk).flags & (kResident | kLanding | kAbandoned);
+  }
+  // Its BO was abandoned (Abandon) before the chunk arrived: it will never be resident.
+  bool abandoned(uint32_t bo, uint32_t chunk) const { return At(bo, chunk).flags & kAbandoned; }
+  // Resident or abandoned: nothing more will happen to it.
+  bool settled(uint32_t bo, uint32_t chunk) const {
+    return At(bo, chunk).flags & (kResident | kAbandoned);
   }
   bool demanded(uint32_t bo, uint32_t chunk) const { return At(bo, chunk).flags & kDemanded; }
   void set_demanded(uint32_t bo, uint32_t chunk) { At(bo, chunk).flags |= kDemanded; }
@@ -69,15 +75,22 @@ class ResidencyMap {
   bool ClearLanding(uint32_t bo, uint32_t chunk);
   // Landing -> resident; false (and nothing changes) if it was not landing.
   bool MarkResident(uint32_t bo, uint32_t chunk);
+  // Nobody needs `bo` any more (the process it belonged to is gone): each of its chunks that is
+  // neither resident nor landing becomes abandoned, appended to *runs (coalesced). A landing
+  // chunk still becomes resident, or missing again should its copy fail. Idempotent.
+  void Abandon(uint32_t bo, std::vector<ChunkRun>* runs);
   // Counts a copy that failed verification; returns how many bad copies so far.
   uint32_t CountBadCopy(uint32_t bo, uint32_t chunk) { return ++At(bo, chunk).bad_copies; }
 
   bool AllResident(const ChunkRun& run) const;
-  bool complete() const { return resident_chunks_ == states_.size(); }
+  // Every chunk is resident or abandoned.
+  bool complete() const { return resident_chunks_ + abandoned_chunks_ == states_.size(); }
   uint64_t resident_chunks() const { return resident_chunks_; }
   uint64_t resident_bytes() const { return resident_bytes_; }
+  uint64_t abandoned_chunks() const { return abandoned_chunks_; }
+  uint64_t abandoned_bytes() const { return abandoned_bytes_; }
 
-  // Coalesced runs of held chunks (the Have after a reconnect).
+  // Coalesced runs of held chunks, abandoned ones included (the Have after a reconnect).
   std::vector<ChunkRun> HeldRuns() const;
   // Coalesced runs of demanded chunks not held yet (re-sent after a reconnect).
   std::vector<ChunkRun> PendingDemandRuns() const;
@@ -90,6 +103,7 @@ class ResidencyMap {
   static constexpr uint8_t kDemanded = 4;
   static constexpr uint8_t kWaited = 8;
   static constexpr uint8_t kHot = 16;
+  static constexpr uint8_t kAbandoned = 32;
 
   struct ChunkState {
     uint8_t flags = 0;
@@ -114,6 +128,8 @@ class ResidencyMap {
   uint64_t total_bytes_ = 0;
   uint64_t resident_chunks_ = 0;
   uint64_t resident_bytes_ = 0;
+  uint64_t abandoned_chunks_ = 0;
+  uint64_t abandoned_bytes_ = 0;
 };
 
 }  // namespace gpulazy::client

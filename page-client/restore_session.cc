@@ -254,7 +254,9 @@ class RestoreSession::Impl {
                 std::optional<std::chrono::milliseconds> timeout);
   Status WaitHotSet(std::optional<std::chrono::milliseconds> timeout);
   Status WaitComplete(std::optional<std::chrono::milliseconds> timeout);
+  Status AbandonedError(uint32_t bo, uint64_t offset, uint64_t length) const;
   bool IsResident(uint32_t bo, uint64_t offset, uint64_t length) const;
+  Status Abandon(std::span<const uint32_t> bos);
   Progress progress() const;
   std::vector<DemandChunkTiming> demand_timings() const;
   Status status() const;
@@ -661,6 +663,7 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   for (uint32_t i = 0; i < run.count; ++i) {
     uint32_t chunk = run.first + i;
     if (residency_.resident(bo, chunk)) continue;
+    if (residency_.abandoned(bo, chunk)) return AbandonedError(bo, offset, length);
     // From now on it goes ahead of background chunks wherever it is claimed (QueueRead), and
     // its landing wakes us.
     residency_.set_waited(bo, chunk);
@@ -716,14 +719,63 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
     lock.lock();
   }
   // Chunks become resident in any order; remember how far the prefix is known to be resident.
+  // A chunk abandoned meanwhile (Abandon) ends the wait too.
   uint32_t next = run.first;
+  bool abandoned = false;
   auto done = [&] {
     while (next < run.first + run.count && residency_.resident(bo, next))
       ++next;
-    return next == run.first + run.count;
+    for (uint32_t chunk = next; chunk < run.first + run.count && !abandoned; ++chunk)
+      abandoned = residency_.abandoned(bo, chunk);
+    return abandoned || next == run.first + run.count;
   };
-  return WaitFor(lock, done, timeout, fmt::format("BO {} range [{}, +{})", bo, offset, length),
-                 called);
+  Status waited = WaitFor(lock, done, timeout,
+                          fmt::format("BO {} range [{}, +{})", bo, offset, length), called);
+  if (waited.ok() && abandoned) return AbandonedError(bo, offset, length);
+  return waited;
+}
+
+Status RestoreSession::Impl::AbandonedError(uint32_t bo, uint64_t offset, uint64_t length) const {
+  return Aborted("image {}: BO {} range [{}, +{}) was abandoned: it is no longer fetched",
+                 options_.image, bo, offset, length);
+}
+
+Status RestoreSession::Impl::Abandon(std::span<const uint32_t> bos) {
+  std::vector<ChunkRun> runs;
+  bool complete = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (!opened_) return InvalidArgument("Abandon on a session that has not started");
+    for (uint32_t bo : bos)
+      if (bo >= residency_.bo_count())
+        return OutOfRange("image {}: cannot abandon BO {}: the image has {} BOs", options_.image,
+                          bo, residency_.bo_count());
+    const bool was_complete = residency_.complete();
+    for (uint32_t bo : bos)
+      residency_.Abandon(bo, &runs);
+    complete = !was_complete && residency_.complete();
+  }
+  if (runs.empty()) return Status::Ok();
+  // Callers of Ensure waiting for these chunks, and WaitHotSet / WaitComplete, re-check.
+  cv_.notify_all();
+  uint64_t chunks = 0;
+  for (const ChunkRun& run : runs)
+    chunks += run.count;
+  spdlog::info("image {}: {} BO(s) abandoned, {} chunk(s) no longer fetched{}", options_.image,
+               bos.size(), chunks, complete ? "; every other chunk is resident" : "");
+  // The connection is the stream thread's. Without one now (reconnecting), the next one's Have
+  // covers these chunks: they count as held.
+  asio::post(io_, [this, runs = std::move(runs), complete] {
+    if (!link_) return;
+    if (complete) {
+      link_->complete = true;
+      link_->Close();
+      return;
+    }
+    for (wire::Header& have : HaveFrames(runs))
+      link_->stream_writer.Send(std::move(have));
+  });
+  return Status::Ok();
 }
 
 Status RestoreSession::Impl::WaitHotSet(std::optional<std::chrono::milliseconds> timeout) {
@@ -732,7 +784,7 @@ Status RestoreSession::Impl::WaitHotSet(std::optional<std::chrono::milliseconds>
   size_t next = 0;
   auto done = [&] {
     while (next < hot_chunks_.size() &&
-           residency_.resident(hot_chunks_[next].first, hot_chunks_[next].second))
+           residency_.settled(hot_chunks_[next].first, hot_chunks_[next].second))
       ++next;
     return next == hot_chunks_.size();
   };
@@ -769,6 +821,8 @@ Progress RestoreSession::Impl::progress() const {
   p.total_chunks = residency_.total_chunks();
   p.resident_bytes = residency_.resident_bytes();
   p.resident_chunks = residency_.resident_chunks();
+  p.abandoned_chunks = residency_.abandoned_chunks();
+  p.abandoned_bytes = residency_.abandoned_bytes();
   p.hot_chunks = hot_chunks_.size();
   p.hot_resident_chunks = 0;
   for (const ChunkId& id : hot_chunks_)
@@ -2003,11 +2057,13 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   }
   bool complete;
   bool wakes;
+  uint64_t abandoned = 0;
   {
     std::lock_guard lock(mutex_);
     residency_.MarkResident(id.first, id.second);
     complete = residency_.complete();
     wakes = residency_.LandingWakes(id.first, id.second);
+    abandoned = residency_.abandoned_chunks();
   }
   if (timing) {
     DemandChunkTiming kept = *timing;
@@ -2018,7 +2074,10 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   // stream's 100,000s of chunks a second kept them contending for mutex_ with the installs.
   if (wakes) cv_.notify_all();
   if (staging) ReturnBuffer(std::move(*staging));
-  if (complete) spdlog::info("image {}: every chunk is resident", options_.image);
+  if (complete && abandoned == 0) spdlog::info("image {}: every chunk is resident", options_.image);
+  if (complete && abandoned > 0)
+    spdlog::info("image {}: every chunk is resident but the {} abandoned", options_.image,
+                 abandoned);
   const bool post_credit =
       credit > 0 && link->credit_to_return.fetch_add(credit, std::memory_order_acq_rel) == 0;
   if (!post_credit && !complete) return;
@@ -2092,6 +2151,9 @@ Status RestoreSession::WaitComplete(std::optional<std::chrono::milliseconds> tim
 }
 bool RestoreSession::IsResident(uint32_t bo, uint64_t offset, uint64_t length) const {
   return impl_->IsResident(bo, offset, length);
+}
+Status RestoreSession::Abandon(std::span<const uint32_t> bos) {
+  return impl_->Abandon(bos);
 }
 std::vector<DemandChunkTiming> RestoreSession::demand_timings() const {
   return impl_->demand_timings();

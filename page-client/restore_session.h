@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -120,6 +121,9 @@ struct Progress {
   uint64_t resident_chunks = 0;
   uint64_t hot_chunks = 0;  // chunks in the profile's hot set
   uint64_t hot_resident_chunks = 0;
+  // Chunks of abandoned BOs (RestoreSession::Abandon) that were not fetched, and their bytes.
+  uint64_t abandoned_chunks = 0;
+  uint64_t abandoned_bytes = 0;
   uint64_t received_bytes = 0;       // payload bytes off the wire, duplicates included
   uint64_t demand_chunks = 0;        // chunks asked for by Ensure
   uint64_t local_demand_chunks = 0;  // of those, read from the passed files without the server
@@ -151,7 +155,7 @@ struct Progress {
   // The part of file_engine_s spent waiting to enter the engine gate (EngineGate): with an
   // engine that takes one caller at a time, the readers' queue for it.
   double file_gate_wait_s = 0;
-  bool complete = false;
+  bool complete = false;  // every chunk is resident or abandoned
 };
 
 // One chunk Ensure asked the server for that came back on the demand connection, timed on the
@@ -204,10 +208,17 @@ class RestoreSession {
                 std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   // Blocks until the profile's hot set (or, with an empty profile, nothing) is resident.
   Status WaitHotSet(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
-  // Blocks until every chunk is resident.
+  // Blocks until every chunk is resident, or abandoned.
   Status WaitComplete(std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   // Non-blocking: whether the range is resident now.
   bool IsResident(uint32_t bo, uint64_t offset, uint64_t length) const;
+  // Nobody needs these BOs any more (the process they belong to has exited): their chunks that
+  // are neither resident nor on their way are no longer fetched (the server is told, as a Have,
+  // and skips them), copies of them still arriving are dropped, and WaitHotSet and
+  // WaitComplete stop waiting for them. Ensure on such a chunk returns kAborted, a call
+  // already waiting too. kOutOfRange, and nothing abandoned, when an index is past bos().
+  // Idempotent.
+  Status Abandon(std::span<const uint32_t> bos);
 
   Progress progress() const;
   // The latest kDemandTimings chunks received on the demand connection, in the order they

@@ -976,6 +976,47 @@ TEST(Residency, GeometryAndStates) {
   EXPECT_EQ(map.resident_bytes(), 10000u + 4096u);
 }
 
+// An abandoned BO: its missing chunks become abandoned (held: never claimed, listed in the Have),
+// a landing one still lands, and the map completes without the abandoned ones.
+TEST(Residency, AbandonedChunksAreSettledButNeverResident) {
+  std::vector<uint64_t> sizes{4 * 4096, 10000};
+  Result<ResidencyMap> created = ResidencyMap::Create(4096, sizes);
+  ASSERT_TRUE(created.ok());
+  ResidencyMap& map = *created;
+  ASSERT_TRUE(map.MarkLanding(1, 0));
+  ASSERT_TRUE(map.MarkResident(1, 0));
+  ASSERT_TRUE(map.MarkLanding(1, 2));  // on its way when the BO is abandoned
+  map.set_demanded(1, 1);
+  std::vector<ChunkRun> runs;
+  map.Abandon(1, &runs);
+  EXPECT_EQ(runs, (std::vector<ChunkRun>{{1, 1, 1}}));
+  EXPECT_TRUE(map.abandoned(1, 1));
+  EXPECT_FALSE(map.abandoned(1, 0));
+  EXPECT_FALSE(map.abandoned(1, 2));
+  EXPECT_TRUE(map.held(1, 1));
+  EXPECT_TRUE(map.settled(1, 1));
+  EXPECT_FALSE(map.resident(1, 1));
+  EXPECT_FALSE(map.MarkLanding(1, 1));  // a copy arriving now is dropped
+  EXPECT_EQ(map.abandoned_chunks(), 1u);
+  EXPECT_EQ(map.abandoned_bytes(), 4096u);
+  EXPECT_TRUE(map.PendingDemandRuns().empty());  // demanded, but no longer wanted
+  EXPECT_EQ(map.UnrequestedRuns(), (std::vector<ChunkRun>{{0, 0, 4}}));
+  EXPECT_EQ(map.HeldRuns(), (std::vector<ChunkRun>{{1, 0, 3}}));
+  runs.clear();
+  map.Abandon(1, &runs);  // idempotent
+  EXPECT_TRUE(runs.empty());
+  EXPECT_EQ(map.abandoned_chunks(), 1u);
+  EXPECT_FALSE(map.complete());
+  ASSERT_TRUE(map.MarkResident(1, 2));
+  for (uint32_t chunk = 0; chunk < 4; ++chunk) {
+    ASSERT_TRUE(map.MarkLanding(0, chunk));
+    ASSERT_TRUE(map.MarkResident(0, chunk));
+  }
+  EXPECT_TRUE(map.complete());
+  EXPECT_EQ(map.resident_chunks(), 6u);
+  EXPECT_EQ(map.resident_bytes(), 4u * 4096 + 4096 + (10000 - 8192));
+}
+
 // Only chunks someone waits for wake waiters when they land (and the last one, which ends
 // WaitComplete); the flags survive the landing -> resident transition.
 TEST(Residency, OnlyWaitedHotOrLastLandingsWake) {

@@ -573,8 +573,10 @@ void FakeServer::ServeDemand(int fd, const wire::Hello& hello) {
   while (ReadFrame(fd, &header)) {
     if (!header.has_request()) continue;
     {
-      std::lock_guard lock(mutex_);
+      std::unique_lock lock(mutex_);
       demand_requests_.push_back(header.request());
+      cv_.wait(lock, [&] { return stopping_ || !options_.hold_demand || !options_.paused; });
+      if (stopping_) return;
     }
     for (const wire::ChunkRange& range : header.request().ranges()) {
       for (uint32_t i = 0; i < range.chunk_count(); ++i) {

@@ -54,6 +54,8 @@ struct FakeServerOptions {
   bool different_image_after_first = false;
   // Hold stream_all chunks until Resume() (demand still flows).
   bool paused = false;
+  // With paused: hold the replies to demand requests too (the requests are still recorded).
+  bool hold_demand = false;
   // Lanes a session may add (HelloReply.max_lanes): background chunks are dealt round-robin over
   // the stream connection and the lanes present, StreamDone goes on each (stream connection
   // first, so a client acting on it alone would miss chunks still in the lanes' sockets).

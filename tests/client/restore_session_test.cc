@@ -253,6 +253,109 @@ TEST(RestoreSession, EnsureDemandsMissingChunks) {
   }
 }
 
+// Polls `done` every millisecond for at most 10 s.
+template <typename Done>
+bool Eventually(Done done) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+bool SessionSaidHave(const FakeServer& server, size_t session, const wire::ChunkRange& want) {
+  std::vector<std::vector<wire::ChunkRange>> haves = server.haves();
+  if (haves.size() <= session) return false;
+  return std::any_of(haves[session].begin(), haves[session].end(), [&](const wire::ChunkRange& r) {
+    return r.bo() == want.bo() && r.first_chunk() == want.first_chunk() &&
+           r.chunk_count() == want.chunk_count();
+  });
+}
+
+wire::ChunkRange Range(uint32_t bo, uint32_t first, uint32_t count) {
+  wire::ChunkRange range;
+  range.set_bo(bo);
+  range.set_first_chunk(first);
+  range.set_chunk_count(count);
+  return range;
+}
+
+// Abandon (a restored process exited): the server is told with a Have and its stream skips the
+// BO, nothing of it reaches the engine, the session completes without it, and an Ensure already
+// waiting for one of its chunks returns kAborted, as does a later one.
+TEST(RestoreSession, AbandonedBosAreNeitherFetchedNorWaitedFor) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.paused = true;
+  server_options.hold_demand = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status waited = Internal("Ensure did not return");
+  std::thread waiter([&] { waited = session.Ensure(1, 5 * 4096 + 10, 100, 10s); });
+  ASSERT_TRUE(Eventually([&] { return !server.demand_requests().empty(); }));
+  EXPECT_EQ(session.Abandon(std::vector<uint32_t>{1, 3}).code(), Code::kOutOfRange);
+  EXPECT_EQ(session.progress().abandoned_chunks, 0u);  // all or nothing
+  ASSERT_TRUE(session.Abandon(std::vector<uint32_t>{1}).ok());
+  waiter.join();
+  EXPECT_EQ(waited.code(), Code::kAborted) << waited.ToString();
+  EXPECT_EQ(session.Ensure(1, 0, 1, 1s).code(), Code::kAborted);
+  EXPECT_TRUE(session.Abandon(std::vector<uint32_t>{1}).ok());  // idempotent
+  ASSERT_TRUE(Eventually([&] { return SessionSaidHave(server, 0, Range(1, 0, 10)); }));
+  server.Resume();  // the held demand reply (BO 1 chunk 5) arrives now and is dropped
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  ASSERT_TRUE(session.WaitHotSet(1s).ok());  // its chunk of BO 1 no longer counts
+  const Progress p = session.progress();
+  EXPECT_TRUE(p.complete);
+  EXPECT_EQ(p.abandoned_chunks, 10u);
+  EXPECT_EQ(p.abandoned_bytes, 40000u);
+  EXPECT_EQ(p.resident_chunks, image.TotalChunks() - 10);
+  EXPECT_TRUE(session.IsResident(0, 0, 64 * 1024));
+  EXPECT_TRUE(session.IsResident(2, 0, 1000));
+  EXPECT_FALSE(session.IsResident(1, 0, 1));
+  const std::map<ChunkKey, int> writes = engine.writes();
+  EXPECT_EQ(writes.size(), image.TotalChunks() - 10);
+  for (const auto& [key, n] : writes) {
+    EXPECT_NE(key.first, 1u) << "chunk " << key.second << " of the abandoned BO was written";
+    EXPECT_EQ(n, 1);
+  }
+  EXPECT_EQ(engine.bad_writes(), 0);
+  for (const std::set<ChunkKey>& sent : server.stream_sent())
+    for (const ChunkKey& key : sent)
+      EXPECT_NE(key.first, 1u) << "the stream sent chunk " << key.second << " of BO 1";
+}
+
+// A reconnect's Have lists the abandoned chunks with the resident ones, so the new connection's
+// stream skips them too.
+TEST(RestoreSession, AbandonedBosStayOutOfTheStreamAfterAReconnect) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.paused = true;
+  server_options.drop_after_chunks = 3;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Abandon(std::vector<uint32_t>{0}).ok());
+  ASSERT_TRUE(Eventually([&] { return SessionSaidHave(server, 0, Range(0, 0, 16)); }));
+  server.Resume();
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_GE(session.progress().reconnects, 1u);
+  ASSERT_GE(server.sessions(), 2);
+  EXPECT_TRUE(SessionSaidHave(server, 1, Range(0, 0, 16)));
+  for (const std::set<ChunkKey>& sent : server.stream_sent())
+    for (const ChunkKey& key : sent)
+      EXPECT_NE(key.first, 0u) << "the stream sent chunk " << key.second << " of BO 0";
+  const std::map<ChunkKey, int> writes = engine.writes();
+  EXPECT_EQ(writes.size(), image.TotalChunks() - 16);
+  for (const auto& [key, n] : writes) {
+    EXPECT_NE(key.first, 0u);
+    EXPECT_EQ(n, 1);
+  }
+}
+
 TEST(RestoreSession, WaitTimesOutWhenNothingArrives) {
   FakeImage image = SmallImage();
   FakeServerOptions server_options;
