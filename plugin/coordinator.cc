@@ -275,15 +275,19 @@ void RestoreCoordinator::OnTaskDied(uint32_t pid) {
     }
   }
   const size_t discarded = router_.Drop(bos);
+  // The server skips what is not on its way yet; copies already sent are dropped on arrival.
+  Status abandoned = session_->Abandon(bos);
+  if (!abandoned.ok())
+    spdlog::warn("gpulazy: pid {}: its BOs stay in the stream: {}", pid, abandoned.message());
   if (resumed) {
     spdlog::info(
         "gpulazy: pid {} (amdgpu-kfd-{}.img) exited; {} of its {} bytes were resident, the rest "
-        "is no longer streamed",
+        "is no longer fetched",
         pid, file_id, resident, total);
   } else {
     spdlog::error(
-        "gpulazy: {}: {} of its {} bytes were resident; dropped its {} BOs from the stream "
-        "({} parked chunks discarded)",
+        "gpulazy: {}: {} of its {} bytes were resident; its {} BOs are no longer fetched ({} "
+        "parked chunks discarded)",
         DeathError(pid, file_id).message(), resident, total, bos.size(), discarded);
   }
 }
@@ -391,6 +395,13 @@ Status RestoreCoordinator::Finish(bool success) {
       (void)Died(pid);
     result = session_->WaitComplete();
     if (result.ok()) result = router_.Flush();
+    if (result.ok()) {
+      const client::Progress p = session_->progress();
+      spdlog::info(
+          "gpulazy: restore of {} done: {} of {} bytes resident, {} received, {} of exited "
+          "tasks not fetched",
+          config_.image, p.resident_bytes, p.total_bytes, p.received_bytes, p.abandoned_bytes);
+    }
     Status handoff;
     {
       std::lock_guard lock(mutex_);

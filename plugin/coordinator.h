@@ -7,8 +7,9 @@
 // and joins every thread.
 //
 // A task that dies (its pidfd, handed over with its BOs, becomes readable): the coordinator
-// drops every BO of its KFD image from the stream (parked and later chunks are discarded, the
-// dmabufs released), so the other tasks' contents and the session still complete. Before its
+// abandons every BO of its KFD image (RestoreSession::Abandon: the server skips their chunks;
+// parked and later-arriving ones are discarded, the dmabufs released), so the other tasks'
+// contents and the session complete without fetching the dead task's. Before its
 // resume that is a failed restore of that task: RESUME_DEVICES_LATE for it answers kAborted
 // naming it (upstream CRIU aborts the whole restore on a task's SIGCHLD anyway and then calls
 // exit with an error, which must not hang). After its resume (lazy mode) it is the program's
