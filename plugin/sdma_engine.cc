@@ -92,7 +92,7 @@ Status SdmaCopyEngine::LaunchLocked(const Pending& w, client::CopyDone& done) {
   const BoHandle resources[] = {slot.handle, t.handle};
   GPULAZY_ASSIGN_OR_RETURN(uint64_t seq, device_->Submit(ib, resources));
   free_slots_.pop_back();
-  in_flight_.push_back(InFlight{seq, index, std::move(done)});
+  in_flight_.push_back(InFlight{seq, index, w.bo, std::move(done)});
   ++stats_.submits;
   stats_.max_in_flight =
       std::max<uint32_t>(stats_.max_in_flight, static_cast<uint32_t>(in_flight_.size()));
@@ -109,6 +109,7 @@ Status SdmaCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
   std::lock_guard lock(mutex_);
   auto it = targets_.find(bo);
   if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
+  if (it->second.released) return NotFound("BO {} was released", bo);
   if (offset > it->second.size || raw.size() > it->second.size - offset)
     return OutOfRange("write [{}, +{}) past BO {} of {} bytes", offset, raw.size(), bo,
                       it->second.size);
@@ -119,10 +120,12 @@ Status SdmaCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
   if (!free_slots_.empty() && pending_.empty()) {
     GPULAZY_RETURN_IF_ERROR(LaunchLocked(w, done));
     ++outstanding_;
+    ++it->second.accepted;
     return Status::Ok();
   }
   w.done = std::move(done);
   ++outstanding_;
+  ++it->second.accepted;
   pending_.push_back(std::move(w));
   ++stats_.queued_writes;
   return Status::Ok();
@@ -146,6 +149,8 @@ void SdmaCopyEngine::ReaperLoop() {
     else if (!*signalled)
       status =
           TimedOut("SDMA fence {} not signalled after {} ms", seq, options_.fence_timeout.count());
+    // A copy whose fence did not signal may still be running: its BO stays until the end.
+    SettleLocked(done.bo, /*copied=*/status.ok());
     if (!status.ok() && first_error_.ok()) first_error_ = status;
     ++stats_.reaped_async;
     // Start queued writes while slots are free; their failures complete them at once.
@@ -158,6 +163,7 @@ void SdmaCopyEngine::ReaperLoop() {
       if (!launched.ok()) {
         if (first_error_.ok()) first_error_ = launched;
         failed.emplace_back(std::move(cb), launched);
+        SettleLocked(next.bo, /*copied=*/true);  // never submitted
       }
     }
     cv_.notify_all();
@@ -169,6 +175,26 @@ void SdmaCopyEngine::ReaperLoop() {
     outstanding_ -= 1 + failed.size();
     cv_.notify_all();
   }
+}
+
+void SdmaCopyEngine::SettleLocked(uint32_t bo, bool copied) {
+  auto it = targets_.find(bo);
+  if (it == targets_.end()) return;
+  Target& t = it->second;
+  if (t.accepted > 0) --t.accepted;
+  if (!copied || !t.released || t.accepted > 0) return;
+  device_->Release(t.handle);
+  targets_.erase(it);  // closes the dmabuf
+}
+
+void SdmaCopyEngine::Release(uint32_t bo) {
+  std::lock_guard lock(mutex_);
+  auto it = targets_.find(bo);
+  if (it == targets_.end() || it->second.released) return;
+  it->second.released = true;
+  if (it->second.accepted > 0) return;  // the reaper lets go after the last of them
+  device_->Release(it->second.handle);
+  targets_.erase(it);
 }
 
 Status SdmaCopyEngine::Flush() {
@@ -188,7 +214,8 @@ Status SdmaCopyEngine::ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t>
     {
       std::unique_lock lock(mutex_);
       auto it = targets_.find(bo);
-      if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
+      if (it == targets_.end() || it->second.released)
+        return NotFound("BO {} has no bound dmabuf", bo);
       if (offset > it->second.size || out.size() > it->second.size - offset)
         return OutOfRange("read-back [{}, +{}) past BO {} of {} bytes", offset, out.size(), bo,
                           it->second.size);

@@ -40,6 +40,10 @@ class SdmaCopyEngine : public DeviceEngine {
 
   std::string_view name() const override { return "sdma"; }
   Status Bind(uint32_t bo, UniqueFd dmabuf, uint64_t size) override;
+  // Refuses writes to `bo` from now on; once every write to it already accepted has completed,
+  // its handle and VA mapping are released and its dmabuf closed (never earlier: unmapping a VA
+  // a submitted copy still targets would fault the GPU).
+  void Release(uint32_t bo) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
   Status Flush() override;
@@ -63,6 +67,8 @@ class SdmaCopyEngine : public DeviceEngine {
     BoHandle handle = 0;
     uint64_t va = 0;
     uint64_t size = 0;
+    uint32_t accepted = 0;  // writes accepted (queued or in flight) whose copy has not completed
+    bool released = false;  // Release was called: let go once `accepted` is 0
   };
   struct Pending {
     uint32_t bo;
@@ -73,6 +79,7 @@ class SdmaCopyEngine : public DeviceEngine {
   struct InFlight {
     uint64_t seq;
     size_t slot;
+    uint32_t bo;
     client::CopyDone done;
   };
 
@@ -81,6 +88,9 @@ class SdmaCopyEngine : public DeviceEngine {
   // Copies into a free slot and submits; caller holds mutex_ and has checked a slot is free.
   Status LaunchLocked(const Pending& write, client::CopyDone& done);
   void ReaperLoop();
+  // A write accepted for `bo` has completed (or failed to launch); `copied`: its copy is known
+  // to be over, so a released BO may go. Caller holds mutex_.
+  void SettleLocked(uint32_t bo, bool copied);
 
   std::unique_ptr<AmdgpuDevice> device_;
   SdmaOptions options_;

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace gpulazy::plugin::testing {
@@ -50,6 +51,12 @@ void FakeAmdgpuDevice::Release(BoHandle h) {
   std::lock_guard lock(mutex_);
   auto it = bos_.find(h);
   if (it == bos_.end()) return;
+  for (const Submission& s : queue_) {
+    if (std::find(s.resources.begin(), s.resources.end(), h) != s.resources.end()) {
+      ++busy_releases_;
+      return;
+    }
+  }
   if (it->second.mapped_fd) ::munmap(it->second.host, it->second.size);
   bos_.erase(it);
 }
@@ -64,7 +71,7 @@ Result<uint64_t> FakeAmdgpuDevice::Submit(std::span<const uint32_t> ib,
   for (const DecodedCopy& c : copies)
     if (!Translate(c.src, c.bytes) || !Translate(c.dst, c.bytes))
       return OutOfRange("copy outside mapped BOs");
-  queue_.emplace_back(++next_seq_, std::move(copy));
+  queue_.push_back(Submission{++next_seq_, std::move(copy), {resources.begin(), resources.end()}});
   max_outstanding_ =
       std::max<uint32_t>(max_outstanding_, static_cast<uint32_t>(next_seq_ - completed_));
   cv_.notify_all();
@@ -82,7 +89,8 @@ void FakeAmdgpuDevice::Run() {
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !held_); });
     if (queue_.empty()) return;
-    auto [seq, ib] = queue_.front();
+    const uint64_t seq = queue_.front().seq;
+    const std::vector<uint32_t> ib = queue_.front().ib;
     lock.unlock();
     std::this_thread::sleep_for(latency_);
     lock.lock();
@@ -116,6 +124,11 @@ uint32_t FakeAmdgpuDevice::max_outstanding() const {
 size_t FakeAmdgpuDevice::live_bos() const {
   std::lock_guard lock(mutex_);
   return bos_.size();
+}
+
+uint32_t FakeAmdgpuDevice::busy_releases() const {
+  std::lock_guard lock(mutex_);
+  return busy_releases_;
 }
 
 }  // namespace gpulazy::plugin::testing

@@ -34,6 +34,10 @@ class FakeAmdgpuDevice : public AmdgpuDevice {
   void HoldCompletions(bool hold);
   uint32_t max_outstanding() const;
   size_t live_bos() const;
+  // Releases of a BO that a submitted, unfinished copy still uses. On hardware that unmaps a VA
+  // the GPU is about to touch (a GPU page fault), so it is a breach of the driver's contract:
+  // counted, and the BO kept so this fake's "GPU" can still finish the copy.
+  uint32_t busy_releases() const;
   // Outlives the device: the BOs still live when it was destroyed (SIZE_MAX until then), so a
   // test can check that the engine released everything before it released the device.
   std::shared_ptr<std::atomic<size_t>> live_bos_at_destruction() const { return live_at_exit_; }
@@ -57,7 +61,13 @@ class FakeAmdgpuDevice : public AmdgpuDevice {
       std::make_shared<std::atomic<size_t>>(SIZE_MAX);
   BoHandle next_ = 0;
   uint64_t next_va_ = 1ull << 32;
-  std::deque<std::pair<uint64_t, std::vector<uint32_t>>> queue_;
+  struct Submission {
+    uint64_t seq = 0;
+    std::vector<uint32_t> ib;
+    std::vector<BoHandle> resources;
+  };
+  std::deque<Submission> queue_;
+  uint32_t busy_releases_ = 0;
   uint64_t next_seq_ = 0;
   uint64_t completed_ = 0;
   uint32_t max_outstanding_ = 0;

@@ -967,6 +967,61 @@ TEST(SdmaEngine, PipelinesAndReapsAsynchronously) {
   EXPECT_EQ(live_at_exit->load(), 0u);  // staging and imported BOs released before the device
 }
 
+// A dead task's BO (Release): writes already accepted still land, the BO's handle and mapping
+// go once the last of them has completed (never while a copy still targets it), its dmabuf is
+// closed, and later writes are refused. The other BO is untouched.
+TEST(SdmaEngine, ReleasesABoOnceItsAcceptedWritesHaveCompleted) {
+  testing::FakeAmdgpuDevice* fake = nullptr;
+  auto engine = MakeSdmaEngine(2, 1u << 20, std::chrono::microseconds(2000), &fake);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const uint64_t bo_size = 4u << 20;
+  int dead = ::memfd_create("dead", MFD_CLOEXEC);
+  int alive = ::memfd_create("alive", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(dead, bo_size), 0);
+  ASSERT_EQ(::ftruncate(alive, bo_size), 0);
+  int dead_view = ::dup(dead);
+  ASSERT_TRUE((*engine)->Bind(1, UniqueFd(dead), bo_size).ok());
+  ASSERT_TRUE((*engine)->Bind(2, UniqueFd(alive), bo_size).ok());
+  const size_t bound = fake->live_bos();  // two staging slots and the two BOs
+
+  std::vector<uint8_t> chunk(1u << 20, 0x5C);
+  std::atomic<int> done{0};
+  fake->HoldCompletions(true);
+  for (uint64_t i = 0; i < 4; ++i)  // two in flight, two queued for a slot
+    ASSERT_TRUE((*engine)
+                    ->Write(1, i << 20, chunk,
+                            [&](Status st) {
+                              EXPECT_TRUE(st.ok()) << st.ToString();
+                              ++done;
+                            })
+                    .ok());
+  (*engine)->Release(1);
+  EXPECT_EQ((*engine)->Write(1, 0, chunk, [](Status) { FAIL(); }).code(), Code::kNotFound);
+  EXPECT_EQ(fake->live_bos(), bound);  // copies still target it
+  fake->HoldCompletions(false);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_EQ(done.load(), 4);
+  std::vector<uint8_t> back(16);
+  EXPECT_EQ((*engine)->ReadBack(1, 0, back).code(), Code::kNotFound);
+  EXPECT_EQ(fake->live_bos(), bound - 1);
+  EXPECT_EQ(fake->busy_releases(), 0u);
+  // Every accepted write landed before the BO went.
+  std::vector<uint8_t> contents(bo_size);
+  ASSERT_EQ(::pread(dead_view, contents.data(), contents.size(), 0),
+            static_cast<ssize_t>(contents.size()));
+  EXPECT_TRUE(std::all_of(contents.begin(), contents.end(), [](uint8_t b) { return b == 0x5C; }));
+  ::close(dead_view);
+  // Releasing again, or a BO never bound, changes nothing; the other BO still takes writes.
+  (*engine)->Release(1);
+  (*engine)->Release(9);
+  ASSERT_TRUE((*engine)->Write(2, 0, chunk, [](Status st) { EXPECT_TRUE(st.ok()); }).ok());
+  ASSERT_TRUE((*engine)->Flush().ok());
+  // A BO with nothing in flight goes at once.
+  (*engine)->Release(2);
+  EXPECT_EQ(fake->live_bos(), bound - 2);
+  EXPECT_EQ(fake->busy_releases(), 0u);
+}
+
 // Read-back runs the copy the other way (BO -> staging slot -> host), slot by slot: what dump
 // and the render-node check need on hardware, where a dmabuf cannot be pread.
 TEST(SdmaEngine, ReadsBackThroughStagingSlots) {
