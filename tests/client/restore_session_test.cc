@@ -327,6 +327,25 @@ TEST(RestoreSession, AbandonedBosAreNeitherFetchedNorWaitedFor) {
       EXPECT_NE(key.first, 1u) << "the stream sent chunk " << key.second << " of BO 1";
 }
 
+// Abandoning the only BO still missing completes the session at once: WaitComplete returns
+// without the stream (held by the server) ever sending anything.
+TEST(RestoreSession, AbandoningTheLastMissingBoCompletesTheSession) {
+  PausedServer paused;
+  RestoreSession session(Options(paused.server), paused.engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Ensure(0, 0, 64 * 1024, 10s).ok());  // on the demand connection
+  ASSERT_TRUE(session.Ensure(2, 0, 1000, 10s).ok());
+  ASSERT_EQ(session.WaitComplete(50ms).code(), Code::kTimeout);  // BO 1 is missing
+  ASSERT_TRUE(session.Abandon(std::vector<uint32_t>{1}).ok());
+  ASSERT_TRUE(session.WaitComplete(1s).ok()) << session.status().ToString();
+  const Progress p = session.progress();
+  EXPECT_TRUE(p.complete);
+  EXPECT_EQ(p.abandoned_chunks, 10u);
+  EXPECT_TRUE(session.status().ok()) << session.status().ToString();
+  for (const std::set<ChunkKey>& sent : paused.server.stream_sent())
+    EXPECT_TRUE(sent.empty());
+}
+
 // A reconnect's Have lists the abandoned chunks with the resident ones, so the new connection's
 // stream skips them too.
 TEST(RestoreSession, AbandonedBosStayOutOfTheStreamAfterAReconnect) {
