@@ -25,7 +25,7 @@ build=${1:-$root/build-tsan}
 targets=(client_basics_test client_session_test client_local_restore_test server_unit_test server_integration_test
   server_image_files_test e2e_restore_test e2e_load_test uffd_test gpulazy-server gpulazy-client)
 suites='RestoreSession|RestoreSessionInPlace|RestoreSessionThreads|RestoreSessionLanes|LocalRestore|SchedulerTest'
-suites+='|DispatcherTest'
+suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Modes/UffdHandover|Handover'

@@ -48,10 +48,12 @@ std::vector<std::shared_ptr<Session>> ServerContext::Sessions() const {
   return out;
 }
 
-ServerContext::DemandLoop* ServerContext::LeastBusyDemandLoop() {
+ServerContext::DemandLoop* ServerContext::ClaimLeastBusyDemandLoop() {
+  std::lock_guard lock(demand_loop_mu_);
   DemandLoop* least = nullptr;
   for (DemandLoop& loop : demand_loops)
     if (least == nullptr || loop.connections.load() < least->connections.load()) least = &loop;
+  if (least != nullptr) least->connections.fetch_add(1);
   return least;
 }
 

@@ -67,7 +67,10 @@ struct ServerContext {
     std::atomic<uint32_t> connections{0};
   };
   std::deque<DemandLoop> demand_loops;  // a deque: the atomics never move
-  DemandLoop* LeastBusyDemandLoop();    // null when there are none
+  // The loop with the fewest demand connections, counted as holding one more (in one step, so
+  // connections moving at the same instant spread). Null when there are none. Whoever claims
+  // gives the count back (Connection's destructor, or on a failed move).
+  DemandLoop* ClaimLeastBusyDemandLoop();
 
   // Sessions by id (demand connections join through it) and open connections (shutdown).
   std::shared_ptr<Session> FindSession(SessionId id) const;
@@ -89,6 +92,7 @@ struct ServerContext {
 
  private:
   mutable std::mutex mu_;
+  std::mutex demand_loop_mu_;  // ClaimLeastBusyDemandLoop's pick and count, as one step
   std::map<SessionId, std::weak_ptr<Session>> sessions_;
   std::map<uint64_t, std::weak_ptr<Connection>> connections_;
   std::atomic<uint64_t> next_connection_id_{0};

@@ -468,22 +468,25 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
 }
 
 bool Connection::MoveToDemandThreads(const wire::Header& reply) {
-  ServerContext::DemandLoop* loop = ctx_.LeastBusyDemandLoop();
-  if (loop == nullptr || socket_.is_tls() || draining_ || ctx_.shutting_down) return false;
+  if (ctx_.demand_loops.empty() || socket_.is_tls() || draining_ || ctx_.shutting_down)
+    return false;
   net::Socket& socket = socket_.socket();
   error_code ec;
   const net::Socket::protocol_type protocol = socket.local_endpoint(ec).protocol();
   if (ec) return false;
+  ServerContext::DemandLoop* loop = ctx_.ClaimLeastBusyDemandLoop();
   // Nothing is pending on the socket here (the reader is in this call, the writer and the
   // watchdog wait on timers), so releasing it cancels nothing.
   const int fd = socket.release(ec);
   if (ec) {
+    loop->connections.fetch_sub(1);
     spdlog::warn("{}: staying on the shared network threads: {}", Tag(), ec.message());
     return false;
   }
   net::Socket moved(asio::make_strand(*loop->io));
   moved.assign(protocol, fd, ec);
   if (ec) {
+    loop->connections.fetch_sub(1);
     ::close(fd);
     spdlog::warn("{}: moving to the demand network threads failed: {}; closing", Tag(),
                  ec.message());
@@ -496,8 +499,7 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
   successor->version_ = version_;
   successor->grant_ = grant_;
   successor->session_ = session_;
-  successor->demand_loop_ = loop;
-  loop->connections.fetch_add(1);
+  successor->demand_loop_ = loop;  // its destructor gives the claim back
   successor_ = successor;
   moved_away_ = true;
   draining_ = true;  // this one's reader and writer end now

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "lazy-server/server/context.h"
 #include "proto/criu_file.h"
 #include "tests/image/test_util.h"
 
@@ -445,6 +446,49 @@ TEST_F(DispatcherTest, CachedDemandChunksAreServedWhereTheyArePicked) {
   EXPECT_FALSE(third.second);
   dispatcher.Stop();
   EXPECT_EQ(dispatcher.lanes().demand_reads, demands);
+}
+
+// Demand connections moving at the same instant spread over the demand loops: picking the least
+// busy loop and counting the connection on it are one step. Each round, as many threads as
+// loops claim one at once (released together); every round must put one on each loop (two
+// picks that both saw a loop empty would stack there).
+TEST(DemandLoopsTest, SimultaneousClaimsTakeOneLoopEach) {
+  ServerContext ctx(ServerConfig{});
+  constexpr int kLoops = 4;
+  for (int i = 0; i < kLoops; ++i)
+    ctx.demand_loops.emplace_back();
+  std::atomic<int> round{0};
+  std::atomic<int> arrived{0};
+  std::vector<std::thread> threads;
+  constexpr int kRounds = 2000;
+  int stacked = 0;
+  for (int t = 0; t < kLoops; ++t)
+    threads.emplace_back([&] {
+      for (int r = 1; r <= kRounds; ++r) {
+        while (round.load() < r)  // released together
+          std::this_thread::yield();
+        EXPECT_NE(ctx.ClaimLeastBusyDemandLoop(), nullptr);
+        arrived.fetch_add(1);
+      }
+    });
+  for (int r = 1; r <= kRounds; ++r) {
+    for (ServerContext::DemandLoop& loop : ctx.demand_loops)
+      loop.connections.store(0);
+    arrived.store(0);
+    round.store(r);
+    while (arrived.load() < kLoops)
+      std::this_thread::yield();
+    for (const ServerContext::DemandLoop& loop : ctx.demand_loops)
+      if (loop.connections.load() != 1) {
+        ++stacked;
+        break;
+      }
+  }
+  for (std::thread& thread : threads)
+    thread.join();
+  EXPECT_EQ(stacked, 0) << "rounds in which two claims landed on one loop";
+  ServerContext none(ServerConfig{});
+  EXPECT_EQ(none.ClaimLeastBusyDemandLoop(), nullptr);
 }
 
 }  // namespace
