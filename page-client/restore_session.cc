@@ -660,10 +660,12 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
   const ChunkRun run = *covering;
   std::vector<ChunkId> wanted;
   std::vector<ChunkId> landing;  // claimed, maybe still queued for a file reader
+  // Checked before any chunk is marked: a chunk marked demanded here must also be asked for.
+  for (uint32_t i = 0; i < run.count; ++i)
+    if (residency_.abandoned(bo, run.first + i)) return AbandonedError(bo, offset, length);
   for (uint32_t i = 0; i < run.count; ++i) {
     uint32_t chunk = run.first + i;
     if (residency_.resident(bo, chunk)) continue;
-    if (residency_.abandoned(bo, chunk)) return AbandonedError(bo, offset, length);
     // From now on it goes ahead of background chunks wherever it is claimed (QueueRead), and
     // its landing wakes us.
     residency_.set_waited(bo, chunk);
