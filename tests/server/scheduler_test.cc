@@ -169,6 +169,42 @@ TEST(SchedulerTest, HaveExcludesChunksFromStreamAll) {
   EXPECT_EQ(s.Have(1, Ranges({{0, 0, 1}, {5, 0, 1}})).code(), Code::kOutOfRange);
 }
 
+// A Have after the stream began (a client abandoning the BOs of a process that exited): chunks
+// not picked yet are skipped, one already picked still goes, and a Have that leaves nothing more
+// to send ends the stream once what is in flight is done.
+TEST(SchedulerTest, HaveMidStreamSkipsWhatIsNotPickedYetAndCanEndTheStream) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({3, 4})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::optional<WorkItem> first = s.Next();  // BO 0 chunk 0, in flight
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->bo, 0u);
+  ASSERT_TRUE(s.Have(1, Ranges({{1, 0, 4}})).ok());  // BO 1 is no longer wanted
+  s.Done(*first, first->reserved_credit);
+  std::vector<Pick> picks = Drain(s);
+  ASSERT_EQ(picks.size(), 2u);
+  EXPECT_EQ(picks[0].bo, 0u);
+  EXPECT_EQ(picks[1].bo, 0u);
+  std::optional<StreamDoneInfo> done = s.TakeStreamDone(1);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->chunks, 3u);
+
+  // Everything left held while a chunk is in flight: the stream ends when that one is done.
+  s.AddSession(2, Layout(MakeManifest({3, 4})));
+  s.AddCredit(2, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(2).ok());
+  std::optional<WorkItem> only = s.Next();
+  ASSERT_TRUE(only.has_value());
+  ASSERT_TRUE(s.Have(2, Ranges({{0, 1, 2}, {1, 0, 4}})).ok());
+  EXPECT_FALSE(s.TakeStreamDone(2).has_value());  // one chunk still in flight
+  s.Done(*only, only->reserved_credit);
+  EXPECT_FALSE(s.Next().has_value());
+  done = s.TakeStreamDone(2);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->chunks, 1u);
+}
+
 TEST(SchedulerTest, EverythingHeldFinishesAtOnce) {
   Scheduler s;
   s.AddSession(1, Layout(MakeManifest({2})));
