@@ -576,8 +576,7 @@ int Run(int argc, char** argv) {
   if (!work.ok()) return fail(work.status());
   const fs::path root = work->path() / "images";
   fs::create_directories(root);
-  Result<ServerChild> server =
-      ServerChild::Start(common.bin_dir, root, work->path(), common.server_args);
+  Result<ServerChild> server = StartServer(common.bin_dir, root, work->path(), common.server_args);
   if (!server.ok()) return fail(server.status());
   Result<uint32_t> served = ServedChunkBytes(common.server_args);
   if (!served.ok()) return fail(served.status());

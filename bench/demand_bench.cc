@@ -447,10 +447,10 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                                     options.size, 2, 11 + i));
     images.push_back(dir.filename().string());
   }
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
-                           ServerChild::Start(common.bin_dir, root, work.path(),
-                                              ServerArgsWithBackgroundNice(options.background_nice,
-                                                                           common.server_args)));
+  GPULAZY_ASSIGN_OR_RETURN(
+      ServerChild server,
+      StartServer(common.bin_dir, root, work.path(),
+                  ServerArgsWithBackgroundNice(options.background_nice, common.server_args)));
   const std::string& endpoint =
       options.transport == "tcp" ? server.tcp_endpoint() : server.unix_endpoint();
   const std::string& image = images[0];  // the lone measurements' image

@@ -148,72 +148,18 @@ Result<fs::path> MakeWarmImage(const fs::path& root, const std::string& name, ui
   return synth.out;
 }
 
-Result<ServerChild> ServerChild::Start(const fs::path& bin_dir, const fs::path& root,
-                                       const fs::path& run_dir,
-                                       const std::vector<std::string>& extra_args) {
-  const fs::path binary = bin_dir / "gpulazy-server";
-  if (access(binary.c_str(), X_OK) != 0)
-    return NotFound("{} is not an executable (pass --bin-dir)", binary.string());
-  const fs::path ready = run_dir / "server.ready";
-  const fs::path log = run_dir / "server.log";
-  std::vector<std::string> args = {
-      binary.string(), "--images", root.string(), "--listen",
-      "unix:" + (run_dir / "server.sock").string(), "--listen", "tcp:127.0.0.1:0",
-      // Loopback only; the benchmarks measure the page path, and
-      // TLS costs are not (yet) among them.
-      "--insecure-tcp", "--ready-file", ready.string(), "--log-level", "warn"};
-  args.insert(args.end(), extra_args.begin(), extra_args.end());
-  pid_t pid = fork();
-  if (pid < 0) return ErrnoError(errno, "fork");
-  if (pid == 0) {
-    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, STDOUT_FILENO);
-      dup2(fd, STDERR_FILENO);
-    }
-    std::vector<char*> argv;
-    argv.reserve(args.size() + 1);
-    for (std::string& arg : args)
-      argv.push_back(arg.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  ServerChild child;
-  child.pid_ = pid;
-  const auto deadline = Clock::now() + std::chrono::seconds(20);
-  while (Clock::now() < deadline) {
-    std::ifstream in(ready);
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.starts_with("unix:")) child.unix_endpoint_ = line;
-      if (line.starts_with("tcp:")) child.tcp_endpoint_ = line;
-    }
-    if (!child.unix_endpoint_.empty() && !child.tcp_endpoint_.empty()) return child;
-    int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      child.pid_ = -1;
-      return Unavailable("gpulazy-server exited before it was ready (see {})", log.string());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return TimedOut("gpulazy-server did not write {} within 20 s", ready.string());
-}
-
-ServerChild::ServerChild(ServerChild&& other) noexcept
-    : pid_(std::exchange(other.pid_, -1)),
-      unix_endpoint_(std::move(other.unix_endpoint_)),
-      tcp_endpoint_(std::move(other.tcp_endpoint_)) {}
-
-ServerChild::~ServerChild() {
-  if (pid_ <= 0) return;
-  kill(pid_, SIGTERM);
-  for (int i = 0; i < 250; ++i) {
-    if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(pid_, SIGKILL);
-  waitpid(pid_, nullptr, 0);
+Result<ServerChild> StartServer(const fs::path& bin_dir, const fs::path& root,
+                                const fs::path& run_dir,
+                                const std::vector<std::string>& extra_args) {
+  server::ServerChildOptions options;
+  options.binary = bin_dir / "gpulazy-server";
+  options.root = root;
+  options.run_dir = run_dir;
+  options.extra_args = extra_args;
+  Result<ServerChild> child = ServerChild::Start(options);
+  if (!child.ok() && child.status().code() == Code::kNotFound)
+    return child.status().Context("pass --bin-dir");
+  return child;
 }
 
 Result<nlohmann::json> RunInChild(const std::function<Result<nlohmann::json>()>& measure) {

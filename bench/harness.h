@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "lazy-server/child/server_child.h"
 #include "page-client/copy_engine.h"
 #include "page-client/host_engine.h"
 #include "proto/status.h"
@@ -77,26 +78,13 @@ Result<std::filesystem::path> MakeWarmImage(const std::filesystem::path& root,
 // Paths of the checkpoint's pages files.
 Result<std::vector<std::filesystem::path>> PagesFiles(const std::filesystem::path& image_dir);
 
-// gpulazy-server as a child process, serving `root` on a Unix socket and on tcp 127.0.0.1:0.
-class ServerChild {
- public:
-  static Result<ServerChild> Start(const std::filesystem::path& bin_dir,
-                                   const std::filesystem::path& root,
-                                   const std::filesystem::path& run_dir,
-                                   const std::vector<std::string>& extra_args = {});
-  ServerChild(ServerChild&& other) noexcept;
-  ServerChild& operator=(ServerChild&&) = delete;
-  ~ServerChild();  // SIGTERM, then SIGKILL if it lingers
-  const std::string& unix_endpoint() const { return unix_endpoint_; }
-  const std::string& tcp_endpoint() const { return tcp_endpoint_; }
-  pid_t pid() const { return pid_; }
-
- private:
-  ServerChild() = default;
-  pid_t pid_ = -1;
-  std::string unix_endpoint_;
-  std::string tcp_endpoint_;
-};
+using server::ServerChild;
+// bin_dir/gpulazy-server as a child process (server::ServerChild), serving `root` on a Unix
+// socket and on tcp 127.0.0.1:0, logging warnings and errors into run_dir/server.log.
+Result<ServerChild> StartServer(const std::filesystem::path& bin_dir,
+                                const std::filesystem::path& root,
+                                const std::filesystem::path& run_dir,
+                                const std::vector<std::string>& extra_args = {});
 
 // Runs `measure` in a forked child and returns the JSON it produced, with the child's peak RSS
 // added as "peak_rss_bytes". Call only while this process has a single thread.

@@ -320,10 +320,10 @@ Status RunRestoreBench(const CommonOptions& common, const RestoreOptions& option
     if (options.chunk_size != 0) convert.chunk_size = options.chunk_size;
     GPULAZY_RETURN_IF_ERROR(image::ConvertToLazyImage(checkpoint, convert).status());
   }
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
-                           ServerChild::Start(common.bin_dir, root, work.path(),
-                                              ServerArgsWithBackgroundNice(options.background_nice,
-                                                                           common.server_args)));
+  GPULAZY_ASSIGN_OR_RETURN(
+      ServerChild server,
+      StartServer(common.bin_dir, root, work.path(),
+                  ServerArgsWithBackgroundNice(options.background_nice, common.server_args)));
 
   std::vector<std::string> modes = options.modes;
   const bool has_lazy = std::find(modes.begin(), modes.end(), "lazy") != modes.end();

@@ -1,6 +1,6 @@
 # The harness (server processes, synthesis, JSON, CPU meters), compiled once for both benches.
 add_library(gpulazy_bench_harness STATIC ${CMAKE_CURRENT_LIST_DIR}/harness.cc)
-target_link_libraries(gpulazy_bench_harness PUBLIC gpulazy_image gpulazy_net)
+target_link_libraries(gpulazy_bench_harness PUBLIC gpulazy_image gpulazy_net gpulazy_server_child)
 add_executable(gpulazy-bench
   ${CMAKE_CURRENT_LIST_DIR}/main.cc
   ${CMAKE_CURRENT_LIST_DIR}/stream_bench.cc

@@ -235,8 +235,8 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
   fs::create_directories(root);
   GPULAZY_ASSIGN_OR_RETURN(fs::path image_dir, MakeWarmImage(root, "ckpt", options.size, 2, 7));
   GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, PagesFiles(image_dir));
-  GPULAZY_ASSIGN_OR_RETURN(ServerChild server, ServerChild::Start(common.bin_dir, root, work.path(),
-                                                                  common.server_args));
+  GPULAZY_ASSIGN_OR_RETURN(ServerChild server,
+                           StartServer(common.bin_dir, root, work.path(), common.server_args));
 
   // Untimed: one restore of the image first, so every case meets a server that has served it
   // before (its CRIU checksums computed and cached, as for a converted lazy image from the

@@ -1,11 +1,6 @@
 #include "tests/server/test_support.h"
 
-#include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
-#include <stdlib.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
@@ -24,83 +19,30 @@ namespace asio = boost::asio;
 
 ServerProcess::ServerProcess(const fs::path& dir, const fs::path& root,
                              std::vector<std::string> extra_args) {
-  const fs::path ready = dir / "ready";
-  log_ = dir / "server.log";
-  const std::string socket = (dir / "s.sock").string();
-  std::vector<std::string> args = {std::string(GPULAZY_BIN_DIR) + "/gpulazy-server",
-                                   "--images",
-                                   root.string(),
-                                   "--listen",
-                                   "unix:" + socket,
-                                   "--listen",
-                                   "tcp:127.0.0.1:0",
-                                   "--insecure-tcp",  // loopback; TLS has its own tests
-                                   "--ready-file",
-                                   ready.string(),
-                                   "--log-level",
-                                   "debug"};
-  for (std::string& arg : extra_args)
-    args.push_back(std::move(arg));
-  pid_ = ::fork();
-  if (pid_ == 0) {
-    int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-    }
-    std::vector<char*> argv;
-    for (std::string& arg : args)
-      argv.push_back(arg.data());
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  // Sanitizer builds start slowly: allow a generous deadline.
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (std::chrono::steady_clock::now() < deadline) {
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      return;
-    }
-    if (fs::exists(ready)) {
-      std::ifstream in(ready);
-      std::string line;
-      while (std::getline(in, line)) {
-        Result<net::Endpoint> endpoint = net::Endpoint::Parse(line);
-        if (!endpoint.ok()) continue;
-        if (endpoint->kind == net::Endpoint::Kind::kUnix)
-          unix_ = *endpoint;
-        else
-          tcp_ = *endpoint;
-      }
-      ready_ = !unix_.path.empty() && tcp_.port != 0;
-      return;
-    }
-    std::this_thread::sleep_for(10ms);
-  }
+  ServerChildOptions options;
+  options.binary = fs::path(GPULAZY_BIN_DIR) / "gpulazy-server";
+  options.root = root;
+  options.run_dir = dir;
+  options.log_level = "debug";
+  options.extra_args = std::move(extra_args);
+  options.ready_timeout = 30s;  // sanitizer builds start slowly
+  log_ = ServerChild::LogPath(options);
+  Result<ServerChild> child = ServerChild::Start(options);
+  if (!child.ok()) return;
+  Result<net::Endpoint> unix_endpoint = net::Endpoint::Parse(child->unix_endpoint());
+  Result<net::Endpoint> tcp_endpoint = net::Endpoint::Parse(child->tcp_endpoint());
+  if (!unix_endpoint.ok() || !tcp_endpoint.ok()) return;  // the child goes with `child`
+  unix_ = *unix_endpoint;
+  tcp_ = *tcp_endpoint;
+  child_.emplace(std::move(*child));
 }
 
 ServerProcess::~ServerProcess() {
-  if (pid_ > 0) {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-  }
+  if (child_) child_->Kill();  // fast: tests that care how it stops call Terminate
 }
 
 int ServerProcess::Terminate(std::chrono::milliseconds timeout) {
-  if (pid_ <= 0) return -1;
-  ::kill(pid_, SIGTERM);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    }
-    std::this_thread::sleep_for(10ms);
-  }
-  return -1;
+  return child_ ? child_->Terminate(timeout) : -1;
 }
 
 std::string ServerProcess::Log() const {

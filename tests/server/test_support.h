@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "lazy-server/child/server_child.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
 #include "proto/manifest.pb.h"
@@ -34,12 +35,12 @@ class ServerProcess {
   // `dir`, plus extra arguments; waits for the ready file.
   ServerProcess(const std::filesystem::path& dir, const std::filesystem::path& root,
                 std::vector<std::string> extra_args = {});
-  ~ServerProcess();
-  bool ready() const { return ready_; }
+  ~ServerProcess();  // SIGKILL
+  bool ready() const { return child_.has_value(); }
   const net::Endpoint& unix_endpoint() const { return unix_; }
   const net::Endpoint& tcp_endpoint() const { return tcp_; }
   std::filesystem::path socket_path() const { return unix_.path; }
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return child_ ? child_->pid() : -1; }
   // SIGTERM, then waits up to `timeout`; returns the exit status (or -1 on timeout / signal).
   int Terminate(std::chrono::milliseconds timeout = 10s);
   std::string Log() const;
@@ -49,8 +50,7 @@ class ServerProcess {
                 std::chrono::milliseconds timeout = 5s) const;
 
  private:
-  pid_t pid_ = -1;
-  bool ready_ = false;
+  std::optional<ServerChild> child_;
   std::filesystem::path log_;
   net::Endpoint unix_;
   net::Endpoint tcp_;
