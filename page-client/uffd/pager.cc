@@ -54,7 +54,7 @@ Pager::Pager(const Userfaultfd& uffd, client::RestoreSession& session, UffdCopyE
       session_(session),
       engine_(engine),
       regions_(std::move(regions)),
-      options_(options) {
+      options_(std::move(options)) {
   std::sort(regions_.begin(), regions_.end(),
             [](const Region& a, const Region& b) { return a.addr < b.addr; });
   for (const Region& region : regions_) {
@@ -137,22 +137,27 @@ void Pager::Loop() {
     if (fds[1].revents != 0) return;
     if ((count == 3 && (fds[2].revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) ||
         engine_.target_gone()) {
-      // The restored process went away: nothing left to serve; end the session quietly.
-      peer_gone_.store(true);
-      session_.Cancel();
-      spdlog::info("uffd pager: restored process gone, session cancelled");
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-      wake_workers_.notify_all();
-      return;
+      return EndPeerGone(engine_.target_gone() ? "an install found it gone" : "its socket hung up");
     }
     if ((fds[0].revents & POLLIN) == 0) continue;
     Result<size_t> n = uffd_.Read(events);
     if (!n.ok()) return Fail(n.status());
+    if (*n > 0 && options_.after_events_read) options_.after_events_read();
     const auto now = Clock::now();
     for (size_t i = 0; i < *n; ++i)
       if (events[i].kind == FaultEvent::Kind::kPagefault) HandleFault(events[i].address, now);
+    if (peer_gone_.load()) return;
   }
+}
+
+void Pager::EndPeerGone(const char* how) {
+  // Nothing left to serve: end the session quietly.
+  peer_gone_.store(true);
+  session_.Cancel();
+  spdlog::info("uffd pager: restored process gone ({}), session cancelled", how);
+  std::lock_guard lock(mutex_);
+  stopping_ = true;
+  wake_workers_.notify_all();
 }
 
 void Pager::RecordLatency(Clock::time_point when, Clock::time_point woken) {
@@ -188,6 +193,8 @@ void Pager::HandleFault(uint64_t address, Clock::time_point when) {
     Status woken = uffd_.mode() == FillMode::kMinorContinue
                        ? uffd_.Continue(page, PageSize()).status()
                        : uffd_.Wake(page, PageSize());
+    // A fault read just before its process exited: CONTINUE finds it gone (Wake ignores that).
+    if (woken.code() == Code::kAborted) return EndPeerGone("a wake found it gone");
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
     RecordLatency(when, Clock::now());

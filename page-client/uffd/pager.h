@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -58,6 +59,9 @@ struct PagerOptions {
   std::chrono::milliseconds poll_interval{100};  // how often the loop checks for a dead peer
   int peer_fd = -1;  // handover socket: hang-up means the restored process is gone
   AccessRecorder* recorder = nullptr;  // notes the first fault per chunk, when set
+  // Tests only: runs on the loop thread after each read that returned fault events, before they
+  // are handled, so a test can change the world in between (e.g. let the process exit).
+  std::function<void()> after_events_read;
 };
 
 struct PagerStats {
@@ -101,6 +105,8 @@ class Pager {
   void DemandWorker();
   void Resolve(const Key& key, bool landed);
   void Fail(Status status);
+  // The restored process went away: cancels the session and stops, without an error.
+  void EndPeerGone(const char* how);
   uint64_t ChunkAddr(const Region& region, uint32_t chunk) const;
   uint64_t ChunkLength(const Region& region, uint32_t chunk) const;
 

@@ -1,6 +1,7 @@
 // The userfaultfd pager end to end: a real gpulazy-server, a RestoreSession, a UffdCopyEngine
 // and real userfaultfd faults. Every wait is bounded.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -259,28 +260,38 @@ void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash
 
 class UffdHandover : public ::testing::TestWithParam<std::tuple<FillMode, bool>> {};
 
+// The BO sizes in the order the server lists them, and the hash of their bytes in that order,
+// from a first session (its threads are joined on return, so the caller may fork after it).
+struct ImageLayout {
+  std::vector<uint64_t> sizes;
+  uint64_t hash = 0;
+};
+
+ImageLayout ProbeLayout(const TempDir& dir, const fs::path& image_dir, FillMode mode) {
+  ImageLayout layout;
+  ServerProcess probe_server(dir.path(), dir.path() / "images");
+  EXPECT_TRUE(probe_server.ready());
+  auto uffd = Userfaultfd::Create(mode);
+  EXPECT_TRUE(uffd.ok());
+  if (!uffd.ok()) return layout;
+  UffdCopyEngine engine(*uffd);
+  client::RestoreSession probe(Options(probe_server), engine);
+  EXPECT_TRUE(probe.Start().ok());
+  for (const auto& bytes : SourceBytes(image_dir, probe.bos()))
+    layout.hash = XXH3_64bits_withSeed(bytes.data(), bytes.size(), layout.hash);
+  layout.sizes = Sizes(probe.bos());
+  probe.Cancel();
+  engine.Abandon();
+  fs::remove(dir.path() / "ready");
+  return layout;
+}
+
 TEST_P(UffdHandover, PagerInAnotherProcess) {
   const auto [mode, exit_early] = GetParam();
   TempDir dir;
   const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
-  // The expected hash needs the BO order the server will list: take it from a first session.
-  uint64_t expected = 0;
-  std::vector<uint64_t> sizes;
-  {
-    ServerProcess probe_server(dir.path(), dir.path() / "images");
-    ASSERT_TRUE(probe_server.ready());
-    auto uffd = Userfaultfd::Create(mode);
-    ASSERT_TRUE(uffd.ok());
-    UffdCopyEngine engine(*uffd);
-    client::RestoreSession probe(Options(probe_server), engine);
-    ASSERT_TRUE(probe.Start().ok());
-    for (const auto& bytes : SourceBytes(image_dir, probe.bos()))
-      expected = XXH3_64bits_withSeed(bytes.data(), bytes.size(), expected);
-    sizes = Sizes(probe.bos());
-    probe.Cancel();
-    engine.Abandon();
-  }
-  fs::remove(dir.path() / "ready");
+  const auto [sizes, expected] = ProbeLayout(dir, image_dir, mode);
+  ASSERT_FALSE(sizes.empty());
   auto pair = HandoverSocketPair();
   ASSERT_TRUE(pair.ok());
   // Fork before this process has threads (the probe's have been joined).
@@ -340,6 +351,66 @@ INSTANTIATE_TEST_SUITE_P(Modes, UffdHandover,
                            return ModeName(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_ExitsEarly" : "_RunsToEnd");
                          });
+
+// A fault the pager read while its process was still there, on a chunk that lands before the
+// pager handles it; the process then exits. Waking that fault (UFFDIO_CONTINUE in MINOR mode)
+// finds the process gone: the pager must end quietly, as on a hang-up, not report an error.
+TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
+  const FillMode mode = FillMode::kMinorContinue;
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 4 << 20);
+  const std::vector<uint64_t> sizes = ProbeLayout(dir, image_dir, mode).sizes;
+  ASSERT_FALSE(sizes.empty());
+  auto pair = HandoverSocketPair();
+  ASSERT_TRUE(pair.ok());
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    pair->first.reset();
+    RunChild(pair->second.get(), /*exit_early=*/true, mode, 0);  // touches BO 0's first byte
+  }
+  pair->second.reset();
+  const int socket = pair->first.get();
+  ServerProcess server(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server.ready()) << server.Log();
+  ASSERT_TRUE(SendLayout(socket, sizes).ok());
+  auto handover = ReceiveHandover(socket, 10s);
+  ASSERT_TRUE(handover.ok()) << handover.status().ToString();
+  pollfd fault{handover->uffd.fd(), POLLIN, 0};
+  ASSERT_EQ(poll(&fault, 1, 10000), 1) << "the child never faulted";
+
+  UffdCopyEngine engine(handover->uffd);
+  client::SessionOptions options = Options(server);
+  options.stream_all = false;  // nothing lands unless asked for
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  for (size_t i = 0; i < handover->regions.size(); ++i)
+    ASSERT_TRUE(engine.Bind(handover->regions[i], handover->memfds[i].get()).ok());
+  int child_status = 0;
+  bool child_exited = false;
+  PagerOptions pager_options;
+  pager_options.peer_fd = socket;
+  pager_options.after_events_read = [&] {
+    if (child_exited) return;
+    // Between the read and the handling: the faulting chunk lands (which wakes the child) and
+    // the child exits.
+    const uint64_t length = std::min<uint64_t>(sizes[0], session.chunk_size());
+    EXPECT_TRUE(session.Ensure(0, 0, length, 10s).ok());
+    for (int i = 0; i < 1000 && !child_exited; ++i) {
+      child_exited = waitpid(child, &child_status, WNOHANG) == child;
+      if (!child_exited) std::this_thread::sleep_for(10ms);
+    }
+  };
+  Pager pager(handover->uffd, session, engine, handover->regions, pager_options);
+  ASSERT_TRUE(pager.Start().ok());
+  for (int i = 0; i < 1000 && !pager.peer_gone(); ++i)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_TRUE(pager.peer_gone());
+  pager.Stop();
+  EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  ASSERT_TRUE(child_exited);
+  EXPECT_TRUE(WIFEXITED(child_status) && WEXITSTATUS(child_status) == 0) << child_status;
+}
 
 TEST(Handover, RejectsGarbage) {
   auto pair = HandoverSocketPair();
