@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What scripts/lint.sh runs on a build's compile database (compile_commands.json).
 
-Usage: lint-units.py COMPILE_COMMANDS tidy|syntax SOURCE...
+Usage: lint-units.py COMPILE_COMMANDS tidy|syntax [--compiler=CXX] SOURCE...
 
 SOURCE: the .cc files to check, relative to the repository root (the working directory).
 
@@ -11,6 +11,9 @@ SOURCE: the .cc files to check, relative to the repository root (the working dir
   syntax  prints one shell command a line that compiles one source alone, -fsyntax-only, with
           its batch's flags. A unity batch hides a source's missing #include when an earlier
           source of the batch made it; these commands are what still finds it.
+          --compiler=clang++: compile with clang instead of the build's compiler (the GCC-only
+          warning flags are then ignored, and Boost.Asio is told clang has coroutines, as
+          clang-tidy is). It parses the same headers a quarter faster than GCC.
 
 Sources the database does not compile (optional parts left out of the build) are skipped. The
 database must come from the build whose sources are listed (paths are matched absolutely).
@@ -32,9 +35,16 @@ def batch_sources(path):
         return UNITY_INCLUDE.findall(batch.read())
 
 
-def alone(entry, source):
+# Boost 1.74 detects coroutine support only under GCC (scripts/lint.sh tells clang-tidy too).
+CLANG_EXTRA = ["-Wno-unknown-warning-option", "-DBOOST_ASIO_HAS_CO_AWAIT=1",
+               "-DBOOST_ASIO_HAS_STD_COROUTINE=1"]
+
+
+def alone(entry, source, compiler=None):
     """The entry's command, compiling only `source` and writing nothing."""
     args = shlex.split(entry["command"]) if "command" in entry else list(entry["arguments"])
+    if compiler is not None:
+        args = [compiler] + CLANG_EXTRA + args[1:]
     kept = []
     skip = False
     for arg in args:
@@ -54,9 +64,13 @@ def alone(entry, source):
 def main():
     if len(sys.argv) < 3 or sys.argv[2] not in ("tidy", "syntax"):
         sys.exit(__doc__)
+    sources = sys.argv[3:]
+    compiler = None
+    if sources and sources[0].startswith("--compiler="):
+        compiler = sources.pop(0).split("=", 1)[1]
     with open(sys.argv[1], encoding="utf-8") as db:
         entries = json.load(db)
-    wanted = {os.path.abspath(source) for source in sys.argv[3:]}
+    wanted = {os.path.abspath(source) for source in sources}
     candidates = []  # (translation unit, entry, the sources it compiles, in order)
     for entry in entries:
         unit = entry["file"]
@@ -84,7 +98,7 @@ def main():
             for source in chosen:
                 # A batch's first source sees nothing before it: the batch compiled it alone.
                 if source != compiled[0]:
-                    print(alone(entry, source))
+                    print(alone(entry, source, compiler))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,12 @@ cmake --build "$build" --target gpulazy_proto_headers >/dev/null
 # source but a batch's first is also compiled alone, -fsyntax-only. Sources the build leaves out
 # (the CUDA engine without the toolkit) are skipped.
 mapfile -t tidy_units < <(python3 "$root/scripts/lint-units.py" "$build/compile_commands.json" tidy "${units[@]}")
-mapfile -t alone < <(python3 "$root/scripts/lint-units.py" "$build/compile_commands.json" syntax "${units[@]}")
+# Compiled alone by clang when it is there (clang-tidy needs it anyway): it parses these headers
+# in three quarters of GCC's time (docs/benchmarks.md, "Build and CI time", session 31).
+syntax_compiler=()
+command -v clang++ >/dev/null && syntax_compiler=(--compiler=clang++)
+mapfile -t alone < <(python3 "$root/scripts/lint-units.py" "$build/compile_commands.json" syntax \
+  "${syntax_compiler[@]}" "${units[@]}")
 echo "lint: compiling ${#alone[@]} sources alone (the others open their batch)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
