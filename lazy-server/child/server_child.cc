@@ -24,18 +24,16 @@ Result<ServerChild> ServerChild::Start(const ServerChildOptions& options) {
   const fs::path log = LogPath(options);
   std::error_code ignored;
   fs::remove(ready, ignored);  // a ready file of an earlier server must not count
-  std::vector<std::string> args = {options.binary.string(),
-                                   "--images",
-                                   options.root.string(),
-                                   "--listen",
-                                   "unix:" + (options.run_dir / "server.sock").string(),
-                                   "--listen",
-                                   "tcp:127.0.0.1:0",
-                                   "--insecure-tcp",  // loopback only
-                                   "--ready-file",
-                                   ready.string(),
-                                   "--log-level",
-                                   options.log_level};
+  std::vector<std::string> args = options.launcher;
+  args.insert(args.end(), {options.binary.string(), "--images", options.root.string()});
+  if (options.listen.empty()) {
+    args.insert(args.end(), {"--listen", "unix:" + (options.run_dir / "server.sock").string(),
+                             "--listen", "tcp:127.0.0.1:0", "--insecure-tcp"});  // loopback only
+  }
+  for (const std::string& endpoint : options.listen)
+    args.insert(args.end(), {"--listen", endpoint});
+  const size_t endpoints = options.listen.empty() ? 2 : options.listen.size();
+  args.insert(args.end(), {"--ready-file", ready.string(), "--log-level", options.log_level});
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
   std::vector<char*> argv;  // built before fork: the child only execs
   argv.reserve(args.size() + 1);
@@ -50,7 +48,7 @@ Result<ServerChild> ServerChild::Start(const ServerChildOptions& options) {
       ::dup2(fd, STDOUT_FILENO);
       ::dup2(fd, STDERR_FILENO);
     }
-    ::execv(argv[0], argv.data());
+    ::execvp(argv[0], argv.data());
     ::_exit(127);
   }
   ServerChild child;
@@ -59,12 +57,17 @@ Result<ServerChild> ServerChild::Start(const ServerChildOptions& options) {
   const auto deadline = Clock::now() + options.ready_timeout;
   while (Clock::now() < deadline) {
     std::ifstream in(ready);
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.starts_with("unix:")) child.unix_endpoint_ = line;
-      if (line.starts_with("tcp:")) child.tcp_endpoint_ = line;
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) lines.push_back(line);
+    if (lines.size() >= endpoints) {
+      for (const std::string& line : lines) {
+        if (line.starts_with("unix:") && child.unix_endpoint_.empty()) child.unix_endpoint_ = line;
+        if (line.starts_with("tcp:") && child.tcp_endpoint_.empty()) child.tcp_endpoint_ = line;
+      }
+      child.endpoints_ = std::move(lines);
+      return child;
     }
-    if (!child.unix_endpoint_.empty() && !child.tcp_endpoint_.empty()) return child;
     if (::waitpid(pid, nullptr, WNOHANG) == pid) {
       child.pid_ = -1;
       return Unavailable("gpulazy-server exited before it was ready (see {})", log.string());
@@ -79,6 +82,7 @@ ServerChild::ServerChild(ServerChild&& other) noexcept
     : pid_(std::exchange(other.pid_, -1)),
       unix_endpoint_(std::move(other.unix_endpoint_)),
       tcp_endpoint_(std::move(other.tcp_endpoint_)),
+      endpoints_(std::move(other.endpoints_)),
       log_(std::move(other.log_)) {}
 
 ServerChild::~ServerChild() {

@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "lazy-server/child/server_child.h"
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/synth.h"
 #include "tests/e2e/userspace_wire.h"
@@ -102,6 +103,8 @@ class TwoHosts {
   std::string InServer(const std::string& command) const {
     return "ip netns exec " + server_ns_ + " " + command;
   }
+  // Runs a program in the server's namespace (`ip netns exec` execs it in place).
+  std::vector<std::string> ServerLauncher() const { return {"ip", "netns", "exec", server_ns_}; }
   std::string InClient(const std::string& command) const {
     return "ip netns exec " + client_ns_ + " " + command;
   }
@@ -244,22 +247,19 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
   ASSERT_FALSE(source.empty());
 
   const std::string bin = GPULAZY_BIN_DIR;
-  const fs::path ready = run.path() / "ready";
-  const fs::path server_log = run.path() / "server.log";
   const std::string listen = std::string("tcp:") + TwoHosts::kServerIp + ":7741";
-  const pid_t server = ::fork();
-  ASSERT_GE(server, 0);
-  if (server == 0) {
-    const std::string command = hosts.InServer(
-        bin + "/gpulazy-server --images " + root.path().string() + " --listen " + listen +
-        " --insecure-tcp --ready-file " + ready.string() + " >" + server_log.string() + " 2>&1");
-    ::execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  for (int i = 0; i < 200 && !fs::exists(ready); ++i)
-    std::this_thread::sleep_for(50ms);
+  server::ServerChildOptions server_options;
+  server_options.binary = bin + "/gpulazy-server";
+  server_options.root = root.path();
+  server_options.run_dir = run.path();
+  server_options.log_level = "info";
+  server_options.listen = {listen};
+  server_options.extra_args = {"--insecure-tcp"};
+  server_options.launcher = hosts.ServerLauncher();
+  const fs::path server_log = server::ServerChild::LogPath(server_options);
   auto log = [&] { return testing::ReadWholeFile(server_log); };
-  ASSERT_TRUE(fs::exists(ready)) << log();
+  Result<server::ServerChild> server = server::ServerChild::Start(server_options);
+  ASSERT_TRUE(server.ok()) << server.status().ToString() << "\n" << log();
   const auto tcp_before = hosts.ServerTcpCounters();
 
   // The fetch, in the client namespace; `timeout` keeps a hung client from hanging the suite.
@@ -301,9 +301,7 @@ TEST(TwoHosts, FetchSurvivesImpairedLinkAndACutByteExact) {
   const auto end = std::chrono::steady_clock::now();
   const double seconds = std::chrono::duration<double>(end - start).count();
   const auto tcp_after = hosts.ServerTcpCounters();
-  ::kill(server, SIGTERM);
-  int status = 0;
-  ::waitpid(server, &status, 0);
+  EXPECT_EQ(server->Terminate(20s), 0) << log();
 
   const std::string summary = testing::ReadWholeFile(client_out);
   EXPECT_TRUE(cut) << "the fetch ended before the cut";

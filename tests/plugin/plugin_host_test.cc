@@ -15,12 +15,14 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "lazy-server/child/server_child.h"
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
@@ -160,41 +162,35 @@ class PluginHostTest : public ::testing::Test {
     return out;
   }
 
-  // A gpulazy-server process serving dir_ on a Unix socket; its pid, or -1 with a failure.
-  pid_t StartServer() { return StartServerOn("unix:" + server_socket(), {}); }
+  // A gpulazy-server process serving dir_ on a Unix socket; nothing (and a failure) when it
+  // did not start.
+  std::optional<server::ServerChild> StartServer() {
+    return StartServerOn("unix:" + server_socket(), {});
+  }
   // The same on `listen`, with extra arguments; *bound gets the first endpoint the server
   // reports in its ready file (the port it chose for tcp:HOST:0).
-  pid_t StartServerOn(const std::string& listen, const std::vector<std::string>& extra,
-                      std::string* bound = nullptr) {
-    const fs::path ready = dir_ / "ready";
-    fs::remove(ready);
-    std::vector<std::string> argv = {std::string(GPULAZY_BIN_DIR) + "/gpulazy-server",
-                                     "--images",
-                                     dir_.path().string(),
-                                     "--listen",
-                                     listen,
-                                     "--ready-file",
-                                     ready.string()};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    pid_t server = Spawn(argv, {{"PATH", "/usr/bin:/bin"}}, dir_ / "server.log");
-    const auto deadline = std::chrono::steady_clock::now() + 30s;
-    while (!fs::exists(ready) && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(20ms);  // the server offers no event to wait on but this file
-    EXPECT_TRUE(fs::exists(ready)) << Slurp(dir_ / "server.log");
-    if (!fs::exists(ready)) {
-      StopServer(server);
-      return -1;
-    }
-    if (bound != nullptr) {
-      std::istringstream lines(Slurp(ready));
-      std::getline(lines, *bound);
-    }
-    return server;
+  std::optional<server::ServerChild> StartServerOn(const std::string& listen,
+                                                   const std::vector<std::string>& extra,
+                                                   std::string* bound = nullptr,
+                                                   const std::string& log_level = "info") {
+    server::ServerChildOptions options;
+    options.binary = fs::path(GPULAZY_BIN_DIR) / "gpulazy-server";
+    options.root = dir_.path();
+    options.run_dir = dir_.path();
+    options.log_level = log_level;  // "info", the server's default: tests look for its lines
+    options.listen = {listen};
+    options.extra_args = extra;
+    options.ready_timeout = 30s;
+    Result<server::ServerChild> child = server::ServerChild::Start(options);
+    EXPECT_TRUE(child.ok()) << child.status().ToString() << "\n"
+                            << Slurp(server::ServerChild::LogPath(options));
+    if (!child.ok()) return std::nullopt;
+    if (bound != nullptr) *bound = child->endpoints().front();
+    return std::move(*child);
   }
-  void StopServer(pid_t server) {
-    ::kill(server, SIGCONT);  // in case a failing simulator left it stopped
-    ::kill(server, SIGTERM);
-    EXPECT_GE(WaitBounded(server, 20s), 0);
+  void StopServer(server::ServerChild& server) {
+    ::kill(server.pid(), SIGCONT);  // in case a failing simulator left it stopped
+    EXPECT_EQ(server.Terminate(20s), 0) << Slurp(server.log_path());
   }
   std::string server_socket() const { return (dir_ / "srv.sock").string(); }
 
@@ -319,11 +315,11 @@ class RealServerTest : public PluginHostTest, public ::testing::WithParamInterfa
 
 TEST_P(RealServerTest, TreeRestoresFromGpulazyServer) {
   ASSERT_NO_FATAL_FAILURE(Make(2));
-  pid_t server = StartServer();
-  ASSERT_GT(server, 0);
+  auto server = StartServer();
+  ASSERT_TRUE(server);
   Outcome out = Sim({"1", "2"},
                     {{"GPULAZY_MODE", GetParam()}, {"GPULAZY_SERVER", "unix:" + server_socket()}});
-  StopServer(server);
+  StopServer(*server);
   EXPECT_EQ(out.exit_code, 0) << out.output;
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
 }
@@ -341,11 +337,11 @@ TEST_F(PluginHostTest, ThousandsOfBosRestoreLazilyFromARealServer) {
   auto cp = image::CriuCheckpoint::Open(images_);
   ASSERT_TRUE(cp.ok());
   ASSERT_GT(cp->content_bos().size(), 2000u);
-  pid_t server = StartServer();
-  ASSERT_GT(server, 0);
+  auto server = StartServer();
+  ASSERT_TRUE(server);
   Outcome out =
       Sim({"1"}, {{"GPULAZY_MODE", "lazy"}, {"GPULAZY_SERVER", "unix:" + server_socket()}});
-  StopServer(server);
+  StopServer(*server);
   EXPECT_EQ(out.exit_code, 0) << out.output.substr(0, 20000);
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output.substr(0, 20000);
 }
@@ -363,15 +359,16 @@ class TaskDeathTest : public PluginHostTest, public ::testing::WithParamInterfac
  protected:
   Outcome KillSecondTask(const std::string& on_death) {
     Make(2, 16u << 20);
-    pid_t server = StartServer();
-    if (server <= 0) return {};
+    auto server = StartServer();
+    if (!server) return {};
     Outcome out =
         Sim({"1", "2"},
             {{"GPULAZY_MODE", GetParam()},
              {"GPULAZY_SERVER", "unix:" + server_socket()},
              {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
-            "criu", {"--stop-pid", std::to_string(server), "--kill", "1", "--on-death", on_death});
-    StopServer(server);
+            "criu",
+            {"--stop-pid", std::to_string(server->pid()), "--kill", "1", "--on-death", on_death});
+    StopServer(*server);
     return out;
   }
 };
@@ -415,15 +412,16 @@ INSTANTIATE_TEST_SUITE_P(Modes, TaskDeathTest, ::testing::Values("parallel", "la
 // remaining BOs leave the stream and exit(RESTORE, 0) completes with the other task byte-exact.
 TEST_F(PluginHostTest, LazyTaskExitingAfterResumeStopsItsStreamOnly) {
   ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
-  pid_t server = StartServer();
-  ASSERT_GT(server, 0);
+  auto server = StartServer();
+  ASSERT_TRUE(server);
   Outcome out = Sim(
       {"1", "2"},
       {{"GPULAZY_MODE", "lazy"},
        {"GPULAZY_SERVER", "unix:" + server_socket()},
        {"GPULAZY_WINDOW", std::to_string(2u << 20)}},
-      "criu", {"--stop-pid", std::to_string(server), "--kill", "1", "--on-death", "after-resume"});
-  StopServer(server);
+      "criu",
+      {"--stop-pid", std::to_string(server->pid()), "--kill", "1", "--on-death", "after-resume"});
+  StopServer(*server);
   EXPECT_EQ(out.exit_code, 0) << out.output;
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("(amdgpu-kfd-2.img) exited;"), std::string::npos) << out.output;
@@ -443,15 +441,15 @@ TEST_F(PluginHostTest, LazyTaskExitingAfterResumeStopsItsStreamOnly) {
 // caught the ensure answering early that way).
 TEST_F(PluginHostTest, FaultChannelAnswersOnceResident) {
   ASSERT_NO_FATAL_FAILURE(Make(2, 16u << 20));
-  pid_t server = StartServerOn("unix:" + server_socket(), {"--no-pass-files"});
-  ASSERT_GT(server, 0);
+  auto server = StartServerOn("unix:" + server_socket(), {"--no-pass-files"});
+  ASSERT_TRUE(server);
   Outcome out = Sim({"1", "2"},
                     {{"GPULAZY_MODE", "lazy"},
                      {"GPULAZY_SERVER", "unix:" + server_socket()},
                      {"GPULAZY_WINDOW", std::to_string(2u << 20)},
                      {"GPULAZY_RESUME_TIMEOUT_MS", "1500"}},
-                    "criu", {"--stop-pid", std::to_string(server), "--fault-check", "1"});
-  StopServer(server);
+                    "criu", {"--stop-pid", std::to_string(server->pid()), "--fault-check", "1"});
+  StopServer(*server);
   EXPECT_EQ(out.exit_code, 0) << out.output;
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
   size_t checked = 0;
@@ -627,12 +625,11 @@ class PluginTlsTest : public PluginHostTest {
   }
   // A server speaking mutual TLS and requiring the token on tcp:127.0.0.1; *endpoint gets its
   // address.
-  pid_t StartTlsServer(std::string* endpoint) {
-    return StartServerOn(
-        "tcp:127.0.0.1:0",
-        {"--tls-cert", pki_.pem("server"), "--tls-key", pki_.key("server"), "--tls-client-ca",
-         pki_.pem("ca"), "--token-file", token_.string(), "--log-level", "debug"},
-        endpoint);
+  std::optional<server::ServerChild> StartTlsServer(std::string* endpoint) {
+    return StartServerOn("tcp:127.0.0.1:0",
+                         {"--tls-cert", pki_.pem("server"), "--tls-key", pki_.key("server"),
+                          "--tls-client-ca", pki_.pem("ca"), "--token-file", token_.string()},
+                         endpoint, "debug");
   }
   // Environment for a lazy restore from `endpoint` with the client certificate, CA `ca`.
   std::map<std::string, std::string> TlsEnv(const std::string& endpoint, const std::string& ca) {
@@ -653,15 +650,15 @@ class PluginTlsTest : public PluginHostTest {
 // is in the environment as well, where the simulator reads it.
 TEST_F(PluginTlsTest, LazyRestoreOverMutualTlsWithTokenIsByteExact) {
   std::string endpoint;
-  pid_t server = StartTlsServer(&endpoint);
-  ASSERT_GT(server, 0);
+  auto server = StartTlsServer(&endpoint);
+  ASSERT_TRUE(server);
   ASSERT_TRUE(endpoint.starts_with("tcp:127.0.0.1:")) << endpoint;
   const fs::path conf = dir_ / "tls.conf";
   std::ofstream(conf) << "mode = lazy\nserver = " << endpoint << "\ntls_ca = " << pki_.pem("ca")
                       << "\ntls_cert = " << pki_.pem("node7") << "\ntls_key = " << pki_.key("node7")
                       << "\ntls_server_name = localhost\ntoken_file = " << token_.string() << "\n";
   Outcome out = Sim({"1", "2"}, {{"GPULAZY_CONFIG", conf.string()}, {"GPULAZY_MODE", "lazy"}});
-  StopServer(server);
+  StopServer(*server);
   const std::string log = Slurp(dir_ / "server.log");
   EXPECT_EQ(out.exit_code, 0) << out.output << log;
   EXPECT_NE(out.output.find("sim: ok"), std::string::npos) << out.output;
@@ -673,10 +670,10 @@ TEST_F(PluginTlsTest, LazyRestoreOverMutualTlsWithTokenIsByteExact) {
 
 TEST_F(PluginTlsTest, ServerCertificateFromAnotherCaFailsNamingTheVerification) {
   std::string endpoint;
-  pid_t server = StartTlsServer(&endpoint);
-  ASSERT_GT(server, 0);
+  auto server = StartTlsServer(&endpoint);
+  ASSERT_TRUE(server);
   Outcome out = Sim({"1", "2"}, TlsEnv(endpoint, "other-ca"));
-  StopServer(server);
+  StopServer(*server);
   EXPECT_NE(out.exit_code, 0) << out.output;
   EXPECT_EQ(out.output.find("sim: ok"), std::string::npos) << out.output;
   // OpenSSL's verdict, after what failed: "TLS handshake: server certificate refused: self-signed
@@ -688,12 +685,12 @@ TEST_F(PluginTlsTest, ServerCertificateFromAnotherCaFailsNamingTheVerification) 
 
 TEST_F(PluginTlsTest, MissingTokenFailsWithAnAuthenticationError) {
   std::string endpoint;
-  pid_t server = StartTlsServer(&endpoint);
-  ASSERT_GT(server, 0);
+  auto server = StartTlsServer(&endpoint);
+  ASSERT_TRUE(server);
   std::map<std::string, std::string> env = TlsEnv(endpoint, "ca");
   env.erase("GPULAZY_TOKEN_FILE");
   Outcome out = Sim({"1", "2"}, env);
-  StopServer(server);
+  StopServer(*server);
   EXPECT_NE(out.exit_code, 0) << out.output;
   EXPECT_EQ(out.output.find("sim: ok"), std::string::npos) << out.output;
   EXPECT_NE(out.output.find("ERROR_UNAUTHENTICATED"), std::string::npos) << out.output;
@@ -702,9 +699,8 @@ TEST_F(PluginTlsTest, MissingTokenFailsWithAnAuthenticationError) {
 
 TEST_F(PluginTlsTest, PlainTcpWithoutInsecureTcpIsRefusedSayingHowToAllowIt) {
   std::string endpoint;
-  pid_t server =
-      StartServerOn("tcp:127.0.0.1:0", {"--insecure-tcp", "--log-level", "debug"}, &endpoint);
-  ASSERT_GT(server, 0);
+  auto server = StartServerOn("tcp:127.0.0.1:0", {"--insecure-tcp"}, &endpoint, "debug");
+  ASSERT_TRUE(server);
   Outcome refused = Sim({"1", "2"}, {{"GPULAZY_MODE", "lazy"}, {"GPULAZY_SERVER", endpoint}});
   EXPECT_NE(refused.exit_code, 0) << refused.output;
   EXPECT_EQ(refused.output.find("sim: ok"), std::string::npos) << refused.output;
@@ -725,7 +721,7 @@ TEST_F(PluginTlsTest, PlainTcpWithoutInsecureTcpIsRefusedSayingHowToAllowIt) {
                                      {"GPULAZY_SERVER", endpoint},
                                      {"GPULAZY_INSECURE_TCP", "1"},
                                      {"GPULAZY_LANES", "3"}});
-  StopServer(server);
+  StopServer(*server);
   EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
   EXPECT_NE(allowed.output.find("sim: ok"), std::string::npos) << allowed.output;
   EXPECT_NE(allowed.output.find("asks for 3 bulk connections"), std::string::npos)
