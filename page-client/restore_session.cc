@@ -2065,7 +2065,7 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
     residency_.MarkResident(id.first, id.second);
     complete = residency_.complete();
     wakes = residency_.LandingWakes(id.first, id.second);
-    abandoned = residency_.abandoned_chunks();
+    if (complete) abandoned = residency_.abandoned_chunks();
   }
   if (timing) {
     DemandChunkTiming kept = *timing;
@@ -2076,10 +2076,10 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   // stream's 100,000s of chunks a second kept them contending for mutex_ with the installs.
   if (wakes) cv_.notify_all();
   if (staging) ReturnBuffer(std::move(*staging));
-  if (complete && abandoned == 0) spdlog::info("image {}: every chunk is resident", options_.image);
-  if (complete && abandoned > 0)
-    spdlog::info("image {}: every chunk is resident but the {} abandoned", options_.image,
-                 abandoned);
+  if (complete) {
+    spdlog::info("image {}: every chunk is resident{}", options_.image,
+                 abandoned == 0 ? "" : fmt::format(" but the {} abandoned", abandoned));
+  }
   const bool post_credit =
       credit > 0 && link->credit_to_return.fetch_add(credit, std::memory_order_acq_rel) == 0;
   if (!post_credit && !complete) return;
