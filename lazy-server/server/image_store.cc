@@ -14,6 +14,16 @@
 #include "proto/image_table.h"
 
 namespace gpulazy::server {
+
+std::string NameInsteadOfDir(std::string message, std::string_view dir, std::string_view name) {
+  if (dir.empty()) return message;
+  for (size_t pos = message.find(dir); pos != std::string::npos;
+       pos = message.find(dir, pos + name.size())) {
+    message.replace(pos, dir.size(), name);
+  }
+  return message;
+}
+
 namespace fs = std::filesystem;
 namespace {
 
@@ -155,11 +165,8 @@ Result<std::shared_ptr<const OpenedImage>> ImageStore::Open(std::string_view nam
     spdlog::warn("image '{}' ({}): open failed: {}", name, dir.string(),
                  source.status().ToString());
     // The message may name files inside the image, never the root it lives in.
-    std::string message = source.status().message();
-    const std::string prefix = dir.string();
-    for (size_t pos; (pos = message.find(prefix)) != std::string::npos;)
-      message.replace(pos, prefix.size(), std::string(name));
-    return Status(source.status().code(), message);
+    return Status(source.status().code(),
+                  NameInsteadOfDir(source.status().message(), dir.string(), name));
   }
   auto opened = std::make_shared<OpenedImage>();
   opened->name = std::string(name);

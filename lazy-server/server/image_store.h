@@ -41,6 +41,11 @@ struct OpenedImage {
   std::shared_ptr<const std::string> table;
 };
 
+// `message` with each occurrence of an image's directory replaced by the name the client used
+// for it, so errors never say where the roots are. Each occurrence once, left to right, also when
+// the name contains the directory (root `/`, or symlinks back into the root).
+std::string NameInsteadOfDir(std::string message, std::string_view dir, std::string_view name);
+
 class ImageStore {
  public:
   ImageStore(const std::vector<std::filesystem::path>& roots, uint32_t raw_chunk_size,

@@ -350,7 +350,11 @@ net::Awaitable<void> Connection::ReadLoop() {
     }
     reader_paused_ = false;
     if (closed_ || draining_) co_return;
-    Result<wire::Header> frame = co_await net::ReadFrame(socket_, ctx_.limits, &payload_);
+    // Until its Hello is accepted (and its token checked) a client may not make the server hold
+    // a payload buffer: no Hello carries one.
+    const FrameLimits hello_limits{.max_header = ctx_.limits.max_header, .max_payload = 0};
+    Result<wire::Header> frame = co_await net::ReadFrame(
+        socket_, role_ == Role::kNew ? hello_limits : ctx_.limits, &payload_);
     if (!frame.ok()) {
       const Status& status = frame.status();
       if (draining_ || closed_) co_return;
@@ -999,11 +1003,11 @@ void Connection::DeliverChunk(WorkItem item, Result<LoadedChunk> chunk) {
     return;
   }
   if (!chunk.ok()) {
-    std::string message = chunk.status().message();
     // Read errors may name files by absolute path; say only what the client named.
-    const std::string dir = session_ ? session_->image().dir.string() : std::string();
-    for (size_t pos; !dir.empty() && (pos = message.find(dir)) != std::string::npos;)
-      message.replace(pos, dir.size(), session_->image().name);
+    const std::string message =
+        session_ ? NameInsteadOfDir(chunk.status().message(), session_->image().dir.string(),
+                                    session_->image().name)
+                 : chunk.status().message();
     spdlog::warn("{}: BO {} chunk {}: read failed: {}", Tag(), item.bo, item.chunk,
                  chunk.status().ToString());
     SendError(ToWire(chunk.status().code()),

@@ -1,5 +1,5 @@
-// Unit tests of the security helpers: image grants (access.h), --image-access parsing and
-// token files (net/stream.h).
+// Unit tests of the security helpers: image grants (access.h), --image-access parsing, token
+// files (net/stream.h) and keeping the roots' paths out of error messages (image_store.h).
 #include "lazy-server/server/access.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "lazy-server/server/config.h"
+#include "lazy-server/server/image_store.h"
 #include "page-client/net/stream.h"
 #include "tests/support/temp_dir.h"
 
@@ -15,6 +16,24 @@ namespace gpulazy::server {
 namespace {
 
 namespace fs = std::filesystem;
+
+TEST(NameInsteadOfDirTest, ErrorsNameTheImageAsTheClientDidNeverTheRoot) {
+  EXPECT_EQ(NameInsteadOfDir("read /srv/img/ckpt/amdgpu-pages-1-c0de.img: EIO; "
+                             "/srv/img/ckpt/amdgpu-kfd-1.img is fine",
+                             "/srv/img/ckpt", "ckpt"),
+            "read ckpt/amdgpu-pages-1-c0de.img: EIO; ckpt/amdgpu-kfd-1.img is fine");
+  EXPECT_EQ(NameInsteadOfDir("no directory here", "/srv/img/ckpt", "ckpt"), "no directory here");
+  EXPECT_EQ(NameInsteadOfDir("empty dir: /x", "", "ckpt"), "empty dir: /x");
+}
+
+// A name that contains its own resolved directory (root `/srv/img` holding symlinks `srv -> .`
+// and `img -> .`: `./srv/img/x` resolves to /srv/img/x) is put in once per occurrence; searching
+// again from the start looped forever on a disk thread, the message growing each round.
+TEST(NameInsteadOfDirTest, ANameContainingTheDirectoryIsPutInOnce) {
+  EXPECT_EQ(NameInsteadOfDir("open /srv/img/x/f and /srv/img/x/g", "/srv/img/x", "./srv/img/x"),
+            "open ./srv/img/x/f and ./srv/img/x/g");
+  EXPECT_EQ(NameInsteadOfDir("/a/a", "/a", "/a/a"), "/a/a/a/a");
+}
 
 TEST(ImageGrantTest, PrefixesMatchWholeComponents) {
   const ImageGrant grant = std::vector<std::string>{"teamA", "shared/models"};

@@ -226,6 +226,11 @@ TEST_F(ProtocolAbuseTest, LyingLengthsAreRefusedBeforeAllocating) {
     ASSERT_TRUE(client.SendRaw(frame).ok());
     ExpectErrorThenClose(client, wire::ERROR_BAD_REQUEST);
   }
+  {  // a payload on a Hello (before the client is authenticated): refused before it is read
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.SendRaw(Encode(HelloHeader(), 4096)).ok());
+    ExpectErrorThenClose(client, wire::ERROR_LIMIT, "payload");
+  }
   {  // a payload on a client frame: read, dropped, and the next frame is parsed normally
     TestClient client(server_->unix_endpoint());
     ASSERT_TRUE(client.Hello().ok());
