@@ -116,7 +116,9 @@ Status PluginContext::PostForking() {
   coordinator_ =
       std::make_unique<RestoreCoordinator>(*config_, image_dir_, std::move(handoff_master_), *kfd_,
                                            [this](uint32_t gpu) { return MakeEngine(gpu); });
-  return coordinator_->Start();
+  // From here every failure is ours: a server without the image (ERROR_NOT_FOUND), a fault
+  // socket's missing directory (ENOENT) must fail the restore, not read as "nothing to do".
+  return OursFailed(coordinator_->Start());
 }
 
 Status PluginContext::ResumeDevicesLate(int pid) {

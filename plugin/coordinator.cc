@@ -73,7 +73,14 @@ Status RestoreCoordinator::StartServer() {
   sc.handle_signals = false;  // CRIU's SIGTERM/SIGINT handlers are not ours to replace
   server_ = std::make_unique<server::Server>(sc);
   GPULAZY_RETURN_IF_ERROR(server_->Listen().Context("in-process page server"));
-  server_thread_ = std::thread([this] { (void)server_->Run(); });
+  server_thread_ = std::thread([this] {
+    // Nothing may escape a thread of CRIU's master: that would end the restore of every task.
+    try {
+      (void)server_->Run();
+    } catch (const std::exception& e) {
+      spdlog::error("gpulazy: in-process page server stopped: {}", e.what());
+    }
+  });
   config_.server = ep.ToString();
   if (config_.image.empty()) config_.image = image_dir_.filename().string();
   spdlog::info("gpulazy: serving {} in-process on {}", image_dir_.string(), config_.server);
@@ -88,7 +95,7 @@ Status RestoreCoordinator::Start() {
   // The receiver starts only once the session (and session_index_) is set up: tasks may hand
   // their BOs over before or while POST_FORKING runs, and their records wait in the socket.
   if (config_.mode == Mode::kEager) {  // tasks copy their own contents
-    receiver_ = std::thread([this] { ReceiveLoop(); });
+    receiver_ = std::thread([this] { ReceiveLoopCatching(); });
     return Status::Ok();
   }
 
@@ -126,8 +133,20 @@ Status RestoreCoordinator::Start() {
         path, [this](uint32_t pid, uint64_t va, uint64_t len) { return Ensure(pid, va, len); });
     GPULAZY_RETURN_IF_ERROR(faults_->Start());
   }
-  receiver_ = std::thread([this] { ReceiveLoop(); });
+  receiver_ = std::thread([this] { ReceiveLoopCatching(); });
   return Status::Ok();
+}
+
+void RestoreCoordinator::ReceiveLoopCatching() {
+  // An exception (no memory, no thread for an engine's reaper) must not escape into CRIU's
+  // master: it fails the restore of the tasks not resumed yet, as a handoff error does.
+  try {
+    ReceiveLoop();
+  } catch (const std::exception& e) {
+    spdlog::error("gpulazy: handoff receiver stopped: {}", e.what());
+    std::lock_guard lock(mutex_);
+    if (handoff_error_.ok()) handoff_error_ = Internal("handoff receiver stopped: {}", e.what());
+  }
 }
 
 void RestoreCoordinator::ReceiveLoop() {

@@ -61,6 +61,7 @@ class RestoreCoordinator {
   };
   Status StartServer();
   void ReceiveLoop();
+  void ReceiveLoopCatching();  // the receiver thread's body: ReceiveLoop, exceptions caught
   Status Absorb(HandoffRecord record);  // caller holds receive_mutex_
   Status DrainPending();
   Status Ensure(uint32_t pid, uint64_t va, uint64_t len);

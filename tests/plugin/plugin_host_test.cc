@@ -593,6 +593,25 @@ TEST_F(PluginHostTest, ServerDownFailsParallelAtPostForking) {
       << out.output;
 }
 
+// The server answers, but does not have the image (or will not show it to this token): its
+// ERROR_NOT_FOUND must fail POST_FORKING, not read as "nothing of ours to do", after which CRIU
+// would resume the tasks with empty BOs.
+TEST_F(PluginHostTest, ImageMissingOnTheServerFailsPostForking) {
+  ASSERT_NO_FATAL_FAILURE(Make(1));
+  auto server = StartServer();
+  ASSERT_TRUE(server);
+  for (const char* mode : {"parallel", "lazy"}) {
+    SCOPED_TRACE(mode);
+    Outcome out = Sim({"1"}, {{"GPULAZY_MODE", mode},
+                              {"GPULAZY_SERVER", "unix:" + server_socket()},
+                              {"GPULAZY_IMAGE", "no-such-image"}});
+    EXPECT_NE(out.exit_code, 0) << out.output;
+    EXPECT_NE(out.output.find("sim: FAIL POST_FORKING"), std::string::npos) << out.output;
+    EXPECT_NE(out.output.find("image no-such-image"), std::string::npos) << out.output;
+  }
+  StopServer(*server);
+}
+
 TEST_F(PluginHostTest, WrongTopologyFailsRestoreExtFileNamingDeviceId) {
   ASSERT_NO_FATAL_FAILURE(Make(1));
   std::vector<criu::KfdDevice> other = devices_;

@@ -20,6 +20,8 @@
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
 #include "plugin/dump.h"
+#include "plugin/fault/gpulazy_fault.h"
+#include "plugin/fault_channel.h"
 #include "plugin/handoff.h"
 #include "plugin/kfd.h"
 #include "plugin/router.h"
@@ -1216,6 +1218,102 @@ TEST(Router, DropCompletesParkedAndLaterWritesAndReleasesTheBo) {
   ASSERT_TRUE(router.Bind(2, &engine, UniqueFd(), 1 << 20).ok());
   ASSERT_TRUE(router.Write(2, 0, bytes, record).ok());
   EXPECT_EQ(engine.writes[2], 1);
+}
+
+// ---- the fault channel: what restored programs can do to CRIU's master ----
+
+// Tries `attempt` every 10 ms for up to 5 s, until it succeeds (each call may act).
+template <typename Attempt>
+bool Eventually(Attempt attempt) {
+  for (int i = 0; i < 500; ++i) {
+    if (attempt()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+// Ended connections do not leave threads behind until Stop: a program connecting once per
+// fault for hours would otherwise pile up threads in CRIU's master until it could make none.
+TEST(FaultChannel, ThreadsOfEndedConnectionsAreJoined) {
+  TempDir dir;
+  std::atomic<int> calls{0};
+  FaultChannel channel(dir.path / "fault.sock", [&](uint32_t, uint64_t, uint64_t) {
+    ++calls;
+    return Status::Ok();
+  });
+  ASSERT_TRUE(channel.Start().ok());
+  for (int i = 0; i < 64; ++i) {
+    const int fd = gpulazy_fault_connect(channel.path().c_str());
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(gpulazy_ensure(fd, 0x1000, 4096), 0);
+    gpulazy_fault_close(fd);
+  }
+  EXPECT_EQ(calls.load(), 64);
+  // Each accept joins the threads that ended before it: only the last few can be left (one or
+  // two here; a loaded machine may not have run a few threads to their end yet). 64 without.
+  EXPECT_LE(channel.threads(), 16u);
+  channel.Stop();
+  EXPECT_EQ(channel.threads(), 0u);
+}
+
+// Past the limit a new connection is closed at once (its ensure fails, it never waits), those
+// already open are still answered, and once one ends there is room again.
+TEST(FaultChannel, ConnectionsPastTheLimitAreRefusedAndTheOthersServed) {
+  TempDir dir;
+  FaultChannel channel(
+      dir.path / "fault.sock", [](uint32_t, uint64_t, uint64_t) { return Status::Ok(); },
+      /*max_connections=*/4);
+  ASSERT_TRUE(channel.Start().ok());
+  std::vector<int> open;
+  for (int i = 0; i < 4; ++i) {
+    open.push_back(gpulazy_fault_connect(channel.path().c_str()));
+    ASSERT_GE(open.back(), 0);
+    ASSERT_EQ(gpulazy_ensure(open.back(), 0x1000, 4096), 0);
+  }
+  const int extra = gpulazy_fault_connect(channel.path().c_str());
+  ASSERT_GE(extra, 0);  // the kernel accepted it into the backlog; the channel closes it
+  EXPECT_NE(gpulazy_ensure(extra, 0x1000, 4096), 0);
+  gpulazy_fault_close(extra);
+  EXPECT_EQ(channel.refused(), 1u);
+  for (int fd : open)
+    EXPECT_EQ(gpulazy_ensure(fd, 0x2000, 4096), 0);
+  gpulazy_fault_close(open.back());
+  open.pop_back();
+  // Its thread ends after it sees the close; the next accept then has room.
+  int again = -1;
+  ASSERT_TRUE(Eventually([&] {
+    if (again >= 0) gpulazy_fault_close(again);
+    again = gpulazy_fault_connect(channel.path().c_str());
+    return again >= 0 && gpulazy_ensure(again, 0x3000, 4096) == 0;
+  }));
+  gpulazy_fault_close(again);
+  for (int fd : open)
+    gpulazy_fault_close(fd);
+  channel.Stop();
+}
+
+// An exception from the resolver (out of memory, say) ends that connection only: before, it
+// escaped the thread and std::terminate took CRIU's master down with every task's restore.
+TEST(FaultChannel, AnExceptionInTheResolverEndsOnlyItsConnection) {
+  TempDir dir;
+  FaultChannel channel(dir.path / "fault.sock", [](uint32_t, uint64_t va, uint64_t) {
+    if (va == 0xdead000) throw std::bad_alloc();
+    return Status::Ok();
+  });
+  ASSERT_TRUE(channel.Start().ok());
+  const int keeps = gpulazy_fault_connect(channel.path().c_str());
+  const int throws = gpulazy_fault_connect(channel.path().c_str());
+  ASSERT_GE(keeps, 0);
+  ASSERT_GE(throws, 0);
+  EXPECT_NE(gpulazy_ensure(throws, 0xdead000, 4096), 0);  // closed: the reply never comes
+  gpulazy_fault_close(throws);
+  EXPECT_EQ(gpulazy_ensure(keeps, 0x1000, 4096), 0);
+  const int later = gpulazy_fault_connect(channel.path().c_str());
+  ASSERT_GE(later, 0);
+  EXPECT_EQ(gpulazy_ensure(later, 0x2000, 4096), 0);
+  gpulazy_fault_close(later);
+  gpulazy_fault_close(keeps);
+  channel.Stop();
 }
 
 }  // namespace
