@@ -74,8 +74,16 @@ Status Scheduler::Have(SessionId id,
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
-  for (const wire::ChunkRange& range : ranges)
+  // Marking costs one step per chunk named, under the lock every session shares: a frame may
+  // name each chunk of the image once at most (an honest client's runs never overlap), not the
+  // same whole BO thousands of times over.
+  uint64_t named = 0;
+  for (const wire::ChunkRange& range : ranges) {
     GPULAZY_RETURN_IF_ERROR(s.layout->CheckRange(range));
+    named += range.chunk_count();
+  }
+  if (named > s.have.size())
+    return InvalidArgument("Have names {} chunks, more than the image's {}", named, s.have.size());
   for (const wire::ChunkRange& range : ranges) {
     for (uint32_t i = 0; i < range.chunk_count(); ++i)
       s.have[s.layout->FlatIndex(range.bo(), range.first_chunk() + i)] = true;

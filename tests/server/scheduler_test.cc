@@ -167,6 +167,10 @@ TEST(SchedulerTest, HaveExcludesChunksFromStreamAll) {
   EXPECT_EQ(s.TakeStreamDone(1)->chunks, 2u);
   // Out-of-range Have is refused as a whole.
   EXPECT_EQ(s.Have(1, Ranges({{0, 0, 1}, {5, 0, 1}})).code(), Code::kOutOfRange);
+  // So is one naming more chunks than the image has (the same BO over and over: work under the
+  // scheduler's lock for nothing); naming every chunk once is fine.
+  EXPECT_EQ(s.Have(1, Ranges({{0, 0, 4}, {0, 0, 4}})).code(), Code::kInvalidArgument);
+  EXPECT_EQ(s.Have(1, Ranges({{0, 0, 4}})).code(), Code::kOk);
 }
 
 // A Have after the stream began (a client abandoning the BOs of a process that exited): chunks
