@@ -83,7 +83,11 @@ Result<int> PluginContext::RestoreExtFile(int id) {
   if (!gpu_restore_ || !task_) return NotFound("no GPU state in this restore");
   GPULAZY_ASSIGN_OR_RETURN(int handoff, TaskHandoffFd());
   UniqueFd owned(handoff);
-  return task_->RestoreFile(image_dir_, id, owned.get());
+  // Runs in the restored task, which may be in the container's mount namespace by now: the
+  // master's path to the images may name nothing there.
+  Result<fs::path> dir = host_.ImageDir();
+  if (!dir.ok()) return OursFailed(dir.status());
+  return task_->RestoreFile(*dir, id, owned.get());
 }
 
 Result<int> PluginContext::UpdateVmaMap(const char* path, uint64_t addr, uint64_t old_pgoff,

@@ -1,6 +1,7 @@
 #include "plugin/criu_host.h"
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -28,12 +29,19 @@ Result<std::filesystem::path> CriuHost::ImageDir() const {
   if (criu_get_image_dir != nullptr) {
     int fd = criu_get_image_dir();
     if (fd >= 0) {
-      // Resolve the real path in the master (the in-process server needs it); a restored task
-      // may see another /proc, so fall back to the fd path.
+      // The directory's path where it still names this very directory (the master: the
+      // in-process server serves it by path). Inside a restored container's mount namespace
+      // the path the kernel reports may name nothing, or another directory mounted there:
+      // then the fd's own link, which always leads to it.
       std::error_code ec;
       std::filesystem::path link = "/proc/self/fd/" + std::to_string(fd);
       std::filesystem::path real = std::filesystem::read_symlink(link, ec);
-      if (!ec && std::filesystem::is_directory(real, ec)) return real;
+      struct stat by_fd {};
+      struct stat by_path {};
+      if (!ec && ::fstat(fd, &by_fd) == 0 && ::stat(real.c_str(), &by_path) == 0 &&
+          S_ISDIR(by_path.st_mode) && by_path.st_dev == by_fd.st_dev &&
+          by_path.st_ino == by_fd.st_ino)
+        return real;
       return link;
     }
   }

@@ -20,7 +20,10 @@ struct CriuHost {
   static CriuHost Resolve();
   // Claims a plugin entry of the inventory; true when it was listed (or there is no inventory).
   bool Claim(const std::string& name) const;
-  // A path that opens CRIU's image directory (/proc/self/fd/<fd>), or $GPULAZY_IMAGE_DIR.
+  // A path that opens CRIU's image directory as the calling process sees it: the directory's
+  // own path where that still names it, else /proc/self/fd/<fd> (a restored task inside a
+  // container's mount namespace, where the master's path names nothing or another directory);
+  // $GPULAZY_IMAGE_DIR without CRIU. Ask again in each process: the answer differs.
   Result<std::filesystem::path> ImageDir() const;
 };
 

@@ -3,9 +3,12 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
+#include "plugin/criu_host.h"
 #include "plugin/dump.h"
 #include "plugin/fault/gpulazy_fault.h"
 #include "plugin/fault_channel.h"
@@ -1314,6 +1318,48 @@ TEST(FaultChannel, AnExceptionInTheResolverEndsOnlyItsConnection) {
   gpulazy_fault_close(later);
   gpulazy_fault_close(keeps);
   channel.Stop();
+}
+
+// ---- the image directory as a restored task sees it ----
+
+int g_image_dir_fd = -1;  // what the fake criu_get_image_dir returns
+
+// In a restored container's mount namespace the path the master resolved may name another
+// directory (or none). A child process stands in for such a task: its own mount namespace
+// mounts an empty directory over the image directory's path. ImageDir must still lead to the
+// images, through the fd.
+TEST(CriuHost, ImageDirLeadsToTheImagesWhereTheirPathNamesAnotherDirectory) {
+  TempDir dir;
+  const fs::path images = dir.path / "ckpt";
+  const fs::path other = dir.path / "other";
+  fs::create_directories(images);
+  fs::create_directories(other);
+  std::ofstream(images / "amdgpu-kfd-1.img") << "x";
+  UniqueFd image_fd(::open(images.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(image_fd.valid());
+  g_image_dir_fd = image_fd.get();
+  CriuHost host;
+  host.criu_get_image_dir = [] { return g_image_dir_fd; };
+  Result<fs::path> here = host.ImageDir();
+  ASSERT_TRUE(here.ok()) << here.status().ToString();
+  EXPECT_EQ(*here, fs::canonical(images));  // the master: the plain path
+
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::unshare(CLONE_NEWNS) != 0) ::_exit(77);
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) ::_exit(77);
+    if (::mount(other.c_str(), images.c_str(), nullptr, MS_BIND, nullptr) != 0) ::_exit(77);
+    if (fs::exists(images / "amdgpu-kfd-1.img")) ::_exit(3);  // the mount did not hide them
+    Result<fs::path> there = host.ImageDir();
+    if (!there.ok()) ::_exit(4);
+    ::_exit(fs::exists(*there / "amdgpu-kfd-1.img") ? 0 : 5);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "no mount namespace here (needs root)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "5: ImageDir named the directory mounted over the images";
 }
 
 }  // namespace
