@@ -140,6 +140,7 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"chunks_sent", ChunksByPriority(totals.chunks_sent)},
       {"errors_sent", totals.errors_sent.load()},
       {"frames_received", totals.frames_received.load()},
+      {"chunk_tables_built", totals.chunk_tables_built.load()},
       {"demand_connections_moved", totals.demand_connections_moved.load()},
       {"demand_loop_connections", demand_loop_connections},
       {"images_cached", store.cached()},

@@ -40,6 +40,7 @@ struct ServerTotals {
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> frames_received{0};
+  std::atomic<uint64_t> chunk_tables_built{0};  // once per opened image that was asked for one
   // Demand connections moved onto the demand network threads after their Hello.
   std::atomic<uint64_t> demand_connections_moved{0};
   // The most replies (control frames) and reply bytes ever queued for one connection, and how

@@ -13,6 +13,7 @@
 // Thread-safety: all methods may be called from any thread (one mutex guards the cache).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <list>
@@ -39,6 +40,18 @@ struct OpenedImage {
   // The serialized wire::ImageTable that protocol version 2 sends after OpenImageReply, built
   // once per opened image and shared by its sessions' replies.
   std::shared_ptr<const std::string> table;
+  // The serialized wire::ChunkLocations a files connection may ask for (docs/protocol.md, "The
+  // chunk table"): built by the first that asks, on a disk thread, and shared by the rest, so
+  // that connections asking for it cost one copy per image, not one each. A table that lacks
+  // checksums (a plain checkpoint's chunks not hashed yet) is built afresh for a connection
+  // asking a second or more after it, to carry the checksums learnt since.
+  struct ChunkTableCache {
+    std::mutex mu;
+    std::shared_ptr<const std::string> table;
+    bool every_checksum = false;
+    std::chrono::steady_clock::time_point built;
+  };
+  std::shared_ptr<ChunkTableCache> chunk_table = std::make_shared<ChunkTableCache>();
 };
 
 // `message` with each occurrence of an image's directory replaced by the name the client used

@@ -741,8 +741,14 @@ namespace {
 
 // What a by-reference ChunkData would say of each chunk, all at once: the client reads a chunk
 // it waits for without a round trip to us (docs/protocol.md, "The chunk table").
-Result<std::shared_ptr<const std::string>> BuildChunkTable(const image::ImageSource& source) {
+struct BuiltChunkTable {
+  std::shared_ptr<const std::string> bytes;
+  bool every_checksum = true;
+};
+
+Result<BuiltChunkTable> BuildChunkTable(const image::ImageSource& source) {
   wire::ChunkLocations table;
+  bool every_checksum = true;
   for (uint32_t bo = 0; bo < static_cast<uint32_t>(source.manifest().bos_size()); ++bo) {
     const uint32_t chunks =
         static_cast<uint32_t>(source.manifest().bos(static_cast<int>(bo)).chunks_size());
@@ -756,9 +762,11 @@ Result<std::shared_ptr<const std::string>> BuildChunkTable(const image::ImageSou
       table.add_codec(located->codec);
       table.add_checksum(located->has_checksum ? located->checksum : 0);
       table.add_has_checksum(located->has_checksum);
+      every_checksum = every_checksum && located->has_checksum;
     }
   }
-  return std::make_shared<const std::string>(table.SerializeAsString());
+  return BuiltChunkTable{std::make_shared<const std::string>(table.SerializeAsString()),
+                         every_checksum};
 }
 
 }  // namespace
@@ -767,7 +775,20 @@ net::Awaitable<void> Connection::SendChunkTable(uint64_t request_id) {
   // A disk thread builds it: an image of millions of chunks takes long enough to stall the
   // other connections of this network thread.
   const Clock::time_point start = Clock::now();
-  auto build = [session = session_] { return BuildChunkTable(*session->image().source); };
+  auto build = [session = session_,
+                totals = &ctx_.totals]() -> Result<std::shared_ptr<const std::string>> {
+    OpenedImage::ChunkTableCache& cache = *session->image().chunk_table;
+    std::lock_guard lock(cache.mu);  // others asking meanwhile wait for this one build
+    const Clock::time_point now = Clock::now();
+    if (!cache.table || (!cache.every_checksum && now - cache.built >= std::chrono::seconds(1))) {
+      GPULAZY_ASSIGN_OR_RETURN(BuiltChunkTable built, BuildChunkTable(*session->image().source));
+      cache.table = std::move(built.bytes);
+      cache.every_checksum = built.every_checksum;
+      cache.built = now;
+      totals->chunk_tables_built.fetch_add(1);
+    }
+    return cache.table;
+  };
   Result<std::shared_ptr<const std::string>> table =
       co_await OnDiskThread<Result<std::shared_ptr<const std::string>>>(std::move(build));
   if (closed_) co_return;

@@ -253,7 +253,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   std::deque<ControlFrame> control_;
   // Serialized size of control_'s headers. An image table's payload is left out: it is sent once
-  // per stream connection, in answer to its one OpenImage, and shared, not copied.
+  // per stream connection, in answer to its one OpenImage, and shared, not copied; so is a chunk
+  // table's (one per files connection, shared through OpenedImage::chunk_table).
   size_t control_bytes_ = 0;
   std::deque<ReadyChunk> chunks_;
   uint64_t next_stream_seq_ = 0;

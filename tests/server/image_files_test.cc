@@ -495,6 +495,42 @@ TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
   }
 }
 
+// The chunk table is built once per opened image and shared: files connections asking for it
+// again (a client's reconnects, or one holding many connections open without reading) cost no
+// new build and no new copy.
+TEST_F(ImageFilesTest, TheChunkTableIsBuiltOncePerImage) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello(0, {}, {}, /*max_version=*/2).ok());
+  Result<wire::OpenImageReply> reply = client.Open("lazy");
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  client::ChunkTableShape shape;
+  for (const wire::BoInfo& bo : reply->bos())
+    shape.bo_sizes.push_back(bo.size());
+  shape.chunk_size = reply->chunk_size();
+  shape.lazy_image = reply->lazy_image();
+  shape.max_payload = 1u << 20;  // the fixture server's --max-frame
+  auto built = [&] {
+    Result<std::string> stats = client.Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status().ToString();
+    return stats.ok()
+               ? nlohmann::json::parse(*stats)["server"]["chunk_tables_built"].get<uint64_t>()
+               : uint64_t{0};
+  };
+  const uint64_t before = built();
+  size_t first_size = 0;
+  for (int i = 0; i < 3; ++i) {
+    Result<std::shared_ptr<const client::ImageFileSet>> files =
+        Fetch(server_->unix_endpoint(), reply->session(), reply->session_secret(), &shape);
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    ASSERT_FALSE((*files)->chunk_table.empty());
+    if (i == 0) first_size = (*files)->chunk_table.size();
+    EXPECT_EQ((*files)->chunk_table.size(), first_size);
+  }
+  // An earlier test may have built this image's table already: then none here.
+  EXPECT_LE(built() - before, 1u);
+  EXPECT_GE(built(), 1u);
+}
+
 // With the chunk table a chunk Ensure waits for is read from the passed files by the session
 // itself: it comes even while the server is stopped (SIGSTOP), and the server is never asked.
 // Without it (local_demand off) the server answers, as before.
