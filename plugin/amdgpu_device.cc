@@ -20,10 +20,15 @@ class LibdrmDevice : public AmdgpuDevice {
       : fd_(std::move(fd)), dev_(dev), ctx_(ctx), gen_(gen) {}
   ~LibdrmDevice() override {
     std::map<BoHandle, Mapped> left;
+    std::map<uint64_t, Mapped> ibs;  // of submissions never seen done (a fence timed out)
     {
       std::lock_guard lock(mutex_);
       left.swap(bos_);
+      ibs.swap(ibs_);
     }
+    // The kernel keeps what a job still running uses alive; these are our handles only.
+    for (auto& [seq, m] : ibs)
+      Free(m);
     for (auto& [h, m] : left)
       Free(m);
     amdgpu_cs_ctx_free(ctx_);

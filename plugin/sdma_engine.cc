@@ -107,6 +107,7 @@ Status SdmaCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
     return Status::Ok();
   }
   std::lock_guard lock(mutex_);
+  if (!broken_.ok()) return broken_;
   auto it = targets_.find(bo);
   if (it == targets_.end()) return NotFound("BO {} has no bound dmabuf", bo);
   if (it->second.released) return NotFound("BO {} was released", bo);
@@ -142,19 +143,32 @@ void SdmaCopyEngine::ReaperLoop() {
     lock.lock();
     InFlight done = std::move(in_flight_.front());
     in_flight_.pop_front();
-    free_slots_.push_back(done.slot);
     Status status = Status::Ok();
     if (!signalled.ok())
       status = signalled.status();
     else if (!*signalled)
       status =
           TimedOut("SDMA fence {} not signalled after {} ms", seq, options_.fence_timeout.count());
+    if (status.ok()) {
+      free_slots_.push_back(done.slot);
+    } else {
+      // The copy may still be running and reading its slot: bytes staged there for another
+      // write would land in this BO. The slot stays out of use, and the engine stops.
+      ++stats_.quarantined_slots;
+      if (broken_.ok()) broken_ = status;
+    }
     // A copy whose fence did not signal may still be running: its BO stays until the end.
     SettleLocked(done.bo, /*copied=*/status.ok());
     if (!status.ok() && first_error_.ok()) first_error_ = status;
     ++stats_.reaped_async;
     // Start queued writes while slots are free; their failures complete them at once.
     std::vector<std::pair<client::CopyDone, Status>> failed;
+    while (!broken_.ok() && !pending_.empty()) {  // nothing queued will run any more
+      Pending next = std::move(pending_.front());
+      pending_.pop_front();
+      failed.emplace_back(std::move(next.done), broken_);
+      SettleLocked(next.bo, /*copied=*/true);  // never submitted
+    }
     while (!pending_.empty() && !free_slots_.empty()) {
       Pending next = std::move(pending_.front());
       pending_.pop_front();
@@ -221,7 +235,8 @@ Status SdmaCopyEngine::ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t>
                           it->second.size);
       source = it->second.va + offset + done;
       target = it->second.handle;
-      cv_.wait(lock, [&] { return !free_slots_.empty(); });
+      cv_.wait(lock, [&] { return !free_slots_.empty() || !broken_.ok(); });
+      if (!broken_.ok()) return broken_;
       index = free_slots_.back();
       free_slots_.pop_back();
     }
@@ -244,7 +259,18 @@ Status SdmaCopyEngine::ReadBack(uint32_t bo, uint64_t offset, std::span<uint8_t>
     Result<bool> signalled =
         seq.ok() ? device_->WaitFence(*seq, options_.fence_timeout) : Result<bool>(seq.status());
     if (signalled.ok() && *signalled) std::memcpy(out.data() + done, slot.host, length);
-    give_back();
+    if (seq.ok() && !(signalled.ok() && *signalled)) {
+      // Submitted, and not known to be done: the copy may still write into the slot.
+      std::lock_guard lock(mutex_);
+      ++stats_.quarantined_slots;
+      if (broken_.ok())
+        broken_ = signalled.ok() ? TimedOut("SDMA read-back fence {} not signalled after {} ms",
+                                            *seq, options_.fence_timeout.count())
+                                 : signalled.status();
+      cv_.notify_all();
+    } else {
+      give_back();
+    }
     if (!signalled.ok())
       return signalled.status().Context(fmt::format("reading back BO {} at {}", bo, offset + done));
     if (!*signalled)

@@ -27,9 +27,10 @@ struct SdmaOptions {
 
 struct SdmaStats {
   uint64_t submits = 0;
-  uint64_t queued_writes = 0;  // writes that waited for a free slot
-  uint32_t max_in_flight = 0;  // most submissions outstanding at once
-  uint64_t reaped_async = 0;   // completions delivered by the reaper thread
+  uint64_t queued_writes = 0;      // writes that waited for a free slot
+  uint32_t max_in_flight = 0;      // most submissions outstanding at once
+  uint64_t reaped_async = 0;       // completions delivered by the reaper thread
+  uint32_t quarantined_slots = 0;  // never reused: their copy's fence did not signal
 };
 
 class SdmaCopyEngine : public DeviceEngine {
@@ -104,6 +105,10 @@ class SdmaCopyEngine : public DeviceEngine {
   std::deque<Pending> pending_;
   std::deque<InFlight> in_flight_;
   Status first_error_;
+  // Set once a fence did not signal (or could not be waited for): that copy may still run and
+  // read its staging slot, so the slot is never reused, and the engine takes no more work (a
+  // stalled ring would not run it either). Every write still queued fails with this.
+  Status broken_;
   uint64_t outstanding_ = 0;  // accepted writes whose `done` has not returned yet
   SdmaStats stats_;
   bool stopping_ = false;

@@ -1028,6 +1028,67 @@ TEST(SdmaEngine, ReleasesABoOnceItsAcceptedWritesHaveCompleted) {
   EXPECT_EQ(fake->busy_releases(), 0u);
 }
 
+// A fence that does not signal in time leaves its copy possibly still running, reading its
+// staging slot. Reusing that slot for the next chunk would let the stale copy put the next
+// chunk's bytes into the first BO. The slot is quarantined and the engine takes no more work:
+// writes still queued fail, new ones are refused, nothing lands where it does not belong.
+TEST(SdmaEngine, AFenceThatTimesOutNeverLetsItsSlotBeReused) {
+  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
+                                                            std::chrono::microseconds(100));
+  testing::FakeAmdgpuDevice* fake = device.get();
+  SdmaOptions options;
+  options.staging_slots = 1;
+  options.slot_bytes = 1u << 20;
+  options.fence_timeout = std::chrono::milliseconds(50);
+  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const uint64_t bo_size = 1u << 20;
+  int first = ::memfd_create("first", MFD_CLOEXEC);
+  int second = ::memfd_create("second", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(first, bo_size), 0);
+  ASSERT_EQ(::ftruncate(second, bo_size), 0);
+  int first_view = ::dup(first);
+  ASSERT_TRUE((*engine)->Bind(1, UniqueFd(first), bo_size).ok());
+  ASSERT_TRUE((*engine)->Bind(2, UniqueFd(second), bo_size).ok());
+
+  fake->HoldCompletions(true);  // the ring stalls: the first copy's fence will not signal
+  std::vector<uint8_t> a(4096, 0xAA), b(4096, 0xBB);
+  std::atomic<int> timed_out{0}, queued_failed{0};
+  ASSERT_TRUE((*engine)
+                  ->Write(1, 0, a,
+                          [&](Status st) {
+                            if (st.code() == Code::kTimeout) ++timed_out;
+                          })
+                  .ok());
+  // Queued behind it for the one slot.
+  ASSERT_TRUE((*engine)
+                  ->Write(2, 0, b,
+                          [&](Status st) {
+                            if (!st.ok()) ++queued_failed;
+                          })
+                  .ok());
+  EXPECT_EQ((*engine)->Flush().code(), Code::kTimeout);
+  EXPECT_EQ(timed_out.load(), 1);
+  EXPECT_EQ(queued_failed.load(), 1);
+  EXPECT_EQ((*engine)->stats().quarantined_slots, 1u);
+  // No more work: a write is refused at once, saying why.
+  EXPECT_EQ((*engine)->Write(2, 4096, b, [](Status) { FAIL() << "accepted"; }).code(),
+            Code::kTimeout);
+  std::vector<uint8_t> back(16);
+  EXPECT_EQ((*engine)->ReadBack(2, 0, back).code(), Code::kTimeout);
+  // The ring moves again and the stale copy runs: it can only carry A's bytes.
+  fake->HoldCompletions(false);
+  std::vector<uint8_t> contents(4096);
+  for (int i = 0; i < 200; ++i) {  // until the stale copy has run (or 2 s)
+    ASSERT_EQ(::pread(first_view, contents.data(), contents.size(), 0), 4096);
+    if (contents[0] != 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(std::none_of(contents.begin(), contents.end(), [](uint8_t v) { return v == 0xBB; }))
+      << "the next chunk's bytes reached the first BO through the reused slot";
+  ::close(first_view);
+}
+
 // Read-back runs the copy the other way (BO -> staging slot -> host), slot by slot: what dump
 // and the render-node check need on hardware, where a dmabuf cannot be pread.
 TEST(SdmaEngine, ReadsBackThroughStagingSlots) {
