@@ -8,7 +8,8 @@
 # its budget leaves room for it (.ci/run).
 # --all adds the server under protocol abuse and reply back-pressure,
 # the embedded server, the fetch tool, and the CRIU plugin inside the simulated CRIU host
-# (page client threads in CRIU's master, the fault channel, TLS, tasks dying mid-restore).
+# (page client threads in CRIU's master, the fault channel, TLS, tasks dying mid-restore), and
+# the plugin's fault channel and SDMA engine (its reaper) against the fake device.
 # Built RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl)
 # into its own build dir; only the targets these tests need are built. Any race report fails
 # the run.
@@ -32,10 +33,10 @@ suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Mo
 suites+='|Threads/DemandNetworkThreadsTest'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
-    client_fetch_cli_test)
+    plugin_unit_test client_fetch_cli_test)
   suites+='|ProtocolAbuseTest|ReplyBackpressureTest|ServerEmbeddingTest|FetchCli|PluginHostTest'
   suites+='|PluginTlsTest|Modes/RenderNodeHostTest|Modes/RealServerTest|Modes/TaskDeathTest'
-  suites+='|Modes/ContentsTest'
+  suites+='|Modes/ContentsTest|FaultChannel|SdmaEngine'
 fi
 
 generator=()
