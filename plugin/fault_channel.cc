@@ -40,7 +40,18 @@ Status FaultChannel::Start() {
   int wake = ::eventfd(0, EFD_CLOEXEC);
   if (wake < 0) return ErrnoError(errno, "eventfd");
   wake_.reset(wake);
-  acceptor_ = std::thread([this] { AcceptLoop(); });
+  acceptor_ = std::thread([this] {
+    // As for the connection threads: nothing may escape into CRIU's master. Without an
+    // acceptor the socket is closed and removed, so that new callers are refused (and those
+    // waiting in its backlog reset) rather than left waiting for an answer that cannot come.
+    try {
+      AcceptLoop();
+    } catch (const std::exception& e) {
+      spdlog::error("gpulazy: fault channel: no longer accepting: {}", e.what());
+      ::unlink(path_.c_str());
+      listener_.reset();
+    }
+  });
   spdlog::info("gpulazy: fault channel on {}", path_.string());
   return Status::Ok();
 }
