@@ -16,6 +16,8 @@ packages=(
   clang-format clang-tidy
   # scripts/fuzz.sh: clang 14 and its runtimes (libFuzzer, ASan, UBSan: libclang-rt-14-dev)
   clang libclang-rt-14-dev
+  # the linker every build uses where it is there (CMakeLists.txt, GPULAZY_USE_LLD)
+  lld
 )
 
 missing=()
