@@ -912,14 +912,16 @@ TEST(Config, Lanes) {
 // ---- SDMA engine pipelining ----
 
 // An SDMA engine over a fake device whose copies take `latency`; *fake (when given) is the device.
-Result<std::unique_ptr<SdmaCopyEngine>> MakeSdmaEngine(uint32_t slots, uint64_t slot_bytes,
-                                                       std::chrono::microseconds latency,
-                                                       testing::FakeAmdgpuDevice** fake = nullptr) {
+Result<std::unique_ptr<SdmaCopyEngine>> MakeSdmaEngine(
+    uint32_t slots, uint64_t slot_bytes, std::chrono::microseconds latency,
+    testing::FakeAmdgpuDevice** fake = nullptr,
+    std::chrono::milliseconds fence_timeout = SdmaOptions{}.fence_timeout) {
   auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus, latency);
   if (fake != nullptr) *fake = device.get();
   SdmaOptions options;
   options.staging_slots = slots;
   options.slot_bytes = slot_bytes;
+  options.fence_timeout = fence_timeout;
   return SdmaCopyEngine::Create(std::move(device), options);
 }
 
@@ -1033,14 +1035,9 @@ TEST(SdmaEngine, ReleasesABoOnceItsAcceptedWritesHaveCompleted) {
 // chunk's bytes into the first BO. The slot is quarantined and the engine takes no more work:
 // writes still queued fail, new ones are refused, nothing lands where it does not belong.
 TEST(SdmaEngine, AFenceThatTimesOutNeverLetsItsSlotBeReused) {
-  auto device = std::make_unique<testing::FakeAmdgpuDevice>(SdmaGeneration::kV4Plus,
-                                                            std::chrono::microseconds(100));
-  testing::FakeAmdgpuDevice* fake = device.get();
-  SdmaOptions options;
-  options.staging_slots = 1;
-  options.slot_bytes = 1u << 20;
-  options.fence_timeout = std::chrono::milliseconds(50);
-  auto engine = SdmaCopyEngine::Create(std::move(device), options);
+  testing::FakeAmdgpuDevice* fake = nullptr;
+  auto engine = MakeSdmaEngine(1, 1u << 20, std::chrono::microseconds(100), &fake,
+                               std::chrono::milliseconds(50));
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const uint64_t bo_size = 1u << 20;
   int first = ::memfd_create("first", MFD_CLOEXEC);

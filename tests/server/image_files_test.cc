@@ -67,6 +67,17 @@ Result<std::shared_ptr<const client::ImageFileSet>> Fetch(
   return std::move(*result);
 }
 
+// What a client expects a chunk table of the image `reply` opened to look like.
+client::ChunkTableShape ShapeOf(const wire::OpenImageReply& reply) {
+  client::ChunkTableShape shape;
+  for (const wire::BoInfo& bo : reply.bos())
+    shape.bo_sizes.push_back(bo.size());
+  shape.chunk_size = reply.chunk_size();
+  shape.lazy_image = reply.lazy_image();
+  shape.max_payload = 1u << 20;  // the fixture server's --max-frame
+  return shape;
+}
+
 class ImageFilesTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -449,12 +460,7 @@ TEST_F(ImageFilesTest, ChunkTableLocatesEveryChunkInThePassedFiles) {
     ASSERT_TRUE(client.Hello(0, {}, {}, /*max_version=*/2).ok());
     Result<wire::OpenImageReply> reply = client.Open(name);
     ASSERT_TRUE(reply.ok()) << reply.status().ToString();
-    client::ChunkTableShape shape;
-    for (const wire::BoInfo& bo : reply->bos())
-      shape.bo_sizes.push_back(bo.size());
-    shape.chunk_size = reply->chunk_size();
-    shape.lazy_image = reply->lazy_image();
-    shape.max_payload = 1u << 20;  // the fixture server's --max-frame
+    const client::ChunkTableShape shape = ShapeOf(*reply);
     Result<std::shared_ptr<const client::ImageFileSet>> files =
         Fetch(server_->unix_endpoint(), reply->session(), reply->session_secret(), &shape);
     ASSERT_TRUE(files.ok()) << files.status().ToString();
@@ -503,12 +509,7 @@ TEST_F(ImageFilesTest, TheChunkTableIsBuiltOncePerImage) {
   ASSERT_TRUE(client.Hello(0, {}, {}, /*max_version=*/2).ok());
   Result<wire::OpenImageReply> reply = client.Open("lazy");
   ASSERT_TRUE(reply.ok()) << reply.status().ToString();
-  client::ChunkTableShape shape;
-  for (const wire::BoInfo& bo : reply->bos())
-    shape.bo_sizes.push_back(bo.size());
-  shape.chunk_size = reply->chunk_size();
-  shape.lazy_image = reply->lazy_image();
-  shape.max_payload = 1u << 20;  // the fixture server's --max-frame
+  const client::ChunkTableShape shape = ShapeOf(*reply);
   auto built = [&] {
     Result<std::string> stats = client.Stats();
     EXPECT_TRUE(stats.ok()) << stats.status().ToString();
