@@ -545,6 +545,7 @@ void FakeServer::ServeLane(int fd, const wire::Hello& hello) {
       return;
     }
     lanes_[hello.join_session()].push_back(fd);
+    ++lanes_joined_;
     // A lane that joins after the stream ended is told so at once, as the real server does;
     // the stream thread sends nothing more on it.
     if (auto done = stream_done_chunks_.find(hello.join_session());
@@ -614,6 +615,10 @@ std::vector<std::set<ChunkKey>> FakeServer::stream_sent() const {
 uint64_t FakeServer::lane_chunks_sent() const {
   std::lock_guard lock(mutex_);
   return lane_chunks_sent_;
+}
+uint64_t FakeServer::lanes_joined() const {
+  std::lock_guard lock(mutex_);
+  return lanes_joined_;
 }
 uint64_t FakeServer::max_outstanding_credit() const {
   std::lock_guard lock(mutex_);

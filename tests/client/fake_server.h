@@ -106,6 +106,9 @@ class FakeServer {
   std::vector<wire::Request> demand_requests() const;        // from the demand connections
   std::vector<std::set<ChunkKey>> stream_sent() const;       // per session
   uint64_t lane_chunks_sent() const;                         // of those, on lanes (all sessions)
+  // Lanes registered, all sessions: the client counts a lane once its HelloReply came, which is
+  // written before the lane is registered for chunks.
+  uint64_t lanes_joined() const;
   uint64_t max_outstanding_credit() const;  // max of granted minus sent, over all sessions
   bool credit_violated() const;             // ever asked to send past credit (never happens)
 
@@ -149,6 +152,7 @@ class FakeServer {
   std::map<uint64_t, std::vector<int>> lanes_;                     // id -> lane fds, in join order
   std::map<uint64_t, uint64_t> stream_done_chunks_;  // id -> StreamDone.chunks, once it went out
   uint64_t lane_chunks_sent_ = 0;
+  uint64_t lanes_joined_ = 0;
   bool lane_dropped_ = false;
   std::vector<std::vector<wire::ChunkRange>> haves_;
   std::vector<wire::Request> demand_requests_;
