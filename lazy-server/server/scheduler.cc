@@ -95,6 +95,9 @@ Status Scheduler::StreamAll(SessionId id, bool by_reference) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
+  if (s.stream_all_taken)
+    return InvalidArgument("stream_all was already requested in session {}", id);
+  s.stream_all_taken = true;
   s.streaming = true;
   s.stream_by_reference = by_reference;
   s.cursor = 0;

@@ -111,7 +111,9 @@ class Scheduler {
 
   // Marks chunks as held by the client: stream_all skips them. All-or-nothing.
   Status Have(SessionId id, const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges);
-  // Starts (or restarts) streaming every chunk not in Have; by_reference marks its items.
+  // Starts streaming every chunk not in Have; by_reference marks its items. Once per session: a
+  // second is InvalidArgument (it would send again what is in flight or sent, and walk the
+  // whole plan under the dispatcher's lock for each small request).
   Status StreamAll(SessionId id, bool by_reference = false);
   // Queues exactly these chunks (again, if sent before). All-or-nothing: an out-of-range
   // range is kOutOfRange, past a limit kResourceExhausted, and nothing is queued.
@@ -168,6 +170,7 @@ class Scheduler {
     std::deque<WorkItem> background;
     // stream_all
     bool streaming = false;
+    bool stream_all_taken = false;  // StreamAll was called (streaming ends at StreamDone)
     bool stream_by_reference = false;
     size_t cursor = 0;
     uint64_t stream_in_flight_all = 0;

@@ -850,10 +850,16 @@ void Connection::HandleRequest(const wire::Header& frame) {
       SendError(wire::ERROR_BAD_REQUEST, "stream_all belongs on the stream connection", rid);
       return;
     }
-    auto done = ctx_.dispatcher.Update([&](Scheduler& s) {
-      (void)s.StreamAll(id, request.by_reference());
+    Status started;
+    auto done = ctx_.dispatcher.Update([&](Scheduler& s) -> std::optional<StreamDoneInfo> {
+      started = s.StreamAll(id, request.by_reference());
+      if (!started.ok()) return std::nullopt;
       return s.TakeStreamDone(id);
     });
+    if (!started.ok()) {
+      SendError(wire::ERROR_BAD_REQUEST, started.message(), rid);
+      return;
+    }
     spdlog::debug("{}: stream_all", Tag());
     if (done) SendStreamDone(*done);
     return;

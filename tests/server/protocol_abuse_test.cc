@@ -400,6 +400,37 @@ TEST_F(ProtocolAbuseTest, OutOfRangeRequestsAreRefusedAndTheConnectionStays) {
   ExpectStillServing();
 }
 
+// stream_all is taken once per session. Again, it would send what was sent already, and with
+// every chunk held each one walked the whole plan under the lock all sessions share.
+TEST_F(ProtocolAbuseTest, ASecondStreamAllIsRefusedAndTheConnectionStays) {
+  wire::OpenImageReply reply;
+  std::unique_ptr<TestClient> client = Opened("raw", &reply);
+  wire::Header have;
+  have.set_request_id(60);
+  for (int i = 0; i < reply.bos_size(); ++i) {
+    if (reply.bos(i).chunk_count() == 0) continue;
+    wire::ChunkRange* range = have.mutable_have()->add_ranges();
+    range->set_bo(static_cast<uint32_t>(i));
+    range->set_chunk_count(reply.bos(i).chunk_count());
+  }
+  ASSERT_TRUE(client->Send(have).ok());
+  ASSERT_TRUE(client->StreamAll(61).ok());
+  Result<Frame> done = client->Read();
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  ASSERT_TRUE(done->header.has_stream_done()) << done->header.ShortDebugString();
+  EXPECT_EQ(done->header.stream_done().chunks(), 0u);
+  for (uint64_t rid = 62; rid < 62 + 3; ++rid) {
+    ASSERT_TRUE(client->StreamAll(rid).ok());
+    Result<wire::Error> error = client->ReadError();
+    ASSERT_TRUE(error.ok()) << error.status().ToString();
+    EXPECT_EQ(error->code(), wire::ERROR_BAD_REQUEST);
+    EXPECT_EQ(error->in_reply_to(), rid);
+    EXPECT_NE(error->message().find("already"), std::string::npos) << error->message();
+  }
+  ExpectStillOpen(*client);
+  ExpectStillServing();
+}
+
 TEST_F(ProtocolAbuseTest, RequestsBeforeHelloOrOpenImage) {
   wire::Header request;
   request.set_request_id(7);

@@ -220,6 +220,29 @@ TEST(SchedulerTest, EverythingHeldFinishesAtOnce) {
   EXPECT_EQ(done->chunks, 0u);
 }
 
+// stream_all is taken once per session: a second one would send again what is in flight (or was
+// sent) and, with everything held, walk the whole plan under the dispatcher's lock each time.
+TEST(SchedulerTest, ASecondStreamAllIsRefusedAndSendsNothingAgain) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({4})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  std::optional<WorkItem> first = s.Next();
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(s.StreamAll(1).code(), Code::kInvalidArgument);
+  s.Done(*first, first->reserved_credit);
+  std::vector<Pick> picks = Drain(s);
+  ASSERT_EQ(picks.size(), 3u);  // chunks 1-3: chunk 0 is not picked again
+  for (uint32_t i = 0; i < picks.size(); ++i)
+    EXPECT_EQ(picks[i].chunk, i + 1);
+  std::optional<StreamDoneInfo> done = s.TakeStreamDone(1);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->chunks, 4u);
+  // Nor after StreamDone.
+  EXPECT_EQ(s.StreamAll(1).code(), Code::kInvalidArgument);
+  EXPECT_FALSE(s.Next().has_value());
+}
+
 TEST(SchedulerTest, ReRequestSendsAgainEvenWhenHeld) {
   Scheduler s;
   s.AddSession(1, Layout(MakeManifest({2})));
