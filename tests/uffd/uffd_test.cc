@@ -258,6 +258,26 @@ void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash
   _exit(0);
 }
 
+// A restored process forked to run RunChild, and this process's end of its handover socket.
+// Fork before this process has threads (a probe's are joined when it returns).
+struct RestoredChild {
+  pid_t pid = -1;
+  Fd socket;
+};
+
+RestoredChild ForkRestoredChild(bool exit_early, FillMode mode, uint64_t expected_hash) {
+  auto pair = HandoverSocketPair();
+  EXPECT_TRUE(pair.ok()) << pair.status().ToString();
+  if (!pair.ok()) return {};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    pair->first.reset();
+    RunChild(pair->second.get(), exit_early, mode, expected_hash);
+  }
+  pair->second.reset();
+  return {pid, std::move(pair->first)};
+}
+
 class UffdHandover : public ::testing::TestWithParam<std::tuple<FillMode, bool>> {};
 
 // The BO sizes in the order the server lists them, and the hash of their bytes in that order,
@@ -292,17 +312,11 @@ TEST_P(UffdHandover, PagerInAnotherProcess) {
   const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
   const auto [sizes, expected] = ProbeLayout(dir, image_dir, mode);
   ASSERT_FALSE(sizes.empty());
-  auto pair = HandoverSocketPair();
-  ASSERT_TRUE(pair.ok());
-  // Fork before this process has threads (the probe's have been joined).
-  pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    pair->first.reset();
-    RunChild(pair->second.get(), exit_early, mode, expected);
-  }
-  pair->second.reset();
-  const int socket = pair->first.get();
+  const RestoredChild restored = ForkRestoredChild(exit_early, mode, expected);
+  ASSERT_GE(restored.pid, 0);
+  ASSERT_TRUE(restored.socket.valid());
+  const pid_t child = restored.pid;
+  const int socket = restored.socket.get();
   ServerProcess server(dir.path(), dir.path() / "images");
   ASSERT_TRUE(server.ready()) << server.Log();
 
@@ -361,16 +375,12 @@ TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
   const fs::path image_dir = MakeImage(dir.path() / "images", 4 << 20);
   const std::vector<uint64_t> sizes = ProbeLayout(dir, image_dir, mode).sizes;
   ASSERT_FALSE(sizes.empty());
-  auto pair = HandoverSocketPair();
-  ASSERT_TRUE(pair.ok());
-  pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    pair->first.reset();
-    RunChild(pair->second.get(), /*exit_early=*/true, mode, 0);  // touches BO 0's first byte
-  }
-  pair->second.reset();
-  const int socket = pair->first.get();
+  // The child touches BO 0's first byte and exits.
+  const RestoredChild restored = ForkRestoredChild(/*exit_early=*/true, mode, 0);
+  ASSERT_GE(restored.pid, 0);
+  ASSERT_TRUE(restored.socket.valid());
+  const pid_t child = restored.pid;
+  const int socket = restored.socket.get();
   ServerProcess server(dir.path(), dir.path() / "images");
   ASSERT_TRUE(server.ready()) << server.Log();
   ASSERT_TRUE(SendLayout(socket, sizes).ok());
