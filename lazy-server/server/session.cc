@@ -413,6 +413,9 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     session_ = std::move(session);
     if (hello.want_files()) {
       role_ = Role::kFiles;
+      // From here the idle timeout bounds it, not what is left of the Hello timeout: building a
+      // large chunk table on a busy disk thread and writing it may take longer than that.
+      Touch();
       if (SendImageFiles(rid) && hello.want_chunk_table() && version_ >= 2)
         co_await SendChunkTable(rid);
       // Whatever happened, this connection has done its one job (the writer flushes what is
