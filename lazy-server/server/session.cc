@@ -510,6 +510,8 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
   successor_ = successor;
   moved_away_ = true;
   draining_ = true;  // this one's reader and writer end now
+  // Counted before the successor runs: its client may ask for stats as soon as it is answered.
+  ctx_.totals.demand_connections_moved.fetch_add(1);
   // Posted before the successor is registered: a shutdown that finds it in the registry posts
   // behind this on the same strand, so the client gets its HelloReply first.
   asio::post(successor->socket_.get_executor(), [successor, reply] {
@@ -526,7 +528,6 @@ bool Connection::MoveToDemandThreads(const wire::Header& reply) {
         [successor]() -> net::Awaitable<void> { co_await successor->Run(); }, asio::detached);
   });
   ctx_.AddConnection(id_, successor);  // replaces this one: a shutdown reaches the successor
-  ctx_.totals.demand_connections_moved.fetch_add(1);
   spdlog::debug("{}: moved to the demand network threads", Tag());
   return true;
 }
