@@ -861,7 +861,7 @@ void Connection::HandleRequest(const wire::Header& frame) {
       return s.TakeStreamDone(id);
     });
     if (!started.ok()) {
-      SendError(wire::ERROR_BAD_REQUEST, started.message(), rid);
+      SendError(ToWire(started.code()), started.message(), rid);
       return;
     }
     spdlog::debug("{}: stream_all", Tag());
@@ -997,7 +997,13 @@ void Connection::Shutdown(wire::ErrorCode code, std::string message) {
         successor->Shutdown(code, std::move(message));
       return;
     }
-    if (self->closed_ || self->draining_) return;
+    if (self->closed_) return;
+    if (self->draining_) {
+      // Already ending (an error sent, or a files connection writing its chunk table, whose
+      // deadline is the idle timeout): it gets the grace and no more, like every connection.
+      self->SetDeadline(std::min(self->deadline_, Clock::now() + self->ctx_.config.shutdown_grace));
+      return;
+    }
     if (code != wire::ERROR_NONE) {
       self->SendError(code, std::move(message), 0);
     } else {

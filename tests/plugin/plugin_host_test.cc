@@ -351,10 +351,11 @@ TEST_F(PluginHostTest, ThousandsOfBosRestoreLazilyFromARealServer) {
 // The server is stopped right after POST_FORKING, so with a 2 MiB credit window at most a few
 // MiB of the 32 MiB image have arrived when the second task is SIGKILLed (after it handed its
 // BOs over). It passes no image files: a client holding them reads every chunk itself, without
-// the server, and on a fast host had the whole image before the stop (1 run in 384 on 16 cores). Upstream CRIU fails the whole restore on such a death (its SIGCHLD handler aborts,
-// then exit(RESTORE, -1)); the plugin must then return from exit at once. Should the host go
-// on regardless, RESUME_DEVICES_LATE of the dead task fails naming it, and the other task
-// still resumes with byte-exact contents: the dead task's BOs leave the stream.
+// the server, and on a fast host had the whole image before the stop (1 run in 384 on 16 cores).
+// Upstream CRIU fails the whole restore on such a death (its SIGCHLD handler aborts, then
+// exit(RESTORE, -1)); the plugin must then return from exit at once. Should the host go on
+// regardless, RESUME_DEVICES_LATE of the dead task fails naming it, and the other task still
+// resumes with byte-exact contents: the dead task's BOs leave the stream.
 
 class TaskDeathTest : public PluginHostTest, public ::testing::WithParamInterface<const char*> {
  protected:
