@@ -763,8 +763,10 @@ FileChunk WholeFileChunk(int fd, uint32_t length) {
 }
 
 // The wait to enter the engine gate is counted apart (FileReadTimes::gate_wait_ns) and inside
-// the engine time: a chunk installed while another thread holds the gate for 30 ms waits that
-// long, and an install with the gate free waits for nothing of the kind.
+// the engine time: a chunk installed while another thread holds the gate for 30 ms after it
+// began to wait waits that long, and an install with the gate free waits for nothing of the
+// kind. (The install is urgent so that the holder sees it waiting: counting 30 ms from the
+// holder's entry failed once under load, the installer having reached the gate 5 ms late.)
 TEST(InstallFileChunkTimes, WaitAtTheGateIsCountedWithinEngineTime) {
   const int fd = ::memfd_create("gate-wait", MFD_CLOEXEC);
   ASSERT_GE(fd, 0);
@@ -788,12 +790,14 @@ TEST(InstallFileChunkTimes, WaitAtTheGateIsCountedWithinEngineTime) {
   std::thread holder([&] {
     std::lock_guard hold(gate);
     holding.set_value();
+    for (int i = 0; i < 10000 && gate.urgent_waiting() == 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
   });
   holding.get_future().wait();
   Status installed = InstallFileChunk(
-      engine, gate, Urgency::kBackground, chunk, buffers, scratch, "BO 0 chunk 0",
-      [](const Status&) {}, nullptr, &held_gate);
+      engine, gate, Urgency::kUrgent, chunk, buffers, scratch, "BO 0 chunk 0", [](const Status&) {},
+      nullptr, &held_gate);
   holder.join();
   ::close(fd);
   ASSERT_TRUE(installed.ok()) << installed.message();
