@@ -103,9 +103,6 @@ Status Scheduler::StreamAll(SessionId id, bool by_reference) {
   s.stream_all_taken = true;
   s.streaming = true;
   s.stream_by_reference = by_reference;
-  s.cursor = 0;
-  s.stream_sent_chunks = 0;
-  s.stream_sent_bytes = 0;
   return Status::Ok();
 }
 
