@@ -17,6 +17,7 @@
 #include "page-client/host_engine.h"
 #include "page-client/restore_session.h"
 #include "tests/server/test_support.h"
+#include "tests/support/sanitizers.h"
 
 namespace gpulazy {
 namespace {
@@ -28,15 +29,11 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kSessions = 64;
-#if defined(__SANITIZE_THREAD__)
 // TSan checks no memory bound here (below) and runs the pipeline ten times slower, so it gets a
 // quarter of the bytes (the test took 54 s of CI's TSan stage at 24 MiB, 11 s at 6 MiB). The
 // sessions still overlap, not all at once: under TSan the 64 starts alone spread over about 7 s
 // and sessions take 0.3-7 s each.
-constexpr uint64_t kImageBytes = 6ull << 20;
-#else
-constexpr uint64_t kImageBytes = 24ull << 20;
-#endif
+constexpr uint64_t kImageBytes = testing::kThreadSanitized ? 6ull << 20 : 24ull << 20;
 constexpr uint32_t kStreamWindow = 2;       // chunks in flight per stream connection
 constexpr uint64_t kChunkBytes = 2u << 20;  // the server's raw chunk size
 
@@ -173,15 +170,11 @@ TEST(Load, SixtyFourSessionsByteExactFairAndBounded) {
   // session (plus the process's own baseline and slack for allocator caching). The unbounded
   // case would be 64 x 24 MiB = 1.5 GiB (TSan, with smaller images, checks no bound).
   uint64_t bound = server_rss_before + kSessions * kStreamWindow * kChunkBytes + (128u << 20);
-#if defined(__SANITIZE_ADDRESS__)
-  bound += 768ull << 20;  // ASan's quarantine (256 MiB) keeps freed chunks; shadow and redzones
-#endif
-#if defined(__SANITIZE_THREAD__)
-  // TSan's shadow memory is several times what the program touches: no bound to check here.
-  (void)bound;
-#else
-  EXPECT_LT(server_peak, bound) << "server peak RSS " << server_peak << " bytes";
-#endif
+  // ASan's quarantine (256 MiB) keeps freed chunks; shadow and redzones.
+  if (testing::kAddressSanitized) bound += 768ull << 20;
+  // TSan's shadow memory is several times what the program touches: no bound to check there.
+  if (!testing::kThreadSanitized)
+    EXPECT_LT(server_peak, bound) << "server peak RSS " << server_peak << " bytes";
   EXPECT_EQ(server.Terminate(), 0) << server.Log();
 }
 
