@@ -205,10 +205,10 @@ void FakeServer::Serve(int fd) {
         return stopping_ || stream_done_chunks_.contains(joins) || !live_sessions_.contains(joins);
       });
     }
-    if (WriteFrame(fd, reply)) {
-      if (header.hello().join_session() != 0 && header.hello().join_as_lane())
-        ServeLane(fd, header.hello());
-      else if (header.hello().join_session() != 0)
+    if (joins != 0 && header.hello().join_as_lane()) {
+      ServeLane(fd, header.hello(), reply);
+    } else if (WriteFrame(fd, reply)) {
+      if (joins != 0)
         ServeDemand(fd, header.hello());
       else
         ServeStream(fd, header.hello());
@@ -535,11 +535,13 @@ bool FakeServer::JoinsLiveSessionLocked(int fd, const wire::Hello& hello) {
 }
 
 // A lane: the stream thread writes chunks to it; this thread reads until the client or the
-// session closes it.
-void FakeServer::ServeLane(int fd, const wire::Hello& hello) {
+// session closes it. As in the real server, a lane is registered by the time the client reads
+// its HelloReply: the reply is written under the lock the stream thread deals chunks under, so
+// no chunk can overtake it.
+void FakeServer::ServeLane(int fd, const wire::Hello& hello, const wire::Header& reply) {
   {
     std::lock_guard lock(mutex_);
-    if (!JoinsLiveSessionLocked(fd, hello)) return;
+    if (!WriteFrame(fd, reply) || !JoinsLiveSessionLocked(fd, hello)) return;
     if (lanes_[hello.join_session()].size() >= options_.max_lanes) {
       SendError(fd, wire::ERROR_LIMIT, "too many lanes");
       return;

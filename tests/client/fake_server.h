@@ -119,7 +119,7 @@ class FakeServer {
   void Serve(int fd);
   void ServeStream(int fd, const wire::Hello& hello);
   void ServeDemand(int fd, const wire::Hello& hello);
-  void ServeLane(int fd, const wire::Hello& hello);
+  void ServeLane(int fd, const wire::Hello& hello, const wire::Header& reply);
   // mutex_ held: whether hello names a live session with its secret; if not, tells the client.
   bool JoinsLiveSessionLocked(int fd, const wire::Hello& hello);
   // The OpenImageReply as version 1 (table in the header) or 2 (table as payload frames, with
