@@ -40,7 +40,7 @@ Status SendMsg(int socket, const void* data, size_t length, int fd) {
 }
 
 // Receives one message of at most `capacity` bytes and at most one fd, with a deadline.
-Result<size_t> RecvMsg(int socket, void* data, size_t capacity, Fd* fd,
+Result<size_t> RecvMsg(int socket, void* data, size_t capacity, UniqueFd* fd,
                        std::chrono::milliseconds timeout) {
   pollfd pfd{socket, POLLIN, 0};
   int rc;
@@ -55,17 +55,17 @@ Result<size_t> RecvMsg(int socket, void* data, size_t capacity, Fd* fd,
                           /*max_fds=*/1, &fds, net::Blocking::kYes);
   if (!received.ok()) return received.status().Context("handover");
   if (!received->has_value() || **received == 0) return Unavailable("handover: peer hung up");
-  if (fd != nullptr && !fds.empty()) *fd = Fd(fds[0].release());
+  if (fd != nullptr && !fds.empty()) *fd = UniqueFd(fds[0].release());
   return **received;
 }
 
 }  // namespace
 
-Result<std::pair<Fd, Fd>> HandoverSocketPair() {
+Result<std::pair<UniqueFd, UniqueFd>> HandoverSocketPair() {
   int fds[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0)
     return ErrnoError(errno, "socketpair");
-  return std::pair<Fd, Fd>(Fd(fds[0]), Fd(fds[1]));
+  return std::pair<UniqueFd, UniqueFd>(UniqueFd(fds[0]), UniqueFd(fds[1]));
 }
 
 Status SendLayout(int socket, const std::vector<uint64_t>& sizes) {
@@ -104,7 +104,7 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
 
 Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) {
   HelloMsg hello{};
-  Fd uffd_fd;
+  UniqueFd uffd_fd;
   GPULAZY_ASSIGN_OR_RETURN(size_t n, RecvMsg(socket, &hello, sizeof hello, &uffd_fd, timeout));
   if (n != sizeof hello || hello.magic != kMagic || hello.version != kVersion)
     return Corrupt("handover: bad hello ({} bytes)", n);
@@ -116,7 +116,7 @@ Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) 
   Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode), {}, {}};
   for (uint32_t i = 0; i < hello.count; ++i) {
     RegionMsg region{};
-    Fd memfd;
+    UniqueFd memfd;
     GPULAZY_ASSIGN_OR_RETURN(size_t got, RecvMsg(socket, &region, sizeof region, &memfd, timeout));
     if (got != sizeof region) return Corrupt("handover: region message of {} bytes", got);
     if (region.addr % PageSize() != 0 || region.addr + region.size < region.addr)

@@ -23,7 +23,7 @@ namespace gpulazy::uffd {
 inline constexpr uint32_t kMaxHandoverRegions = 65536;
 
 // A connected SOCK_SEQPACKET pair (for a forked child); both ends close-on-exec.
-Result<std::pair<Fd, Fd>> HandoverSocketPair();
+Result<std::pair<UniqueFd, UniqueFd>> HandoverSocketPair();
 
 Status SendLayout(int socket, const std::vector<uint64_t>& sizes);
 Result<std::vector<uint64_t>> ReceiveLayout(int socket, std::chrono::milliseconds timeout);
@@ -35,7 +35,7 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
 struct Handover {
   Userfaultfd uffd;
   std::vector<Region> regions;
-  std::vector<Fd> memfds;  // parallel to regions in MINOR mode
+  std::vector<UniqueFd> memfds;  // parallel to regions in MINOR mode
 };
 Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout);
 

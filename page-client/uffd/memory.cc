@@ -44,13 +44,13 @@ Result<RestoredMemory> RestoredMemory::Create(const Userfaultfd& uffd,
                                               const std::vector<uint64_t>& sizes, bool anonymous) {
   RestoredMemory memory;
   for (uint32_t bo = 0; bo < sizes.size(); ++bo) {
-    Fd memfd;
+    UniqueFd memfd;
     if (!anonymous) {
       // No MFD_CLOEXEC: a pager in another process gets it by SCM_RIGHTS, not by inheritance,
       // but the faulting process may exec a helper that must not hold it either.
       int raw = memfd_create(("gpulazy-bo-" + std::to_string(bo)).c_str(), MFD_CLOEXEC);
       if (raw < 0) return ErrnoError(errno, "memfd_create for BO {}", bo);
-      memfd = Fd(raw);
+      memfd = UniqueFd(raw);
       if (ftruncate(memfd.get(), static_cast<off_t>(PageAlignUp(sizes[bo]))) != 0)
         return ErrnoError(errno, "sizing the memfd of BO {} to {} bytes", bo, sizes[bo]);
     }
@@ -66,7 +66,7 @@ Result<RestoredMemory> RestoredMemory::Create(const Userfaultfd& uffd,
 
 std::vector<int> RestoredMemory::memfds() const {
   std::vector<int> fds;
-  for (const Fd& fd : memfds_)
+  for (const UniqueFd& fd : memfds_)
     fds.push_back(fd.get());
   return fds;
 }

@@ -62,7 +62,7 @@ class RestoredMemory {
   std::vector<int> memfds() const;
 
  private:
-  std::vector<Fd> memfds_;
+  std::vector<UniqueFd> memfds_;
   std::vector<Mapping> mappings_;
   std::vector<Region> regions_;
 };

@@ -73,7 +73,7 @@ Status Pager::Start() {
   if (chunk_size_ == 0) return InvalidArgument("pager: session not started");
   int raw = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (raw < 0) return ErrnoError(errno, "eventfd");
-  stop_event_ = Fd(raw);
+  stop_event_ = UniqueFd(raw);
   loop_ = std::thread([this] { Loop(); });
   for (uint32_t i = 0; i < std::max(1u, options_.demand_threads); ++i)
     workers_.emplace_back([this] { DemandWorker(); });

@@ -118,7 +118,7 @@ class Pager {
   PagerOptions options_;
   uint32_t chunk_size_ = 0;
   std::chrono::steady_clock::time_point started_;  // set by Start
-  Fd stop_event_;
+  UniqueFd stop_event_;
 
   mutable std::mutex mutex_;  // guards the queue, pending faults, stats, status
   std::condition_variable wake_workers_;

@@ -12,23 +12,6 @@
 
 namespace gpulazy::uffd {
 
-Fd& Fd::operator=(Fd&& other) noexcept {
-  if (this != &other) {
-    reset();
-    fd_ = std::exchange(other.fd_, -1);
-  }
-  return *this;
-}
-
-Fd::~Fd() {
-  reset();
-}
-
-void Fd::reset() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-}
-
 const char* FillModeName(FillMode mode) {
   return mode == FillMode::kMissingCopy ? "missing-copy" : "minor-continue";
 }
@@ -79,7 +62,7 @@ Result<Userfaultfd> Userfaultfd::Create(FillMode mode) {
   int raw =
       static_cast<int>(syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY));
   if (raw < 0) return ErrnoError(errno, "userfaultfd");
-  Fd fd(raw);
+  UniqueFd fd(raw);
   uffdio_api api{};
   api.api = UFFD_API;
   api.features = FeaturesFor(mode);
@@ -91,7 +74,7 @@ Result<Userfaultfd> Userfaultfd::Create(FillMode mode) {
   return Userfaultfd(std::move(fd), mode);
 }
 
-Userfaultfd Userfaultfd::Adopt(Fd fd, FillMode mode) {
+Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode) {
   return Userfaultfd(std::move(fd), mode);
 }
 

@@ -14,28 +14,10 @@
 #include <span>
 #include <utility>
 
+#include "lazy-server/image/io.h"  // UniqueFd
 #include "proto/status.h"
 
 namespace gpulazy::uffd {
-
-// An owned file descriptor (uffd, memfd, eventfd, socket); closes on destruction.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Fd& operator=(Fd&& other) noexcept;
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd();
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset();
-
- private:
-  int fd_ = -1;
-};
 
 // How a region is registered and filled (docs/uffd.md has the measurement behind the default).
 enum class FillMode {
@@ -70,7 +52,7 @@ class Userfaultfd {
   // with the features `mode` needs; kUnsupported when the kernel lacks them.
   static Result<Userfaultfd> Create(FillMode mode);
   // Wraps a descriptor received from another process (API already negotiated there).
-  static Userfaultfd Adopt(Fd fd, FillMode mode);
+  static Userfaultfd Adopt(UniqueFd fd, FillMode mode);
 
   int fd() const { return fd_.get(); }
   FillMode mode() const { return mode_; }
@@ -92,8 +74,8 @@ class Userfaultfd {
   Result<size_t> Read(std::span<FaultEvent> out) const;
 
  private:
-  Userfaultfd(Fd fd, FillMode mode) : fd_(std::move(fd)), mode_(mode) {}
-  Fd fd_;
+  Userfaultfd(UniqueFd fd, FillMode mode) : fd_(std::move(fd)), mode_(mode) {}
+  UniqueFd fd_;
   FillMode mode_ = FillMode::kMissingCopy;
 };
 

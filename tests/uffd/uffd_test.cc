@@ -262,7 +262,7 @@ void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash
 // Fork before this process has threads (a probe's are joined when it returns).
 struct RestoredChild {
   pid_t pid = -1;
-  Fd socket;
+  UniqueFd socket;
 };
 
 RestoredChild ForkRestoredChild(bool exit_early, FillMode mode, uint64_t expected_hash) {
