@@ -173,8 +173,9 @@ TEST(Load, SixtyFourSessionsByteExactFairAndBounded) {
   // ASan's quarantine (256 MiB) keeps freed chunks; shadow and redzones.
   if (testing::kAddressSanitized) bound += 768ull << 20;
   // TSan's shadow memory is several times what the program touches: no bound to check there.
-  if (!testing::kThreadSanitized)
+  if (!testing::kThreadSanitized) {
     EXPECT_LT(server_peak, bound) << "server peak RSS " << server_peak << " bytes";
+  }
   EXPECT_EQ(server.Terminate(), 0) << server.Log();
 }
 

@@ -8,29 +8,25 @@
 namespace gpulazy::testing {
 
 // GCC defines __SANITIZE_*__; clang answers __has_feature.
-#if defined(__SANITIZE_ADDRESS__)
-inline constexpr bool kAddressSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-inline constexpr bool kAddressSanitized = true;
+#if defined(__has_feature)
+#define GPULAZY_HAS_FEATURE(name) __has_feature(name)
 #else
-inline constexpr bool kAddressSanitized = false;
+#define GPULAZY_HAS_FEATURE(name) 0
 #endif
+
+#if defined(__SANITIZE_ADDRESS__) || GPULAZY_HAS_FEATURE(address_sanitizer)
+inline constexpr bool kAddressSanitized = true;
 #else
 inline constexpr bool kAddressSanitized = false;
 #endif
 
-#if defined(__SANITIZE_THREAD__)
-inline constexpr bool kThreadSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
+#if defined(__SANITIZE_THREAD__) || GPULAZY_HAS_FEATURE(thread_sanitizer)
 inline constexpr bool kThreadSanitized = true;
 #else
 inline constexpr bool kThreadSanitized = false;
 #endif
-#else
-inline constexpr bool kThreadSanitized = false;
-#endif
+
+#undef GPULAZY_HAS_FEATURE
 
 inline constexpr bool kSanitized = kAddressSanitized || kThreadSanitized;
 
