@@ -26,6 +26,7 @@
 #include "page-client/server_connection.h"
 #include "proto/checksum.h"
 #include "proto/recent_values.h"
+#include "proto/utf8.h"
 
 namespace gpulazy::client {
 namespace asio = boost::asio;
@@ -1003,7 +1004,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   wire::Hello hello;
   hello.set_min_version(kMinProtocolVersion);
   hello.set_max_version(kProtocolVersion);
-  hello.set_client_name(options_.client_name);
+  hello.set_client_name(ToValidUtf8(options_.client_name));
   hello.set_token(options_.token);
   bool refused = false;
   Result<Handshake> stream =

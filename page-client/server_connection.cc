@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "page-client/net/fd_passing.h"
+#include "proto/utf8.h"
 
 namespace gpulazy::client {
 namespace asio = boost::asio;
@@ -345,6 +346,10 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
                                                        std::chrono::milliseconds timeout,
                                                        bool* refused, uint64_t max_table_bytes) {
   *refused = false;
+  if (!IsValidUtf8(image)) {
+    *refused = true;  // no server could parse it: a protobuf string must be UTF-8
+    co_return InvalidArgument("image name '{}' is not valid UTF-8", ToValidUtf8(image));
+  }
   HandshakeDeadline deadline(co_await asio::this_coro::executor, &socket, timeout);
   wire::Header header;
   header.mutable_open_image()->set_image(image);
@@ -441,7 +446,7 @@ Result<std::string> FetchServerStats(const net::Endpoint& endpoint,
   wire::Header hello;
   hello.mutable_hello()->set_min_version(kMinProtocolVersion);
   hello.mutable_hello()->set_max_version(kProtocolVersion);
-  hello.mutable_hello()->set_client_name(client_name);
+  hello.mutable_hello()->set_client_name(ToValidUtf8(client_name));
   hello.mutable_hello()->set_token(token);
   GPULAZY_RETURN_IF_ERROR(net::WriteFrameBlocking(socket, hello, {}, limits));
   GPULAZY_ASSIGN_OR_RETURN(wire::Header reply, net::ReadFrameBlocking(socket, limits, &payload));

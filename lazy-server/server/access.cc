@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "proto/utf8.h"
+
 namespace gpulazy::server {
 
 std::string PeerIdentity::ToString() const {
@@ -13,7 +15,7 @@ std::string PeerIdentity::ToString() const {
   if (uid) text += fmt::format("uid {} ", *uid);
   if (gid) text += fmt::format("gid {} ", *gid);
   if (pid) text += fmt::format("pid {} ", *pid);
-  if (!common_name.empty()) text += fmt::format("cn '{}' ", common_name.substr(0, 128));
+  if (!common_name.empty()) text += fmt::format("cn '{}' ", CutUtf8(common_name, 128));
   if (text.empty()) return "anonymous";
   text.pop_back();
   return text;

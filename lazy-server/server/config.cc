@@ -13,6 +13,7 @@
 #include "lazy-server/server/image_store.h"
 #include "page-client/net/threads.h"
 #include "proto/size.h"
+#include "proto/utf8.h"
 
 namespace gpulazy::server {
 namespace {
@@ -271,6 +272,8 @@ Status ValidateConfig(const ServerConfig& config) {
   if (c < image::kMinChunkSize || c > image::kMaxChunkSize || (c & (c - 1)) != 0)
     return InvalidArgument("--raw-chunk-size must be a power of two in [{}, {}], not {}",
                            image::kMinChunkSize, image::kMaxChunkSize, c);
+  if (!IsValidUtf8(config.server_name))
+    return InvalidArgument("--server-name must be valid UTF-8 (clients could not parse it)");
   if (config.log_level != "trace" && config.log_level != "debug" && config.log_level != "info" &&
       config.log_level != "warn" && config.log_level != "error" && config.log_level != "off")
     return InvalidArgument("--log-level '{}' is not one of trace, debug, info, warn, error, off",

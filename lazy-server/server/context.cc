@@ -186,12 +186,15 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
   }
   nlohmann::json doc = {{"server", server}, {"sessions", sessions}};
   if (own) doc["own_session"] = *own;
-  std::string text = doc.dump();
+  // Image paths come from the file system: any bytes that are not UTF-8 become U+FFFD, where
+  // dump() would throw and a protobuf string field would not parse.
+  constexpr auto kReplace = nlohmann::json::error_handler_t::replace;
+  std::string text = doc.dump(-1, ' ', false, kReplace);
   if (text.size() <= max_bytes) return text;
   // Too many sessions for one frame header: the asking session and the totals only.
   doc["sessions"] = mine.is_null() ? nlohmann::json::array() : nlohmann::json::array({mine});
   doc["sessions_truncated"] = true;
-  return doc.dump();
+  return doc.dump(-1, ' ', false, kReplace);
 }
 
 }  // namespace gpulazy::server

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "proto/image_table.h"
+#include "proto/utf8.h"
 
 namespace gpulazy::server {
 
@@ -30,7 +31,7 @@ namespace {
 constexpr size_t kMaxNameLength = 4096;
 
 Status NotFoundName(std::string_view name) {
-  return NotFound("image '{}' not found", name.substr(0, 256));
+  return NotFound("image '{}' not found", CutUtf8(name, 256));
 }
 
 constexpr size_t kMaxStampedFiles = 4096;

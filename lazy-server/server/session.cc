@@ -10,6 +10,7 @@
 
 #include "page-client/net/fd_passing.h"
 #include "proto/image_table.h"
+#include "proto/utf8.h"
 
 namespace gpulazy::server {
 namespace asio = boost::asio;
@@ -722,7 +723,7 @@ bool Connection::SendImageFiles(uint64_t request_id) {
     raw.push_back(fd->get());
     fds.push_back(std::move(fd).value());
     wire::ImageFile* file = body->add_files();
-    file->set_name(source.files()[i].name);
+    file->set_name(ToValidUtf8(source.files()[i].name));
     file->set_size(source.files()[i].size);
   }
   // Before the send: the client may ask by_reference on its stream connection (another strand)
@@ -976,7 +977,8 @@ void Connection::SendError(wire::ErrorCode code, std::string message, uint64_t i
   header.set_request_id(in_reply_to);
   wire::Error* error = header.mutable_error();
   error->set_code(code);
-  error->set_message(std::move(message));
+  // Messages quote what clients and disks hold; the reader could not parse invalid UTF-8.
+  error->set_message(ToValidUtf8(message));
   error->set_in_reply_to(in_reply_to);
   ctx_.totals.errors_sent.fetch_add(1);
   if (session_) session_->stats().errors_sent.fetch_add(1);

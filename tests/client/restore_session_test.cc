@@ -575,6 +575,20 @@ TEST(RestoreSession, StartFailsWithTheServersMessage) {
   EXPECT_EQ(session.WaitComplete(1s).code(), Code::kInvalidArgument);  // never opened
 }
 
+// A name that is not UTF-8 cannot cross the wire (protobuf strings must be UTF-8): the server
+// would see a corrupt frame and close, and the session would retry. It fails at once instead,
+// saying why, and no session is opened.
+TEST(RestoreSession, StartRefusesAnImageNameThatIsNotUtf8) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});
+  CountingEngine engine(image);
+  RestoreSession session(Options(server, "ckpt-\xff"), engine);
+  Status status = session.Start();
+  EXPECT_EQ(status.code(), Code::kInvalidArgument) << status.ToString();
+  EXPECT_NE(status.message().find("not valid UTF-8"), std::string::npos) << status.message();
+  EXPECT_EQ(server.sessions(), 0);
+}
+
 TEST(RestoreSession, StartFailsWhenTheEngineCannotStageTheImagesChunks) {
   FakeImage image = SmallImage();
   FakeServer server(image, {});

@@ -4,6 +4,7 @@
 // each, a fresh client still streams an image byte-exact, and the server's memory stays
 // bounded. Complements server_integration_test.cc (oversized payload, garbage header, empty
 // header, no Hello, version 2..5, wrong join secret, Hello timeout, basic out-of-range).
+#include <google/protobuf/stubs/logging.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -473,6 +474,49 @@ TEST_F(ProtocolAbuseTest, RequestsBeforeHelloOrOpenImage) {
     EXPECT_TRUE(chunk->header.has_chunk());
     EXPECT_EQ(chunk->header.request_id(), 9u);
   }
+  ExpectStillServing();
+}
+
+// Errors quote what the client asked for, cut to a length. A cut inside a multi-byte UTF-8
+// character would make the reply's string field invalid UTF-8, which protobuf refuses to parse:
+// the client would see a corrupt frame instead of the error. Each name puts a two-, three- or
+// four-byte character across the point where the server cuts (the first 256 bytes).
+TEST_F(ProtocolAbuseTest, ErrorsQuotingLongNamesStayValidUtf8) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  for (const std::string character : {"\u00e9", "\u20ac", "\U0001F600"}) {
+    for (size_t before = 250; before < 256; ++before) {
+      SCOPED_TRACE(::testing::Message() << character.size() << "-byte character at " << before);
+      wire::Header open;
+      open.set_request_id(before);
+      open.mutable_open_image()->set_image(std::string(before, 'a') + character + "/missing");
+      ASSERT_TRUE(client.Send(open).ok());
+      Result<wire::Error> error = client.ReadError();
+      ASSERT_TRUE(error.ok()) << error.status().ToString();
+      EXPECT_EQ(error->code(), wire::ERROR_NOT_FOUND);
+      EXPECT_EQ(error->in_reply_to(), before);
+    }
+  }
+  ExpectStillOpen(client);
+  ExpectStillServing();
+}
+
+// A string field that is not UTF-8 fails to parse, and protobuf says so on stderr itself. In
+// the server those lines go to its log at debug, in its format (and so under --log-level), not
+// as raw "[libprotobuf ERROR ...]" lines a hostile client could repeat at will.
+TEST_F(ProtocolAbuseTest, ProtobufsComplaintsGoToTheServersLog) {
+  TestClient client(server_->unix_endpoint());
+  ASSERT_TRUE(client.Hello().ok());
+  wire::Header open;
+  open.set_request_id(5);
+  open.mutable_open_image()->set_image("raw\xff");
+  {
+    google::protobuf::LogSilencer quiet;  // this process's own serializer complains too
+    ASSERT_TRUE(client.Send(open).ok());
+  }
+  ExpectErrorThenClose(client, wire::ERROR_BAD_REQUEST, "not a valid protobuf");
+  EXPECT_TRUE(server_->LogShows({"protobuf ("})) << server_->Log();
+  EXPECT_EQ(server_->Log().find("[libprotobuf"), std::string::npos) << server_->Log();
   ExpectStillServing();
 }
 
