@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-30}
 build=${2:-$root/build-fuzz}
-targets=(frame manifest criu chunk_codec)
+targets=(frame manifest criu chunk_codec server)
 
 command -v clang++ >/dev/null || { echo "fuzz: clang++ missing (scripts/install-deps.sh)"; exit 1; }
 generator=()
@@ -36,9 +36,12 @@ for target in "${targets[@]}"; do
   mkdir -p "$work"
   log="$build/fuzz_$target.log"
   echo "fuzz: $target for $seconds s"
-  # -max_len: room for a whole seed chunk frame; -timeout: one input may not take a second;
+  # -max_len: room for a whole seed chunk frame (the server's scripts: a few hundred actions, each
+  # a round trip or a short wait at most); -timeout: one input may not take ten seconds;
   # -rss_limit_mb: the harnesses stay far below it unless something leaks or balloons.
-  if ! "$build/fuzz/fuzz_$target" -max_total_time="$seconds" -max_len=65536 -timeout=10 \
+  max_len=65536
+  [ "$target" = server ] && max_len=4096
+  if ! "$build/fuzz/fuzz_$target" -max_total_time="$seconds" -max_len="$max_len" -timeout=10 \
       -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$build/artifacts/$target-" \
       "$work" "$root/tests/fuzz/corpus/$target" >"$log" 2>&1; then
     status=1

@@ -19,6 +19,7 @@
 #include "proto/file_header.h"
 #include "proto/frame.h"
 #include "tests/fuzz/fuzz_support.h"
+#include "tests/fuzz/server_script.h"
 
 namespace {
 
@@ -284,6 +285,81 @@ void ChunkCodecCorpus(Corpus& corpus) {
   corpus.Add("chunk_codec", "crash-zero-codec-empty-raw", input(manifest::CODEC_ZERO, 0, {}));
 }
 
+// Scripts for the server harness (server_script.h): whole restores in each shape a client opens
+// them (stream, lanes, a demand connection, files by reference), then abuse.
+void ServerCorpus(Corpus& corpus) {
+  using namespace fuzz::server_script;
+  auto opened = [](uint8_t image, bool tcp) {
+    ScriptWriter w;
+    w.Connect(0, tcp).Hello(0, 2).Open(0, image).Sync(0);
+    return w;
+  };
+  {
+    ScriptWriter w = opened(0, false);
+    w.Credit(0, 255).StreamAll(0, false).Drain(0, 3);
+    corpus.Add("server", "stream-raw-unix", w.bytes());
+  }
+  {
+    // One chunk's credit at a time: the server must stop after each.
+    ScriptWriter w = opened(0, true);
+    w.Credit(0, 0).StreamAll(0, false).Drain(0, 3).Credit(0, 0).Drain(0, 3).Credit(0, 1);
+    w.Drain(0, 3);
+    corpus.Add("server", "stream-raw-credit-by-the-page", w.bytes());
+  }
+  {
+    ScriptWriter w = opened(1, true);
+    w.Connect(1, true).Join(1, 0, kHelloLane).Sync(1).Credit(0, 255).StreamAll(0, false);
+    w.Drain(1, 3).Drain(0, 3);
+    corpus.Add("server", "stream-lazy-tcp-lane", w.bytes());
+  }
+  {
+    ScriptWriter w = opened(1, false);
+    w.Connect(1, false).Join(1, 0, 0).Sync(1).Ask(1, wire::PRIORITY_DEMAND, 0, 0, 2).Drain(1, 3);
+    corpus.Add("server", "demand-connection", w.bytes());
+  }
+  {
+    ScriptWriter w = opened(0, false);
+    w.Connect(1, false).Join(1, 0, kHelloWantFiles | kHelloChunkTable).Sync(1);
+    w.Credit(0, 16).StreamAll(0, true).Drain(0, 3);
+    corpus.Add("server", "files-by-reference", w.bytes());
+  }
+  {
+    ScriptWriter w = opened(1, false);
+    w.Connect(1, false).Op(kHello, 1).Byte(1).Byte(2).Byte(kHelloJoin).Byte(0).String("seed");
+    w.String("not the secret").Sync(1);
+    corpus.Add("server", "wrong-secret", w.bytes());
+  }
+  {
+    ScriptWriter w;
+    w.Connect(0, false).Hello(0, 1);
+    for (uint8_t name = 2; name < kImageNameCount; ++name)
+      w.Open(0, name).Sync(0);
+    w.Op(kOpenImage, 0).Byte(kImageString).String("./lazy").Sync(0);
+    corpus.Add("server", "bad-image-names", w.bytes());
+  }
+  {
+    // A name the server quotes in its error, cut at 256 bytes: inside the two-byte character.
+    ScriptWriter w;
+    w.Connect(0, false).Hello(0, 2);
+    w.Op(kOpenImage, 0).Byte(kImageString).String(std::string(255, 'a') + "\u00e9/x").Sync(0);
+    corpus.Add("server", "long-name-cut-in-a-character", w.bytes());
+  }
+  {
+    ScriptWriter w = opened(1, false);
+    w.Ask(0, wire::PRIORITY_BACKGROUND, 200, 0, 1).Ask(0, wire::PRIORITY_PREFETCH, 0, 31, 31);
+    w.Op(kHave, 0).Byte(1).Byte(0).Byte(0xFF).U32(0xFFFFFFFF).Byte(5);
+    w.Op(kCredit, 0).Byte(kCreditMax).Op(kCredit, 0).Byte(kCreditMax).StreamAll(0, false);
+    w.StreamAll(0, false).Drain(0, 3);
+    corpus.Add("server", "out-of-range-and-credit-overflow", w.bytes());
+  }
+  {
+    ScriptWriter w = opened(0, true);
+    w.Op(kJunk, 0).Byte(7).U64(0x0123456789ABCDEF);
+    w.Connect(1, false).Op(kPrefix, 1).U32(0xFFFFFFF0).U32(16);
+    corpus.Add("server", "junk-and-prefix", w.bytes());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -307,6 +383,7 @@ int main(int argc, char** argv) {
   ManifestCorpus(corpus, lazy->manifest());
   CriuCorpus(corpus, dir);
   ChunkCodecCorpus(corpus);
+  ServerCorpus(corpus);
   std::printf("fuzz_make_corpus: wrote %d inputs under %s\n", corpus.count(), argv[1]);
   return 0;
 }

@@ -1,0 +1,131 @@
+// The input language of the server harness (fuzz_server.cc): a script of client actions on up
+// to four connections to one in-process gpulazy-server. Shared with the seed-corpus generator
+// (make_corpus.cc), which writes scripts with ScriptWriter; docs/hostile-input.md describes it.
+//
+// A script is a sequence of actions: an op byte (taken modulo kOpCount), a slot byte (modulo
+// kSlots), a request-id byte (the id of the frame the action sends, if any), then the op's
+// operands.
+// Operands are read as the op needs them; past the end of the input every byte reads as 0, so
+// any byte string is a script.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpulazy::fuzz::server_script {
+
+inline constexpr uint32_t kSlots = 4;
+
+enum Op : uint8_t {
+  kConnect = 0,    // slot, transport (bit 0: TCP, else the Unix socket)
+  kHello = 1,      // slot, min and max version, flags (kHello*), join source, name, and with
+                   // kHelloJoin: a u64 id (kHelloRandomId), a secret string (no
+                   // kHelloRightSecret); with kHelloToken a token string
+  kOpenImage = 2,  // slot, image choice (kImageNames; the last one reads a string)
+  kRequest = 3,    // slot, priority, flags (kRequest*), range count, ranges
+  kCredit = 4,     // slot, kind (kCredit*), its operand
+  kHave = 5,       // slot, range count, ranges
+  kStats = 6,      // slot
+  kGoodbye = 7,    // slot
+  kJunk = 8,       // slot, length - 1, that many bytes sent as they are
+  kShutWrite = 9,  // slot: shutdown(SHUT_WR)
+  kClose = 10,     // slot: close() with whatever is unread
+  kDrain = 11,     // slot, wait in ms (0..3): read and check what has arrived
+  kPrefix = 12,    // slot, header length u32, payload length u32: a frame prefix alone
+  kSync = 13,      // slot: a stats request, then read until its answer (or the end)
+  kOpCount = 14,
+};
+
+// kHello flags.
+inline constexpr uint8_t kHelloJoin = 1;  // join the session of the join-source slot
+inline constexpr uint8_t kHelloWantFiles = 2;
+inline constexpr uint8_t kHelloChunkTable = 4;
+inline constexpr uint8_t kHelloLane = 8;
+inline constexpr uint8_t kHelloRightSecret = 16;  // else the secret operand's bytes
+inline constexpr uint8_t kHelloRandomId = 32;     // a u64 operand instead of the slot's session
+inline constexpr uint8_t kHelloToken = 64;        // a token (the server requires none)
+
+// kRequest flags.
+inline constexpr uint8_t kRequestStreamAll = 1;
+inline constexpr uint8_t kRequestByReference = 2;
+
+// kCredit kinds.
+inline constexpr uint8_t kCreditZero = 0;
+inline constexpr uint8_t kCreditPages = 1;  // (u8 + 1) * 4096
+inline constexpr uint8_t kCreditAny = 2;    // u64
+inline constexpr uint8_t kCreditMax = 3;    // UINT64_MAX
+
+// What kOpenImage asks for, by index; the last reads a string operand instead.
+inline constexpr const char* kImageNames[] = {"raw", "lazy",   "../raw", "/raw",
+                                              "",    "raw/..", "missing"};
+inline constexpr uint8_t kImageNameCount = 7;
+inline constexpr uint8_t kImageString = kImageNameCount;  // index of the string choice
+
+// A chunk-range number: bytes under 0xF0 are themselves (mod 32), others read a u32.
+inline constexpr uint8_t kSmallLimit = 0xF0;
+// A string's length byte: under this, the length mod 32; from it, 248 + (byte - kLongString).
+inline constexpr uint8_t kLongString = 0xF0;
+
+class ScriptWriter {
+ public:
+  ScriptWriter& Byte(uint8_t b) {
+    bytes_.push_back(b);
+    return *this;
+  }
+  ScriptWriter& U32(uint32_t v) {
+    for (int i = 0; i < 4; ++i)
+      Byte(static_cast<uint8_t>(v >> (8 * i)));
+    return *this;
+  }
+  ScriptWriter& U64(uint64_t v) {
+    for (int i = 0; i < 8; ++i)
+      Byte(static_cast<uint8_t>(v >> (8 * i)));
+    return *this;
+  }
+  // The length byte, then the bytes: under 32 bytes, or 248 to 263.
+  ScriptWriter& String(const std::string& s) {
+    Byte(static_cast<uint8_t>(s.size() < 32 ? s.size() : kLongString + (s.size() - 248)));
+    for (char c : s)
+      Byte(static_cast<uint8_t>(c));
+    return *this;
+  }
+  ScriptWriter& Op(uint8_t op, uint8_t slot, uint8_t request_id = 1) {
+    return Byte(op).Byte(slot).Byte(request_id);
+  }
+  ScriptWriter& Connect(uint8_t slot, bool tcp) { return Op(kConnect, slot).Byte(tcp); }
+  // A plain stream-connection Hello offering versions 1..max_version.
+  ScriptWriter& Hello(uint8_t slot, uint8_t max_version) {
+    return Op(kHello, slot).Byte(1).Byte(max_version).Byte(0).Byte(0).String("seed");
+  }
+  // Joins the session opened on `source` with its secret; flags add kHelloLane and the like.
+  ScriptWriter& Join(uint8_t slot, uint8_t source, uint8_t flags) {
+    return Op(kHello, slot)
+        .Byte(1)
+        .Byte(2)
+        .Byte(static_cast<uint8_t>(kHelloJoin | kHelloRightSecret | flags))
+        .Byte(source)
+        .String("seed");
+  }
+  ScriptWriter& Open(uint8_t slot, uint8_t image) { return Op(kOpenImage, slot).Byte(image); }
+  ScriptWriter& Credit(uint8_t slot, uint8_t pages) {
+    return Op(kCredit, slot).Byte(kCreditPages).Byte(pages);
+  }
+  ScriptWriter& StreamAll(uint8_t slot, bool by_reference) {
+    return Op(kRequest, slot, 2)
+        .Byte(0)
+        .Byte(static_cast<uint8_t>(kRequestStreamAll | (by_reference ? kRequestByReference : 0)))
+        .Byte(0);
+  }
+  ScriptWriter& Ask(uint8_t slot, uint8_t priority, uint8_t bo, uint8_t first, uint8_t count) {
+    return Op(kRequest, slot, 3).Byte(priority).Byte(0).Byte(1).Byte(bo).Byte(first).Byte(count);
+  }
+  ScriptWriter& Drain(uint8_t slot, uint8_t ms) { return Op(kDrain, slot).Byte(ms); }
+  ScriptWriter& Sync(uint8_t slot) { return Op(kSync, slot); }
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+}  // namespace gpulazy::fuzz::server_script
