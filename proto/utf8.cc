@@ -58,8 +58,8 @@ std::string_view CutUtf8(std::string_view text, size_t max_bytes) {
   return text.substr(0, end);
 }
 
-std::string ToValidUtf8(std::string_view text) {
-  if (IsValidUtf8(text)) return std::string(text);
+std::string ToValidUtf8(std::string text) {
+  if (IsValidUtf8(text)) return text;
   std::string out;
   out.reserve(text.size() + 8);
   for (size_t at = 0; at < text.size();) {
@@ -68,7 +68,7 @@ std::string ToValidUtf8(std::string_view text) {
       out += "\xEF\xBF\xBD";  // U+FFFD REPLACEMENT CHARACTER
       ++at;
     } else {
-      out.append(text.substr(at, length));
+      out.append(text, at, length);
       at += length;
     }
   }

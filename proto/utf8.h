@@ -19,7 +19,8 @@ bool IsValidUtf8(std::string_view text);
 // character (a byte that starts no valid character counts as one).
 std::string_view CutUtf8(std::string_view text, size_t max_bytes);
 
-// `text` with each byte that is not part of a valid character replaced by U+FFFD.
-std::string ToValidUtf8(std::string_view text);
+// `text` with each byte that is not part of a valid character replaced by U+FFFD (valid text is
+// returned as it came, moved).
+std::string ToValidUtf8(std::string text);
 
 }  // namespace gpulazy

@@ -978,7 +978,7 @@ void Connection::SendError(wire::ErrorCode code, std::string message, uint64_t i
   wire::Error* error = header.mutable_error();
   error->set_code(code);
   // Messages quote what clients and disks hold; the reader could not parse invalid UTF-8.
-  error->set_message(ToValidUtf8(message));
+  error->set_message(ToValidUtf8(std::move(message)));
   error->set_in_reply_to(in_reply_to);
   ctx_.totals.errors_sent.fetch_add(1);
   if (session_) session_->stats().errors_sent.fetch_add(1);
