@@ -117,7 +117,6 @@ class ScriptReader {
 
 // One image as the server's table lists it, with every BO's bytes read from the pages files.
 struct ImageOracle {
-  bool lazy = false;
   uint32_t chunk_size = 0;
   std::vector<wire::BoInfo> bos;
   std::vector<std::vector<uint8_t>> contents;  // by table index
@@ -218,8 +217,8 @@ class Harness {
       if (endpoint.kind == net::Endpoint::Kind::kUnix) unix_path_ = endpoint.path;
       if (endpoint.kind == net::Endpoint::Kind::kTcp) tcp_port_ = endpoint.port;
     }
-    raw_ = LoadOracle("raw", root / "raw", false);
-    lazy_ = LoadOracle("lazy", root / "lazy", true);
+    raw_ = LoadOracle("raw", root / "raw");
+    lazy_ = LoadOracle("lazy", root / "lazy");
     checking_ = true;
   }
   ~Harness() {
@@ -255,9 +254,8 @@ class Harness {
   }
 
  private:
-  ImageOracle LoadOracle(const std::string& name, const fs::path& dir, bool lazy) {
+  ImageOracle LoadOracle(const std::string& name, const fs::path& dir) {
     ImageOracle oracle;
-    oracle.lazy = lazy;
     Slot slot;
     slot.name = "set-up client of " + name;
     Connect(slot, /*tcp=*/false);
