@@ -1700,7 +1700,10 @@ Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
   // connection meanwhile is then a duplicate, so the two threads never both receive a chunk
   // (into the same destination range) and it is never applied twice.
   *duplicate = !residency_.MarkLanding(bo, chunk);
-  if (*duplicate) ++counters_.duplicates;
+  if (*duplicate) {
+    ++counters_.duplicates;
+    counters_.duplicate_bytes += wire_bytes;
+  }
   return Status::Ok();
 }
 

@@ -131,11 +131,12 @@ struct Progress {
   // Chunks read by reference that came with no checksum, installed as read: a CRIU checkpoint
   // records none, and the server knows one only for chunks it has read itself (docs/client.md).
   uint64_t unchecked_chunks = 0;
-  uint64_t duplicates = 0;     // copies of chunks already held, ignored
-  uint64_t reconnects = 0;     // successful re-opens after a lost connection
-  bool reading_files = false;  // the current connection passed the image files (by reference)
-  uint32_t lanes = 0;          // lanes joined to the current connection (besides the stream's)
-  uint64_t lane_bytes = 0;     // of received_bytes: payload bytes that came on lanes
+  uint64_t duplicates = 0;       // copies of chunks already held, ignored
+  uint64_t duplicate_bytes = 0;  // of received_bytes: the payload bytes of those copies
+  uint64_t reconnects = 0;       // successful re-opens after a lost connection
+  bool reading_files = false;    // the current connection passed the image files (by reference)
+  uint32_t lanes = 0;            // lanes joined to the current connection (besides the stream's)
+  uint64_t lane_bytes = 0;       // of received_bytes: payload bytes that came on lanes
   // Where the stream connection's reading thread spent its time (wall time, other work of that
   // thread included): waiting for the next frame to start, and inside chunk frames (receiving
   // the payload, which may also wait for bytes, verifying it, handing it to the engine).

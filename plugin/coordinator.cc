@@ -417,9 +417,10 @@ Status RestoreCoordinator::Finish(bool success) {
     if (result.ok()) {
       const client::Progress p = session_->progress();
       spdlog::info(
-          "gpulazy: restore of {} done: {} of {} bytes resident, {} received, {} of exited "
-          "tasks not fetched",
-          config_.image, p.resident_bytes, p.total_bytes, p.received_bytes, p.abandoned_bytes);
+          "gpulazy: restore of {} done: {} of {} bytes resident, {} received ({} of them "
+          "duplicates), {} of exited tasks not fetched",
+          config_.image, p.resident_bytes, p.total_bytes, p.received_bytes, p.duplicate_bytes,
+          p.abandoned_bytes);
     }
     Status handoff;
     {

@@ -158,6 +158,7 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
       {"lane_bytes", p.lane_bytes},
       {"refetches", p.refetches},
       {"duplicates", p.duplicates},
+      {"duplicate_bytes", p.duplicate_bytes},
       {"demand_chunks", p.demand_chunks},
       {"files", files},
   };
