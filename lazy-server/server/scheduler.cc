@@ -62,6 +62,7 @@ Status ImageLayout::CheckRange(const wire::ChunkRange& range) const {
 void Scheduler::AddSession(SessionId id, std::shared_ptr<const ImageLayout> layout) {
   SessionState state;
   state.have.assign(layout->total_chunks(), false);
+  state.sent_for_request.assign(layout->total_chunks(), false);
   state.layout = std::move(layout);
   sessions_[id] = std::move(state);
 }
@@ -167,11 +168,27 @@ bool Scheduler::TakeCredit(SessionId id, uint64_t bytes) {
   return true;
 }
 
+bool Scheduler::Settled(const SessionState& s, uint32_t bo, uint32_t chunk) {
+  const uint64_t flat = s.layout->FlatIndex(bo, chunk);
+  return s.have[flat] || s.sent_for_request[flat] || s.requests_in_flight.contains(flat);
+}
+
 void Scheduler::SkipHeld(SessionState& s) {
   const auto& plan = s.layout->plan();
-  while (s.cursor < plan.size() &&
-         s.have[s.layout->FlatIndex(plan[s.cursor].bo(), plan[s.cursor].chunk())])
+  while (s.cursor < plan.size() && Settled(s, plan[s.cursor].bo(), plan[s.cursor].chunk()))
     ++s.cursor;
+}
+
+void Scheduler::NoteRequestPicked(SessionState& s, const WorkItem& item) {
+  ++s.requests_in_flight[s.layout->FlatIndex(item.bo, item.chunk)];
+}
+
+void Scheduler::NoteRequestDone(SessionState& s, const WorkItem& item, bool written) {
+  const uint64_t flat = s.layout->FlatIndex(item.bo, item.chunk);
+  if (auto in_flight = s.requests_in_flight.find(flat);
+      in_flight != s.requests_in_flight.end() && --in_flight->second == 0)
+    s.requests_in_flight.erase(in_flight);
+  if (written) s.sent_for_request[flat] = true;
 }
 
 bool Scheduler::StreamMayTake(const SessionState& s, uint32_t payload) const {
@@ -201,6 +218,7 @@ std::optional<WorkItem> Scheduler::TakeQueued(SessionState& s, std::deque<WorkIt
   if (!StreamMayTake(s, payload)) return std::nullopt;
   WorkItem item = front;
   queue.pop_front();
+  NoteRequestPicked(s, item);
   item.reserved_credit = payload;
   AssignLane(s, item);
   s.credit -= payload;
@@ -213,6 +231,7 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s, Pick 
       s.demand_in_flight < limits_.demand_in_flight) {
     WorkItem item = s.demand_to_demand.front();
     s.demand_to_demand.pop_front();
+    NoteRequestPicked(s, item);
     ++s.demand_in_flight;
     return item;
   }
@@ -294,7 +313,7 @@ std::vector<manifest::ChunkRef> Scheduler::Upcoming(SessionId id, size_t count) 
   auto add_plan = [&](size_t from, size_t to) {
     const auto& plan = s.layout->plan();
     for (size_t i = from; i < to && out.size() < count; ++i) {
-      if (s.have[s.layout->FlatIndex(plan[i].bo(), plan[i].chunk())]) continue;
+      if (Settled(s, plan[i].bo(), plan[i].chunk())) continue;
       add(plan[i].bo(), plan[i].chunk());
     }
   };
@@ -328,6 +347,8 @@ void Scheduler::Done(const WorkItem& item, std::optional<uint32_t> sent_payload)
       ++s.stream_sent_chunks;
       s.stream_sent_bytes += *sent_payload;
     }
+  } else {
+    NoteRequestDone(s, item, sent_payload.has_value());
   }
 }
 

@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "proto/manifest.pb.h"
@@ -115,7 +116,11 @@ class Scheduler {
   // second is InvalidArgument (it would send again what is in flight or sent, and walk the
   // whole plan under the dispatcher's lock for each small request).
   Status StreamAll(SessionId id, bool by_reference = false);
-  // Queues exactly these chunks (again, if sent before). All-or-nothing: an out-of-range
+  // Queues exactly these chunks (again, if sent before). A chunk picked for a request is not
+  // sent again by stream_all in this session while it is in flight or once it was written (a
+  // demanded chunk ahead of the plan's cursor would otherwise cross the wire twice). One
+  // dropped unwritten (its connection closed, its read failed) is streamed only if the plan
+  // has not passed it yet; the requester asks again. All-or-nothing: an out-of-range
   // range is kOutOfRange, past a limit kResourceExhausted, and nothing is queued.
   Status Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                  const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
@@ -164,6 +169,10 @@ class Scheduler {
   struct SessionState {
     std::shared_ptr<const ImageLayout> layout;
     std::vector<bool> have;
+    // For the stream_all plan to skip: request picks in flight, by flat chunk index (as few
+    // as the in-flight limits allow), and per chunk whether one was written.
+    std::unordered_map<uint64_t, uint32_t> requests_in_flight;
+    std::vector<bool> sent_for_request;
     std::deque<WorkItem> demand_to_demand;
     std::deque<WorkItem> demand_to_stream;
     std::deque<WorkItem> prefetch;
@@ -184,8 +193,14 @@ class Scheduler {
     uint32_t demand_outstanding = 0;
   };
 
-  // Advances the plan cursor past chunks the client holds.
+  // Whether stream_all has no need to send the chunk: the client holds it, or a request's copy
+  // is on its way or was sent.
+  static bool Settled(const SessionState& s, uint32_t bo, uint32_t chunk);
+  // Advances the plan cursor past settled chunks.
   static void SkipHeld(SessionState& s);
+  // A request's item was picked, or finished (sent_payload: written).
+  static void NoteRequestPicked(SessionState& s, const WorkItem& item);
+  static void NoteRequestDone(SessionState& s, const WorkItem& item, bool written);
   // The session's best eligible item of the kind `pick` allows, popped; nullopt when nothing
   // may go.
   std::optional<WorkItem> PickFrom(SessionId id, SessionState& s, Pick pick);

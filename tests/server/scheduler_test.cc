@@ -131,12 +131,12 @@ TEST(SchedulerTest, DemandBeforePrefetchBeforeBackground) {
   EXPECT_EQ(picks[2], (Pick{1, 1, 3, wire::PRIORITY_PREFETCH}));    // hot set of the profile
   EXPECT_EQ(picks[3], (Pick{1, 0, 2, wire::PRIORITY_BACKGROUND}));  // explicit background
   EXPECT_EQ(picks[4], (Pick{1, 0, 0, wire::PRIORITY_BACKGROUND}));  // the rest, table order
-  // stream_all sends each of the 8 chunks once; explicit requests send theirs again.
-  EXPECT_EQ(picks.size(), 8u + 3u);
+  // Every chunk goes once: stream_all leaves out the 3 that requests sent.
+  EXPECT_EQ(picks.size(), 8u);
   std::optional<StreamDoneInfo> done = s.TakeStreamDone(1);
   ASSERT_TRUE(done.has_value());
-  EXPECT_EQ(done->chunks, 8u);
-  EXPECT_EQ(done->bytes, 800u);
+  EXPECT_EQ(done->chunks, 5u);
+  EXPECT_EQ(done->bytes, 500u);
   EXPECT_FALSE(s.TakeStreamDone(1).has_value());  // once
 }
 
@@ -257,6 +257,66 @@ TEST(SchedulerTest, ReRequestSendsAgainEvenWhenHeld) {
   EXPECT_EQ(picks[0], picks[1]);
 }
 
+// A chunk demanded ahead of the plan's cursor (a fault, a resuming task's BOs) crosses the wire
+// once: the plan skips it while its demand copy is in flight and after it was written. One
+// whose demand copy was dropped unwritten (the demand connection closed) before the cursor came
+// is streamed after all; the cursor does not wait for an undecided one.
+TEST(SchedulerTest, StreamSkipsChunksSentOrInFlightForARequest) {
+  Scheduler s(SchedulerLimits{1, 8, 256, 1 << 20});  // one stream chunk in flight at a time
+  s.AddSession(1, Layout(MakeManifest({6})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 1, Ranges({{0, 2, 3}}), Clock::now())
+          .ok());
+  std::optional<WorkItem> written = s.Next(Scheduler::Pick::kDemandOnly);    // chunk 2
+  std::optional<WorkItem> in_flight = s.Next(Scheduler::Pick::kDemandOnly);  // chunk 3
+  std::optional<WorkItem> dropped = s.Next(Scheduler::Pick::kDemandOnly);    // chunk 4
+  ASSERT_TRUE(written && in_flight && dropped);
+  ASSERT_EQ(dropped->chunk, 4u);
+  s.Done(*written, written->reserved_credit);
+  s.Done(*dropped, std::nullopt);
+  std::vector<uint32_t> streamed;
+  for (;;) {
+    std::optional<WorkItem> item = s.Next(Scheduler::Pick::kNoDemand);
+    if (!item) break;
+    streamed.push_back(item->chunk);
+    s.Done(*item, item->reserved_credit);
+  }
+  EXPECT_EQ(streamed, (std::vector<uint32_t>{0, 1, 4, 5}));
+  // The stream is done only once nothing of its own is in flight; the demand copy of chunk 3
+  // is the demand connection's business.
+  std::optional<StreamDoneInfo> done = s.TakeStreamDone(1);
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->chunks, 4u);
+  s.Done(*in_flight, in_flight->reserved_credit);
+  // Asked for again, a chunk sent before is sent again (a client re-fetching a bad copy).
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 2, Ranges({{0, 2, 1}}), Clock::now())
+          .ok());
+  std::optional<WorkItem> again = s.Next(Scheduler::Pick::kDemandOnly);
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->chunk, 2u);
+}
+
+// Read-ahead hints follow what the plan will really send.
+TEST(SchedulerTest, UpcomingLeavesOutChunksSentForARequest) {
+  Scheduler s;
+  s.AddSession(1, Layout(MakeManifest({4})));
+  s.AddCredit(1, 1 << 20);
+  ASSERT_TRUE(s.StreamAll(1).ok());
+  ASSERT_TRUE(
+      s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 1, Ranges({{0, 1, 1}}), Clock::now())
+          .ok());
+  std::optional<WorkItem> demand = s.Next(Scheduler::Pick::kDemandOnly);
+  ASSERT_TRUE(demand.has_value());
+  std::vector<manifest::ChunkRef> next = s.Upcoming(1, 8);
+  ASSERT_EQ(next.size(), 3u);
+  EXPECT_EQ(next[0].chunk(), 0u);
+  EXPECT_EQ(next[1].chunk(), 2u);
+  EXPECT_EQ(next[2].chunk(), 3u);
+}
+
 TEST(SchedulerTest, RoundRobinAcrossSessions) {
   Scheduler s;
   s.AddSession(1, Layout(MakeManifest({100})));
@@ -356,7 +416,7 @@ TEST(SchedulerTest, PickAnyStillMixesDemandAndBulk) {
       s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 1, Ranges({{0, 3, 1}}), Clock::now())
           .ok());
   std::vector<Pick> picks = Drain(s);
-  ASSERT_EQ(picks.size(), 5u);
+  ASSERT_EQ(picks.size(), 4u);  // the demanded chunk is not streamed again
   EXPECT_EQ(picks[0].priority, wire::PRIORITY_DEMAND);
   EXPECT_EQ(picks[0].chunk, 3u);
 }
