@@ -212,6 +212,7 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
                         {"fault_p50_s", Percentile(stats.latencies_s, 0.5)},
                         {"fault_p99_s", Percentile(stats.latencies_s, 0.99)},
                         {"bytes", progress.received_bytes},
+                        {"duplicate_bytes", progress.duplicate_bytes},
                         {"checksum_ok", checksum == expected}};
   // Where in the run the tail lies: the slowest 1 % of faults (at most 100), in time order, as
   // [seconds after the pager started, latency in seconds].
