@@ -62,7 +62,6 @@ Status ImageLayout::CheckRange(const wire::ChunkRange& range) const {
 void Scheduler::AddSession(SessionId id, std::shared_ptr<const ImageLayout> layout) {
   SessionState state;
   state.have.assign(layout->total_chunks(), false);
-  state.sent_for_request.assign(layout->total_chunks(), false);
   state.layout = std::move(layout);
   sessions_[id] = std::move(state);
 }
@@ -170,7 +169,7 @@ bool Scheduler::TakeCredit(SessionId id, uint64_t bytes) {
 
 bool Scheduler::Settled(const SessionState& s, uint32_t bo, uint32_t chunk) {
   const uint64_t flat = s.layout->FlatIndex(bo, chunk);
-  return s.have[flat] || s.sent_for_request[flat] || s.requests_in_flight.contains(flat);
+  return s.have[flat] || s.requests_in_flight.contains(flat);
 }
 
 void Scheduler::SkipHeld(SessionState& s) {
@@ -188,7 +187,7 @@ void Scheduler::NoteRequestDone(SessionState& s, const WorkItem& item, bool writ
   if (auto in_flight = s.requests_in_flight.find(flat);
       in_flight != s.requests_in_flight.end() && --in_flight->second == 0)
     s.requests_in_flight.erase(in_flight);
-  if (written) s.sent_for_request[flat] = true;
+  if (written) s.have[flat] = true;
 }
 
 bool Scheduler::StreamMayTake(const SessionState& s, uint32_t payload) const {

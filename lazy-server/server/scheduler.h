@@ -168,11 +168,11 @@ class Scheduler {
  private:
   struct SessionState {
     std::shared_ptr<const ImageLayout> layout;
+    // Per chunk: stream_all need not send it (named by Have, or written for a request).
     std::vector<bool> have;
-    // For the stream_all plan to skip: request picks in flight, by flat chunk index (as few
-    // as the in-flight limits allow), and per chunk whether one was written.
+    // Request picks in flight, by flat chunk index (as few as the in-flight limits allow):
+    // stream_all skips them too, and sends one dropped unwritten if it has not passed it.
     std::unordered_map<uint64_t, uint32_t> requests_in_flight;
-    std::vector<bool> sent_for_request;
     std::deque<WorkItem> demand_to_demand;
     std::deque<WorkItem> demand_to_stream;
     std::deque<WorkItem> prefetch;
