@@ -156,6 +156,7 @@ client::SessionOptions BenchSession(const std::string& endpoint, const std::stri
   session_options.read_files = options.transport == "unix-files";
   session_options.lanes = options.lanes;
   session_options.background_nice = options.background_nice;
+  session_options.batch_tcp_wakeups = options.batch_tcp_wakeups;
   return session_options;
 }
 
@@ -479,6 +480,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"window_bytes", options.window},
                            {"fresh_pages", fresh_pages},
                            {"prepare_waited", options.prepare_waited_ranges},
+                           {"batch_wakeups", options.batch_tcp_wakeups},
                            {"chunk_size", lone_frame["chunk_size"]},
                            {"samples", loaded["samples"]},
                            {"p50_s", loaded["p50_s"]},

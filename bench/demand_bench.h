@@ -34,6 +34,7 @@ struct DemandOptions {
       client::HostEngineOptions{}.fresh_pages_with_several_writers;
   // HostEngineOptions::prepare_waited_ranges: the Ensure caller faults in its chunks' pages.
   bool prepare_waited_ranges = client::HostEngineOptions{}.prepare_waited_ranges;
+  bool batch_tcp_wakeups = client::SessionOptions{}.batch_tcp_wakeups;
 };
 
 Status RunDemandBench(const CommonOptions& common, const DemandOptions& options);

@@ -69,6 +69,12 @@ std::string FreshPagesName(bool write_fresh_pages, FreshPages with_several_write
   return "?";
 }
 
+void AddBatchWakeupsOption(CLI::App& command, bool& value) {
+  command.add_flag("--batch-wakeups,!--no-batch-wakeups", value,
+                   "tcp: wake a receiving thread once a payload read's bytes have arrived "
+                   "(SO_RCVLOWAT), not at each segment (default on)");
+}
+
 void AddBackgroundNiceOption(CLI::App& command, int& value) {
   command
       .add_option("--background-nice", value,
@@ -207,6 +213,7 @@ CpuMeter::CpuMeter(pid_t server)
     : server_(server),
       machine_(ReadMachine()),
       self_s_(SelfSeconds()),
+      self_switches_(SelfVoluntarySwitches()),
       server_s_(server > 0 ? ProcessSeconds(server) : std::nullopt) {}
 
 CpuMeter::MachineTicks CpuMeter::ReadMachine() {
@@ -252,6 +259,12 @@ std::optional<double> CpuMeter::ProcessSeconds(pid_t pid) {
   return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
+uint64_t CpuMeter::SelfVoluntarySwitches() {
+  rusage usage{};
+  if (::getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<uint64_t>(usage.ru_nvcsw);
+}
+
 nlohmann::json CpuMeter::Read() const {
   const MachineTicks now = ReadMachine();
   nlohmann::json out;
@@ -262,6 +275,7 @@ nlohmann::json CpuMeter::Read() const {
     out["cpu_steal"] = static_cast<double>(now.steal - machine_.steal) / total;
   }
   out["client_cpu_s"] = SelfSeconds() - self_s_;
+  out["client_voluntary_switches"] = SelfVoluntarySwitches() - self_switches_;
   // Only where the server could be read both times (it may have gone meanwhile).
   if (const std::optional<double> now_s = server_ > 0 ? ProcessSeconds(server_) : std::nullopt;
       now_s && server_s_)

@@ -45,6 +45,9 @@ void AddBackgroundNiceOption(CLI::App& command, int& value);
 std::vector<std::string> ServerArgsWithBackgroundNice(int nice,
                                                       const std::vector<std::string>& more);
 
+// --batch-wakeups / --no-batch-wakeups for a subcommand (SessionOptions::batch_tcp_wakeups).
+void AddBatchWakeupsOption(CLI::App& command, bool& value);
+
 // --fresh-pages for a subcommand whose sessions use the host engine: how destination pages that
 // do not exist yet are written (HostEngineOptions::write_fresh_pages and
 // fresh_pages_with_several_writers). `value` takes the name; ParseFreshPages reads it.
@@ -111,7 +114,9 @@ class CpuMeter {
  public:
   explicit CpuMeter(pid_t server = -1);  // starts counting
   // cpu_busy: share of all CPUs' time not idle (steal included, also reported as cpu_steal);
-  // client_cpu_s: this process; server_cpu_s: the server's, when one was given.
+  // client_cpu_s: this process; server_cpu_s: the server's, when one was given;
+  // client_voluntary_switches: how often this process's threads slept (waiting for data, a
+  // lock, the disk).
   nlohmann::json Read() const;
 
  private:
@@ -120,10 +125,12 @@ class CpuMeter {
   };
   static MachineTicks ReadMachine();
   static double SelfSeconds();
+  static uint64_t SelfVoluntarySwitches();
   static std::optional<double> ProcessSeconds(pid_t pid);  // nullopt: not readable
   pid_t server_;
   MachineTicks machine_;
   double self_s_;
+  uint64_t self_switches_;
   std::optional<double> server_s_;
 };
 

@@ -79,6 +79,7 @@ int Run(int argc, char** argv) {
       ->check(CLI::Range(0, 19));
   std::string stream_fresh_pages = "write";
   bench::AddFreshPagesOption(*stream_cmd, stream_fresh_pages);
+  bench::AddBatchWakeupsOption(*stream_cmd, stream.batch_tcp_wakeups);
 
   bench::DemandOptions demand;
   std::string demand_size = "2G", demand_window = "16M";
@@ -101,6 +102,7 @@ int Run(int argc, char** argv) {
   bench::AddBackgroundNiceOption(*demand_cmd, demand.background_nice);
   std::string demand_fresh_pages = "write";
   bench::AddFreshPagesOption(*demand_cmd, demand_fresh_pages);
+  bench::AddBatchWakeupsOption(*demand_cmd, demand.batch_tcp_wakeups);
   demand_cmd->add_flag("--prepare-waited,!--no-prepare-waited", demand.prepare_waited_ranges,
                        "host engine: the thread that waits in Ensure faults in its chunks' pages "
                        "during the round trip (default on)");

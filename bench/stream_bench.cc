@@ -177,6 +177,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     session.read_files = read_files;
     session.file_readers = options.file_readers;
     session.lanes = options.lanes;
+    session.batch_tcp_wakeups = options.batch_tcp_wakeups;
     clients.push_back(std::make_unique<client::RestoreSession>(session, *engines.back()));
   }
   const CpuMeter cpu(server_pid);
@@ -309,6 +310,8 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"populate_ahead_bytes", populate_ahead},
                                {"populate_nice", options.populate_nice},
                                {"fresh_pages", fresh_pages},
+                               {"batch_wakeups", options.batch_tcp_wakeups},
+                               {"client_voluntary_switches", pipeline["client_voluntary_switches"]},
                                {"peak_rss_bytes", pipeline["peak_rss_bytes"]},
                                // Per session, averaged: the stream reader waiting for the next
                                // frame vs inside chunk frames (client::Progress).

@@ -33,6 +33,7 @@ struct StreamOptions {
   bool write_fresh_pages = client::HostEngineOptions{}.write_fresh_pages;
   client::HostEngineOptions::FreshPages fresh_pages_with_several_writers =
       client::HostEngineOptions{}.fresh_pages_with_several_writers;
+  bool batch_tcp_wakeups = client::SessionOptions{}.batch_tcp_wakeups;
 };
 
 Status RunStreamBench(const CommonOptions& common, const StreamOptions& options);

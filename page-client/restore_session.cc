@@ -1727,12 +1727,13 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   if (data.has_in_file())
     co_return ReceiveByReference(link, limits, files, data, payload_length, on_stream);
   std::chrono::nanoseconds* gate_wait = timing ? &timing->gate_wait : nullptr;
+  net::PayloadWatermark watermark(socket, options_.batch_tcp_wakeups);
   bool duplicate = false;
   Status accepted = AcceptChunk(link, data, payload_length, on_stream, &duplicate);
   if (!accepted.ok()) co_return accepted;
   if (duplicate) {
     payload.resize(payload_length);
-    Status read = co_await net::ReadPayload(socket, payload);
+    Status read = co_await net::ReadPayload(socket, payload, watermark);
     if (!read.ok()) {
       *transport = true;
       co_return read;
@@ -1756,7 +1757,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   }
   if (!target) {
     payload.resize(payload_length);
-    Status read = co_await net::ReadPayload(socket, payload);
+    Status read = co_await net::ReadPayload(socket, payload, watermark);
     if (!read.ok()) {
       Unclaim(bo, chunk);
       *transport = true;
@@ -1778,7 +1779,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   for (size_t done = 0; status.ok() && done < target->size();) {
     const std::span<uint8_t> slice =
         target->subspan(done, std::min(slice_bytes, target->size() - done));
-    status = co_await net::ReadPayload(socket, slice);
+    status = co_await net::ReadPayload(socket, slice, watermark);
     if (!status.ok()) {
       *transport = true;
       break;

@@ -94,6 +94,9 @@ struct SessionOptions {
   // work; 0..19, 0 = same priority as the caller): the demand thread, the caller's threads and
   // a resumed program then get the CPU first where cores are few (docs/client.md).
   int background_nice = 0;
+  // Over plain TCP, wake a receiving thread once a payload read's bytes have arrived rather
+  // than at each segment (net::PayloadWatermark): fewer wake-ups and shorter reads per chunk.
+  bool batch_tcp_wakeups = true;
 };
 
 // The bulk connections a session opens for `asked` (SessionOptions::lanes): `asked`, or for 0 one

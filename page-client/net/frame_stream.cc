@@ -4,6 +4,7 @@
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <csignal>
@@ -101,6 +102,47 @@ Awaitable<Status> ReadPayload(AsyncStream& socket, std::span<uint8_t> into) {
   co_await asio::async_read(socket, asio::buffer(into.data(), into.size()),
                             asio::redirect_error(asio::use_awaitable, ec));
   if (ec) co_return ReadError(ec, true);
+  co_return Status::Ok();
+}
+
+PayloadWatermark::PayloadWatermark(Stream& stream, bool enabled) {
+  if (!enabled || stream.is_tls() || !stream.is_open()) return;
+  int domain = 0;
+  socklen_t length = sizeof domain;
+  if (::getsockopt(stream.socket().native_handle(), SOL_SOCKET, SO_DOMAIN, &domain, &length) != 0)
+    return;
+  if (domain == AF_INET || domain == AF_INET6) stream_ = &stream;
+}
+
+PayloadWatermark::~PayloadWatermark() {
+  if (stream_ != nullptr && mark_ != 1) Set(1);
+}
+
+void PayloadWatermark::Expect(size_t bytes) {
+  if (stream_ == nullptr) return;
+  const int mark = static_cast<int>(std::clamp<size_t>(bytes, 1, kMaxBytes));
+  if (mark != mark_) Set(mark);
+}
+
+void PayloadWatermark::Set(int bytes) {
+  // A closed socket's descriptor number may belong to another file by now.
+  if (!stream_->is_open()) return;
+  // Best effort: if the kernel refuses, the reader is woken per segment as without the mark.
+  if (::setsockopt(stream_->socket().native_handle(), SOL_SOCKET, SO_RCVLOWAT, &bytes,
+                   sizeof bytes) == 0)
+    mark_ = bytes;
+}
+
+Awaitable<Status> ReadPayload(Stream& stream, std::span<uint8_t> into, PayloadWatermark& mark) {
+  if (!mark.active()) co_return co_await ReadPayload(stream, into);
+  while (!into.empty()) {
+    mark.Expect(into.size());
+    error_code ec;
+    const size_t got = co_await stream.async_read_some(
+        asio::buffer(into.data(), into.size()), asio::redirect_error(asio::use_awaitable, ec));
+    if (ec) co_return ReadError(ec, true);
+    into = into.subspan(got);
+  }
   co_return Status::Ok();
 }
 

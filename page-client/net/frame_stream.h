@@ -35,6 +35,33 @@ Awaitable<Result<FrameHead>> ReadFrameHead(AsyncStream& socket, const FrameLimit
 template <typename AsyncStream>
 Awaitable<Status> ReadPayload(AsyncStream& socket, std::span<uint8_t> into);
 
+// Batches a plain TCP stream's wake-ups while one payload is read. Without it the kernel wakes
+// the reader at every arriving segment (64 KiB on loopback), and each wake-up costs an event-loop
+// turn and a short recv. With it (SO_RCVLOWAT) the reader is woken once the bytes its read needs
+// are queued. Not used on Unix sockets, whose poll ignores the mark, nor on TLS: the kernel cannot
+// count the plaintext OpenSSL already holds, so a mark could wait for bytes that never come. The
+// mark is never above what the current read still needs, so the bytes of a frame always wake
+// the reader; the destructor lowers it to 1 before the next frame head is read.
+class PayloadWatermark {
+ public:
+  // `enabled` false: never sets the mark (for comparison).
+  explicit PayloadWatermark(Stream& stream, bool enabled = true);
+  ~PayloadWatermark();
+  PayloadWatermark(const PayloadWatermark&) = delete;
+  PayloadWatermark& operator=(const PayloadWatermark&) = delete;
+  // The read about to start needs `bytes` more; the mark becomes that, at most kMaxBytes.
+  void Expect(size_t bytes);
+  bool active() const { return stream_ != nullptr; }
+  static constexpr size_t kMaxBytes = 256u << 10;
+
+ private:
+  void Set(int bytes);
+  Stream* stream_ = nullptr;  // null: not a plain TCP stream
+  int mark_ = 1;
+};
+// ReadPayload with the stream's wake-ups batched by `mark`.
+Awaitable<Status> ReadPayload(Stream& stream, std::span<uint8_t> into, PayloadWatermark& mark);
+
 // Reads one frame; the payload lands in *payload (resized, capacity reused between calls).
 // A clean close before a frame starts is kUnavailable("connection closed"); a close inside a
 // frame is kCorrupt("truncated frame").

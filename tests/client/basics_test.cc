@@ -1,10 +1,13 @@
-// Endpoint parsing, frames sent from files, the host copy engine, residency tracking and chunk
-// decoding.
+// Endpoint parsing, frames sent from files, payload wake-ups, the host copy engine, residency
+// tracking and chunk decoding.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <lz4.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -64,8 +67,6 @@ TEST(Endpoint, RejectsMalformed) {
   EXPECT_FALSE(net::Endpoint::Parse("unix:/" + std::string(200, 'a')).ok());
 }
 
-// Each pool thread runs the function exactly once, named and made nicer by it; the calling
-// thread keeps its name and priority.
 // A frame sent from a file (sendfile) against one read back by the ordinary frame reader, over
 // a Unix socket pair: `payload_at`/`payload_length` name the file range sent.
 struct FromFileRun {
@@ -235,6 +236,144 @@ TEST_F(FrameFromFileTest, TlsStreamsAndOversizedPayloadsAreRefused) {
   EXPECT_FALSE(tls.read.ok()) << "nothing may have been written on the TLS stream";
   FromFileRun huge = SendFromFile(fd_.get(), 0, FrameLimits{}.max_payload + 1, /*tls=*/false);
   EXPECT_EQ(huge.written.code(), Code::kResourceExhausted) << huge.written.ToString();
+}
+
+// A connected loopback TCP pair, as plain fds (the reader's end wrapped by the caller).
+struct TcpPair {
+  UniqueFd reader, writer;
+};
+TcpPair ConnectedTcpPair() {
+  TcpPair pair;
+  UniqueFd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  EXPECT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  EXPECT_EQ(::listen(listener.get(), 1), 0);
+  EXPECT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address), &length), 0);
+  pair.writer.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_EQ(::connect(pair.writer.get(), reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  pair.reader.reset(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  EXPECT_TRUE(pair.reader.valid());
+  int one = 1;
+  ::setsockopt(pair.writer.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return pair;
+}
+
+int ReceiveLowWatermark(int fd) {
+  int mark = -1;
+  socklen_t length = sizeof mark;
+  EXPECT_EQ(::getsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &mark, &length), 0);
+  return mark;
+}
+
+// The mark follows the read on plain TCP, capped, and is 1 again once the payload is read, so
+// the next frame head (a few bytes) wakes the reader; Unix sockets and TLS never get one.
+TEST(PayloadWatermark, SetOnPlainTcpOnlyAndLoweredAfterwards) {
+  namespace asio = boost::asio;
+  asio::io_context io;
+  TcpPair tcp = ConnectedTcpPair();
+  const int tcp_fd = tcp.reader.get();
+  net::Stream tcp_stream(
+      net::Socket(io, asio::generic::stream_protocol(AF_INET, SOCK_STREAM), tcp.reader.release()));
+  {
+    net::PayloadWatermark mark(tcp_stream);
+    EXPECT_TRUE(mark.active());
+    mark.Expect(100000);
+    EXPECT_EQ(ReceiveLowWatermark(tcp_fd), 100000);
+    mark.Expect(64u << 20);
+    EXPECT_EQ(ReceiveLowWatermark(tcp_fd), static_cast<int>(net::PayloadWatermark::kMaxBytes));
+    mark.Expect(0);
+    EXPECT_EQ(ReceiveLowWatermark(tcp_fd), 1);
+    mark.Expect(4096);
+  }
+  EXPECT_EQ(ReceiveLowWatermark(tcp_fd), 1);
+  {
+    net::PayloadWatermark off(tcp_stream, /*enabled=*/false);
+    EXPECT_FALSE(off.active());
+    off.Expect(4096);
+    EXPECT_EQ(ReceiveLowWatermark(tcp_fd), 1);
+  }
+
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  UniqueFd unix_peer(fds[1]);
+  net::Stream unix_stream(
+      net::Socket(io, asio::generic::stream_protocol(AF_UNIX, SOCK_STREAM), fds[0]));
+  net::PayloadWatermark unix_mark(unix_stream);
+  EXPECT_FALSE(unix_mark.active());
+  unix_mark.Expect(4096);
+  EXPECT_EQ(ReceiveLowWatermark(fds[0]), 1);
+
+  TcpPair tls = ConnectedTcpPair();
+  const int tls_fd = tls.reader.get();
+  net::Stream tls_stream(
+      net::Socket(io, asio::generic::stream_protocol(AF_INET, SOCK_STREAM), tls.reader.release()),
+      std::make_shared<net::TlsContext>(net::TlsContext::tls_client), net::Stream::Side::kClient);
+  net::PayloadWatermark tls_mark(tls_stream);
+  EXPECT_FALSE(tls_mark.active());
+  tls_mark.Expect(4096);
+  EXPECT_EQ(ReceiveLowWatermark(tls_fd), 1);
+}
+
+// A payload trickling in (16 pieces, 3 ms apart) is read whole with the reader asleep once or
+// twice rather than once per piece; its last bytes, after which nothing more comes, still wake
+// it (a mark above what the read still needs would leave them stranded); and a frame after it
+// is read as usual.
+TEST(PayloadWatermark, ReadsATricklingPayloadWithFewWakeupsAndEveryByte) {
+  namespace asio = boost::asio;
+  asio::io_context io;
+  TcpPair tcp = ConnectedTcpPair();
+  net::Stream reader(
+      net::Socket(io, asio::generic::stream_protocol(AF_INET, SOCK_STREAM), tcp.reader.release()));
+  constexpr size_t kPiece = 16000;  // not a divisor of the mark's cap: the last read is short
+  constexpr int kPieces = 16;
+  std::vector<uint8_t> sent(kPiece * kPieces);
+  for (size_t i = 0; i < sent.size(); ++i)
+    sent[i] = static_cast<uint8_t>(i * 7 + 3);
+  wire::Header after;
+  after.set_request_id(5);
+  after.mutable_stream_done()->set_chunks(1);
+  Result<std::string> after_bytes = EncodeFrameHead(after, 0, FrameLimits{});
+  ASSERT_TRUE(after_bytes.ok());
+  std::thread writer([&] {
+    for (int i = 0; i < kPieces; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      ASSERT_EQ(::send(tcp.writer.get(), sent.data() + i * kPiece, kPiece, MSG_NOSIGNAL),
+                static_cast<ssize_t>(kPiece));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_EQ(::send(tcp.writer.get(), after_bytes->data(), after_bytes->size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(after_bytes->size()));
+  });
+  std::vector<uint8_t> received(sent.size());
+  Status read = Internal("not run");
+  Result<wire::Header> next = Internal("not run");
+  long sleeps = -1;
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        rusage before{}, after_read{};
+        ::getrusage(RUSAGE_THREAD, &before);
+        {
+          net::PayloadWatermark mark(reader);
+          read = co_await net::ReadPayload(reader, std::span(received), mark);
+        }
+        ::getrusage(RUSAGE_THREAD, &after_read);
+        sleeps = after_read.ru_nvcsw - before.ru_nvcsw;
+        std::vector<uint8_t> payload;
+        next = co_await net::ReadFrame(reader, FrameLimits{}, &payload);
+      },
+      asio::detached);
+  io.run_for(std::chrono::seconds(30));
+  writer.join();
+  ASSERT_TRUE(read.ok()) << read.ToString();
+  EXPECT_EQ(received, sent);
+  // Without the mark the reader sleeps between the pieces: about 16 times.
+  EXPECT_LE(sleeps, 3) << "the reader was woken per segment";
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_TRUE(next->has_stream_done());
 }
 
 TEST(Threads, EachPoolThreadIsNamedAndLoweredOnce) {
