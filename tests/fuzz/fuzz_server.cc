@@ -17,6 +17,11 @@
 //     straight from the CRIU pages files, not through the server's code);
 //   - a session's bulk connections never carry more chunk bytes than its stream connection
 //     granted in Credit (by-reference chunks count their stored length, as the protocol says);
+//   - the stream (stream_all: ChunkData with request id 0; the harness never gives a request
+//     that id) sends each chunk of a session once at most, on each bulk connection in the
+//     order docs/protocol.md promises (the "lazy" image carries a profile: its hot set at
+//     PREFETCH, then the rest of its order, then table order at BACKGROUND), and nothing on a
+//     connection after that connection's StreamDone;
 //   - at the end of the script every connection answers a stats request or closes, in time
 //     (5 s when fuzzing);
 //   - after every input a fresh client still gets a correct chunk.
@@ -115,12 +120,53 @@ class ScriptReader {
   size_t pos_ = 0;
 };
 
-// One image as the server's table lists it, with every BO's bytes read from the pages files.
+// One image as the server's table lists it, with every BO's bytes read from the pages files,
+// and where each chunk stands in the stream's order.
 struct ImageOracle {
   uint32_t chunk_size = 0;
   std::vector<wire::BoInfo> bos;
   std::vector<std::vector<uint8_t>> contents;  // by table index
+  std::vector<uint32_t> first_flat;            // by table index: its chunk 0's flat index
+  std::vector<uint32_t> stream_position;       // by flat index
+  uint32_t hot_count = 0;                      // positions under it are the hot set
 };
+
+// The order docs/protocol.md gives stream_all, from the profile the harness wrote (not the
+// server's plan): the profile's entries, then every other chunk in table order.
+void PlanStream(ImageOracle& image, const manifest::AccessProfile& profile) {
+  uint32_t flat = 0;
+  for (const wire::BoInfo& bo : image.bos) {
+    image.first_flat.push_back(flat);
+    flat += bo.chunk_count();
+  }
+  constexpr uint32_t kUnplanned = std::numeric_limits<uint32_t>::max();
+  image.stream_position.assign(flat, kUnplanned);
+  uint32_t next = 0;
+  for (const manifest::ChunkRef& ref : profile.order())
+    image.stream_position[image.first_flat[ref.bo()] + ref.chunk()] = next++;
+  image.hot_count = profile.hot_count();
+  for (uint32_t& position : image.stream_position)
+    if (position == kUnplanned) position = next++;
+}
+
+// A profile for the tiny lazy image: every third chunk from the end backwards, its first three
+// the hot set, so the stream's order differs from table order in both of its parts.
+manifest::AccessProfile TinyProfile(const manifest::Manifest& manifest) {
+  std::vector<manifest::ChunkRef> chunks;
+  for (int bo = 0; bo < manifest.bos_size(); ++bo)
+    for (int chunk = 0; chunk < manifest.bos(bo).chunks_size(); ++chunk) {
+      manifest::ChunkRef ref;
+      ref.set_bo(static_cast<uint32_t>(bo));
+      ref.set_chunk(static_cast<uint32_t>(chunk));
+      chunks.push_back(ref);
+    }
+  manifest::AccessProfile profile;
+  for (size_t i = chunks.size(); i >= 3; i -= 3)
+    *profile.add_order() = chunks[i - 1];
+  profile.set_hot_count(3);
+  profile.set_source("fuzz harness");
+  return profile;
+}
 
 std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> ReadCriuContents(
     const fs::path& dir) {
@@ -143,6 +189,7 @@ std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> ReadCriuContents(
 
 struct SessionState {
   const ImageOracle* image = nullptr;
+  std::vector<bool> streamed;  // by flat index: sent by the stream
   std::string secret;
   uint64_t granted = 0;  // Credit sent on its stream connection, saturating
   uint64_t charged = 0;  // chunk bytes its bulk connections carried
@@ -170,9 +217,11 @@ struct Slot {
     int choice = -1;  // kImageNames index (kImageString: a string)
     std::string name;
   };
-  std::map<uint64_t, Open> opens;  // OpenImage requests sent, by request id
-  uint64_t pending_credit = 0;     // granted before this slot's session existed
-  uint64_t table_left = 0;         // version 2: table bytes still to come in ImageTablePart
+  std::map<uint64_t, Open> opens;     // OpenImage requests sent, by request id
+  uint64_t pending_credit = 0;        // granted before this slot's session existed
+  uint64_t table_left = 0;            // version 2: table bytes still to come in ImageTablePart
+  int64_t last_stream_position = -1;  // of the stream's chunks this connection carried
+  bool stream_done = false;           // this connection got its StreamDone
   std::vector<uint8_t> inbox;
   uint64_t bytes_received = 0;
 };
@@ -190,6 +239,12 @@ class Harness {
       Status made = fuzz::MakeTinyCheckpoint(root / name, std::string(name) == "lazy");
       if (!made.ok()) Die("seed checkpoint: " + made.ToString());
     }
+    Result<image::LazyImage> lazy = image::LazyImage::Open(root / "lazy");
+    if (!lazy.ok()) Die("seed lazy image: " + lazy.status().ToString());
+    manifest::Manifest with_profile = lazy->manifest();
+    *with_profile.mutable_profile() = TinyProfile(with_profile);
+    if (Status written = image::WriteManifest(root / "lazy", with_profile); !written.ok())
+      Die("seed lazy image's profile: " + written.ToString());
     server::ServerConfig config;
     config.image_roots = {root};
     config.listen = {*net::Endpoint::Parse("unix:" + (dir / "s.sock").string()),
@@ -219,6 +274,8 @@ class Harness {
     }
     raw_ = LoadOracle("raw", root / "raw");
     lazy_ = LoadOracle("lazy", root / "lazy");
+    PlanStream(raw_, {});
+    PlanStream(lazy_, with_profile.profile());
     checking_ = true;
   }
   ~Harness() {
@@ -246,11 +303,11 @@ class Harness {
     // GPULAZY_FUZZ_VERBOSE=1: what each input reached, to see that a seed does what it says.
     if (verbose_)
       std::fprintf(stderr,
-                   "fuzz_server: %zu sessions, %u chunks checked (%u by reference), %u errors, "
-                   "%u hello replies, %u image files, %u stream ends\n",
+                   "fuzz_server: %zu sessions, %u chunks checked (%u by reference, %u in the "
+                   "stream's order), %u errors, %u hello replies, %u image files, %u stream ends\n",
                    sessions_.size() - 1, script_seen.chunks, script_seen.by_reference,
-                   script_seen.errors, script_seen.hello_replies, script_seen.image_files,
-                   script_seen.stream_done);
+                   script_seen.stream_ordered, script_seen.errors, script_seen.hello_replies,
+                   script_seen.image_files, script_seen.stream_done);
   }
 
  private:
@@ -428,6 +485,9 @@ class Harness {
         request->set_priority(static_cast<wire::Priority>(script.U8() % 4));
         const uint8_t flags = script.U8();
         request->set_stream_all(flags & kRequestStreamAll);
+        // Id 0 marks the stream's own chunks (ChunkData echoes the request's id): a request's
+        // chunks must be told apart from them.
+        if (!request->stream_all() && header.request_id() == 0) header.set_request_id(256);
         request->set_by_reference(flags & kRequestByReference);
         for (int n = script.U8() % 4; n > 0; --n) {
           wire::ChunkRange* range = request->add_ranges();
@@ -613,6 +673,7 @@ class Harness {
       Die(slot.name + ": image files went to a connection that did not join with the secret");
     if (h.has_open_image_reply()) CheckOpened(slot, frame);
     if (h.has_chunk()) CheckChunk(slot, frame);
+    if (h.has_stream_done()) slot.stream_done = true;
   }
 
   void CheckOpened(Slot& slot, const Frame& frame) {
@@ -642,6 +703,7 @@ class Harness {
       Die(slot.name + ": session id " + std::to_string(reply.session()) + " given out twice");
     SessionState& session = sessions_[reply.session()];
     session.image = image;
+    session.streamed.assign(image->stream_position.size(), false);
     session.secret = reply.session_secret();
     session.granted = slot.pending_credit;
     slot.pending_credit = 0;
@@ -681,13 +743,35 @@ class Harness {
       if (!std::equal(raw.begin(), raw.end(), bo.begin() + static_cast<long>(offset)))
         Die(what + ": the bytes differ from the checkpoint's");
     }
-    if (slot.role == Slot::Role::kStream || slot.role == Slot::Role::kLane) {
+    const bool bulk = slot.role == Slot::Role::kStream || slot.role == Slot::Role::kLane;
+    if (bulk && frame.header.request_id() == 0) CheckStreamOrder(slot, session, data, what);
+    if (bulk) {
       session.charged += stored;
       if (session.charged > session.granted)
         Die(what + ": session " + std::to_string(slot.session_id) + " was sent " +
             std::to_string(session.charged) + " bytes against " + std::to_string(session.granted) +
             " of credit");
     }
+  }
+
+  void CheckStreamOrder(Slot& slot, SessionState& session, const wire::ChunkData& data,
+                        const std::string& what) {
+    const ImageOracle& image = *session.image;
+    const uint32_t flat = image.first_flat[data.bo()] + data.chunk();
+    const uint32_t position = image.stream_position[flat];
+    if (slot.stream_done) Die(what + ": sent by the stream after this connection's StreamDone");
+    if (session.streamed[flat]) Die(what + ": sent twice by the session's stream");
+    ++seen_.stream_ordered;
+    session.streamed[flat] = true;
+    if (position <= slot.last_stream_position)
+      Die(what + ": the stream's chunk at position " + std::to_string(position) +
+          " of its order came after position " + std::to_string(slot.last_stream_position));
+    slot.last_stream_position = position;
+    const wire::Priority expected =
+        position < image.hot_count ? wire::PRIORITY_PREFETCH : wire::PRIORITY_BACKGROUND;
+    if (data.priority() != expected)
+      Die(what + ": the stream sent it at priority " + wire::Priority_Name(data.priority()) +
+          ", not " + wire::Priority_Name(expected));
   }
 
   // A stats request, then everything up to its answer: frames are handled in order, so the answer
@@ -764,8 +848,8 @@ class Harness {
   const bool verbose_ = std::getenv("GPULAZY_FUZZ_VERBOSE") != nullptr;
   const bool trace_ = verbose_ && std::string(std::getenv("GPULAZY_FUZZ_VERBOSE")) == "2";
   struct Seen {
-    uint32_t chunks = 0, by_reference = 0, errors = 0, hello_replies = 0, image_files = 0,
-             stream_done = 0;
+    uint32_t chunks = 0, by_reference = 0, stream_ordered = 0, errors = 0, hello_replies = 0,
+             image_files = 0, stream_done = 0;
   } seen_;
 };
 
