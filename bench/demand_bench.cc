@@ -152,6 +152,7 @@ client::SessionOptions BenchSession(const std::string& endpoint, const std::stri
   session_options.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
   session_options.image = image;
   session_options.window_bytes = options.window;
+  session_options.window_per_connection_bytes = options.window_per_connection;
   session_options.client_name = std::move(client_name);
   session_options.read_files = options.transport == "unix-files";
   session_options.lanes = options.lanes;
@@ -478,6 +479,7 @@ Status RunDemandBench(const CommonOptions& common, const DemandOptions& options)
                            {"background_nice", options.background_nice},
                            {"size_bytes", options.size},
                            {"window_bytes", options.window},
+                           {"window_per_connection_bytes", options.window_per_connection},
                            {"fresh_pages", fresh_pages},
                            {"prepare_waited", options.prepare_waited_ranges},
                            {"batch_wakeups", options.batch_tcp_wakeups},

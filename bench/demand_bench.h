@@ -23,6 +23,7 @@ struct DemandOptions {
   uint32_t sessions = 1;
   std::string transport = "unix";
   uint64_t window = 16u << 20;
+  uint64_t window_per_connection = client::SessionOptions{}.window_per_connection_bytes;
   uint64_t seed = 42;
   uint32_t lanes = client::SessionOptions{}.lanes;  // bulk connections (SessionOptions::lanes)
   // Added to the nice value of the background threads, client and server: the plugin's default

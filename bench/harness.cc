@@ -69,6 +69,14 @@ std::string FreshPagesName(bool write_fresh_pages, FreshPages with_several_write
   return "?";
 }
 
+void AddWindowPerConnectionOption(CLI::App& command, std::string& value) {
+  command
+      .add_option("--window-per-connection", value,
+                  "with lanes, the credit window is at least this much per bulk connection "
+                  "(0: --window alone)")
+      ->capture_default_str();
+}
+
 void AddBatchWakeupsOption(CLI::App& command, bool& value) {
   command.add_flag("--batch-wakeups,!--no-batch-wakeups", value,
                    "tcp: wake a receiving thread once a payload read's bytes have arrived "

@@ -45,6 +45,9 @@ void AddBackgroundNiceOption(CLI::App& command, int& value);
 std::vector<std::string> ServerArgsWithBackgroundNice(int nice,
                                                       const std::vector<std::string>& more);
 
+// --window-per-connection SIZE for a subcommand (SessionOptions::window_per_connection_bytes).
+void AddWindowPerConnectionOption(CLI::App& command, std::string& value);
+
 // --batch-wakeups / --no-batch-wakeups for a subcommand (SessionOptions::batch_tcp_wakeups).
 void AddBatchWakeupsOption(CLI::App& command, bool& value);
 

@@ -46,7 +46,7 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
 
   bench::StreamOptions stream;
-  std::string stream_size = "1G", stream_window = "16M",
+  std::string stream_size = "1G", stream_window = "16M", stream_window_per_connection = "8M",
               stream_populate = std::to_string(stream.populate_ahead >> 20) + "M";
   CLI::App* stream_cmd =
       app.add_subcommand("stream", "streaming throughput vs raw page-cache reads");
@@ -60,6 +60,7 @@ int Run(int argc, char** argv) {
       ->delimiter(',');
   stream_cmd->add_option("--engine", stream.engine, "host or discard")->capture_default_str();
   stream_cmd->add_option("--window", stream_window, "client credit window")->capture_default_str();
+  bench::AddWindowPerConnectionOption(*stream_cmd, stream_window_per_connection);
   stream_cmd
       ->add_option("--file-readers", stream.file_readers,
                    "unix-files: client reader threads per session (and ceiling threads)")
@@ -82,7 +83,7 @@ int Run(int argc, char** argv) {
   bench::AddBatchWakeupsOption(*stream_cmd, stream.batch_tcp_wakeups);
 
   bench::DemandOptions demand;
-  std::string demand_size = "2G", demand_window = "16M";
+  std::string demand_size = "2G", demand_window = "16M", demand_window_per_connection = "0";
   CLI::App* demand_cmd =
       app.add_subcommand("demand", "demand latency under a saturating background stream");
   demand_cmd->add_option("--size", demand_size, "image content bytes")->capture_default_str();
@@ -98,6 +99,7 @@ int Run(int argc, char** argv) {
                    "unix (payloads through the socket), unix-files (by reference) or tcp")
       ->capture_default_str();
   demand_cmd->add_option("--window", demand_window, "client credit window")->capture_default_str();
+  bench::AddWindowPerConnectionOption(*demand_cmd, demand_window_per_connection);
   AddLanesOption(*demand_cmd, demand.lanes, "of the session whose stream saturates the link");
   bench::AddBackgroundNiceOption(*demand_cmd, demand.background_nice);
   std::string demand_fresh_pages = "write";
@@ -155,12 +157,15 @@ int Run(int argc, char** argv) {
   if (stream_cmd->parsed()) {
     auto size = ParseSize(stream_size);
     auto window = ParseSize(stream_window);
+    auto per_connection = ParseSize(stream_window_per_connection);
     auto populate = ParseSize(stream_populate);
     if (!size.ok()) return Fail(size.status());
     if (!window.ok()) return Fail(window.status());
+    if (!per_connection.ok()) return Fail(per_connection.status());
     if (!populate.ok()) return Fail(populate.status());
     stream.size = *size;
     stream.window = *window;
+    stream.window_per_connection = *per_connection;
     stream.populate_ahead = *populate;
     bench::ParseFreshPages(stream_fresh_pages, &stream.write_fresh_pages,
                            &stream.fresh_pages_with_several_writers);
@@ -171,10 +176,13 @@ int Run(int argc, char** argv) {
   }
   auto size = ParseSize(demand_size);
   auto window = ParseSize(demand_window);
+  auto per_connection = ParseSize(demand_window_per_connection);
   if (!size.ok()) return Fail(size.status());
   if (!window.ok()) return Fail(window.status());
+  if (!per_connection.ok()) return Fail(per_connection.status());
   demand.size = *size;
   demand.window = *window;
+  demand.window_per_connection = *per_connection;
   bench::ParseFreshPages(demand_fresh_pages, &demand.write_fresh_pages,
                          &demand.fresh_pages_with_several_writers);
   Status status = bench::RunDemandBench(common, demand);

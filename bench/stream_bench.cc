@@ -173,6 +173,7 @@ Result<nlohmann::json> MeasurePipeline(const fs::path& image_dir, const std::str
     session.insecure_tcp = true;  // the harness's loopback server runs --insecure-tcp
     session.image = image_dir.filename().string();
     session.window_bytes = options.window;
+    session.window_per_connection_bytes = options.window_per_connection;
     session.client_name = fmt::format("bench-{}", s);
     session.read_files = read_files;
     session.file_readers = options.file_readers;
@@ -299,6 +300,7 @@ Status RunStreamBench(const CommonOptions& common, const StreamOptions& options)
                                {"engine", options.engine},
                                {"size_bytes", options.size},
                                {"window_bytes", options.window},
+                               {"window_per_connection_bytes", options.window_per_connection},
                                {"seconds", pipeline["seconds"]},
                                {"throughput_Bps", throughput},
                                {"ceiling_Bps", ceiling_Bps},

@@ -20,6 +20,8 @@ struct StreamOptions {
   std::vector<std::string> transports = {"unix"};
   std::string engine = "host";  // host (memcpy into memfds) or discard
   uint64_t window = 16u << 20;
+  // The stream alone is measured, nobody waits on a chunk: a bulk client's window, as a fetch's.
+  uint64_t window_per_connection = client::kBulkWindowPerConnection;
   uint32_t file_readers = 4;  // unix-files: the client's reader threads per session
   // unix, tcp: bulk connections per session (SessionOptions::lanes, 0: client::LanesFor), each
   // received by a thread of its own; the ceiling reads with as many threads.

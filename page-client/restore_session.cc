@@ -1138,7 +1138,10 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     link->stream_writer.Send(std::move(have));
   // By reference the credit bounds the file ranges queued for the readers (no payload buffers),
   // so it may be larger; too small a window starves the readers (docs/benchmarks.md).
-  const uint64_t window = files ? std::max(window_, options_.file_window_bytes) : window_;
+  const uint64_t window =
+      files ? std::max(window_, options_.file_window_bytes)
+            : SocketWindow(window_, options_.window_per_connection_bytes,
+                           1 + std::min(WantedLanes(), stream->reply.max_lanes()));
   wire::Header credit;
   credit.mutable_credit()->set_bytes(window);
   link->credit_outstanding.store(window);
@@ -2121,6 +2124,15 @@ void RestoreSession::Impl::ReturnCredit(const std::shared_ptr<Link>& link, uint6
 }
 
 // ---- RestoreSession forwards to Impl ----
+
+uint64_t SocketWindow(uint64_t window_bytes, uint64_t per_connection_bytes, uint32_t connections) {
+  if (per_connection_bytes == 0) return window_bytes;
+  // Saturating: options come from users and configuration files.
+  const uint64_t wanted = per_connection_bytes > UINT64_MAX / connections
+                              ? UINT64_MAX
+                              : per_connection_bytes * connections;
+  return std::max(window_bytes, wanted);
+}
 
 uint32_t LanesFor(uint32_t asked) {
   if (asked != 0) return asked;

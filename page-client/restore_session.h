@@ -47,6 +47,14 @@ struct SessionOptions {
   // Most payload bytes the server may have sent that the client has not consumed. Raised to
   // the server's max_payload when smaller (the protocol needs one whole chunk to fit).
   uint64_t window_bytes = 16u << 20;
+  // With lanes (below), the window is at least this much per bulk connection asked for, the
+  // stream connection included, so that each keeps a few chunks in flight: eight connections
+  // sharing 16 MiB have one 2 MiB chunk each and wait a credit round trip for every next one.
+  // kBulkWindowPerConnection made one session's TCP stream a third faster and eight sessions' a
+  // tenth, but the stream then crowds demand chunks (their p99 rose by a fifth to a half;
+  // docs/benchmarks.md, session 36): for sessions nobody waits on (a fetch, an eager restore),
+  // not for lazy ones. 0 (the default): window_bytes alone.
+  uint64_t window_per_connection_bytes = 0;
   // A second connection for demand requests, so they never queue behind background bytes. It
   // is served by its own thread.
   bool demand_connection = true;
@@ -105,6 +113,13 @@ struct SessionOptions {
 // times as fast as one, while on two cores the extra threads only compete with each other and the
 // server (docs/benchmarks.md, "Session 25").
 uint32_t LanesFor(uint32_t asked);
+// The credit window of a session whose chunks travel through the socket on `connections` bulk
+// connections (1 or more): window_bytes, raised to per_connection_bytes for each of them
+// (SessionOptions::window_per_connection_bytes; 0 leaves window_bytes as it is).
+uint64_t SocketWindow(uint64_t window_bytes, uint64_t per_connection_bytes, uint32_t connections);
+// SessionOptions::window_per_connection_bytes for a session that only streams: four 2 MiB
+// chunks in flight on each connection.
+inline constexpr uint64_t kBulkWindowPerConnection = 8u << 20;
 
 // A BO of the image, as the server's OpenImageReply lists it (index = position in bos()).
 struct BoEntry {

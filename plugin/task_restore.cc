@@ -390,6 +390,8 @@ Status TaskRestorer::CopyEager(const fs::path& image_dir, uint32_t file_id,
     options.tls = config_.tls;
     options.insecure_tcp = config_.insecure_tcp;
     options.window_bytes = config_.window_bytes;
+    // The task waits for the whole copy, never for one chunk: a bulk client's window.
+    options.window_per_connection_bytes = client::kBulkWindowPerConnection;
     options.lanes = config_.lanes;
     client::RestoreSession session(options, router);
     GPULAZY_RETURN_IF_ERROR(

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "page-client/net/stream.h"
+#include "page-client/restore_session.h"
 
 namespace gpulazy::client::cli {
 
@@ -13,6 +14,8 @@ struct FetchOptions {
   std::string image;
   std::string out_dir;
   uint64_t window_bytes = 16u << 20;
+  // A fetch only streams (nothing waits on a demand chunk): several chunks in flight per lane.
+  uint64_t window_per_connection_bytes = client::kBulkWindowPerConnection;
   uint64_t file_window_bytes = 256u << 20;  // while reading passed image files
   bool demand_connection = true;
   bool read_files = true;     // Unix servers: read chunks from the passed image files

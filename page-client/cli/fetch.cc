@@ -116,6 +116,7 @@ Status Fetch(const FetchOptions& options, nlohmann::json* summary) {
   session_options.endpoint = options.server;
   session_options.image = options.image;
   session_options.window_bytes = options.window_bytes;
+  session_options.window_per_connection_bytes = options.window_per_connection_bytes;
   session_options.file_window_bytes = options.file_window_bytes;
   session_options.demand_connection = options.demand_connection;
   session_options.read_files = options.read_files;

@@ -37,6 +37,7 @@ static int Run(int argc, char** argv) {
 
   FetchOptions fetch;
   std::string window = "16M";
+  std::string window_per_connection = "8M";
   std::string file_window = "256M";
   bool no_demand = false;
   bool no_read_files = false;
@@ -46,6 +47,11 @@ static int Run(int argc, char** argv) {
   fetch_cmd->add_option("--image", fetch.image, "image name on the server")->required();
   fetch_cmd->add_option("--out", fetch.out_dir, "directory for amdgpu-pages-*.img")->required();
   fetch_cmd->add_option("--window", window, "flow-control window (e.g. 16M)")
+      ->capture_default_str();
+  fetch_cmd
+      ->add_option("--window-per-connection", window_per_connection,
+                   "with lanes, the window is at least this much per bulk connection (0: "
+                   "--window alone)")
       ->capture_default_str();
   fetch_cmd
       ->add_option("--file-window", file_window,
@@ -86,6 +92,13 @@ static int Run(int argc, char** argv) {
       return 2;
     }
     fetch.window_bytes = *bytes;
+    gpulazy::Result<uint64_t> per_connection = gpulazy::ParseSize(window_per_connection);
+    if (!per_connection.ok()) {
+      fmt::print(stderr, "gpulazy-client fetch: --window-per-connection: {}\n",
+                 per_connection.status().message());
+      return 2;
+    }
+    fetch.window_per_connection_bytes = *per_connection;
     gpulazy::Result<uint64_t> file_bytes = gpulazy::ParseSize(file_window);
     if (!file_bytes.ok()) {
       fmt::print(stderr, "gpulazy-client fetch: --file-window: {}\n",

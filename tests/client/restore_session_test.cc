@@ -124,6 +124,9 @@ SessionOptions Options(const FakeServer& server, const std::string& image = "tes
   options.endpoint = server.endpoint();
   options.image = image;
   options.window_bytes = 256 * 1024;
+  // The window these tests set is the window: with lanes it would grow to megabytes and hold
+  // these small images whole (TheWindowGrowsWithTheConnectionsAskedFor tests the growth).
+  options.window_per_connection_bytes = 0;
   options.handshake_timeout = 5s;
   options.reconnect.initial_backoff = 10ms;
   options.reconnect.max_backoff = 100ms;
@@ -1286,6 +1289,41 @@ TEST(RestoreSessionLanes, TheStreamComesOverEveryLaneByteExact) {
   EXPECT_FALSE(server.credit_violated());
   EXPECT_LE(server.max_outstanding_credit(),
             std::max<uint64_t>(options.window_bytes, FakeServerOptions{}.max_payload));
+}
+
+// With lanes the session grants at least window_per_connection_bytes per bulk connection it
+// asks for (the stream connection and the lanes the server allows); without, window_bytes.
+TEST(RestoreSessionLanes, TheWindowGrowsWithTheConnectionsAskedFor) {
+  FakeImage image = FakeImage::Make({2u << 20}, 4096, 31);
+  struct Case {
+    uint32_t lanes;
+    uint64_t per_connection;
+    uint64_t granted;
+  };
+  for (const Case& c : {Case{8, 128u << 10, 512u << 10}, Case{1, 128u << 10, 256u << 10},
+                        Case{8, 0, 256u << 10}, Case{8, 32u << 10, 256u << 10}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "lanes " << c.lanes << ", per connection " << c.per_connection);
+    FakeServerOptions server_options = PausedWithLanes(3);
+    server_options.max_payload = 64u << 10;  // else the window is raised to 4 MiB
+    FakeServer server(image, server_options);
+    CountingEngine engine(image);
+    SessionOptions options = Options(server);  // a 256 KiB window
+    options.lanes = c.lanes;  // 8: the server allows three lanes, so four connections
+    options.window_per_connection_bytes = c.per_connection;
+    RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    ResumeOnceLanesJoined(server, session, std::min(c.lanes - 1, 3u));
+    ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+    EXPECT_TRUE(engine.Matches(image));
+    EXPECT_FALSE(server.credit_violated());
+    // The server was held until the lanes joined, so the first grant was outstanding whole.
+    EXPECT_EQ(server.max_outstanding_credit(), c.granted);
+  }
+  EXPECT_EQ(SocketWindow(16u << 20, 8u << 20, 8), 64u << 20);
+  EXPECT_EQ(SocketWindow(16u << 20, 8u << 20, 1), 16u << 20);
+  EXPECT_EQ(SocketWindow(16u << 20, 0, 8), 16u << 20);
+  EXPECT_EQ(SocketWindow(1, UINT64_MAX / 2, 3), UINT64_MAX);
 }
 
 TEST(RestoreSessionLanes, OneLaneAtMostOrNoneWhenTheServerSaysSo) {
