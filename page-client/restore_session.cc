@@ -1115,8 +1115,8 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   }
   // Lanes when the chunks travel through the socket: several threads receive them.
   lanes_joined_.store(0);
+  const uint32_t lanes = files ? 0 : std::min(WantedLanes(), stream->reply.max_lanes());
   if (!files) {
-    const uint32_t lanes = std::min(WantedLanes(), stream->reply.max_lanes());
     // Each lane's thread receives into the engine as the stream thread does. The host engine,
     // told of several writers before (file readers announced), gets back what pays off for one
     // (its populate helper) when there is one.
@@ -1137,11 +1137,11 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   for (wire::Header& have : HaveFrames(held))
     link->stream_writer.Send(std::move(have));
   // By reference the credit bounds the file ranges queued for the readers (no payload buffers),
-  // so it may be larger; too small a window starves the readers (docs/benchmarks.md).
+  // so it may be larger; too small a window starves the readers (docs/benchmarks.md). Through
+  // the socket, a session that only streams keeps a few chunks in flight on every connection.
   const uint64_t window =
       files ? std::max(window_, options_.file_window_bytes)
-            : SocketWindow(window_, options_.window_per_connection_bytes,
-                           1 + std::min(WantedLanes(), stream->reply.max_lanes()));
+            : SocketWindow(window_, options_.window_per_connection_bytes, 1 + lanes);
   wire::Header credit;
   credit.mutable_credit()->set_bytes(window);
   link->credit_outstanding.store(window);
