@@ -86,26 +86,20 @@ static int Run(int argc, char** argv) {
   gpulazy::net::LogToStderr(spdlog::level::from_str(log_level));
 
   if (*fetch_cmd) {
-    gpulazy::Result<uint64_t> bytes = gpulazy::ParseSize(window);
-    if (!bytes.ok()) {
-      fmt::print(stderr, "gpulazy-client fetch: --window: {}\n", bytes.status().message());
+    // Each size option, or the message naming the option that is wrong.
+    const auto parse_size = [](const std::string& text, const char* option, uint64_t* out) {
+      gpulazy::Result<uint64_t> bytes = gpulazy::ParseSize(text);
+      if (!bytes.ok())
+        fmt::print(stderr, "gpulazy-client fetch: {}: {}\n", option, bytes.status().message());
+      else
+        *out = *bytes;
+      return bytes.ok();
+    };
+    if (!parse_size(window, "--window", &fetch.window_bytes) ||
+        !parse_size(window_per_connection, "--window-per-connection",
+                    &fetch.window_per_connection_bytes) ||
+        !parse_size(file_window, "--file-window", &fetch.file_window_bytes))
       return 2;
-    }
-    fetch.window_bytes = *bytes;
-    gpulazy::Result<uint64_t> per_connection = gpulazy::ParseSize(window_per_connection);
-    if (!per_connection.ok()) {
-      fmt::print(stderr, "gpulazy-client fetch: --window-per-connection: {}\n",
-                 per_connection.status().message());
-      return 2;
-    }
-    fetch.window_per_connection_bytes = *per_connection;
-    gpulazy::Result<uint64_t> file_bytes = gpulazy::ParseSize(file_window);
-    if (!file_bytes.ok()) {
-      fmt::print(stderr, "gpulazy-client fetch: --file-window: {}\n",
-                 file_bytes.status().message());
-      return 2;
-    }
-    fetch.file_window_bytes = *file_bytes;
     fetch.demand_connection = !no_demand;
     fetch.read_files = !no_read_files;
     // The host engine holds a descriptor per BO; best effort, the engine says so if it runs out.
