@@ -50,10 +50,10 @@ struct SessionOptions {
   // With lanes (below), the window is at least this much per bulk connection asked for, the
   // stream connection included, so that each keeps a few chunks in flight: eight connections
   // sharing 16 MiB have one 2 MiB chunk each and wait a credit round trip for every next one.
-  // kBulkWindowPerConnection made one session's TCP stream a third faster and eight sessions' a
-  // tenth, but the stream then crowds demand chunks (their p99 rose by a fifth to a half;
-  // docs/benchmarks.md, session 36): for sessions nobody waits on (a fetch, an eager restore),
-  // not for lazy ones. 0 (the default): window_bytes alone.
+  // kBulkWindowPerConnection made one session's TCP stream a fifth to a third faster and eight
+  // sessions' a tenth, but the stream then crowds demand chunks (their p99 rose by a fifth to a
+  // half; docs/benchmarks.md, session 36): for sessions nobody waits on (a fetch, an eager
+  // restore), not for lazy ones. 0 (the default): window_bytes alone.
   uint64_t window_per_connection_bytes = 0;
   // A second connection for demand requests, so they never queue behind background bytes. It
   // is served by its own thread.
