@@ -46,7 +46,9 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
 
   bench::StreamOptions stream;
-  std::string stream_size = "1G", stream_window = "16M", stream_window_per_connection = "8M",
+  std::string stream_size = "1G", stream_window = "16M",
+              stream_window_per_connection =
+                  std::to_string(client::kBulkWindowPerConnection >> 20) + "M",
               stream_populate = std::to_string(stream.populate_ahead >> 20) + "M";
   CLI::App* stream_cmd =
       app.add_subcommand("stream", "streaming throughput vs raw page-cache reads");

@@ -37,7 +37,7 @@ static int Run(int argc, char** argv) {
 
   FetchOptions fetch;
   std::string window = "16M";
-  std::string window_per_connection = "8M";
+  std::string window_per_connection = std::to_string(fetch.window_per_connection_bytes >> 20) + "M";
   std::string file_window = "256M";
   bool no_demand = false;
   bool no_read_files = false;

@@ -106,12 +106,7 @@ Awaitable<Status> ReadPayload(AsyncStream& socket, std::span<uint8_t> into) {
 }
 
 PayloadWatermark::PayloadWatermark(Stream& stream, bool enabled) {
-  if (!enabled || stream.is_tls() || !stream.is_open()) return;
-  int domain = 0;
-  socklen_t length = sizeof domain;
-  if (::getsockopt(stream.socket().native_handle(), SOL_SOCKET, SO_DOMAIN, &domain, &length) != 0)
-    return;
-  if (domain == AF_INET || domain == AF_INET6) stream_ = &stream;
+  if (enabled && stream.is_plain_tcp()) stream_ = &stream;
 }
 
 PayloadWatermark::~PayloadWatermark() {

@@ -5,6 +5,7 @@
 #include <openssl/sha.h>
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <array>
@@ -112,6 +113,17 @@ Result<ClientTransport> ClientTransport::Make(const TlsClientOptions& options,
 // Stream
 
 Stream::Stream(Socket socket) : stream_(std::move(socket)) {}
+
+bool Stream::is_plain_tcp() {
+  if (is_tls()) return false;
+  if (!plain_tcp_ && is_open()) {
+    int domain = 0;
+    socklen_t length = sizeof domain;
+    if (::getsockopt(socket().native_handle(), SOL_SOCKET, SO_DOMAIN, &domain, &length) == 0)
+      plain_tcp_ = domain == AF_INET || domain == AF_INET6;
+  }
+  return plain_tcp_.value_or(false);
+}
 
 Stream::Stream(Socket socket, std::shared_ptr<TlsContext> context, Side side)
     : context_(std::move(context)),

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <variant>
 
@@ -80,6 +81,8 @@ class Stream {
   Socket& lowest_layer() { return socket(); }
   bool is_tls() const { return std::holds_alternative<std::unique_ptr<TlsStream>>(stream_); }
   bool is_open() const { return socket().is_open(); }
+  // A TCP connection without TLS (asked of the socket once, then remembered).
+  bool is_plain_tcp();
   // Raw socket close and shutdown: after them a TLS peer sees a truncated stream, which the
   // frame reader reports like an ordinary close.
   void close(boost::system::error_code& ec) { socket().close(ec); }
@@ -140,6 +143,7 @@ class Stream {
   // The TLS stream lives on the heap so a Stream moves without moving OpenSSL's state.
   std::variant<Socket, std::unique_ptr<TlsStream>> stream_;
   Side side_ = Side::kClient;
+  std::optional<bool> plain_tcp_;
 };
 
 // Connects to `endpoint` (Unix or TCP), wrapping TCP in TLS when the transport has it; the TLS
