@@ -1,20 +1,68 @@
 #include "proto/frame.h"
 
+#include <fmt/format.h>
+
 #include "proto/endian.h"
 
 namespace gpulazy {
+
+std::optional<std::string_view> ForeignProtocol(std::span<const uint8_t> first_bytes) {
+  // A TLS record: content type, then major version 3 and a minor version up to TLS 1.3's
+  // record version (RFC 8446 section 5.1).
+  if (first_bytes.size() >= 3 && first_bytes[1] == 0x03 && first_bytes[2] <= 0x04) {
+    switch (first_bytes[0]) {
+      case 0x16:
+        return "a TLS handshake";
+      case 0x15:
+        return "a TLS alert";
+      case 0x14:
+      case 0x17:
+        return "TLS records";
+      default:
+        break;
+    }
+  }
+  const std::string_view text(reinterpret_cast<const char*>(first_bytes.data()),
+                              first_bytes.size());
+  struct Opening {
+    std::string_view bytes;
+    std::string_view protocol;
+  };
+  static constexpr Opening kOpenings[] = {
+      {"GET ", "an HTTP request"},     {"POST ", "an HTTP request"},
+      {"HEAD ", "an HTTP request"},    {"PUT ", "an HTTP request"},
+      {"DELETE ", "an HTTP request"},  {"OPTIONS ", "an HTTP request"},
+      {"PATCH ", "an HTTP request"},   {"CONNECT ", "an HTTP request"},
+      {"PRI * ", "an HTTP/2 preface"}, {"HTTP/", "an HTTP response"},
+      {"SSH-", "an SSH banner"},
+  };
+  for (const Opening& opening : kOpenings)
+    if (text.starts_with(opening.bytes)) return opening.protocol;
+  return std::nullopt;
+}
+
+namespace {
+
+// " (the bytes are ..., not a gpulazy frame)" when they are recognizably something else.
+std::string ForeignHint(std::span<const uint8_t> prefix) {
+  std::optional<std::string_view> protocol = ForeignProtocol(prefix);
+  if (!protocol) return {};
+  return fmt::format(" (the bytes look like {}, not a gpulazy frame)", *protocol);
+}
+
+}  // namespace
 
 Result<FramePrefix> DecodeFramePrefix(std::span<const uint8_t> prefix, const FrameLimits& limits) {
   if (prefix.size() < kFramePrefixSize)
     return Corrupt("frame prefix is {} bytes, needs {}", prefix.size(), kFramePrefixSize);
   FramePrefix out{LoadLe32(prefix.data()), LoadLe32(prefix.data() + 4)};
-  if (out.header_length == 0) return Corrupt("frame has an empty header");
+  if (out.header_length == 0) return Corrupt("frame has an empty header{}", ForeignHint(prefix));
   if (out.header_length > limits.max_header)
-    return ResourceExhausted("frame header of {} bytes exceeds the limit of {}", out.header_length,
-                             limits.max_header);
+    return ResourceExhausted("frame header of {} bytes exceeds the limit of {}{}",
+                             out.header_length, limits.max_header, ForeignHint(prefix));
   if (out.payload_length > limits.max_payload)
-    return ResourceExhausted("frame payload of {} bytes exceeds the limit of {}",
-                             out.payload_length, limits.max_payload);
+    return ResourceExhausted("frame payload of {} bytes exceeds the limit of {}{}",
+                             out.payload_length, limits.max_payload, ForeignHint(prefix));
   return out;
 }
 

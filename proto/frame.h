@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "proto/status.h"
 #include "proto/wire.pb.h"
@@ -30,13 +31,20 @@ struct FramePrefix {
   uint32_t payload_length = 0;
 };
 
-// Validates the 8-byte prefix: a header is present and neither length passes its limit.
+// Validates the 8-byte prefix: a header is present and neither length passes its limit. A
+// refused prefix that looks like another protocol's opening says so in the message.
 Result<FramePrefix> DecodeFramePrefix(std::span<const uint8_t> prefix, const FrameLimits& limits);
 // Parses a header and checks it carries exactly one known body.
 Result<wire::Header> DecodeFrameHeader(std::span<const uint8_t> bytes);
 // Prefix and serialized header, ready to be followed on the wire by payload_length bytes.
 Result<std::string> EncodeFrameHead(const wire::Header& header, uint32_t payload_length,
                                     const FrameLimits& limits);
+
+// What a peer's first bytes look like when they are another protocol's: "a TLS handshake", "a
+// TLS alert", "an HTTP request", "an HTTP response", "an SSH banner"; nullopt when unrecognized.
+// For error messages only: a TLS client on a plain listener, or a plain client that a TLS
+// server answers, otherwise gets a bare "frame header of 33620758 bytes exceeds the limit".
+std::optional<std::string_view> ForeignProtocol(std::span<const uint8_t> first_bytes);
 
 // A whole frame pulled out of a byte buffer (tests, fuzzing, and readers that buffer).
 struct DecodedFrame {

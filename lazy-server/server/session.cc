@@ -9,6 +9,7 @@
 #include <cerrno>
 
 #include "page-client/net/fd_passing.h"
+#include "proto/frame.h"
 #include "proto/image_table.h"
 #include "proto/utf8.h"
 
@@ -19,6 +20,15 @@ using boost::system::error_code;
 namespace {
 
 constexpr auto kLinger = std::chrono::seconds(1);
+
+// A TLS client opens with a handshake record (type 22, version 3.x, a 16-bit length) holding a
+// ClientHello (message type 1). A gpulazy Hello's prefix can start with 22 too (a 22-byte
+// header), but its next bytes are zeros. Fewer bytes than it takes to tell are given the benefit
+// of the doubt: the handshake then decides.
+bool MayBeClientHello(std::span<const uint8_t> first) {
+  return first[0] == 0x16 && (first.size() < 2 || first[1] == 0x03) &&
+         (first.size() < 3 || first[2] <= 0x04) && (first.size() < 6 || first[5] == 0x01);
+}
 
 std::string RandomSecret() {
   std::string secret(16, '\0');
@@ -299,6 +309,7 @@ net::Awaitable<void> Connection::Run() {
   try {
     // TLS first, even for a connection about to be refused: the refusal must travel inside
     // TLS to be readable. The Hello deadline bounds the handshake.
+    if (socket_.is_tls() && co_await RefusedAsNotTls()) co_return;
     Status tls = co_await socket_.Handshake();
     if (!tls.ok()) {
       spdlog::info("{}: {}; closing", Tag(), tls.message());
@@ -339,6 +350,55 @@ net::Awaitable<void> Connection::Run() {
     }
   }
   Close("connection finished");
+}
+
+net::Awaitable<bool> Connection::RefusedAsNotTls() {
+  // Peeked, not read: a TLS client's bytes stay for OpenSSL. One peek is enough to tell: a
+  // ClientHello's record comes whole in one write, and so do a gpulazy Hello's prefix and
+  // header.
+  std::array<uint8_t, kFramePrefixSize> first{};
+  error_code ec;
+  const size_t got =
+      co_await socket_.socket().async_receive(asio::buffer(first), asio::socket_base::message_peek,
+                                              asio::redirect_error(asio::use_awaitable, ec));
+  if (ec || got == 0) co_return false;  // closed or timed out: the handshake reports it
+  const std::span<const uint8_t> seen(first.data(), got);
+  if (MayBeClientHello(seen)) co_return false;
+
+  const bool gpulazy_client = DecodeFramePrefix(seen, FrameLimits{}).ok();
+  std::string what =
+      gpulazy_client
+          ? "a plain-text gpulazy client"
+          : std::string(ForeignProtocol(seen).value_or("a peer that does not speak TLS"));
+  spdlog::info("{}: {} on a TLS listener; closing", Tag(), what);
+  if (gpulazy_client) {
+    // Its Hello is unread, so it would not understand TLS: answer in its own framing, which
+    // carries nothing but this fixed text.
+    wire::Header header;
+    wire::Error* error = header.mutable_error();
+    error->set_code(wire::ERROR_UNAUTHENTICATED);
+    error->set_message(
+        "this listener speaks TLS: connect with a CA file (gpulazy-client --tls-ca, the CRIU "
+        "plugin's tls_ca)");
+    Result<std::string> frame = EncodeFrameHead(header, 0, FrameLimits{});
+    if (frame.ok()) {
+      co_await asio::async_write(socket_.socket(), asio::buffer(*frame),
+                                 asio::redirect_error(asio::use_awaitable, ec));
+      ctx_.totals.errors_sent.fetch_add(1);
+      // As after any last frame (Run): half-close and discard the unread Hello for a moment,
+      // or closing with unread input resets the connection before the client reads the error.
+      if (!ec) {
+        socket_.shutdown(asio::socket_base::shutdown_send, ec);
+        SetDeadline(std::min(deadline_, Clock::now() + kLinger));
+        std::array<uint8_t, 4096> discard;
+        while (!closed_ && !ec)
+          co_await socket_.socket().async_receive(asio::buffer(discard),
+                                                  asio::redirect_error(asio::use_awaitable, ec));
+      }
+    }
+  }
+  Close("not a TLS client");
+  co_return true;
 }
 
 net::Awaitable<void> Connection::ReadLoop() {

@@ -171,6 +171,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   using Awaitable = net::Awaitable<void>;
   Awaitable Run();
+  // On a TLS listener, before the handshake: true when the peer's first bytes are no TLS
+  // handshake, in which case it has been answered (a plain gpulazy client gets an Error frame
+  // in plain text saying this listener speaks TLS) and the connection closed.
+  net::Awaitable<bool> RefusedAsNotTls();
   Awaitable ReadLoop();
   Awaitable WriteLoop();
   Awaitable Watchdog();

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/crypto.h>
+#include <openssl/err.h>
 #include <openssl/sha.h>
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
@@ -176,8 +177,21 @@ Status Stream::HandshakeError(const error_code& ec) const {
     return Unavailable("TLS handshake: connection closed by the {} ({})", side, ec.message());
   if (ec == asio::error::operation_aborted || ec == asio::error::bad_descriptor)
     return Aborted("TLS handshake: cancelled");
-  if (ec.category() == asio::error::get_ssl_category())
+  if (ec.category() == asio::error::get_ssl_category()) {
+    // What a TLS peer says of bytes that are not TLS records: the other end is not speaking
+    // TLS, which is a configuration to name, not a failure to diagnose.
+    if (ERR_GET_REASON(static_cast<unsigned long>(ec.value())) == SSL_R_WRONG_VERSION_NUMBER) {
+      if (side_ == Side::kClient)
+        return PermissionDenied(
+            "TLS handshake with the server failed: its answer is not TLS ({}); is it a plain "
+            "TCP listener (gpulazy-server --insecure-tcp)? Then connect with --insecure instead "
+            "of --tls-ca, or give the server --tls-cert and --tls-key",
+            ec.message());
+      return PermissionDenied("TLS handshake with the client failed: it does not speak TLS ({})",
+                              ec.message());
+    }
     return PermissionDenied("TLS handshake with the {} failed: {}", side, ec.message());
+  }
   return Unavailable("TLS handshake with the {} failed: {}", side, ec.message());
 }
 

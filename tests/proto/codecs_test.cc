@@ -274,6 +274,44 @@ TEST(FrameTest, OversizedLengthsRejectedFromPrefixAlone) {
   EXPECT_FALSE(DecodeFramePrefix(std::span<const uint8_t>(prefix, 7), limits).ok());
 }
 
+// The openings other protocols send first, as a gpulazy reader sees them in place of a frame.
+TEST(FrameTest, OtherProtocolsAreNamedWhereAFrameWasExpected) {
+  // A TLS 1.2/1.3 ClientHello record (type 22, legacy version 3.1, 512 bytes, ClientHello) and
+  // a fatal protocol_version alert, the records a plain peer of a TLS end receives.
+  const uint8_t client_hello[8] = {0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01};
+  const uint8_t alert[7] = {0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x46};
+  EXPECT_EQ(ForeignProtocol(client_hello), "a TLS handshake");
+  EXPECT_EQ(ForeignProtocol(alert), "a TLS alert");
+  EXPECT_EQ(ForeignProtocol(Bytes("GET / HTTP/1.1\r\n")), "an HTTP request");
+  EXPECT_EQ(ForeignProtocol(Bytes("HTTP/1.1 400 Bad Request")), "an HTTP response");
+  EXPECT_EQ(ForeignProtocol(Bytes("PRI * HTTP/2.0")), "an HTTP/2 preface");
+  EXPECT_EQ(ForeignProtocol(Bytes("SSH-2.0-OpenSSH_9.2")), "an SSH banner");
+  // A real frame's prefix, and bytes too few to tell, are nothing else's.
+  wire::Header header;
+  header.mutable_hello()->set_max_version(2);
+  Result<std::string> frame = EncodeFrameHead(header, 0, FrameLimits{});
+  ASSERT_TRUE(frame.ok());
+  EXPECT_EQ(ForeignProtocol(Bytes(*frame)), std::nullopt);
+  EXPECT_EQ(ForeignProtocol(Bytes("GE")), std::nullopt);
+  EXPECT_EQ(ForeignProtocol({}), std::nullopt);
+  // Where the prefix is refused, the message says what it looks like.
+  Result<FramePrefix> tls = DecodeFramePrefix(client_hello, FrameLimits{});
+  ASSERT_FALSE(tls.ok());
+  EXPECT_EQ(tls.status().code(), Code::kResourceExhausted);
+  EXPECT_THAT(tls.status().message(),
+              ::testing::HasSubstr("look like a TLS handshake, not a gpulazy frame"));
+  Result<FramePrefix> http = DecodeFramePrefix(Bytes("GET / HT"), FrameLimits{});
+  ASSERT_FALSE(http.ok());
+  EXPECT_THAT(http.status().message(), ::testing::HasSubstr("an HTTP request"));
+  // An ordinary oversized prefix gets no guess.
+  uint8_t oversized[8];
+  StoreLe32(oversized, 1u << 20);
+  StoreLe32(oversized + 4, 0);
+  Result<FramePrefix> plain = DecodeFramePrefix(oversized, FrameLimits{});
+  ASSERT_FALSE(plain.ok());
+  EXPECT_THAT(plain.status().message(), ::testing::Not(::testing::HasSubstr("look like")));
+}
+
 TEST(FrameTest, EncoderRefusesOversizedPayload) {
   FrameLimits limits;
   limits.max_payload = 100;

@@ -4,10 +4,12 @@
 // credentials, image visibility, confinement beneath the image root, and the write timeout
 // for a client that stops reading.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -16,10 +18,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "lazy-server/image/synth.h"
+#include "page-client/net/stream.h"
 #include "tests/server/test_support.h"
 #include "tests/support/files.h"
 #include "tests/support/process.h"
@@ -174,6 +178,121 @@ TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
   ASSERT_EQ(with.exit_code, 0) << with.out << server->Log();
   ExpectFetchedBytesMatch();
   EXPECT_TRUE(server->LogShows({"cn 'node7'"})) << server->Log();
+}
+
+TEST_F(SecurityTest, AClientOnTheOtherTransportIsToldWhichItReached) {
+  auto tls_server = TlsServer("server");
+  fs::create_directory(run_.path() / "plain");                // a socket and ready file of its own
+  ServerProcess plain_server(run_.path() / "plain", root());  // plain TCP (--insecure-tcp)
+  ASSERT_TRUE(plain_server.ready()) << plain_server.Log();
+
+  // A plain client on the TLS listener is answered in plain text, and not retried.
+  ProcessRun plain_to_tls = Fetch(tls_server->tcp_endpoint(), "--insecure");
+  EXPECT_NE(plain_to_tls.exit_code, 0);
+  EXPECT_NE(plain_to_tls.out.find("this listener speaks TLS: connect with a CA file"),
+            std::string::npos)
+      << plain_to_tls.out;
+  EXPECT_TRUE(tls_server->LogShows({"a plain-text gpulazy client on a TLS listener"}))
+      << tls_server->Log();
+
+  // A TLS client on the plain listener hears no TLS and says what it probably reached.
+  ProcessRun tls_to_plain = Fetch(plain_server.tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
+  EXPECT_NE(tls_to_plain.exit_code, 0);
+  EXPECT_NE(tls_to_plain.out.find("its answer is not TLS"), std::string::npos) << tls_to_plain.out;
+  EXPECT_NE(tls_to_plain.out.find("--insecure"), std::string::npos) << tls_to_plain.out;
+  EXPECT_TRUE(plain_server.LogShows({"look like a TLS handshake, not a gpulazy frame"}))
+      << plain_server.Log();
+
+  // Both keep serving the clients that match them.
+  ProcessRun tls = Fetch(tls_server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
+  ASSERT_EQ(tls.exit_code, 0) << tls.out << tls_server->Log();
+  ExpectFetchedBytesMatch();
+  ProcessRun plain = Fetch(plain_server.tcp_endpoint(), "--insecure");
+  ASSERT_EQ(plain.exit_code, 0) << plain.out << plain_server.Log();
+  ExpectFetchedBytesMatch();
+}
+
+// A TLS connection to `server`, handshake done, trusting the test CA.
+Result<net::Stream> ConnectTls(boost::asio::io_context& io, const ServerProcess& server,
+                               const Pki& pki) {
+  net::TlsClientOptions options;
+  options.ca_file = pki.pem("ca");
+  GPULAZY_ASSIGN_OR_RETURN(net::ClientTransport transport,
+                           net::ClientTransport::Make(options, false));
+  return net::ConnectBlocking(io, server.tcp_endpoint(), transport);
+}
+
+// True when the server ends the connection (EOF, reset or a TLS error) within `timeout`; what
+// it sends before that is read and dropped.
+bool ServerEnds(net::Stream& stream, std::chrono::milliseconds timeout = 5s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::array<uint8_t, 4096> discard;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left <= 0ms) return false;
+    pollfd readable{stream.socket().native_handle(), POLLIN, 0};
+    if (::poll(&readable, 1, static_cast<int>(left.count())) == 0) return false;
+    boost::system::error_code ec;
+    stream.read_some(boost::asio::buffer(discard), ec);
+    if (ec) return true;
+  }
+}
+
+TEST_F(SecurityTest, HostilePeersOfTheTlsListenerAreClosedWhileOthersAreServed) {
+  ::alarm(120);
+  auto server = TlsServer("server", {"--hello-timeout", "1"});
+
+  // Another protocol: named in the log, closed at once.
+  TestClient http(server->tcp_endpoint());
+  const std::string_view get = "GET / HTTP/1.1\r\nHost: gpulazy\r\n\r\n";
+  ASSERT_TRUE(http.SendRaw({reinterpret_cast<const uint8_t*>(get.data()), get.size()}).ok());
+  EXPECT_TRUE(http.WaitClosed(5s));
+  EXPECT_TRUE(server->LogShows({"an HTTP request on a TLS listener"})) << server->Log();
+
+  // A ClientHello's record header and then silence: the Hello deadline ends the handshake.
+  TestClient stalled(server->tcp_endpoint());
+  const uint8_t record_head[6] = {0x16, 0x03, 0x01, 0x02, 0x00, 0x01};
+  const auto stalled_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(stalled.SendRaw(record_head).ok());
+  EXPECT_TRUE(stalled.WaitClosed(10s));
+  EXPECT_LT(std::chrono::steady_clock::now() - stalled_at, 8s);
+
+  boost::asio::io_context io;
+  {
+    // After the handshake, bytes that are no valid record (a forged application-data record):
+    // OpenSSL refuses them and the server drops the connection.
+    Result<net::Stream> forged = ConnectTls(io, *server, pki());
+    ASSERT_TRUE(forged.ok()) << forged.status().ToString();
+    std::array<uint8_t, 5 + 32> record{0x17, 0x03, 0x03, 0x00, 32};
+    for (size_t i = 5; i < record.size(); ++i)
+      record[i] = static_cast<uint8_t>(i * 37);
+    boost::system::error_code ec;
+    boost::asio::write(forged->socket(), boost::asio::buffer(record), ec);
+    ASSERT_FALSE(ec) << ec.message();
+    EXPECT_TRUE(ServerEnds(*forged));
+  }
+  {
+    // An oversized frame inside TLS is refused inside TLS, before anything is allocated.
+    Result<net::Stream> oversized = ConnectTls(io, *server, pki());
+    ASSERT_TRUE(oversized.ok()) << oversized.status().ToString();
+    uint8_t prefix[8] = {0, 0, 0, 0x40, 0, 0, 0, 0};  // a 1 GiB header
+    boost::system::error_code ec;
+    boost::asio::write(*oversized, boost::asio::buffer(prefix), ec);
+    ASSERT_FALSE(ec) << ec.message();
+    std::vector<uint8_t> payload;
+    Result<wire::Header> reply = net::ReadFrameBlocking(*oversized, FrameLimits{}, &payload);
+    ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+    ASSERT_TRUE(reply->has_error());
+    EXPECT_EQ(reply->error().code(), wire::ERROR_LIMIT);
+    EXPECT_TRUE(ServerEnds(*oversized));
+  }
+
+  // None of them disturbed a real client.
+  ProcessRun run = Fetch(server->tcp_endpoint(), "--tls-ca " + pki().pem("ca"));
+  ASSERT_EQ(run.exit_code, 0) << run.out << server->Log();
+  ExpectFetchedBytesMatch();
+  ::alarm(0);
 }
 
 TEST_F(SecurityTest, TokenFilesAreCheckedAndMustNotBeWorldReadable) {
