@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Style and static checks: clang-format (no diffs allowed), clang-tidy (bug-finding checks from
-# .clang-tidy) over gpulazy's own sources, and every source compiled on its own (-fsyntax-only:
-# a unity batch hides a missing #include). Runs on a configured build dir's compile database:
-# its options pick which optional parts are analysed (scripts/lint-units.py).
+# Style and static checks: clang-format (no diffs allowed), the docs' relative links, clang-tidy
+# (bug-finding checks from .clang-tidy) over gpulazy's own sources, and every source compiled on
+# its own (-fsyntax-only: a unity batch hides a missing #include). Runs on a configured build
+# dir's compile database: its options pick which optional parts are analysed
+# (scripts/lint-units.py).
 # Usage: scripts/lint.sh [--analyze] [--no-bench-tidy] [BUILD_DIR]
 # --analyze: the clang static analyzer's checks too (slow; by hand).
 # --no-bench-tidy: clang-tidy leaves out bench/ (clang-format still covers it): a quicker check
@@ -28,6 +29,9 @@ mapfile -t sources < <(git ls-files 'proto/*.cc' 'proto/*.h' 'lazy-server/*.cc' 
 
 echo "lint: clang-format on ${#sources[@]} files"
 clang-format --dry-run -Werror "${sources[@]}"
+
+# Relative links between the Markdown files, headings included: a renamed heading breaks links.
+python3 "$root/scripts/check-doc-links.py"
 
 # clang-tidy on the non-test translation units; tests are mostly gtest macros. Boost 1.74 only
 # detects coroutine support under GCC, so clang-tidy is told it is there.
