@@ -214,6 +214,7 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
     Result<std::string> token = net::ReadTokenFile(token_file);
     if (!token.ok()) return fail(token.status().Context("--token-file"));
     config.token = std::move(*token);
+    config.token_file = token_file;
   }
   for (double s : {hello_timeout, idle_timeout, write_timeout, shutdown_grace, stats_interval}) {
     if (!(s >= 0 && s < 1e7)) return fail(InvalidArgument("timeouts must be 0..1e7 seconds"));

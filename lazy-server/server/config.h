@@ -59,6 +59,7 @@ struct ServerConfig {
   std::string log_level = "info";
   // Security (docs/security.md).
   std::string token;                // bearer token required in Hello when not empty (--token-file)
+  std::string token_file;           // where token came from: SIGHUP reads it again
   net::TlsServerOptions tls;        // TLS on every tcp: listener when tls.enabled()
   bool insecure_tcp = false;        // tcp: listeners without TLS are allowed (and warned about)
   std::vector<uint32_t> allow_uid;  // Unix peers allowed by uid; both empty: ours and root

@@ -20,7 +20,19 @@ ServerContext::ServerContext(const ServerConfig& config_in)
           .background_nice = config_in.background_nice,
           // Every chunk the server may send fits a pooled buffer.
           .buffer_bytes = config_in.max_frame,
-          .pooled_buffers = config_in.chunk_buffers}) {}
+          .pooled_buffers = config_in.chunk_buffers}),
+      token_(std::make_shared<const std::string>(config_in.token)) {}
+
+std::shared_ptr<const std::string> ServerContext::Token() const {
+  std::lock_guard lock(token_mu_);
+  return token_;
+}
+
+void ServerContext::SetToken(std::string token) {
+  auto replacement = std::make_shared<const std::string>(std::move(token));
+  std::lock_guard lock(token_mu_);
+  token_ = std::move(replacement);
+}
 
 std::shared_ptr<Session> ServerContext::FindSession(SessionId id) const {
   std::lock_guard lock(mu_);
@@ -133,6 +145,8 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"connections_open", totals.connections_open.load()},
       {"connections_accepted", totals.connections_accepted.load()},
       {"connections_refused", totals.connections_refused.load()},
+      {"credential_reloads", totals.credential_reloads.load()},
+      {"credential_reload_failures", totals.credential_reload_failures.load()},
       {"sessions_open", totals.sessions_open.load()},
       {"sessions_opened", totals.sessions_opened.load()},
       {"bytes_sent", totals.bytes_sent.load()},

@@ -48,6 +48,9 @@ struct ServerTotals {
   std::atomic<uint64_t> reply_frames_queued_peak{0};
   std::atomic<uint64_t> reply_bytes_queued_peak{0};
   std::atomic<uint64_t> reply_cutoffs{0};
+  // SIGHUP: credentials read again and put in place, or refused (the old ones kept).
+  std::atomic<uint64_t> credential_reloads{0};
+  std::atomic<uint64_t> credential_reload_failures{0};
 };
 
 struct ServerContext {
@@ -91,7 +94,15 @@ struct ServerContext {
                         const ImageGrant& visible = std::nullopt) const;
   const Clock::time_point started = Clock::now();
 
+  // The bearer token a Hello must carry (empty: none). It starts as config.token and is
+  // replaced when the server reads its token file again (SIGHUP): a connection checks the one
+  // in place when its Hello arrives.
+  std::shared_ptr<const std::string> Token() const;
+  void SetToken(std::string token);
+
  private:
+  mutable std::mutex token_mu_;
+  std::shared_ptr<const std::string> token_;
   mutable std::mutex mu_;
   std::mutex demand_loop_mu_;  // ClaimLeastBusyDemandLoop's pick and count, as one step
   std::map<SessionId, std::weak_ptr<Session>> sessions_;

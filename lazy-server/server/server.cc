@@ -57,7 +57,10 @@ Server::Server(const ServerConfig& config)
   // 3.0 never frees the error state of the thread that ran it, which leaked when that network
   // thread ended (LeakSanitizer at exit of a process that embeds the server and stops it).
   OPENSSL_init_crypto(OPENSSL_INIT_LOAD_CONFIG, nullptr);
-  if (config.handle_signals) signals_.emplace(strand_, SIGTERM, SIGINT);
+  if (config.handle_signals) {
+    signals_.emplace(strand_, SIGTERM, SIGINT);
+    reload_signals_.emplace(strand_, SIGHUP);
+  }
   for (uint32_t i = 0; i < config.demand_io_threads; ++i) {
     // Concurrency hint 1: one thread runs each loop (posting from others stays safe).
     demand_ios_.push_back(std::make_unique<asio::io_context>(1));
@@ -127,6 +130,7 @@ Status Server::Listen() {
   const ServerConfig& config = ctx_->config;
   if (config.tls.enabled()) {
     GPULAZY_ASSIGN_OR_RETURN(tls_, net::MakeServerTlsContext(config.tls));
+    spdlog::info("TLS certificate {} ({})", config.tls.cert_file, net::CertificateSummary(*tls_));
   }
   for (const net::Endpoint& endpoint : config.listen) {
     GPULAZY_ASSIGN_OR_RETURN(Listener listener, Bind(endpoint));
@@ -234,6 +238,7 @@ void Server::BeginShutdown(std::string_view why) {
     ::unlink(path.c_str());
   unix_paths_.clear();
   if (signals_) signals_->cancel(ec);
+  if (reload_signals_) reload_signals_->cancel(ec);
   stats_timer_.cancel();
   // Newest first: a demand connection, a lane or a files connection is newer than the stream
   // connection whose session it joined, so it hears why before that session's close could
@@ -241,6 +246,52 @@ void Server::BeginShutdown(std::string_view why) {
   std::vector<std::shared_ptr<Connection>> connections = ctx_->Connections();
   for (auto it = connections.rbegin(); it != connections.rend(); ++it)
     (*it)->Shutdown(wire::ERROR_SHUTTING_DOWN, "server is shutting down");
+}
+
+Status Server::ReloadCredentials() {
+  const ServerConfig& config = ctx_->config;
+  // Everything is read before anything changes, so a bad file leaves all as it was.
+  std::shared_ptr<net::TlsContext> tls = tls_;
+  if (config.tls.enabled()) {
+    Result<std::shared_ptr<net::TlsContext>> loaded = net::MakeServerTlsContext(config.tls);
+    if (!loaded.ok()) {
+      ctx_->totals.credential_reload_failures.fetch_add(1);
+      return loaded.status().Context("reloading the TLS credentials");
+    }
+    tls = std::move(*loaded);
+  }
+  std::optional<std::string> token;
+  if (!config.token_file.empty()) {
+    Result<std::string> read = net::ReadTokenFile(config.token_file);
+    if (!read.ok()) {
+      ctx_->totals.credential_reload_failures.fetch_add(1);
+      return read.status().Context("reloading --token-file");
+    }
+    token = std::move(*read);
+  }
+  tls_ = tls;
+  for (Listener& listener : listeners_)
+    if (listener.tls) listener.tls = tls;
+  if (token) ctx_->SetToken(std::move(*token));
+  ctx_->totals.credential_reloads.fetch_add(1);
+  std::string what;
+  if (config.tls.enabled())
+    what =
+        fmt::format("TLS certificate {} ({})", config.tls.cert_file, net::CertificateSummary(*tls));
+  if (token) what += fmt::format("{}token file {}", what.empty() ? "" : ", ", config.token_file);
+  spdlog::info("credentials reloaded: {}", what.empty() ? "none configured" : what);
+  return Status::Ok();
+}
+
+void Server::AwaitReloadSignal() {
+  if (!reload_signals_) return;
+  reload_signals_->async_wait(asio::bind_executor(strand_, [this](const error_code& ec, int) {
+    if (ec || ctx_->shutting_down) return;
+    Status reloaded = ReloadCredentials();
+    if (!reloaded.ok())
+      spdlog::error("SIGHUP: {}; the credentials in place stay", reloaded.message());
+    AwaitReloadSignal();
+  }));
 }
 
 void Server::Stop() {
@@ -252,6 +303,7 @@ int Server::Run() {
     signals_->async_wait(asio::bind_executor(strand_, [this](const error_code& ec, int signal) {
       if (!ec) BeginShutdown(signal == SIGTERM ? "SIGTERM" : "SIGINT");
     }));
+  AwaitReloadSignal();
   for (Listener& listener : listeners_)
     asio::co_spawn(strand_, AcceptLoop(listener), asio::detached);
   if (ctx_->config.stats_interval.count() > 0) asio::co_spawn(strand_, StatsLoop(), asio::detached);

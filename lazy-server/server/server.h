@@ -49,6 +49,12 @@ class Server {
   boost::asio::awaitable<void> StatsLoop();
   void BeginShutdown(std::string_view why);
   Status WriteReadyFile() const;
+  // SIGHUP (with config.handle_signals): reads the TLS certificate, key and client CA files and
+  // the token file again and puts them in place for connections accepted from then on; open
+  // connections keep what they were accepted with. All or nothing: when a file fails to load,
+  // the error names it and the credentials in place stay. On the strand.
+  Status ReloadCredentials();
+  void AwaitReloadSignal();
 
   // First member, so destroyed last: handlers still queued in io_ when it is destroyed may
   // hold connections, which refer to the context.
@@ -66,6 +72,7 @@ class Server {
   // Only with config.handle_signals: even an empty signal_set registers Asio's process-wide
   // signal state.
   std::optional<boost::asio::signal_set> signals_;
+  std::optional<boost::asio::signal_set> reload_signals_;  // SIGHUP
   boost::asio::steady_timer stats_timer_;
 };
 

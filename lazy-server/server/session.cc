@@ -458,7 +458,8 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     co_return;
   }
   version_ = version;
-  if (!ctx_.config.token.empty() && !net::ConstantTimeEqual(hello.token(), ctx_.config.token)) {
+  if (const std::shared_ptr<const std::string> token = ctx_.Token();
+      !token->empty() && !net::ConstantTimeEqual(hello.token(), *token)) {
     spdlog::warn("{}: bad token", Tag());
     Fail(wire::ERROR_UNAUTHENTICATED, "bad or missing token", rid);
     co_return;

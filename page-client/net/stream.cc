@@ -1,6 +1,7 @@
 #include "page-client/net/stream.h"
 
 #include <fcntl.h>
+#include <fmt/chrono.h>
 #include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/sha.h>
@@ -11,6 +12,7 @@
 
 #include <array>
 #include <cstdio>
+#include <ctime>
 
 #include "page-client/net/frame_stream.h"
 
@@ -94,6 +96,24 @@ Result<std::shared_ptr<TlsContext>> MakeServerTlsContext(const TlsServerOptions&
     SSL_CTX_set_client_CA_list(context->native_handle(), names);
   context->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert);
   return context;
+}
+
+std::string CertificateSummary(TlsContext& context) {
+  X509* cert = SSL_CTX_get0_certificate(context.native_handle());
+  if (cert == nullptr) return "no certificate";
+  std::array<char, 256> subject{};
+  X509_NAME_oneline(X509_get_subject_name(cert), subject.data(), static_cast<int>(subject.size()));
+  const ASN1_TIME* not_after = X509_get0_notAfter(cert);
+  std::tm end{};
+  if (not_after == nullptr || ASN1_TIME_to_tm(not_after, &end) != 1)
+    return fmt::format("{}, end of validity unreadable", subject.data());
+  // Negative: the certificate has expired (clients will refuse it).
+  int days = 0;
+  int seconds = 0;
+  const bool expired =
+      ASN1_TIME_diff(&days, &seconds, nullptr, not_after) == 1 && (days < 0 || seconds < 0);
+  return fmt::format("{}, {} {:%Y-%m-%d %H:%M:%S} UTC", subject.data(),
+                     expired ? "EXPIRED" : "expires", end);
 }
 
 Result<ClientTransport> ClientTransport::Make(const TlsClientOptions& options,

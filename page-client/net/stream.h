@@ -48,6 +48,9 @@ struct TlsServerOptions {
 
 Result<std::shared_ptr<TlsContext>> MakeClientTlsContext(const TlsClientOptions& options);
 Result<std::shared_ptr<TlsContext>> MakeServerTlsContext(const TlsServerOptions& options);
+// "CN=localhost, expires 2026-12-04 11:30:00 UTC": the subject and end of validity of the
+// certificate a context presents, for logs (an operator checking a rotation).
+std::string CertificateSummary(TlsContext& context);
 
 // How a client reaches servers: TLS (a loaded context) or, only when allowed, plain TCP.
 // Unix endpoints are always plain; their security is the socket file's permissions and the

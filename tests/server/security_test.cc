@@ -5,6 +5,7 @@
 // for a client that stops reading.
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -323,6 +324,67 @@ TEST_F(SecurityTest, TokenFilesAreCheckedAndMustNotBeWorldReadable) {
   ProcessRun right = Fetch(server->unix_endpoint(), "--token-file " + good.string());
   ASSERT_EQ(right.exit_code, 0) << right.out << server->Log();
   ExpectFetchedBytesMatch();
+}
+
+TEST_F(SecurityTest, SighupReloadsTheCertificateAndTokenAndKeepsThemWhenAFileIsBad) {
+  ::alarm(120);
+  const fs::path cert = run_.path() / "live.pem";
+  const fs::path key = run_.path() / "live.key";
+  const fs::path token = run_.path() / "token";
+  const fs::path old_token = run_.path() / "old-token";
+  const auto owner_only = fs::perms::owner_read | fs::perms::owner_write;
+  const auto replace = fs::copy_options::overwrite_existing;
+  fs::copy_file(pki().pem("expired"), cert);
+  fs::copy_file(pki().key("expired"), key);
+  WriteText(token, "first-token\n", owner_only);
+  ServerProcess server(
+      run_.path(), root(),
+      {"--tls-cert", cert.string(), "--tls-key", key.string(), "--token-file", token.string()});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  const std::string ca = "--tls-ca " + pki().pem("ca");
+  const auto reload = [&] { ASSERT_EQ(::kill(server.pid(), SIGHUP), 0); };
+
+  // The certificate was let expire: clients refuse it, and the server's log said so at start.
+  ProcessRun expired = Fetch(server.tcp_endpoint(), ca + " --token-file " + token.string());
+  EXPECT_NE(expired.exit_code, 0);
+  EXPECT_NE(expired.out.find("certificate has expired"), std::string::npos) << expired.out;
+  EXPECT_TRUE(server.LogShows({"/CN=localhost, EXPIRED"})) << server.Log();
+
+  // Renewed in place, with a new token, then SIGHUP: no restart.
+  fs::copy_file(pki().pem("server"), cert, replace);
+  fs::copy_file(pki().key("server"), key, replace);
+  WriteText(old_token, "first-token\n", owner_only);
+  WriteText(token, "second-token\n", owner_only);
+  reload();
+  EXPECT_TRUE(server.LogShows({"credentials reloaded: TLS certificate"})) << server.Log();
+  ProcessRun renewed = Fetch(server.tcp_endpoint(), ca + " --token-file " + token.string());
+  ASSERT_EQ(renewed.exit_code, 0) << renewed.out << server.Log();
+  ExpectFetchedBytesMatch();
+  ProcessRun stale = Fetch(server.tcp_endpoint(), ca + " --token-file " + old_token.string());
+  EXPECT_NE(stale.exit_code, 0);
+  EXPECT_NE(stale.out.find("ERROR_UNAUTHENTICATED"), std::string::npos) << stale.out;
+
+  // Half a rotation (a key that is not the certificate's) is refused whole.
+  fs::copy_file(pki().key("elsewhere"), key, replace);
+  WriteText(token, "third-token\n", owner_only);
+  reload();
+  EXPECT_TRUE(server.LogShows({"the credentials in place stay"})) << server.Log();
+  WriteText(old_token, "second-token\n", owner_only);
+  ProcessRun kept = Fetch(server.tcp_endpoint(), ca + " --token-file " + old_token.string());
+  ASSERT_EQ(kept.exit_code, 0) << kept.out << server.Log();
+  ExpectFetchedBytesMatch();
+
+  // So is a token file others may read, with the certificate's key back in place.
+  fs::copy_file(pki().key("server"), key, replace);
+  WriteText(token, "third-token\n", owner_only | fs::perms::others_read);
+  reload();
+  EXPECT_TRUE(server.LogShows({"accessible to other users (mode"})) << server.Log();
+  ProcessRun stats = Client("stats --server " + server.tcp_endpoint().ToString() + " " + ca +
+                            " --token-file " + old_token.string());
+  ASSERT_EQ(stats.exit_code, 0) << stats.out << server.Log();
+  EXPECT_NE(stats.out.find("\"credential_reloads\":1,"), std::string::npos) << stats.out;
+  EXPECT_NE(stats.out.find("\"credential_reload_failures\":2,"), std::string::npos) << stats.out;
+  ::alarm(0);
 }
 
 TEST_F(SecurityTest, PlainTcpNeedsExplicitFlagsOnBothEnds) {
