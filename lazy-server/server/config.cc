@@ -116,7 +116,8 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
       ->capture_default_str();
   // No --token: a secret on the command line is readable by every user through /proc.
   app.add_option("--token-file", token_file,
-                 "file holding the bearer token clients must present (not readable by others)");
+                 "file holding the bearer tokens clients may present, one per line (not readable "
+                 "by others; SIGHUP reads it again)");
   app.add_option("--tls-cert", config.tls.cert_file,
                  "PEM certificate chain: TLS on tcp: listeners");
   app.add_option("--tls-key", config.tls.key_file, "PEM private key of --tls-cert");
@@ -211,9 +212,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
     config.image_access.push_back(std::move(*rule));
   }
   if (!token_file.empty()) {
-    Result<std::string> token = net::ReadTokenFile(token_file);
-    if (!token.ok()) return fail(token.status().Context("--token-file"));
-    config.token = std::move(*token);
+    Result<std::vector<std::string>> tokens = net::ReadTokenListFile(token_file);
+    if (!tokens.ok()) return fail(tokens.status().Context("--token-file"));
+    config.tokens = std::move(*tokens);
     config.token_file = token_file;
   }
   for (double s : {hello_timeout, idle_timeout, write_timeout, shutdown_grace, stats_interval}) {

@@ -58,8 +58,10 @@ struct ServerConfig {
   uint32_t chunk_buffers = 32;
   std::string log_level = "info";
   // Security (docs/security.md).
-  std::string token;                // bearer token required in Hello when not empty (--token-file)
-  std::string token_file;           // where token came from: SIGHUP reads it again
+  // Bearer tokens a Hello may carry, one of which it must when there are any (--token-file, one
+  // per line); token_file is where they came from: SIGHUP reads it again.
+  std::vector<std::string> tokens;
+  std::string token_file;
   net::TlsServerOptions tls;        // TLS on every tcp: listener when tls.enabled()
   bool insecure_tcp = false;        // tcp: listeners without TLS are allowed (and warned about)
   std::vector<uint32_t> allow_uid;  // Unix peers allowed by uid; both empty: ours and root

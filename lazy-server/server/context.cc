@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lazy-server/server/session.h"
+#include "page-client/net/stream.h"
 
 namespace gpulazy::server {
 
@@ -21,17 +22,27 @@ ServerContext::ServerContext(const ServerConfig& config_in)
           // Every chunk the server may send fits a pooled buffer.
           .buffer_bytes = config_in.max_frame,
           .pooled_buffers = config_in.chunk_buffers}),
-      token_(std::make_shared<const std::string>(config_in.token)) {}
+      tokens_(std::make_shared<const std::vector<std::string>>(config_in.tokens)) {}
 
-std::shared_ptr<const std::string> ServerContext::Token() const {
+std::shared_ptr<const std::vector<std::string>> ServerContext::Tokens() const {
   std::lock_guard lock(token_mu_);
-  return token_;
+  return tokens_;
 }
 
-void ServerContext::SetToken(std::string token) {
-  auto replacement = std::make_shared<const std::string>(std::move(token));
+void ServerContext::SetTokens(std::vector<std::string> tokens) {
+  auto replacement = std::make_shared<const std::vector<std::string>>(std::move(tokens));
   std::lock_guard lock(token_mu_);
-  token_ = std::move(replacement);
+  tokens_ = std::move(replacement);
+}
+
+bool ServerContext::TokenAccepted(std::string_view token) const {
+  const std::shared_ptr<const std::vector<std::string>> tokens = Tokens();
+  if (tokens->empty()) return true;
+  // Every one compared, so the time does not tell which matched.
+  bool accepted = false;
+  for (const std::string& candidate : *tokens)
+    accepted |= net::ConstantTimeEqual(token, candidate);
+  return accepted;
 }
 
 std::shared_ptr<Session> ServerContext::FindSession(SessionId id) const {

@@ -94,15 +94,17 @@ struct ServerContext {
                         const ImageGrant& visible = std::nullopt) const;
   const Clock::time_point started = Clock::now();
 
-  // The bearer token a Hello must carry (empty: none). It starts as config.token and is
-  // replaced when the server reads its token file again (SIGHUP): a connection checks the one
-  // in place when its Hello arrives.
-  std::shared_ptr<const std::string> Token() const;
-  void SetToken(std::string token);
+  // The bearer tokens a Hello may carry (none: no token needed). They start as config.tokens
+  // and are replaced when the server reads its token file again (SIGHUP): a connection checks
+  // those in place when its Hello arrives.
+  std::shared_ptr<const std::vector<std::string>> Tokens() const;
+  void SetTokens(std::vector<std::string> tokens);
+  // Whether `token` is one of them (or none are needed), in time independent of which.
+  bool TokenAccepted(std::string_view token) const;
 
  private:
   mutable std::mutex token_mu_;
-  std::shared_ptr<const std::string> token_;
+  std::shared_ptr<const std::vector<std::string>> tokens_;
   mutable std::mutex mu_;
   std::mutex demand_loop_mu_;  // ClaimLeastBusyDemandLoop's pick and count, as one step
   std::map<SessionId, std::weak_ptr<Session>> sessions_;

@@ -260,25 +260,28 @@ Status Server::ReloadCredentials() {
     }
     tls = std::move(*loaded);
   }
-  std::optional<std::string> token;
+  std::optional<std::vector<std::string>> tokens;
   if (!config.token_file.empty()) {
-    Result<std::string> read = net::ReadTokenFile(config.token_file);
+    Result<std::vector<std::string>> read = net::ReadTokenListFile(config.token_file);
     if (!read.ok()) {
       ctx_->totals.credential_reload_failures.fetch_add(1);
       return read.status().Context("reloading --token-file");
     }
-    token = std::move(*read);
+    tokens = std::move(*read);
   }
   tls_ = tls;
   for (Listener& listener : listeners_)
     if (listener.tls) listener.tls = tls;
-  if (token) ctx_->SetToken(std::move(*token));
+  const size_t token_count = tokens ? tokens->size() : 0;
+  if (tokens) ctx_->SetTokens(std::move(*tokens));
   ctx_->totals.credential_reloads.fetch_add(1);
   std::string what;
   if (config.tls.enabled())
     what =
         fmt::format("TLS certificate {} ({})", config.tls.cert_file, net::CertificateSummary(*tls));
-  if (token) what += fmt::format("{}token file {}", what.empty() ? "" : ", ", config.token_file);
+  if (token_count > 0)
+    what += fmt::format("{}token file {} ({} token{})", what.empty() ? "" : ", ", config.token_file,
+                        token_count, token_count == 1 ? "" : "s");
   spdlog::info("credentials reloaded: {}", what.empty() ? "none configured" : what);
   return Status::Ok();
 }

@@ -458,8 +458,7 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     co_return;
   }
   version_ = version;
-  if (const std::shared_ptr<const std::string> token = ctx_.Token();
-      !token->empty() && !net::ConstantTimeEqual(hello.token(), *token)) {
+  if (!ctx_.TokenAccepted(hello.token())) {
     spdlog::warn("{}: bad token", Tag());
     Fail(wire::ERROR_UNAUTHENTICATED, "bad or missing token", rid);
     co_return;

@@ -24,6 +24,7 @@ using boost::system::error_code;
 namespace {
 
 constexpr size_t kMaxTokenBytes = 4096;
+constexpr size_t kMaxTokenListBytes = 64 << 10;
 
 // Refuses everything below TLS 1.2; OpenSSL then picks the highest both ends speak (1.3).
 Status RequireModernTls(TlsContext& context) {
@@ -301,7 +302,10 @@ Result<Stream> ConnectBlocking(asio::io_context& io, const Endpoint& endpoint,
 // ---------------------------------------------------------------------------------------------
 // Secrets
 
-Result<std::string> ReadTokenFile(const std::string& path) {
+namespace {
+
+// A secret file's bytes, at most max_bytes, after the checks every token file gets.
+Result<std::string> ReadSecretFile(const std::string& path, size_t max_bytes) {
   std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rbe"), &std::fclose);
   if (!file) return ErrnoError(errno, "token file {}", path);
   struct stat st {};
@@ -313,16 +317,45 @@ Result<std::string> ReadTokenFile(const std::string& path) {
     return PermissionDenied(
         "token file {} is accessible to other users (mode {:04o}); chmod o-rwx it", path,
         st.st_mode & 07777);
-  std::string token(kMaxTokenBytes + 1, '\0');
-  const size_t got = std::fread(token.data(), 1, token.size(), file.get());
+  std::string bytes(max_bytes + 1, '\0');
+  const size_t got = std::fread(bytes.data(), 1, bytes.size(), file.get());
   if (std::ferror(file.get())) return IoError("token file {}: read failed", path);
-  if (got > kMaxTokenBytes)
-    return InvalidArgument("token file {} is larger than {} bytes", path, kMaxTokenBytes);
-  token.resize(got);
+  if (got > max_bytes)
+    return InvalidArgument("token file {} is larger than {} bytes", path, max_bytes);
+  bytes.resize(got);
+  return bytes;
+}
+
+}  // namespace
+
+Result<std::string> ReadTokenFile(const std::string& path) {
+  GPULAZY_ASSIGN_OR_RETURN(std::string token, ReadSecretFile(path, kMaxTokenBytes));
   while (!token.empty() && (token.back() == '\n' || token.back() == '\r'))
     token.pop_back();
   if (token.empty()) return InvalidArgument("token file {} holds an empty token", path);
   return token;
+}
+
+Result<std::vector<std::string>> ReadTokenListFile(const std::string& path) {
+  GPULAZY_ASSIGN_OR_RETURN(std::string text, ReadSecretFile(path, kMaxTokenListBytes));
+  std::vector<std::string> tokens;
+  size_t line = 0;
+  for (size_t start = 0; start < text.size();) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string token = text.substr(start, end - start);
+    start = end + 1;
+    ++line;
+    if (!token.empty() && token.back() == '\r') token.pop_back();
+    if (token.empty() || token.front() == '#') continue;
+    // The message names the line, never the token.
+    if (token.size() > kMaxTokenBytes)
+      return InvalidArgument("token file {}: the token on line {} is longer than {} bytes", path,
+                             line, kMaxTokenBytes);
+    tokens.push_back(std::move(token));
+  }
+  if (tokens.empty()) return InvalidArgument("token file {} holds no token", path);
+  return tokens;
 }
 
 bool ConstantTimeEqual(std::string_view a, std::string_view b) {

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "page-client/net/asio.h"
 #include "page-client/net/endpoint.h"
@@ -161,6 +162,11 @@ Result<Stream> ConnectBlocking(boost::asio::io_context& io, const Endpoint& endp
 // files others may read (mode & 007), non-regular files, empty tokens and files over 4 KiB,
 // each with a message naming the file (docs/security.md).
 Result<std::string> ReadTokenFile(const std::string& path);
+// The server's side: the tokens it accepts, one per line (blank lines and lines starting with
+// '#' skipped; CRLF ends a line too), so a token can be rotated without refusing anyone: list
+// the old and the new, reload, move the clients, drop the old, reload. The file checks of
+// ReadTokenFile, at most 64 KiB in all and 4 KiB a token, and at least one token.
+Result<std::vector<std::string>> ReadTokenListFile(const std::string& path);
 // Compares secrets in time independent of their contents and lengths.
 bool ConstantTimeEqual(std::string_view a, std::string_view b);
 

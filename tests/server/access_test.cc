@@ -99,6 +99,41 @@ TEST(TokenFileTest, ReadOnceStrippedAndPrivate) {
   EXPECT_EQ(net::ReadTokenFile((dir.path() / "missing").string()).status().code(), Code::kNotFound);
 }
 
+TEST(TokenFileTest, TheServersListHasOneTokenPerLineAndNamesNoneInItsErrors) {
+  gpulazy::testing::TempDir dir;
+  auto write = [&](const std::string& name, const std::string& text, fs::perms perms) {
+    const fs::path path = dir.path() / name;
+    std::ofstream(path) << text;
+    fs::permissions(path, perms);
+    return path.string();
+  };
+  const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
+  Result<std::vector<std::string>> two =
+      net::ReadTokenListFile(write("two", "# old one goes on Friday\nold token\n\nnew\r\n", owner));
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  EXPECT_EQ(*two, (std::vector<std::string>{"old token", "new"}));
+  Result<std::vector<std::string>> last_line = net::ReadTokenListFile(write("last", "a\nb", owner));
+  ASSERT_TRUE(last_line.ok());
+  EXPECT_EQ(*last_line, (std::vector<std::string>{"a", "b"}));
+  // What a client's file holds is a one-token list.
+  Result<std::vector<std::string>> one = net::ReadTokenListFile(write("one", "abc def\r\n", owner));
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(*one, (std::vector<std::string>{"abc def"}));
+
+  EXPECT_FALSE(net::ReadTokenListFile(write("comments", "# none yet\n\n", owner)).ok());
+  Result<std::vector<std::string>> world =
+      net::ReadTokenListFile(write("world", "t\n", owner | fs::perms::others_read));
+  EXPECT_EQ(world.status().code(), Code::kPermissionDenied);
+  const std::string secret(5000, 's');
+  Result<std::vector<std::string>> long_line =
+      net::ReadTokenListFile(write("long", "ok\n" + secret + "\n", owner));
+  ASSERT_FALSE(long_line.ok());
+  EXPECT_NE(long_line.status().message().find("line 2"), std::string::npos)
+      << long_line.status().message();
+  EXPECT_EQ(long_line.status().message().find("sss"), std::string::npos) << "quotes the token";
+  EXPECT_FALSE(net::ReadTokenListFile(write("huge", std::string(70000, '\n'), owner)).ok());
+}
+
 TEST(TokenFileTest, ConstantTimeEqualCompares) {
   EXPECT_TRUE(net::ConstantTimeEqual("s3cret", "s3cret"));
   EXPECT_FALSE(net::ConstantTimeEqual("s3cret", "s3creT"));

@@ -326,63 +326,79 @@ TEST_F(SecurityTest, TokenFilesAreCheckedAndMustNotBeWorldReadable) {
   ExpectFetchedBytesMatch();
 }
 
-TEST_F(SecurityTest, SighupReloadsTheCertificateAndTokenAndKeepsThemWhenAFileIsBad) {
+TEST_F(SecurityTest, SighupReloadsTheCertificateAndTokensAndKeepsThemWhenAFileIsBad) {
   ::alarm(120);
   const fs::path cert = run_.path() / "live.pem";
   const fs::path key = run_.path() / "live.key";
-  const fs::path token = run_.path() / "token";
-  const fs::path old_token = run_.path() / "old-token";
+  const fs::path tokens = run_.path() / "tokens";  // the server's
+  const fs::path first = run_.path() / "first";    // clients'
+  const fs::path second = run_.path() / "second";
   const auto owner_only = fs::perms::owner_read | fs::perms::owner_write;
   const auto replace = fs::copy_options::overwrite_existing;
   fs::copy_file(pki().pem("expired"), cert);
   fs::copy_file(pki().key("expired"), key);
-  WriteText(token, "first-token\n", owner_only);
+  WriteText(tokens, "first-token\n", owner_only);
+  WriteText(first, "first-token\n", owner_only);
+  WriteText(second, "second-token\n", owner_only);
   ServerProcess server(
       run_.path(), root(),
-      {"--tls-cert", cert.string(), "--tls-key", key.string(), "--token-file", token.string()});
+      {"--tls-cert", cert.string(), "--tls-key", key.string(), "--token-file", tokens.string()});
   ASSERT_TRUE(server.ready()) << server.Log();
   const std::string ca = "--tls-ca " + pki().pem("ca");
   const auto reload = [&] { ASSERT_EQ(::kill(server.pid(), SIGHUP), 0); };
+  const auto fetch_with = [&](const fs::path& token) {
+    return Fetch(server.tcp_endpoint(), ca + " --token-file " + token.string());
+  };
 
   // The certificate was let expire: clients refuse it, and the server's log said so at start.
-  ProcessRun expired = Fetch(server.tcp_endpoint(), ca + " --token-file " + token.string());
+  ProcessRun expired = fetch_with(first);
   EXPECT_NE(expired.exit_code, 0);
   EXPECT_NE(expired.out.find("certificate has expired"), std::string::npos) << expired.out;
   EXPECT_TRUE(server.LogShows({"/CN=localhost, EXPIRED"})) << server.Log();
 
-  // Renewed in place, with a new token, then SIGHUP: no restart.
+  // Renewed in place, a second token beside the first, then SIGHUP: no restart, and clients
+  // holding either token are served while they move to the new one.
   fs::copy_file(pki().pem("server"), cert, replace);
   fs::copy_file(pki().key("server"), key, replace);
-  WriteText(old_token, "first-token\n", owner_only);
-  WriteText(token, "second-token\n", owner_only);
+  WriteText(tokens,
+            "# rotating: first-token goes once every client has second-token\n"
+            "first-token\n\nsecond-token\r\n",
+            owner_only);
   reload();
   EXPECT_TRUE(server.LogShows({"credentials reloaded: TLS certificate"})) << server.Log();
-  ProcessRun renewed = Fetch(server.tcp_endpoint(), ca + " --token-file " + token.string());
-  ASSERT_EQ(renewed.exit_code, 0) << renewed.out << server.Log();
-  ExpectFetchedBytesMatch();
-  ProcessRun stale = Fetch(server.tcp_endpoint(), ca + " --token-file " + old_token.string());
+  EXPECT_TRUE(server.LogShows({"(2 tokens)"})) << server.Log();
+  for (const fs::path& token : {first, second}) {
+    ProcessRun renewed = fetch_with(token);
+    ASSERT_EQ(renewed.exit_code, 0) << token << ": " << renewed.out << server.Log();
+    ExpectFetchedBytesMatch();
+  }
+  // The first token dropped: refused from the next reload on.
+  WriteText(tokens, "second-token\n", owner_only);
+  reload();
+  EXPECT_TRUE(server.LogShows({"(1 token)"})) << server.Log();
+  ProcessRun stale = fetch_with(first);
   EXPECT_NE(stale.exit_code, 0);
   EXPECT_NE(stale.out.find("ERROR_UNAUTHENTICATED"), std::string::npos) << stale.out;
 
-  // Half a rotation (a key that is not the certificate's) is refused whole.
+  // Half a rotation (a key that is not the certificate's) is refused whole: the token file
+  // changed with it is not taken either.
   fs::copy_file(pki().key("elsewhere"), key, replace);
-  WriteText(token, "third-token\n", owner_only);
+  WriteText(tokens, "third-token\n", owner_only);
   reload();
   EXPECT_TRUE(server.LogShows({"the credentials in place stay"})) << server.Log();
-  WriteText(old_token, "second-token\n", owner_only);
-  ProcessRun kept = Fetch(server.tcp_endpoint(), ca + " --token-file " + old_token.string());
+  ProcessRun kept = fetch_with(second);
   ASSERT_EQ(kept.exit_code, 0) << kept.out << server.Log();
   ExpectFetchedBytesMatch();
 
   // So is a token file others may read, with the certificate's key back in place.
   fs::copy_file(pki().key("server"), key, replace);
-  WriteText(token, "third-token\n", owner_only | fs::perms::others_read);
+  WriteText(tokens, "third-token\n", owner_only | fs::perms::others_read);
   reload();
   EXPECT_TRUE(server.LogShows({"accessible to other users (mode"})) << server.Log();
   ProcessRun stats = Client("stats --server " + server.tcp_endpoint().ToString() + " " + ca +
-                            " --token-file " + old_token.string());
+                            " --token-file " + second.string());
   ASSERT_EQ(stats.exit_code, 0) << stats.out << server.Log();
-  EXPECT_NE(stats.out.find("\"credential_reloads\":1,"), std::string::npos) << stats.out;
+  EXPECT_NE(stats.out.find("\"credential_reloads\":2,"), std::string::npos) << stats.out;
   EXPECT_NE(stats.out.find("\"credential_reload_failures\":2,"), std::string::npos) << stats.out;
   ::alarm(0);
 }
