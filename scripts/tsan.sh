@@ -9,7 +9,8 @@
 # --all adds the server under protocol abuse and reply back-pressure,
 # the embedded server, the fetch tool, and the CRIU plugin inside the simulated CRIU host
 # (page client threads in CRIU's master, the fault channel, TLS, tasks dying mid-restore), and
-# the plugin's fault channel and SDMA engine (its reaper) against the fake device.
+# the plugin's fault channel and SDMA engine (its reaper) against the fake device, and the
+# security tests (TLS listeners, credentials reloaded on SIGHUP while the server serves).
 # The CI set also replays the server fuzz harness's seed scripts (tests/fuzz/fuzz_server.cc): the
 # server's network, disk and demand threads under hostile clients, in one process.
 # Built RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl)
@@ -36,8 +37,9 @@ suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Mo
 suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
-    plugin_unit_test client_fetch_cli_test)
+    plugin_unit_test client_fetch_cli_test server_security_test)
   suites+='|ProtocolAbuseTest|ReplyBackpressureTest|ServerEmbeddingTest|FetchCli|PluginHostTest'
+  suites+='|SecurityTest'
   suites+='|PluginTlsTest|Modes/RenderNodeHostTest|Modes/RealServerTest|Modes/TaskDeathTest'
   suites+='|Modes/ContentsTest|FaultChannel|SdmaEngine'
 fi

@@ -302,7 +302,7 @@ struct ImageLayout {
 ImageLayout ProbeLayout(const TempDir& dir, const fs::path& image_dir, FillMode mode) {
   ImageLayout layout;
   ServerProcess probe_server(dir.path(), dir.path() / "images");
-  EXPECT_TRUE(probe_server.ready());
+  EXPECT_TRUE(probe_server.ready()) << probe_server.Log();
   auto uffd = Userfaultfd::Create(mode);
   EXPECT_TRUE(uffd.ok());
   if (!uffd.ok()) return layout;
