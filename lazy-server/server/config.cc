@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <limits>
 
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/server/image_store.h"
+#include "page-client/net/stream.h"
 #include "page-client/net/threads.h"
 #include "proto/size.h"
 #include "proto/utf8.h"
@@ -123,6 +125,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--tls-key", config.tls.key_file, "PEM private key of --tls-cert");
   app.add_option("--tls-client-ca", config.tls.client_ca_file,
                  "PEM CA certificates: clients must present a certificate it signed (mutual TLS)");
+  bool check_only = false;
+  app.add_flag("--check", check_only,
+               "load the TLS, token and image-root files as the server would, print what it "
+               "would use, and exit (0: all load), without binding or serving");
   app.add_flag("--insecure-tcp", config.insecure_tcp,
                "allow tcp: listeners without TLS (pages and tokens cross the network in clear)");
   app.add_option("--allow-uid", config.allow_uid,
@@ -228,7 +234,50 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   config.ready_file = ready_file;
   Status valid = ValidateConfig(config);
   if (!valid.ok()) return fail(valid);
-  return ParsedCommandLine{std::move(config), 0};
+  return ParsedCommandLine{std::move(config), 0, check_only};
+}
+
+int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostream& errors) {
+  int problems = 0;
+  auto problem = [&](const std::string& text) {
+    errors << "gpulazy-server --check: " << text << "\n";
+    ++problems;
+  };
+  for (const std::filesystem::path& root : config.image_roots) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(root, ec))
+      out << "image root " << root.string() << "\n";
+    else
+      problem(fmt::format("image root {} is not a directory{}", root.string(),
+                          ec ? ": " + ec.message() : std::string()));
+  }
+  for (const net::Endpoint& endpoint : config.listen) {
+    const char* mode = endpoint.kind == net::Endpoint::Kind::kUnix ? "Unix socket"
+                       : !config.tls.enabled()                     ? "plain TCP (--insecure-tcp)"
+                       : config.tls.client_ca_file.empty()         ? "TLS"
+                                                           : "TLS, client certificates required";
+    out << "listen " << endpoint.ToString() << " (" << mode << ")\n";
+  }
+  if (config.tls.enabled()) {
+    Result<std::shared_ptr<net::TlsContext>> tls = net::MakeServerTlsContext(config.tls);
+    if (!tls.ok()) {
+      problem(tls.status().message());
+    } else {
+      const std::string summary = net::CertificateSummary(**tls);
+      out << "TLS certificate " << config.tls.cert_file << " (" << summary << ")\n";
+      if (summary.find("EXPIRED") != std::string::npos)
+        problem(fmt::format("TLS certificate {} has expired: clients will refuse it",
+                            config.tls.cert_file));
+      if (!config.tls.client_ca_file.empty())
+        out << "TLS client CA " << config.tls.client_ca_file << "\n";
+    }
+  }
+  // ParseCommandLine has read the token file already (a bad one stops it there).
+  if (!config.token_file.empty())
+    out << "token file " << config.token_file << ": " << config.tokens.size()
+        << (config.tokens.size() == 1 ? " token" : " tokens") << "\n";
+  if (problems == 0) out << "configuration ok\n";
+  return problems == 0 ? 0 : 2;
 }
 
 Status ValidateConfig(const ServerConfig& config) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <iosfwd>
 #include <optional>
 #include <string>
 #include <vector>
@@ -112,8 +113,16 @@ struct ServerConfig {
 struct ParsedCommandLine {
   std::optional<ServerConfig> config;
   int exit_code = 0;
+  bool check_only = false;  // --check: CheckConfiguration, then exit
 };
 ParsedCommandLine ParseCommandLine(int argc, char** argv);
+
+// --check: loads every file the configuration names as the server would (the TLS certificate,
+// key and client CA, the token file, the image roots) without binding or serving, and writes
+// what it would use to `out`, one line each, or each problem to `errors`. 0 when everything
+// loads and the certificate has not expired, else 2. For an operator about to start the
+// server or send it SIGHUP.
+int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostream& errors);
 
 // Checks ranges and consistency (threads >= 1, max_frame able to carry a chunk, ...).
 Status ValidateConfig(const ServerConfig& config);

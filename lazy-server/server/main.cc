@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <csignal>
+#include <iostream>
 
 #include "lazy-server/server/config.h"
 #include "lazy-server/server/server.h"
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
   gpulazy::server::ParsedCommandLine parsed = gpulazy::server::ParseCommandLine(argc, argv);
   if (!parsed.config) return parsed.exit_code;
   const gpulazy::server::ServerConfig& config = *parsed.config;
+  if (parsed.check_only) return gpulazy::server::CheckConfiguration(config, std::cout, std::cerr);
 
   auto logger = spdlog::stderr_color_mt("gpulazy-server");
   logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%t] %v");

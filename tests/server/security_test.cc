@@ -403,6 +403,43 @@ TEST_F(SecurityTest, SighupReloadsTheCertificateAndTokensAndKeepsThemWhenAFileIs
   ::alarm(0);
 }
 
+TEST_F(SecurityTest, CheckLoadsEveryFileWithoutServingAndNamesWhatFails) {
+  const fs::path tokens = run_.path() / "tokens";
+  WriteText(tokens, "one\ntwo\n", fs::perms::owner_read | fs::perms::owner_write);
+  const fs::path socket = run_.path() / "check.sock";
+  auto check = [&](const std::string& cert, const std::string& key, const std::string& more) {
+    return Shell(std::string(GPULAZY_BIN_DIR) + "/gpulazy-server --check --images " +
+                 root().string() + " --listen unix:" + socket.string() +
+                 " --listen tcp:127.0.0.1:0 --tls-cert " + cert + " --tls-key " + key +
+                 " --tls-client-ca " + pki().pem("ca") + " --token-file " + tokens.string() + " " +
+                 more);
+  };
+
+  ProcessRun good = check(pki().pem("server"), pki().key("server"), "");
+  EXPECT_EQ(good.exit_code, 0) << good.out;
+  for (const std::string& line : std::vector<std::string>{
+           "image root " + root().string(), "(TLS, client certificates required)",
+           "TLS certificate " + pki().pem("server") + " (/CN=localhost, expires",
+           "token file " + tokens.string() + ": 2 tokens", "configuration ok"})
+    EXPECT_NE(good.out.find(line), std::string::npos) << line << " in\n" << good.out;
+  EXPECT_FALSE(fs::exists(socket)) << "--check bound a listener";
+
+  ProcessRun expired = check(pki().pem("expired"), pki().key("expired"), "");
+  EXPECT_EQ(expired.exit_code, 2) << expired.out;
+  EXPECT_NE(expired.out.find("has expired: clients will refuse it"), std::string::npos)
+      << expired.out;
+  ProcessRun mismatch = check(pki().pem("server"), pki().key("elsewhere"), "");
+  EXPECT_EQ(mismatch.exit_code, 2) << mismatch.out;
+  EXPECT_NE(mismatch.out.find("--tls-key " + pki().key("elsewhere")), std::string::npos)
+      << mismatch.out;
+  ProcessRun missing_root = check(pki().pem("server"), pki().key("server"),
+                                  "--images " + (run_.path() / "gone").string());
+  EXPECT_EQ(missing_root.exit_code, 2) << missing_root.out;
+  EXPECT_NE(missing_root.out.find("gone is not a directory"), std::string::npos)
+      << missing_root.out;
+  EXPECT_EQ(missing_root.out.find("configuration ok"), std::string::npos) << missing_root.out;
+}
+
 TEST_F(SecurityTest, PlainTcpNeedsExplicitFlagsOnBothEnds) {
   ProcessRun server = Shell(std::string(GPULAZY_BIN_DIR) + "/gpulazy-server --images " +
                             root().string() + " --listen tcp:127.0.0.1:0");
