@@ -76,15 +76,20 @@ TEST(ImageGrantTest, RulesAreParsedStrictly) {
     EXPECT_FALSE(ImageAccessRule::Parse(bad).ok()) << bad;
 }
 
-TEST(TokenFileTest, ReadOnceStrippedAndPrivate) {
-  gpulazy::testing::TempDir dir;
-  auto write = [&](const std::string& name, const std::string& text, fs::perms perms) {
+// Token files written with the given mode in a directory of their own.
+class TokenFileTest : public ::testing::Test {
+ protected:
+  std::string write(const std::string& name, const std::string& text, fs::perms perms) {
     const fs::path path = dir.path() / name;
     std::ofstream(path) << text;
     fs::permissions(path, perms);
     return path.string();
-  };
+  }
+  gpulazy::testing::TempDir dir;
   const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
+};
+
+TEST_F(TokenFileTest, ReadOnceStrippedAndPrivate) {
   Result<std::string> crlf = net::ReadTokenFile(write("crlf", "abc def\r\n", owner));
   ASSERT_TRUE(crlf.ok()) << crlf.status().ToString();
   EXPECT_EQ(*crlf, "abc def");
@@ -99,15 +104,7 @@ TEST(TokenFileTest, ReadOnceStrippedAndPrivate) {
   EXPECT_EQ(net::ReadTokenFile((dir.path() / "missing").string()).status().code(), Code::kNotFound);
 }
 
-TEST(TokenFileTest, TheServersListHasOneTokenPerLineAndNamesNoneInItsErrors) {
-  gpulazy::testing::TempDir dir;
-  auto write = [&](const std::string& name, const std::string& text, fs::perms perms) {
-    const fs::path path = dir.path() / name;
-    std::ofstream(path) << text;
-    fs::permissions(path, perms);
-    return path.string();
-  };
-  const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
+TEST_F(TokenFileTest, TheServersListHasOneTokenPerLineAndNamesNoneInItsErrors) {
   Result<std::vector<std::string>> two =
       net::ReadTokenListFile(write("two", "# old one goes on Friday\nold token\n\nnew\r\n", owner));
   ASSERT_TRUE(two.ok()) << two.status().ToString();
@@ -134,7 +131,7 @@ TEST(TokenFileTest, TheServersListHasOneTokenPerLineAndNamesNoneInItsErrors) {
   EXPECT_FALSE(net::ReadTokenListFile(write("huge", std::string(70000, '\n'), owner)).ok());
 }
 
-TEST(TokenFileTest, ConstantTimeEqualCompares) {
+TEST_F(TokenFileTest, ConstantTimeEqualCompares) {
   EXPECT_TRUE(net::ConstantTimeEqual("s3cret", "s3cret"));
   EXPECT_FALSE(net::ConstantTimeEqual("s3cret", "s3creT"));
   EXPECT_FALSE(net::ConstantTimeEqual("s3cret", "s3cret2"));
