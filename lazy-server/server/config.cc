@@ -237,6 +237,12 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   return ParsedCommandLine{std::move(config), 0, check_only};
 }
 
+const char* ListenerMode(const ServerConfig& config, const net::Endpoint& endpoint) {
+  if (endpoint.kind == net::Endpoint::Kind::kUnix) return "Unix socket, peer credentials checked";
+  if (!config.tls.enabled()) return "plain TCP";
+  return config.tls.client_ca_file.empty() ? "TLS" : "TLS, client certificates required";
+}
+
 int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostream& errors) {
   int problems = 0;
   auto problem = [&](const std::string& text) {
@@ -251,13 +257,8 @@ int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostre
       problem(fmt::format("image root {} is not a directory{}", root.string(),
                           ec ? ": " + ec.message() : std::string()));
   }
-  for (const net::Endpoint& endpoint : config.listen) {
-    const char* mode = endpoint.kind == net::Endpoint::Kind::kUnix ? "Unix socket"
-                       : !config.tls.enabled()                     ? "plain TCP (--insecure-tcp)"
-                       : config.tls.client_ca_file.empty()         ? "TLS"
-                                                           : "TLS, client certificates required";
-    out << "listen " << endpoint.ToString() << " (" << mode << ")\n";
-  }
+  for (const net::Endpoint& endpoint : config.listen)
+    out << "listen " << endpoint.ToString() << " (" << ListenerMode(config, endpoint) << ")\n";
   if (config.tls.enabled()) {
     Result<std::shared_ptr<net::TlsContext>> tls = net::MakeServerTlsContext(config.tls);
     if (!tls.ok()) {

@@ -117,6 +117,10 @@ struct ParsedCommandLine {
 };
 ParsedCommandLine ParseCommandLine(int argc, char** argv);
 
+// How a listener of this configuration serves `endpoint`, for logs: "Unix socket, peer
+// credentials checked", "plain TCP", "TLS" or "TLS, client certificates required".
+const char* ListenerMode(const ServerConfig& config, const net::Endpoint& endpoint);
+
 // --check: loads every file the configuration names as the server would (the TLS certificate,
 // key and client CA, the token file, the image roots) without binding or serving, and writes
 // what it would use to `out`, one line each, or each problem to `errors`. 0 when everything

@@ -145,14 +145,9 @@ Status Server::Listen() {
     bound_.push_back(listener.endpoint);
     listeners_.push_back(std::move(listener));
   }
-  for (const Listener& listener : listeners_) {
-    std::string mode = "Unix socket, peer credentials checked";
-    if (listener.endpoint.kind == net::Endpoint::Kind::kTcp)
-      mode = !listener.tls                       ? "plain TCP"
-             : config.tls.client_ca_file.empty() ? "TLS"
-                                                 : "TLS, client certificates required";
-    spdlog::info("listening on {} ({})", listener.endpoint.ToString(), mode);
-  }
+  for (const Listener& listener : listeners_)
+    spdlog::info("listening on {} ({})", listener.endpoint.ToString(),
+                 ListenerMode(config, listener.endpoint));
   if (!ctx_->config.ready_file.empty()) GPULAZY_RETURN_IF_ERROR(WriteReadyFile());
   return Status::Ok();
 }
