@@ -264,9 +264,9 @@ int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostre
     if (!tls.ok()) {
       problem(tls.status().message());
     } else {
-      const std::string summary = net::CertificateSummary(**tls);
-      out << "TLS certificate " << config.tls.cert_file << " (" << summary << ")\n";
-      if (summary.find("EXPIRED") != std::string::npos)
+      const net::CertificateSummary summary = net::SummarizeCertificate(**tls);
+      out << "TLS certificate " << config.tls.cert_file << " (" << summary.ToString() << ")\n";
+      if (summary.expired)
         problem(fmt::format("TLS certificate {} has expired: clients will refuse it",
                             config.tls.cert_file));
       if (!config.tls.client_ca_file.empty())

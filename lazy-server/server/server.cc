@@ -130,7 +130,8 @@ Status Server::Listen() {
   const ServerConfig& config = ctx_->config;
   if (config.tls.enabled()) {
     GPULAZY_ASSIGN_OR_RETURN(tls_, net::MakeServerTlsContext(config.tls));
-    spdlog::info("TLS certificate {} ({})", config.tls.cert_file, net::CertificateSummary(*tls_));
+    spdlog::info("TLS certificate {} ({})", config.tls.cert_file,
+                 net::SummarizeCertificate(*tls_).ToString());
   }
   for (const net::Endpoint& endpoint : config.listen) {
     GPULAZY_ASSIGN_OR_RETURN(Listener listener, Bind(endpoint));
@@ -272,8 +273,8 @@ Status Server::ReloadCredentials() {
   ctx_->totals.credential_reloads.fetch_add(1);
   std::string what;
   if (config.tls.enabled())
-    what =
-        fmt::format("TLS certificate {} ({})", config.tls.cert_file, net::CertificateSummary(*tls));
+    what = fmt::format("TLS certificate {} ({})", config.tls.cert_file,
+                       net::SummarizeCertificate(*tls).ToString());
   if (token_count > 0)
     what += fmt::format("{}token file {} ({} token{})", what.empty() ? "" : ", ", config.token_file,
                         token_count, token_count == 1 ? "" : "s");

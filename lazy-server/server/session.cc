@@ -337,19 +337,24 @@ net::Awaitable<void> Connection::Run() {
     writer_exit_.expires_at(Clock::time_point::max());
     co_await writer_exit_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
   }
-  if (!closed_ && !moved_away_) {
-    // Closing a socket with unread input resets the connection, which can destroy our last
-    // frame before the client reads it; so half-close and discard input for a moment.
-    socket_.shutdown(asio::socket_base::shutdown_send, ec);
-    SetDeadline(std::min(deadline_, Clock::now() + kLinger));
-    std::array<uint8_t, 4096> discard;
-    while (!closed_) {
+  if (!closed_ && !moved_away_) co_await LingerBeforeClose(/*below_tls=*/false);
+  Close("connection finished");
+}
+
+net::Awaitable<void> Connection::LingerBeforeClose(bool below_tls) {
+  error_code ec;
+  socket_.shutdown(asio::socket_base::shutdown_send, ec);
+  ec.clear();  // a peer already gone fails the first read below
+  SetDeadline(std::min(deadline_, Clock::now() + kLinger));
+  std::array<uint8_t, 4096> discard;
+  while (!closed_ && !ec) {
+    if (below_tls)
+      co_await socket_.socket().async_receive(asio::buffer(discard),
+                                              asio::redirect_error(asio::use_awaitable, ec));
+    else
       co_await socket_.async_read_some(asio::buffer(discard),
                                        asio::redirect_error(asio::use_awaitable, ec));
-      if (ec) break;
-    }
   }
-  Close("connection finished");
 }
 
 net::Awaitable<bool> Connection::RefusedAsNotTls() {
@@ -385,16 +390,8 @@ net::Awaitable<bool> Connection::RefusedAsNotTls() {
       co_await asio::async_write(socket_.socket(), asio::buffer(*frame),
                                  asio::redirect_error(asio::use_awaitable, ec));
       ctx_.totals.errors_sent.fetch_add(1);
-      // As after any last frame (Run): half-close and discard the unread Hello for a moment,
-      // or closing with unread input resets the connection before the client reads the error.
-      if (!ec) {
-        socket_.shutdown(asio::socket_base::shutdown_send, ec);
-        SetDeadline(std::min(deadline_, Clock::now() + kLinger));
-        std::array<uint8_t, 4096> discard;
-        while (!closed_ && !ec)
-          co_await socket_.socket().async_receive(asio::buffer(discard),
-                                                  asio::redirect_error(asio::use_awaitable, ec));
-      }
+      // The client's Hello is still unread, below TLS.
+      if (!ec) co_await LingerBeforeClose(/*below_tls=*/true);
     }
   }
   Close("not a TLS client");

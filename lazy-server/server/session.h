@@ -175,6 +175,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // handshake, in which case it has been answered (a plain gpulazy client gets an Error frame
   // in plain text saying this listener speaks TLS) and the connection closed.
   net::Awaitable<bool> RefusedAsNotTls();
+  // After the last frame is written: half-close and discard input until the peer closes or a
+  // short deadline passes, since closing with unread input resets the connection, which can
+  // destroy that frame before the peer reads it. `below_tls`: the raw socket's input (no
+  // handshake took place), else what the stream decodes.
+  net::Awaitable<void> LingerBeforeClose(bool below_tls);
   Awaitable ReadLoop();
   Awaitable WriteLoop();
   Awaitable Watchdog();

@@ -99,22 +99,29 @@ Result<std::shared_ptr<TlsContext>> MakeServerTlsContext(const TlsServerOptions&
   return context;
 }
 
-std::string CertificateSummary(TlsContext& context) {
+CertificateSummary SummarizeCertificate(TlsContext& context) {
+  CertificateSummary summary;
   X509* cert = SSL_CTX_get0_certificate(context.native_handle());
-  if (cert == nullptr) return "no certificate";
+  if (cert == nullptr) return summary;
   std::array<char, 256> subject{};
   X509_NAME_oneline(X509_get_subject_name(cert), subject.data(), static_cast<int>(subject.size()));
+  summary.subject = subject.data();
   const ASN1_TIME* not_after = X509_get0_notAfter(cert);
   std::tm end{};
-  if (not_after == nullptr || ASN1_TIME_to_tm(not_after, &end) != 1)
-    return fmt::format("{}, end of validity unreadable", subject.data());
-  // Negative: the certificate has expired (clients will refuse it).
+  if (not_after == nullptr || ASN1_TIME_to_tm(not_after, &end) != 1) return summary;
+  summary.end = fmt::format("{:%Y-%m-%d %H:%M:%S} UTC", end);
+  // Negative: the end of validity lies in the past.
   int days = 0;
   int seconds = 0;
-  const bool expired =
+  summary.expired =
       ASN1_TIME_diff(&days, &seconds, nullptr, not_after) == 1 && (days < 0 || seconds < 0);
-  return fmt::format("{}, {} {:%Y-%m-%d %H:%M:%S} UTC", subject.data(),
-                     expired ? "EXPIRED" : "expires", end);
+  return summary;
+}
+
+std::string CertificateSummary::ToString() const {
+  if (subject.empty()) return "no certificate";
+  if (end.empty()) return subject + ", end of validity unreadable";
+  return fmt::format("{}, {} {}", subject, expired ? "EXPIRED" : "expires", end);
 }
 
 Result<ClientTransport> ClientTransport::Make(const TlsClientOptions& options,

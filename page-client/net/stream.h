@@ -49,9 +49,15 @@ struct TlsServerOptions {
 
 Result<std::shared_ptr<TlsContext>> MakeClientTlsContext(const TlsClientOptions& options);
 Result<std::shared_ptr<TlsContext>> MakeServerTlsContext(const TlsServerOptions& options);
-// "CN=localhost, expires 2026-12-04 11:30:00 UTC": the subject and end of validity of the
-// certificate a context presents, for logs (an operator checking a rotation).
-std::string CertificateSummary(TlsContext& context);
+// The certificate a context presents, for logs and --check (an operator checking a rotation).
+struct CertificateSummary {
+  std::string subject;   // "/CN=localhost"; empty when the context presents none
+  std::string end;       // "2026-12-04 11:30:00 UTC"; empty when none or unreadable
+  bool expired = false;  // its end of validity has passed: clients will refuse it
+  // "/CN=localhost, expires 2026-12-04 11:30:00 UTC" ("EXPIRED" once past it).
+  std::string ToString() const;
+};
+CertificateSummary SummarizeCertificate(TlsContext& context);
 
 // How a client reaches servers: TLS (a loaded context) or, only when allowed, plain TCP.
 // Unix endpoints are always plain; their security is the socket file's permissions and the
