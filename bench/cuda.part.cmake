@@ -22,7 +22,7 @@ if(GPULAZY_WITH_CUDA)
     add_executable(gpulazy-cuda-probes ${CMAKE_CURRENT_LIST_DIR}/cuda_probes.cu)
     set_target_properties(gpulazy-cuda-probes PROPERTIES CUDA_ARCHITECTURES "80-real;90"
                           CUDA_STANDARD 17 CUDA_RUNTIME_LIBRARY Static)
-    target_link_libraries(gpulazy-cuda-probes PRIVATE Threads::Threads gpulazy_proto)
+    target_link_libraries(gpulazy-cuda-probes PRIVATE Threads::Threads gpulazy_proto gpulazy_cuda_verify)
   else()
     message(STATUS "gpulazy-cuda-bench: no CUDA compiler (nvcc) found, not built")
   endif()

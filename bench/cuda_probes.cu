@@ -22,6 +22,10 @@
 //                         DMA, or stall it? Pinned copies alone, register/unregister alone,
 //                         both at once, and both with the registered windows copied too (a
 //                         hybrid: part zero-copy, part from pinned memory).
+//   ipc-dma FILE          Can a page server on the same host DMA from its page cache, kept
+//                         registered across restores, into memory the restoring process
+//                         exported, with every chunk verified on the GPU before it is
+//                         installed? (ipc::IpcDma below.)
 //   pin-cost TOTAL_MIB    What does a staging ring of TOTAL_MIB cost to make before a restore
 //                         may resume? Per-slot cudaMallocHost (2 and 4 MiB), one allocation,
 //                         and cudaHostRegister of memory we fault in ourselves (4 KiB pages or
@@ -33,6 +37,8 @@
 #include <emmintrin.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t by value
 #include <xxhash.h>
@@ -52,7 +58,9 @@
 #include <utility>
 #include <vector>
 
+#include "page-client/cuda/verify_kernel.h"
 #include "proto/checksum_variants.h"
+#include "proto/xxh3_blocks.h"
 
 namespace {
 
@@ -678,6 +686,373 @@ void PinCost(size_t total) {
   }
 }
 
+// ipc-dma: a page server on the restoring process's host that keeps its image's page cache
+// registered for DMA (cudaHostRegister once, as a long-lived server could) and copies chunks
+// straight from it into device memory the restoring process exported (cudaIpcGetMemHandle).
+// The "client" is a second process, forked before either touches CUDA: it owns the device
+// memory, a staging ring of SLOTS chunks and one interprocess event per slot. For each
+// chunk the server queues the DMA into a free slot, records the slot's event and names chunk and
+// slot in a message; the client makes its verify stream wait for that event, runs the verify
+// kernel (XXH3 of the staged bytes against the chunk's expected hash, installed into the
+// destination only if it matches) and hands the slot back once the verdict is in. So no CPU copy
+// and no host round trip per chunk stands between the page cache and the check.
+// "server-verified" runs the same kernel in the server's own context instead (the server supplies
+// the expected hashes in any case), so no work of two contexts interleaves per chunk. "direct"
+// copies into the destination with no check, the upper bound of the route. The first verified round
+// is a control: one chunk's expected hash is wrong, and exactly one mismatch must be counted.
+namespace ipc {
+
+constexpr uint32_t kMaxIpcSlots = 256;
+
+struct Shape {
+  uint32_t slots = 32;     // staging slots of one chunk each
+  int verify_streams = 4;  // the client's; slot s verifies on stream s % verify_streams
+  int copy_streams = 4;    // the server's (the CUDA engine's default is 4)
+};
+
+enum Kind : uint32_t { kStart = 1, kPlace, kFree, kRoundDone, kQuit };
+enum Mode : uint32_t { kVerified = 1, kDirect, kServerVerified };
+
+struct Message {
+  uint32_t kind = 0;
+  uint32_t slot = 0;   // kPlace, kFree; kStart: the mode
+  uint64_t chunk = 0;  // kPlace; kRoundDone: mismatches (verified) or samples wrong (direct)
+};
+
+struct Handles {
+  cudaIpcMemHandle_t staging;
+  cudaIpcMemHandle_t destination;
+  cudaIpcEventHandle_t events[kMaxIpcSlots];
+};
+
+void SendAll(int fd, const void* data, size_t length) {
+  if (::send(fd, data, length, MSG_NOSIGNAL) != static_cast<ssize_t>(length)) {
+    std::perror("ipc-dma: send");
+    std::exit(1);
+  }
+}
+void RecvAll(int fd, void* data, size_t length) {
+  if (::recv(fd, data, length, MSG_WAITALL) != static_cast<ssize_t>(length)) {
+    std::fprintf(stderr, "ipc-dma: the other process closed the socket\n");
+    std::exit(1);
+  }
+}
+void Send(int fd, Message m) {
+  SendAll(fd, &m, sizeof m);
+}
+Message Recv(int fd) {
+  Message m;
+  RecvAll(fd, &m, sizeof m);
+  return m;
+}
+
+// The verify kernel's memory for a ring of `slots` chunks, in the calling process's context.
+struct VerifyRing {
+  uint8_t* secret = nullptr;
+  uint8_t* sums = nullptr;
+  size_t sums_stride = 0;
+  uint32_t* arrivals = nullptr;
+  uint32_t* verdicts = nullptr;  // pinned, mapped for the device
+  uint32_t* mapped_verdicts = nullptr;
+
+  VerifyRing(uint32_t slots, size_t chunk_bytes) {
+    uint8_t secret_bytes[gpulazy::xxh3::kSecretBytes];
+    XXH3_generateSecret_fromSeed(secret_bytes, 0);
+    Check(cudaMalloc(&secret, sizeof secret_bytes), "allocating the secret");
+    Check(cudaMemcpy(secret, secret_bytes, sizeof secret_bytes, cudaMemcpyHostToDevice),
+          "copying the secret");
+    sums_stride = (gpulazy::client::cuda::BlockSumBytes(chunk_bytes) + 255) / 256 * 256;
+    Check(cudaMalloc(&sums, sums_stride * slots), "allocating block sums");
+    Check(cudaMalloc(&arrivals, sizeof(uint32_t) * slots), "allocating counters");
+    Check(cudaMemset(arrivals, 0, sizeof(uint32_t) * slots), "clearing counters");
+    Check(cudaHostAlloc(reinterpret_cast<void**>(&verdicts), sizeof(uint32_t) * slots,
+                        cudaHostAllocMapped),
+          "allocating verdicts");
+    Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_verdicts), verdicts, 0),
+          "mapping verdicts");
+  }
+  // Queues slot `s`'s check of `staged` against `expected`, installing into `destination`.
+  void Launch(uint32_t s, const uint8_t* staged, uint8_t* destination, size_t length,
+              uint64_t expected, cudaStream_t stream) {
+    verdicts[s] = gpulazy::client::cuda::kVerdictPending;
+    gpulazy::client::cuda::VerifyJob job;
+    job.staged = staged;
+    job.destination = destination;
+    job.length = length;
+    job.expected = expected;
+    job.secret = secret;
+    job.block_sums = reinterpret_cast<uint64_t*>(sums + sums_stride * s);
+    job.arrivals = arrivals + s;
+    job.verdict = mapped_verdicts + s;
+    Check(gpulazy::client::cuda::LaunchVerifyAndInstall(job, stream), "verifying a chunk");
+  }
+  bool Matched(uint32_t s) const {
+    return static_cast<volatile uint32_t*>(verdicts)[s] == gpulazy::client::cuda::kVerdictMatches;
+  }
+};
+
+// The restoring process: device memory, staging ring, verification.
+int Client(const File& file, size_t chunk_bytes, size_t chunks, Shape shape, int fd) {
+  const uint32_t slots = shape.slots;
+  const size_t size = chunks * chunk_bytes;
+  const std::vector<uint64_t> want = ChunkHashes(file, chunk_bytes, chunks);
+  Check(cudaSetDevice(0), "client: selecting the device");
+  uint8_t* destination = nullptr;
+  uint8_t* staging = nullptr;
+  Check(cudaMalloc(&destination, size), "client: allocating the destination");
+  Check(cudaMalloc(&staging, chunk_bytes * slots), "client: allocating the staging ring");
+  VerifyRing ring(slots, chunk_bytes);
+  Handles handles{};
+  Check(cudaIpcGetMemHandle(&handles.staging, staging), "client: exporting the staging ring");
+  Check(cudaIpcGetMemHandle(&handles.destination, destination),
+        "client: exporting the destination");
+  std::vector<cudaEvent_t> placed(slots);
+  std::vector<cudaEvent_t> verified(slots);
+  for (uint32_t s = 0; s < slots; ++s) {
+    Check(cudaEventCreateWithFlags(&placed[s], cudaEventDisableTiming | cudaEventInterprocess),
+          "client: creating an interprocess event");
+    Check(cudaIpcGetEventHandle(&handles.events[s], placed[s]), "client: exporting an event");
+    Check(cudaEventCreateWithFlags(&verified[s], cudaEventDisableTiming),
+          "client: creating an event");
+  }
+  std::vector<cudaStream_t> streams(static_cast<size_t>(shape.verify_streams));
+  for (cudaStream_t& s : streams)
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "client: creating a stream");
+  SendAll(fd, &handles, sizeof handles);
+
+  bool control_done = false;
+  for (;;) {
+    const Message start = Recv(fd);
+    if (start.kind == kQuit) break;
+    if (start.slot != kVerified) {
+      (void)Recv(fd);  // the server's kRoundDone: its copies (and checks) have completed
+      uint64_t wrong = 0;
+      for (size_t offset : {size_t{0}, size / 3 / chunk_bytes * chunk_bytes, size - chunk_bytes})
+        wrong += SampleMatches(file, destination, offset) ? 0 : 1;
+      // Cleared before the reply: the server's next round writes here as soon as it has it.
+      Check(cudaMemset(destination, 0, size), "client: clearing the destination");
+      Check(cudaDeviceSynchronize(), "client: clearing the destination");
+      Send(fd, {kRoundDone, 0, wrong});
+      continue;
+    }
+    // The control round: one wrong expected hash.
+    const size_t wrong_chunk = control_done ? chunks : 7;
+    std::mutex mu;
+    std::condition_variable queued;
+    std::deque<std::pair<uint32_t, uint64_t>> in_flight;  // slot, chunk
+    uint64_t mismatches = 0;
+    std::thread reaper([&] {
+      for (size_t done = 0; done < chunks; ++done) {
+        std::pair<uint32_t, uint64_t> next;
+        {
+          std::unique_lock lock(mu);
+          queued.wait(lock, [&] { return !in_flight.empty(); });
+          next = in_flight.front();
+          in_flight.pop_front();
+        }
+        Check(cudaEventSynchronize(verified[next.first]), "client: waiting for a verdict");
+        if (!ring.Matched(next.first)) ++mismatches;
+        Send(fd, {kFree, next.first, 0});
+      }
+    });
+    for (size_t received = 0; received < chunks; ++received) {
+      const Message place = Recv(fd);
+      const uint32_t s = place.slot;
+      cudaStream_t stream = streams[s % streams.size()];
+      Check(cudaStreamWaitEvent(stream, placed[s], 0), "client: waiting for a placement");
+      ring.Launch(s, staging + chunk_bytes * s, destination + chunk_bytes * place.chunk,
+                  chunk_bytes, want[place.chunk] ^ (place.chunk == wrong_chunk ? 1u : 0u), stream);
+      Check(cudaEventRecord(verified[s], stream), "client: recording a verdict");
+      {
+        std::lock_guard lock(mu);
+        in_flight.emplace_back(s, place.chunk);
+      }
+      queued.notify_one();
+    }
+    reaper.join();
+    // Installed bytes, sampled: only a matching chunk may have reached the destination.
+    uint64_t wrong_samples = 0;
+    for (size_t offset : {size_t{0}, size / 3 / chunk_bytes * chunk_bytes, size - chunk_bytes})
+      wrong_samples += SampleMatches(file, destination, offset) ? 0 : 1;
+    control_done = true;
+    Check(cudaMemset(destination, 0, size), "client: clearing the destination");
+    Check(cudaDeviceSynchronize(), "client: clearing the destination");
+    Send(fd, {kRoundDone, static_cast<uint32_t>(wrong_samples), mismatches});
+  }
+  return 0;
+}
+
+// The page server: the file's page cache registered once, DMA into the client's memory.
+void Server(const File& file, size_t chunk_bytes, size_t chunks, int rounds, Shape shape, int fd) {
+  const uint32_t slots = shape.slots;
+  const size_t size = chunks * chunk_bytes;
+  Check(cudaSetDevice(0), "server: selecting the device");
+  void* own = nullptr;
+  Check(cudaMalloc(&own, size), "server: allocating the ceiling's device memory");
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, file.fd, 0);
+  if (mapped == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  char* const base = static_cast<char*>(mapped);
+  auto start = Clock::now();
+  Check(cudaHostRegister(base, size, cudaHostRegisterReadOnly), "server: registering the file");
+  const double register_s = SecondsSince(start);
+  Handles handles{};
+  RecvAll(fd, &handles, sizeof handles);
+  start = Clock::now();
+  void* staging = nullptr;
+  void* destination = nullptr;
+  Check(cudaIpcOpenMemHandle(&staging, handles.staging, cudaIpcMemLazyEnablePeerAccess),
+        "server: opening the staging ring");
+  Check(cudaIpcOpenMemHandle(&destination, handles.destination, cudaIpcMemLazyEnablePeerAccess),
+        "server: opening the destination");
+  std::vector<cudaEvent_t> placed(slots);
+  for (uint32_t s = 0; s < slots; ++s)
+    Check(cudaIpcOpenEventHandle(&placed[s], handles.events[s]), "server: opening an event");
+  const double open_s = SecondsSince(start);
+  std::vector<cudaStream_t> streams(static_cast<size_t>(shape.copy_streams));
+  for (cudaStream_t& s : streams)
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "server: creating a stream");
+  // kServerVerified: the server checks what it placed, in its own context (the bytes and the
+  // expected hashes both come from the server in any case).
+  VerifyRing ring(slots, chunk_bytes);
+  std::vector<cudaEvent_t> checked(slots);
+  for (cudaEvent_t& e : checked)
+    Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "server: creating an event");
+  const std::vector<uint64_t> want = ChunkHashes(file, chunk_bytes, chunks);
+  std::printf(
+      "{\"probe\":\"ipc-dma\",\"register_s\":%.3f,\"register_GBps\":%.2f,\"open_s\":%.4f,"
+      "\"chunk_MiB\":%zu,\"slots\":%u,\"verify_streams\":%d,\"copy_streams\":%d}\n",
+      register_s, static_cast<double>(size) / register_s / 1e9, open_s, chunk_bytes / kMiB, slots,
+      shape.verify_streams, shape.copy_streams);
+  for (int round = 0; round < rounds; ++round) {
+    const double ceiling = CeilingBps(own, size);
+    for (Mode mode : {kVerified, kServerVerified, kDirect}) {
+      Send(fd, {kStart, mode, 0});
+      start = Clock::now();
+      Message done{};
+      if (mode == kServerVerified) {
+        size_t mismatches = 0;
+        for (size_t c = 0; c < chunks + slots; ++c) {
+          const uint32_t s = static_cast<uint32_t>(c % slots);
+          if (c >= slots) {  // the slot's previous chunk: its verdict
+            Check(cudaEventSynchronize(checked[s]), "server: waiting for a verdict");
+            if (!ring.Matched(s)) ++mismatches;
+          }
+          if (c >= chunks) continue;
+          cudaStream_t stream = streams[s % streams.size()];
+          uint8_t* slot = static_cast<uint8_t*>(staging) + s * chunk_bytes;
+          Check(cudaMemcpyAsync(slot, base + c * chunk_bytes, chunk_bytes, cudaMemcpyHostToDevice,
+                                stream),
+                "server: placing a chunk");
+          ring.Launch(s, slot, static_cast<uint8_t*>(destination) + c * chunk_bytes, chunk_bytes,
+                      want[c], stream);
+          Check(cudaEventRecord(checked[s], stream), "server: recording a verdict");
+        }
+        const double seconds = SecondsSince(start);
+        Send(fd, {kRoundDone, 0, 0});
+        done = Recv(fd);
+        std::printf(
+            "{\"probe\":\"ipc-dma\",\"mode\":\"server-verified\",\"round\":%d,\"GBps\":%.2f,"
+            "\"ratio\":%.3f,\"mismatches\":%zu,\"wrong_samples\":%llu,\"slots\":%u}\n",
+            round, static_cast<double>(size) / seconds / 1e9,
+            static_cast<double>(size) / seconds / ceiling, mismatches,
+            static_cast<unsigned long long>(done.chunk), slots);
+      } else if (mode == kDirect) {
+        for (size_t c = 0; c < chunks; ++c)
+          Check(cudaMemcpyAsync(static_cast<char*>(destination) + c * chunk_bytes,
+                                base + c * chunk_bytes, chunk_bytes, cudaMemcpyHostToDevice,
+                                streams[c % streams.size()]),
+                "server: copying a chunk");
+        for (cudaStream_t s : streams)
+          Check(cudaStreamSynchronize(s), "server: draining a stream");
+        const double seconds = SecondsSince(start);
+        Send(fd, {kRoundDone, 0, 0});
+        done = Recv(fd);
+        std::printf(
+            "{\"probe\":\"ipc-dma\",\"mode\":\"direct\",\"round\":%d,\"GBps\":%.2f,"
+            "\"ratio\":%.3f,\"wrong_samples\":%llu}\n",
+            round, static_cast<double>(size) / seconds / 1e9,
+            static_cast<double>(size) / seconds / ceiling,
+            static_cast<unsigned long long>(done.chunk));
+      } else {
+        std::vector<uint32_t> free_slots;
+        for (uint32_t s = 0; s < slots; ++s)
+          free_slots.push_back(s);
+        size_t frees = 0;
+        for (size_t c = 0; c < chunks; ++c) {
+          while (free_slots.empty()) {
+            const Message m = Recv(fd);
+            free_slots.push_back(m.slot);
+            ++frees;
+          }
+          const uint32_t s = free_slots.back();
+          free_slots.pop_back();
+          cudaStream_t stream = streams[s % streams.size()];
+          Check(
+              cudaMemcpyAsync(static_cast<char*>(staging) + s * chunk_bytes, base + c * chunk_bytes,
+                              chunk_bytes, cudaMemcpyHostToDevice, stream),
+              "server: placing a chunk");
+          Check(cudaEventRecord(placed[s], stream), "server: recording a placement");
+          Send(fd, {kPlace, s, c});
+        }
+        for (;;) {
+          done = Recv(fd);
+          if (done.kind == kRoundDone) break;
+          ++frees;
+        }
+        const double seconds = SecondsSince(start);
+        std::printf(
+            "{\"probe\":\"ipc-dma\",\"mode\":\"verified\",\"round\":%d,\"GBps\":%.2f,"
+            "\"ratio\":%.3f,\"control\":%s,\"mismatches\":%llu,\"wrong_samples\":%u,"
+            "\"slots_returned\":%zu,\"slots\":%u,\"verify_streams\":%d}\n",
+            round, static_cast<double>(size) / seconds / 1e9,
+            static_cast<double>(size) / seconds / ceiling, round == 0 ? "true" : "false",
+            static_cast<unsigned long long>(done.chunk), done.slot, frees, slots,
+            shape.verify_streams);
+      }
+      std::fflush(stdout);
+    }
+  }
+  Send(fd, {kQuit, 0, 0});
+  cudaIpcCloseMemHandle(staging);
+  cudaIpcCloseMemHandle(destination);
+  cudaHostUnregister(base);
+  ::munmap(mapped, size);
+  cudaFree(own);
+}
+
+void IpcDma(const File& file, size_t chunk_bytes, int rounds, Shape shape) {
+  const size_t chunks = file.size / chunk_bytes;
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0) {
+    std::perror("socketpair");
+    std::exit(1);
+  }
+  // Forked before either process makes a CUDA call: CUDA does not survive fork.
+  const pid_t child = ::fork();
+  if (child < 0) {
+    std::perror("fork");
+    std::exit(1);
+  }
+  if (child == 0) {
+    ::close(fds[0]);
+    std::fflush(stdout);
+    ::_exit(Client(file, chunk_bytes, chunks, shape, fds[1]));
+  }
+  ::close(fds[1]);
+  Server(file, chunk_bytes, chunks, rounds, shape, fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "ipc-dma: the client process failed (status %d)\n", status);
+    std::exit(1);
+  }
+}
+
+}  // namespace ipc
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -691,7 +1066,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE "
                  "[CHUNK_KIB=2048] | hash-slices FILE [CHUNK_KIB=2048 ROUNDS=3] | pin-overlap FILE "
-                 "[WINDOW_MIB=64] | pin-cost TOTAL_MIB\n",
+                 "[WINDOW_MIB=64] | pin-cost TOTAL_MIB | ipc-dma FILE [ROUNDS=3 SLOTS=32 "
+                 "VERIFY_STREAMS=4 COPY_STREAMS=4 CHUNK_MIB=2]\n",
                  argv[0]);
     return 2;
   }
@@ -716,6 +1092,17 @@ int main(int argc, char** argv) {
     const int rounds = argc > 4 ? std::atoi(argv[4]) : 3;
     if (chunk == 0 || chunk > 64 * kMiB || chunk % 4096 != 0 || rounds < 1) return 2;
     HashSlices(file, chunk, rounds);
+  } else if (probe == "ipc-dma") {
+    const int rounds = argc > 3 ? std::atoi(argv[3]) : 3;
+    ipc::Shape shape;
+    if (argc > 4) shape.slots = static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10));
+    if (argc > 5) shape.verify_streams = std::atoi(argv[5]);
+    if (argc > 6) shape.copy_streams = std::atoi(argv[6]);
+    const size_t chunk = (argc > 7 ? std::strtoull(argv[7], nullptr, 10) : 2) * kMiB;
+    if (rounds < 1 || shape.slots < 1 || shape.slots > ipc::kMaxIpcSlots ||
+        shape.verify_streams < 1 || shape.copy_streams < 1 || chunk == 0 || chunk > 64 * kMiB)
+      return 2;
+    ipc::IpcDma(file, chunk, rounds, shape);
   } else if (probe == "read-dma") {
     const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
     // Whole pages: the mapped fills populate each chunk's pages (MADV_POPULATE_READ).
