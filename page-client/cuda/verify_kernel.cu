@@ -128,6 +128,9 @@ cudaError_t LaunchVerifyAndInstall(const VerifyJob& job, cudaStream_t stream) {
   if (job.length < kMinVerifiedBytes) return cudaErrorInvalidValue;
   const size_t blocks = xxh3::WholeBlocks(job.length);
   const unsigned grid = blocks == 0 ? 1 : static_cast<unsigned>((blocks + kWarps - 1) / kWarps);
+  // A launch reports through the thread's last error, which may still hold an earlier call's
+  // (a cleanup that failed and was ignored): clear it, or that one would fail this launch.
+  (void)cudaGetLastError();
   VerifyAndInstall<<<grid, kThreads, 0, stream>>>(job);
   return cudaGetLastError();
 }
