@@ -13,16 +13,19 @@ if(GPULAZY_WITH_CUDA)
     add_executable(gpulazy-cuda-bench ${CMAKE_CURRENT_LIST_DIR}/cuda_bench.cc
                    ${CMAKE_CURRENT_LIST_DIR}/cuda_layers.cc)
     # The engine brings the static CUDA runtime the kernel's launch stubs need.
-    target_link_libraries(gpulazy-cuda-bench PRIVATE gpulazy_bench_harness gpulazy_cuda_kernels gpulazy_cuda_engine
-                          gpulazy_local_restore gpulazy_client gpulazy_image gpulazy_net
-                          spdlog::spdlog)
+    target_link_libraries(gpulazy-cuda-bench PRIVATE gpulazy_bench_harness gpulazy_cuda_kernels
+                          gpulazy_cuda_engine gpulazy_server_gpu gpulazy_local_restore
+                          gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
     target_compile_definitions(gpulazy-cuda-bench
                                PRIVATE GPULAZY_DEFAULT_BIN_DIR="${CMAKE_BINARY_DIR}/bin")
-    # Standalone probes of the host's limits (docs/benchmarks.md); CUDA runtime only.
+    # Standalone probes of the host's limits (docs/benchmarks.md): the CUDA runtime, and the
+    # driver API for shareable host memory (pinned-cache).
+    find_package(CUDAToolkit REQUIRED)
     add_executable(gpulazy-cuda-probes ${CMAKE_CURRENT_LIST_DIR}/cuda_probes.cu)
     set_target_properties(gpulazy-cuda-probes PROPERTIES CUDA_ARCHITECTURES "80-real;90"
                           CUDA_STANDARD 17 CUDA_RUNTIME_LIBRARY Static)
-    target_link_libraries(gpulazy-cuda-probes PRIVATE Threads::Threads gpulazy_proto gpulazy_cuda_verify)
+    target_link_libraries(gpulazy-cuda-probes PRIVATE Threads::Threads gpulazy_proto
+                          gpulazy_cuda_verify CUDA::cuda_driver)
   else()
     message(STATUS "gpulazy-cuda-bench: no CUDA compiler (nvcc) found, not built")
   endif()

@@ -7,6 +7,10 @@
 //             into pinned staging slots (no server, no socket), verified the same way
 //   upstream  CRIU amdgpu-style loop: one staging buffer; read a chunk from the pages file,
 //             copy it, wait, read the next (no server)
+// and, with --experiment place, the page server's route of session 38 as gpulazy code: a
+// DevicePlacer registers the pages files once and places every chunk, checked on the GPU, into
+// device memory another process exported (gpulazy-ipc-exporter), with no CPU copy; not yet
+// reachable through gpulazy-server's protocol;
 // and, with --experiment layers, a restored "model" whose layers are BOs in device memory:
 // time to the first layer's kernel result and to full residency, eager / parallel / lazy, through
 // the server (over its Unix socket, reading the image files it passes: `server`; over TCP, every
@@ -24,6 +28,8 @@
 
 #include "bench/cuda_layers.h"
 #include "bench/harness.h"
+#include "lazy-server/gpu/device_placer.h"
+#include "lazy-server/gpu/ipc_exporter.h"
 #include "lazy-server/image/criu_checkpoint.h"
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
@@ -31,6 +37,7 @@
 #include "page-client/cuda/cuda_engine.h"
 #include "page-client/local_restore.h"
 #include "page-client/restore_session.h"
+#include "proto/checksum.h"
 #include "proto/size.h"
 
 namespace gpulazy::bench {
@@ -470,6 +477,140 @@ Result<LayerTimes> RunUpstreamLayers(
   return times;
 }
 
+// One pass of the placement case: every chunk of every pages file placed once, checked on the
+// GPU against its XXH3 (computed beforehand, as a lazy image's manifest carries them), into one
+// destination exported by a second process; then the whole destination read back and compared.
+struct PlacementRun {
+  double register_s = 0;  // registering the files this pass (0 once the placer has them)
+  double place_s = 0;
+  uint64_t bytes = 0;
+  uint64_t failed = 0;  // placements that did not complete Ok
+  bool verified = false;
+};
+
+struct PagesFile {
+  fs::path path;
+  UniqueFd fd;
+  uint64_t size = 0;
+  // Where it goes in the destination: chunk-aligned, as a BO's chunks are in a BO (the verify
+  // kernel installs 16 bytes at a time only into aligned memory).
+  uint64_t destination_offset = 0;
+  std::vector<uint64_t> checksums;  // per chunk
+};
+
+Result<std::vector<PagesFile>> ChecksummedPagesFiles(const fs::path& image_dir, uint32_t chunk) {
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> paths, PagesFiles(image_dir));
+  std::vector<PagesFile> files;
+  std::vector<uint8_t> buffer(chunk);
+  uint64_t end = 0;
+  for (const fs::path& path : paths) {
+    PagesFile file;
+    file.path = path;
+    GPULAZY_ASSIGN_OR_RETURN(file.fd, OpenForRead(path));
+    GPULAZY_ASSIGN_OR_RETURN(file.size, FileSize(file.fd.get(), path));
+    file.destination_offset = (end + chunk - 1) / chunk * chunk;
+    end = file.destination_offset + file.size;
+    for (uint64_t at = 0; at < file.size; at += chunk) {
+      const size_t length = static_cast<size_t>(std::min<uint64_t>(chunk, file.size - at));
+      GPULAZY_RETURN_IF_ERROR(ReadExactAt(file.fd.get(), at, {buffer.data(), length}, path));
+      file.checksums.push_back(Checksum64({buffer.data(), length}));
+    }
+    files.push_back(std::move(file));
+  }
+  return files;
+}
+
+Result<PlacementRun> MeasurePlacement(server::gpu::DevicePlacer& placer,
+                                      const std::vector<PagesFile>& files,
+                                      const server::gpu::DestinationRef& destination,
+                                      uint32_t chunk) {
+  PlacementRun run;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<server::gpu::SourceRef> sources;
+  for (const PagesFile& file : files) {
+    GPULAZY_ASSIGN_OR_RETURN(server::gpu::SourceRef source,
+                             placer.RegisterFile(file.fd.get(), file.path.string()));
+    sources.push_back(std::move(source));
+  }
+  const auto registered = std::chrono::steady_clock::now();
+  run.register_s = std::chrono::duration<double>(registered - start).count();
+  std::atomic<uint64_t> failed{0};
+  for (size_t f = 0; f < files.size(); ++f)
+    for (size_t c = 0; c < files[f].checksums.size(); ++c) {
+      const uint64_t at = c * chunk;
+      const auto length = static_cast<uint32_t>(std::min<uint64_t>(chunk, files[f].size - at));
+      GPULAZY_RETURN_IF_ERROR(placer.Place(sources[f], at, length, files[f].checksums[c],
+                                           destination, files[f].destination_offset + at,
+                                           [&failed](const Status& s) {
+                                             if (!s.ok()) failed.fetch_add(1);
+                                           }));
+      run.bytes += length;
+    }
+  placer.Flush();
+  run.place_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - registered).count();
+  run.failed = failed.load();
+  // Byte for byte, 64 MiB at a time.
+  run.verified = run.failed == 0;
+  std::vector<uint8_t> landed(64u << 20), want(64u << 20);
+  for (const PagesFile& file : files)
+    for (uint64_t at = 0; at < file.size && run.verified; at += want.size()) {
+      const size_t length = static_cast<size_t>(std::min<uint64_t>(want.size(), file.size - at));
+      GPULAZY_RETURN_IF_ERROR(
+          placer.ReadBack(destination, file.destination_offset + at, {landed.data(), length}));
+      GPULAZY_RETURN_IF_ERROR(ReadExactAt(file.fd.get(), at, {want.data(), length}, file.path));
+      run.verified = std::memcmp(landed.data(), want.data(), length) == 0;
+    }
+  return run;
+}
+
+Status RunPlacementCase(const CommonOptions& common, const fs::path& image_dir, uint64_t size,
+                        uint32_t repeat, uint32_t chunk, uint32_t streams) {
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<PagesFile> files, ChecksummedPagesFiles(image_dir, chunk));
+  const uint64_t total = files.empty() ? 0 : files.back().destination_offset + files.back().size;
+  server::gpu::PlacerOptions options;
+  options.pin_budget_bytes = total + (uint64_t{64} << 20);
+  options.slot_bytes = chunk;
+  options.streams = streams;
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<server::gpu::DevicePlacer> placer,
+                           server::gpu::DevicePlacer::Create(options));
+  GPULAZY_ASSIGN_OR_RETURN(
+      std::unique_ptr<server::gpu::IpcExporterProcess> exporter,
+      server::gpu::IpcExporterProcess::Start(common.bin_dir / "gpulazy-ipc-exporter", total));
+  GPULAZY_ASSIGN_OR_RETURN(server::gpu::DestinationRef destination,
+                           placer->OpenDestination(exporter->handle(), total));
+  for (uint32_t r = 0; r < repeat; ++r) {
+    GPULAZY_ASSIGN_OR_RETURN(double ceiling, MeasurePinnedCeiling(size));
+    GPULAZY_ASSIGN_OR_RETURN(PlacementRun run,
+                             MeasurePlacement(*placer, files, destination, chunk));
+    const double bps = static_cast<double>(run.bytes) / run.place_s;
+    const server::gpu::PlacerStats stats = placer->stats();
+    Emit(common,
+         {{"bench", "cuda-place"},
+          {"case", "device_placer"},
+          {"run", r},
+          {"size_bytes", run.bytes},
+          {"files", files.size()},
+          {"chunk_bytes", chunk},
+          {"slots", options.slots},
+          {"streams", streams},
+          {"register_s", run.register_s},
+          {"place_s", run.place_s},
+          {"throughput_Bps", bps},
+          {"ceiling_Bps", ceiling},
+          {"ratio", bps / ceiling},
+          {"failed_chunks", run.failed},
+          {"verified", run.verified},
+          {"pinned_bytes", stats.pinned_bytes},
+          {"device", DeviceDescription()},
+          {"machine", MachineDescription()}},
+         {"case", "run", "register_s", "throughput_Bps", "ceiling_Bps", "ratio", "verified"});
+    if (!run.verified)
+      return Corrupt("placement run {}: the device memory does not hold the image", r);
+  }
+  return Status::Ok();
+}
+
 int Run(int argc, char** argv) {
   CLI::App app{"gpulazy-cuda-bench: restoring into NVIDIA device memory vs cudaMemcpy"};
   CommonOptions common;
@@ -491,7 +632,7 @@ int Run(int argc, char** argv) {
   app.add_option("--server-arg", common.server_args,
                  "one more gpulazy-server option (repeatable; e.g. --server-arg=--stream-window=8)")
       ->allow_extra_args(false);
-  app.add_option("--experiment", experiments, "stream, layers")->delimiter(',');
+  app.add_option("--experiment", experiments, "stream, layers, place")->delimiter(',');
   app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
   app.add_option(
          "--cases", cases,
@@ -705,6 +846,18 @@ int Run(int argc, char** argv) {
     emit("upstream_style_loop", upstream, false);
     std::error_code ignored;
     fs::remove_all(*image_dir, ignored);
+  }
+
+  if (wants("place")) {
+    Result<fs::path> image_dir = MakeWarmImage(root, "placed", *size, 2, 7);
+    if (!image_dir.ok()) return fail(image_dir.status());
+    const uint32_t chunk =
+        layer_options.engine.slot_bytes != 0 ? layer_options.engine.slot_bytes : served_chunk_bytes;
+    Status placed =
+        RunPlacementCase(common, *image_dir, *size, repeat, chunk, layer_options.engine.streams);
+    std::error_code ignored;
+    fs::remove_all(*image_dir, ignored);
+    if (!placed.ok()) return fail(placed);
   }
 
   if (wants("layers")) {

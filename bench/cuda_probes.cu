@@ -26,6 +26,9 @@
 //                         registered across restores, into memory the restoring process
 //                         exported, with every chunk verified on the GPU before it is
 //                         installed? (ipc::IpcDma below.)
+//   pinned-cache FILE     The same question the other way round: the server holds the image in
+//                         pinned host memory it shares by descriptor, and the restoring process
+//                         maps it and DMAs from it itself (pinned_cache::PinnedCache below).
 //   pin-cost TOTAL_MIB    What does a staging ring of TOTAL_MIB cost to make before a restore
 //                         may resume? Per-slot cudaMallocHost (2 and 4 MiB), one allocation,
 //                         and cudaHostRegister of memory we fault in ourselves (4 KiB pages or
@@ -33,6 +36,7 @@
 //
 // Output: one JSON object per line. The file should be in the page cache (each probe reads it
 // once first). Written for measurement, so errors abort with a message.
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <emmintrin.h>
 #include <fcntl.h>
@@ -1053,6 +1057,250 @@ void IpcDma(const File& file, size_t chunk_bytes, int rounds, Shape shape) {
 
 }  // namespace ipc
 
+// pinned-cache: the other way round from ipc-dma. The page server keeps the image in pinned host
+// memory it can share (cuMemCreate on the host, exported as a file descriptor), filled once; the
+// restoring process imports that memory, maps it, and copies each chunk from it into its device
+// staging itself, the verify kernel installing it, so the per-chunk work and the check stay in
+// the restoring process and the server does nothing per chunk. Costs once per restore: import and
+// map; once per server: the fill.
+namespace pinned_cache {
+
+void Cu(CUresult result, const char* what) {
+  if (result == CUDA_SUCCESS) return;
+  const char* name = nullptr;
+  cuGetErrorName(result, &name);
+  std::fprintf(stderr, "gpulazy-cuda-probes: %s: %s\n", what, name != nullptr ? name : "?");
+  std::exit(1);
+}
+
+struct Shared {
+  size_t size = 0;   // the file's bytes at the start
+  size_t alloc = 0;  // the allocation's, rounded to its granularity
+  double fill_s = 0;
+};
+
+void SendFd(int socket, int fd, const Shared& shared) {
+  char control[CMSG_SPACE(sizeof(int))] = {};
+  iovec io{const_cast<Shared*>(&shared), sizeof shared};
+  msghdr msg{};
+  msg.msg_iov = &io;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  if (::sendmsg(socket, &msg, 0) != static_cast<ssize_t>(sizeof shared)) {
+    std::perror("pinned-cache: sendmsg");
+    std::exit(1);
+  }
+}
+
+int RecvFd(int socket, Shared& shared) {
+  char control[CMSG_SPACE(sizeof(int))] = {};
+  iovec io{&shared, sizeof shared};
+  msghdr msg{};
+  msg.msg_iov = &io;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  if (::recvmsg(socket, &msg, 0) != static_cast<ssize_t>(sizeof shared)) {
+    std::fprintf(stderr, "pinned-cache: no descriptor from the server\n");
+    std::exit(1);
+  }
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  if (c == nullptr || c->cmsg_type != SCM_RIGHTS) {
+    std::fprintf(stderr, "pinned-cache: no descriptor from the server\n");
+    std::exit(1);
+  }
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  return fd;
+}
+
+CUmemAllocationProp SharedHostMemory() {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  // HOST allocations cannot be shared; a NUMA node's can (node 0: also where there is no NUMA).
+  prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  prop.location.id = 0;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+// The server: allocate, fill from the file (16 threads), export, then wait for the client.
+void Server(const File& file, size_t size, int socket) {
+  Cu(cuInit(0), "server: cuInit");
+  CUdevice device = 0;
+  Cu(cuDeviceGet(&device, 0), "server: cuDeviceGet");
+  CUcontext context = nullptr;
+  Cu(cuDevicePrimaryCtxRetain(&context, device), "server: retaining the context");
+  Cu(cuCtxSetCurrent(context), "server: cuCtxSetCurrent");
+  const CUmemAllocationProp prop = SharedHostMemory();
+  size_t granularity = 0;
+  Cu(cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+     "server: granularity");
+  Shared shared;
+  shared.size = size;
+  shared.alloc = (size + granularity - 1) / granularity * granularity;
+  CUmemGenericAllocationHandle handle = 0;
+  Cu(cuMemCreate(&handle, shared.alloc, &prop, 0), "server: cuMemCreate on the host");
+  CUdeviceptr va = 0;
+  Cu(cuMemAddressReserve(&va, shared.alloc, 0, 0, 0), "server: reserving addresses");
+  Cu(cuMemMap(va, shared.alloc, 0, handle, 0), "server: mapping");
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  access.location.id = 0;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  Cu(cuMemSetAccess(va, shared.alloc, &access, 1), "server: host access");
+  char* const cache = reinterpret_cast<char*>(va);
+  const auto start = Clock::now();
+  std::vector<std::thread> fillers;
+  const size_t part = (size / 16 + kMiB - 1) / kMiB * kMiB;
+  for (size_t offset = 0; offset < size; offset += part)
+    fillers.emplace_back(
+        [&, offset] { file.ReadFully(cache + offset, std::min(part, size - offset), offset); });
+  for (std::thread& t : fillers)
+    t.join();
+  shared.fill_s = SecondsSince(start);
+  int fd = -1;
+  Cu(cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+     "server: exporting");
+  SendFd(socket, fd, shared);
+  ::close(fd);
+  char done = 0;
+  (void)::recv(socket, &done, 1, MSG_WAITALL);  // the client has finished
+  cuMemUnmap(va, shared.alloc);
+  cuMemAddressFree(va, shared.alloc);
+  cuMemRelease(handle);
+}
+
+int Client(const File& file, size_t chunk_bytes, size_t chunks, int rounds, int copy_streams,
+           int socket) {
+  const size_t size = chunks * chunk_bytes;
+  const std::vector<uint64_t> want = ChunkHashes(file, chunk_bytes, chunks);
+  Shared shared;
+  const int fd = RecvFd(socket, shared);
+  Check(cudaSetDevice(0), "client: selecting the device");
+  Check(cudaFree(nullptr), "client: making the context");
+  auto start = Clock::now();
+  CUmemGenericAllocationHandle handle = 0;
+  Cu(cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+     "client: importing the cache");
+  CUdeviceptr va = 0;
+  Cu(cuMemAddressReserve(&va, shared.alloc, 0, 0, 0), "client: reserving addresses");
+  Cu(cuMemMap(va, shared.alloc, 0, handle, 0), "client: mapping the cache");
+  CUmemAccessDesc access[2] = {};
+  access[0].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access[0].location.id = 0;
+  access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+  access[1].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  access[1].location.id = 0;
+  access[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+  Cu(cuMemSetAccess(va, shared.alloc, access, 2), "client: access");
+  const double import_s = SecondsSince(start);
+  ::close(fd);
+  const char* const cache = reinterpret_cast<const char*>(va);
+
+  uint8_t* destination = nullptr;
+  Check(cudaMalloc(&destination, size), "client: allocating the destination");
+  const uint32_t slots = 64;
+  uint8_t* staging = nullptr;
+  Check(cudaMalloc(&staging, chunk_bytes * slots), "client: allocating the staging ring");
+  ipc::VerifyRing ring(slots, chunk_bytes);
+  std::vector<cudaEvent_t> checked(slots);
+  for (cudaEvent_t& e : checked)
+    Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "client: creating an event");
+  std::vector<cudaStream_t> streams(static_cast<size_t>(copy_streams));
+  for (cudaStream_t& s : streams)
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "client: creating a stream");
+  std::printf(
+      "{\"probe\":\"pinned-cache\",\"fill_s\":%.3f,\"fill_GBps\":%.2f,\"import_map_s\":%.4f,"
+      "\"chunk_MiB\":%zu,\"streams\":%d,\"sample_ok\":%s}\n",
+      shared.fill_s, static_cast<double>(shared.size) / shared.fill_s / 1e9, import_s,
+      chunk_bytes / kMiB, copy_streams,
+      SampleMatches(file, cache, size / 2 / kMiB * kMiB) ? "true" : "false");
+  for (int round = 0; round < rounds; ++round) {
+    const double ceiling = CeilingBps(destination, size);
+    for (bool verify : {true, false}) {
+      start = Clock::now();
+      size_t mismatches = 0;
+      for (size_t c = 0; c < chunks + slots; ++c) {
+        const uint32_t s = static_cast<uint32_t>(c % slots);
+        if (verify && c >= slots) {
+          Check(cudaEventSynchronize(checked[s]), "client: waiting for a verdict");
+          if (!ring.Matched(s)) ++mismatches;
+        }
+        if (c >= chunks) continue;
+        cudaStream_t stream = streams[s % streams.size()];
+        if (!verify) {
+          Check(cudaMemcpyAsync(destination + c * chunk_bytes, cache + c * chunk_bytes, chunk_bytes,
+                                cudaMemcpyDefault, stream),
+                "client: copying a chunk");
+          continue;
+        }
+        uint8_t* slot = staging + s * chunk_bytes;
+        Check(
+            cudaMemcpyAsync(slot, cache + c * chunk_bytes, chunk_bytes, cudaMemcpyDefault, stream),
+            "client: staging a chunk");
+        // Round 0 is the control: chunk 7's expected hash is wrong.
+        ring.Launch(s, slot, destination + c * chunk_bytes, chunk_bytes,
+                    want[c] ^ (round == 0 && c == 7 ? 1u : 0u), stream);
+        Check(cudaEventRecord(checked[s], stream), "client: recording a verdict");
+      }
+      Check(cudaDeviceSynchronize(), "client: draining");
+      const double seconds = SecondsSince(start);
+      uint64_t wrong = 0;
+      for (size_t offset : {size_t{0}, size / 3 / chunk_bytes * chunk_bytes, size - chunk_bytes})
+        wrong += SampleMatches(file, destination, offset) ? 0 : 1;
+      std::printf(
+          "{\"probe\":\"pinned-cache\",\"mode\":\"%s\",\"round\":%d,\"GBps\":%.2f,"
+          "\"ratio\":%.3f,\"control\":%s,\"mismatches\":%zu,\"wrong_samples\":%llu}\n",
+          verify ? "verified" : "direct", round, static_cast<double>(size) / seconds / 1e9,
+          static_cast<double>(size) / seconds / ceiling, verify && round == 0 ? "true" : "false",
+          mismatches, static_cast<unsigned long long>(wrong));
+      std::fflush(stdout);
+      Check(cudaMemset(destination, 0, size), "client: clearing the destination");
+      Check(cudaDeviceSynchronize(), "client: clearing the destination");
+    }
+  }
+  const char done = 1;
+  (void)::send(socket, &done, 1, MSG_NOSIGNAL);
+  return 0;
+}
+
+void PinnedCache(const File& file, size_t chunk_bytes, int rounds, int copy_streams) {
+  const size_t chunks = file.size / chunk_bytes;
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
+    std::perror("socketpair");
+    std::exit(1);
+  }
+  const pid_t child = ::fork();  // before either process makes a CUDA call
+  if (child < 0) {
+    std::perror("fork");
+    std::exit(1);
+  }
+  if (child == 0) {
+    ::close(fds[0]);
+    std::fflush(stdout);
+    ::_exit(Client(file, chunk_bytes, chunks, rounds, copy_streams, fds[1]));
+  }
+  ::close(fds[1]);
+  Server(file, chunks * chunk_bytes, fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "pinned-cache: the client process failed (status %d)\n", status);
+    std::exit(1);
+  }
+}
+
+}  // namespace pinned_cache
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1067,7 +1315,8 @@ int main(int argc, char** argv) {
                  "usage: %s pin-page-cache FILE [WINDOW_MIB=256 IN_FLIGHT=4] | read-dma FILE "
                  "[CHUNK_KIB=2048] | hash-slices FILE [CHUNK_KIB=2048 ROUNDS=3] | pin-overlap FILE "
                  "[WINDOW_MIB=64] | pin-cost TOTAL_MIB | ipc-dma FILE [ROUNDS=3 SLOTS=32 "
-                 "VERIFY_STREAMS=4 COPY_STREAMS=4 CHUNK_MIB=2]\n",
+                 "VERIFY_STREAMS=4 COPY_STREAMS=4 CHUNK_MIB=2] | pinned-cache FILE [ROUNDS=3 "
+                 "CHUNK_MIB=2 STREAMS=16]\n",
                  argv[0]);
     return 2;
   }
@@ -1103,6 +1352,12 @@ int main(int argc, char** argv) {
         shape.verify_streams < 1 || shape.copy_streams < 1 || chunk == 0 || chunk > 64 * kMiB)
       return 2;
     ipc::IpcDma(file, chunk, rounds, shape);
+  } else if (probe == "pinned-cache") {
+    const int rounds = argc > 3 ? std::atoi(argv[3]) : 3;
+    const size_t chunk = (argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 2) * kMiB;
+    const int streams = argc > 5 ? std::atoi(argv[5]) : 16;
+    if (rounds < 1 || chunk == 0 || chunk > 64 * kMiB || streams < 1) return 2;
+    pinned_cache::PinnedCache(file, chunk, rounds, streams);
   } else if (probe == "read-dma") {
     const size_t chunk = (argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 2048) * 1024;
     // Whole pages: the mapped fills populate each chunk's pages (MADV_POPULATE_READ).
