@@ -83,9 +83,10 @@ class DevicePlacer {
 
   // Queues [offset, offset + length) of `source` for [destination_offset, + length) of
   // `destination` (a 16-byte-aligned destination_offset installs 16 bytes at a time, any other
-  // byte by byte: a BO's chunks start at multiples of the chunk size). With a checksum (XXH3-64 of the bytes) nothing reaches the destination
-  // unless the bytes match it; without one they are copied as they are (a plain CRIU
-  // checkpoint records none). An error return means nothing was queued and `done` never runs.
+  // byte by byte: a BO's chunks start at multiples of the chunk size). With a checksum (XXH3-64 of
+  // the bytes) nothing reaches the destination unless the bytes match it; without one they are
+  // copied as they are (a plain CRIU checkpoint records none). An error return means nothing was
+  // queued and `done` never runs.
   Status Place(const SourceRef& source, uint64_t offset, uint32_t length,
                std::optional<uint64_t> checksum, const DestinationRef& destination,
                uint64_t destination_offset, PlaceDone done);
