@@ -185,6 +185,9 @@ class DevicePlacer::Impl {
     // holds the driver against every other call of the process anyway (session 14).
     std::lock_guard registering(register_mu_);
     const uint64_t pinned = (size + kPageBytes - 1) / kPageBytes * kPageBytes;
+    // Unregistered after mu_ is released: unregistering waits for the device's work in flight
+    // (session 14), and the reaper needs mu_ meanwhile.
+    std::vector<std::shared_ptr<RegisteredFile>> evicted;
     {
       std::lock_guard lock(mu_);
       for (auto it = cache_.begin(); it != cache_.end(); ++it)
@@ -202,6 +205,7 @@ class DevicePlacer::Impl {
         if (it->use_count() > 1) continue;
         pinned_ -= (*it)->MappedBytes();
         ++stats_.evictions;
+        evicted.push_back(std::move(*it));
         it = cache_.erase(it);
       }
       if (pinned_ + pinned > options_.pin_budget_bytes)
@@ -209,6 +213,7 @@ class DevicePlacer::Impl {
             "registering {}: {} bytes, and {} of the pin budget of {} are in use", name, size,
             pinned_, options_.pin_budget_bytes);
     }
+    evicted.clear();  // before the new pin, so the budget is never exceeded
     void* mapping = ::mmap(nullptr, pinned, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (mapping == MAP_FAILED) return ErrnoError(errno, "registering {}: mmap", name);
     if (cudaError_t e = cudaHostRegister(mapping, pinned, cudaHostRegisterReadOnly);
