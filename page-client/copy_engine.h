@@ -17,6 +17,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "proto/status.h"
@@ -115,6 +116,24 @@ class CopyEngine {
   virtual Status ExpectChunkBytes(uint32_t max_bytes) {
     (void)max_bytes;
     return Status::Ok();
+  }
+
+  // Optional: BO `bo`'s destination as something the page server on this host can write itself
+  // (docs/protocol.md, "Placement"): `kind` as a PlacementOffer names it ("memfd", "cuda"), the
+  // `device` it lives on (a GPU's UUID; empty for host memory), the `handle` that names it to the
+  // server and the bytes it holds. The session then lets the server place chunks there and marks
+  // them resident when told; the engine sees no call for them. An engine must offer this only
+  // for memory nothing reads before the session reports it resident. Default: nullopt (every
+  // chunk comes through Write or a receive). Called after AddDestination, before any write.
+  struct PlacementExport {
+    std::string kind;
+    std::string device;
+    std::string handle;
+    uint64_t size = 0;
+  };
+  virtual std::optional<PlacementExport> ExportDestination(uint32_t bo) {
+    (void)bo;
+    return std::nullopt;
   }
 
   // A hint from a thread about to wait for [offset, offset + length) of BO `bo` (an Ensure whose

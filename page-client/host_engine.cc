@@ -8,6 +8,8 @@
 #include <cstring>
 #include <utility>
 
+#include "proto/endian.h"
+
 namespace gpulazy::client {
 
 Result<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_t size) {
@@ -69,6 +71,19 @@ Status HostCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   populate_.AddRegion(bo, region.bytes());
   regions_.try_emplace(bo, std::move(region));
   return Status::Ok();
+}
+
+std::optional<CopyEngine::PlacementExport> HostCopyEngine::ExportDestination(uint32_t bo) {
+  if (!options_.export_for_placement) return std::nullopt;
+  Result<const MemfdRegion*> memfd = Memfd(bo);
+  if (!memfd.ok() || (*memfd)->fd() < 0) return std::nullopt;
+  PlacementExport exported;
+  exported.kind = "memfd";
+  exported.handle.resize(4);
+  StoreLe32(reinterpret_cast<uint8_t*>(exported.handle.data()),
+            static_cast<uint32_t>((*memfd)->fd()));
+  exported.size = (*memfd)->size();
+  return exported;
 }
 
 Result<const HostCopyEngine::Destination*> HostCopyEngine::Find(uint32_t bo) const {

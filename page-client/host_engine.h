@@ -77,6 +77,8 @@ struct HostEngineOptions {
   // that called Ensure, idle until the chunk arrives), so the chunk's page allocation overlaps
   // its round trip to the server instead of following it (docs/client.md, "Fresh pages").
   bool prepare_waited_ranges = true;
+  // Offer the memfds to a page server that places chunks itself (ExportDestination, "memfd").
+  bool export_for_placement = true;
 };
 
 class HostCopyEngine : public CopyEngine {
@@ -93,6 +95,9 @@ class HostCopyEngine : public CopyEngine {
                                                   uint64_t length) override;
   Status CommitReceived(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
   void PrepareDestination(uint32_t bo, uint64_t offset, uint64_t length) override;
+  // With export_for_placement: the BO's memfd, by its descriptor number ("memfd"), for a page
+  // server on this host to take (pidfd_getfd) and write.
+  std::optional<PlacementExport> ExportDestination(uint32_t bo) override;
   // Several writers take their own page faults in parallel, so the populate helper is paused:
   // it has nothing to do they do not do already (docs/benchmarks.md, issue 3: measured 10 %
   // slower with it by reference in session 7; within noise in session 8). Fresh pages then go

@@ -333,6 +333,13 @@ class RestoreSession::Impl {
                                        const wire::Header& header, uint32_t payload_length,
                                        std::vector<uint8_t>& payload, bool on_stream,
                                        bool* transport);
+  // The engine's destinations as PlaceInto frames for the server's offer: every BO's, on the
+  // offer's kind of memory and device, or an error saying why not (no placement then).
+  Result<std::vector<wire::Header>> PlacementFrames(const wire::PlacementOffer& offer);
+  // A ChunkData frame with placed: the server wrote the chunk into our destination. Claims it and
+  // marks it resident. Errors are the server's (fatal).
+  Status ReceivePlaced(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                       uint32_t payload_length, bool on_stream, const DemandChunkTiming* timing);
   // A ChunkData frame with in_file: checks where it points, claims the chunk and hands it to a
   // reader thread. Errors are the server's (fatal).
   Status ReceiveByReference(const std::shared_ptr<Link>& link, const FrameLimits& limits,
@@ -470,7 +477,9 @@ class RestoreSession::Impl {
   };
   std::vector<std::unique_ptr<LaneThread>> lane_threads_;
   std::atomic<uint32_t> lanes_joined_{0};  // Progress::lanes
-  std::atomic<uint64_t> lane_bytes_{0};    // Progress::lane_bytes
+  // The current connection's server places chunks (PlaceInto accepted): requests ask for it.
+  std::atomic<bool> placing_{false};
+  std::atomic<uint64_t> lane_bytes_{0};  // Progress::lane_bytes
 
   std::thread thread_;         // runs io_
   std::thread demand_thread_;  // runs demand_io_
@@ -1049,11 +1058,41 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     if (residency_.complete()) co_return Status::Ok();  // nothing (left) to stream
   }
 
+  // Placement first: a server that writes the chunks into our destinations needs no files,
+  // and chunks read from files beside it could land on a chunk it is placing.
+  bool placing = false;
+  if (options_.accept_placement && stream->reply.has_placement() &&
+      endpoint_.kind == net::Endpoint::Kind::kUnix) {
+    Result<std::vector<wire::Header>> frames = PlacementFrames(stream->reply.placement());
+    if (frames.ok()) {
+      bool placement_refused = false;
+      Status handed = co_await PlaceInto(stream->socket, std::move(*frames), limits,
+                                         options_.handshake_timeout, &placement_refused);
+      if (handed.ok()) {
+        placing = true;
+        if (first)
+          spdlog::info("image {}: the server places the chunks into the {} engine's memory",
+                       options_.image, engine_.name());
+      } else if (placement_refused) {
+        if (first) spdlog::info("image {}: no placement: {}", options_.image, handed.message());
+      } else {
+        co_return handed;
+      }
+    } else if (first) {
+      spdlog::info("image {}: no placement: {}", options_.image, frames.status().message());
+    }
+  }
+  placing_.store(placing);
+
   wire::Hello join = hello;
   join.set_join_session(reply->session());
   join.set_join_secret(reply->session_secret());
   std::shared_ptr<const ImageFileSet> files;
-  if (readers_) {
+  if (placing) {
+    std::lock_guard lock(mutex_);
+    demand_files_ = nullptr;
+  }
+  if (readers_ && !placing) {
     // With a chunk table a chunk someone waits for is read from the files at once, without a
     // round trip to the server (protocol version 2; not for tables larger than a client takes).
     uint64_t total_chunks;
@@ -1133,15 +1172,17 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     held = residency_.HeldRuns();
     if (!first) ++counters_.reconnects;
     counters_.reading_files = files != nullptr;
+    counters_.placing = placing;
   }
   for (wire::Header& have : HaveFrames(held))
     link->stream_writer.Send(std::move(have));
   // By reference the credit bounds the file ranges queued for the readers (no payload buffers),
   // so it may be larger; too small a window starves the readers (docs/benchmarks.md). Through
   // the socket, a session that only streams keeps a few chunks in flight on every connection.
+  // Placed chunks take no memory here either: their credit bounds the server's work in flight.
   const uint64_t window =
-      files ? std::max(window_, options_.file_window_bytes)
-            : SocketWindow(window_, options_.window_per_connection_bytes, 1 + lanes);
+      files || placing ? std::max(window_, options_.file_window_bytes)
+                       : SocketWindow(window_, options_.window_per_connection_bytes, 1 + lanes);
   wire::Header credit;
   credit.mutable_credit()->set_bytes(window);
   link->credit_outstanding.store(window);
@@ -1152,6 +1193,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     stream_all.mutable_request()->set_stream_all(true);
     stream_all.mutable_request()->set_priority(wire::PRIORITY_BACKGROUND);
     stream_all.mutable_request()->set_by_reference(link->files != nullptr);
+    stream_all.mutable_request()->set_placed(placing);
     link->stream_writer.Send(std::move(stream_all));
   }
 
@@ -1604,6 +1646,7 @@ void RestoreSession::Impl::PumpDemand() {
   header.set_request_id(next_request_id_++);
   header.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
   header.mutable_request()->set_by_reference(by_reference);
+  header.mutable_request()->set_placed(placing_.load());
   for (const ChunkRun& run : runs)
     *header.mutable_request()->add_ranges() = ToRange(run);
   if (options_.demand_connection) {
@@ -1729,6 +1772,8 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   if (!on_stream && options_.demand_connection) timing = StartDemandTiming(ChunkId{bo, chunk});
   if (data.has_in_file())
     co_return ReceiveByReference(link, limits, files, data, payload_length, on_stream);
+  if (data.placed())
+    co_return ReceivePlaced(link, data, payload_length, on_stream, timing ? &*timing : nullptr);
   std::chrono::nanoseconds* gate_wait = timing ? &timing->gate_wait : nullptr;
   net::PayloadWatermark watermark(socket, options_.batch_tcp_wakeups);
   bool duplicate = false;
@@ -1827,6 +1872,65 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
   if (!committed.ok())
     co_return committed.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
   co_return Status::Ok();
+}
+
+Result<std::vector<wire::Header>> RestoreSession::Impl::PlacementFrames(
+    const wire::PlacementOffer& offer) {
+  std::vector<wire::Header> frames;
+  std::lock_guard engine_lock(engine_gate_);
+  for (uint32_t bo = 0; bo < bos_.size(); ++bo) {
+    std::optional<CopyEngine::PlacementExport> exported = engine_.ExportDestination(bo);
+    if (!exported)
+      return Unsupported("the {} engine cannot hand over BO {}'s memory", engine_.name(), bo);
+    if (exported->kind != offer.kind() || exported->device != offer.device())
+      return Unsupported("the server places into {} memory{}, the {} engine's is {}{}",
+                         ToValidUtf8(offer.kind()), offer.device().empty() ? "" : " of its GPU",
+                         engine_.name(), exported->kind,
+                         exported->device.empty() ? "" : " on another GPU");
+    if (bo % kMaxTargetsPerPlaceInto == 0) {
+      wire::PlaceInto* place = frames.emplace_back().mutable_place_into();
+      place->set_kind(exported->kind);
+      place->set_device(exported->device);
+    }
+    wire::PlacementTarget* target = frames.back().mutable_place_into()->add_targets();
+    target->set_bo(bo);
+    target->set_handle(std::move(exported->handle));
+    target->set_size(exported->size);
+  }
+  return frames;
+}
+
+Status RestoreSession::Impl::ReceivePlaced(const std::shared_ptr<Link>& link,
+                                           const wire::ChunkData& data, uint32_t payload_length,
+                                           bool on_stream, const DemandChunkTiming* timing) {
+  const uint32_t bo = data.bo();
+  const uint32_t chunk = data.chunk();
+  // The server's word that the bytes are in our memory: only after we handed it destinations,
+  // and never with bytes besides.
+  if (!placing_.load())
+    return Corrupt("image {}: server placed BO {} chunk {}, but was given no destinations",
+                   options_.image, bo, chunk);
+  if (payload_length != 0)
+    return Corrupt("image {}: placed BO {} chunk {} carries a {}-byte payload", options_.image, bo,
+                   chunk, payload_length);
+  if (data.no_checksum() && lazy_image_)
+    return Corrupt("image {}: BO {} chunk {} of a lazy image was placed unchecked", options_.image,
+                   bo, chunk);
+  bool duplicate = false;
+  GPULAZY_RETURN_IF_ERROR(AcceptChunk(link, data, data.raw_length(), on_stream, &duplicate));
+  if (duplicate) {
+    if (on_stream) GiveBackCredit(link, data.raw_length());
+    return Status::Ok();
+  }
+  {
+    std::lock_guard lock(mutex_);
+    ++counters_.placed_chunks;
+    counters_.placed_bytes += data.raw_length();
+  }
+  if (data.no_checksum()) unchecked_chunks_.fetch_add(1, std::memory_order_relaxed);
+  OnWritten(Status::Ok(), link, ChunkId{bo, chunk}, nullptr, on_stream ? data.raw_length() : 0,
+            timing);
+  return Status::Ok();
 }
 
 Status RestoreSession::Impl::ReceiveByReference(const std::shared_ptr<Link>& link,

@@ -102,6 +102,12 @@ struct SessionOptions {
   // work; 0..19, 0 = same priority as the caller): the demand thread, the caller's threads and
   // a resumed program then get the CPU first where cores are few (docs/client.md).
   int background_nice = 0;
+  // When the server offers placement (on a Unix socket, gpulazy-server --placement) and the
+  // engine can hand its destinations over (CopyEngine::ExportDestination) on the same kind of
+  // memory and device: let the server write the chunks there itself, and mark each resident
+  // when told (docs/protocol.md, "Placement"). The image files are then not asked for. A
+  // server that refuses the destinations is told nothing more: the chunks come as usual.
+  bool accept_placement = true;
   // Over plain TCP, wake a receiving thread once a payload read's bytes have arrived rather
   // than at each segment (net::PayloadWatermark): fewer wake-ups and shorter reads per chunk.
   bool batch_tcp_wakeups = true;
@@ -153,6 +159,9 @@ struct Progress {
   uint64_t duplicate_bytes = 0;  // of received_bytes: the payload bytes of those copies
   uint64_t reconnects = 0;       // successful re-opens after a lost connection
   bool reading_files = false;    // the current connection passed the image files (by reference)
+  bool placing = false;          // the current connection's server places chunks (placement)
+  uint64_t placed_chunks = 0;    // chunks the server placed in our destinations
+  uint64_t placed_bytes = 0;     // their raw bytes
   uint32_t lanes = 0;            // lanes joined to the current connection (besides the stream's)
   uint64_t lane_bytes = 0;       // of received_bytes: payload bytes that came on lanes
   // Where the stream connection's reading thread spent its time (wall time, other work of that

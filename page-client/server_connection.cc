@@ -390,6 +390,32 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
   co_return opened;
 }
 
+net::Awaitable<Status> PlaceInto(net::Stream& socket, std::vector<wire::Header> frames,
+                                 const FrameLimits& limits, std::chrono::milliseconds timeout,
+                                 bool* refused) {
+  *refused = false;
+  HandshakeDeadline deadline(co_await asio::this_coro::executor, &socket, timeout);
+  std::vector<uint8_t> payload;
+  for (const wire::Header& frame : frames) {
+    Status sent = co_await net::WriteFrame(socket, frame, {}, limits);
+    if (!sent.ok()) co_return sent.Context("handing over destinations");
+    Result<wire::Header> reply = co_await net::ReadFrame(socket, limits, &payload);
+    if (!reply.ok()) {
+      if (!socket.is_open())
+        co_return TimedOut("handing over destinations: no reply within {} ms", timeout.count());
+      co_return reply.status().Context("handing over destinations");
+    }
+    if (reply->has_error()) {
+      *refused = !IsRetryableServerError(reply->error());
+      co_return ErrorFrameStatus(reply->error(), "handing over destinations");
+    }
+    if (!reply->has_place_into_reply() || !payload.empty())
+      co_return Corrupt("handing over destinations: expected PlaceIntoReply, got header body {}",
+                        static_cast<int>(reply->body_case()));
+  }
+  co_return Status::Ok();
+}
+
 std::vector<wire::Header> HaveFrames(const std::vector<ChunkRun>& held,
                                      size_t max_ranges_per_frame) {
   std::vector<wire::Header> frames;

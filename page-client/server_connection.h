@@ -51,6 +51,17 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(
     std::chrono::milliseconds timeout, bool* refused,
     uint64_t max_table_bytes = kDefaultMaxImageTableBytes);
 
+// Hands a session's destinations to the server (docs/protocol.md, "Placement"): sends each
+// PlaceInto frame of `frames` on the stream connection, right after OpenImage, and reads its
+// PlaceIntoReply, all within `timeout`. *refused: the server answered one with an Error (it
+// keeps what earlier frames handed over, but the client must not ask for placed chunks).
+net::Awaitable<Status> PlaceInto(net::Stream& socket, std::vector<wire::Header> frames,
+                                 const FrameLimits& limits, std::chrono::milliseconds timeout,
+                                 bool* refused);
+// Destinations per PlaceInto frame: 256 of at most ~90 serialized bytes (a 64-byte handle)
+// stay well inside the 64 KiB frame header.
+inline constexpr size_t kMaxTargetsPerPlaceInto = 256;
+
 // Asks the server for its statistics (docs/server.md, "Stats") on a connection of its own:
 // Hello with `token` (empty: none), then StatsRequest; returns the reply's JSON text. Blocking,
 // for tools and benchmarks rather than a restore's io_context.

@@ -87,6 +87,7 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   std::vector<std::string> listen;
   std::string max_frame = std::to_string(config.max_frame);
   std::string raw_chunk_size = std::to_string(config.raw_chunk_size);
+  std::string pin_budget = std::to_string(config.placement_pin_budget);
   double hello_timeout = 10, idle_timeout = 600, shutdown_grace = 5, stats_interval = 0;
   std::string ready_file;
   std::string token_file;
@@ -144,6 +145,16 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_flag("--sendfile,!--no-sendfile", config.send_from_files,
                "send cached chunks straight from the image files to plain sockets (sendfile; "
                "default on; --no-sendfile: read every chunk into a buffer first)");
+  app.add_option("--placement", config.placement,
+                 "write chunks straight into Unix-socket clients' memory when they hand over "
+                 "destinations: memfd (host memory) or cuda (device memory, CUDA builds); "
+                 "default off")
+      ->check(CLI::IsMember({"", "memfd", "cuda"}));
+  app.add_option("--placement-device", config.placement_device, "--placement cuda: the GPU")
+      ->capture_default_str();
+  app.add_option("--placement-pin-budget", pin_budget,
+                 "--placement cuda: image page cache kept registered for DMA at once (e.g. 16G)")
+      ->capture_default_str();
   app.add_option("--max-sessions", config.max_sessions, "open sessions at most")
       ->capture_default_str();
   app.add_option("--max-connections", config.max_connections, "open connections at most")
@@ -212,6 +223,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   Result<uint32_t> chunk = ParseSize32(raw_chunk_size, "--raw-chunk-size");
   if (!chunk.ok()) return fail(chunk.status());
   config.raw_chunk_size = *chunk;
+  Result<uint64_t> budget = ParseSize(pin_budget);
+  if (!budget.ok()) return fail(budget.status().Context("--placement-pin-budget"));
+  config.placement_pin_budget = *budget;
   for (const std::string& text : image_access) {
     Result<ImageAccessRule> rule = ImageAccessRule::Parse(text);
     if (!rule.ok()) return fail(rule.status());
@@ -324,6 +338,8 @@ Status ValidateConfig(const ServerConfig& config) {
   if (c < image::kMinChunkSize || c > image::kMaxChunkSize || (c & (c - 1)) != 0)
     return InvalidArgument("--raw-chunk-size must be a power of two in [{}, {}], not {}",
                            image::kMinChunkSize, image::kMaxChunkSize, c);
+  if (config.placement_device < 0 || config.placement_device > 1024)
+    return InvalidArgument("--placement-device must be 0..1024, not {}", config.placement_device);
   if (!IsValidUtf8(config.server_name))
     return InvalidArgument("--server-name must be valid UTF-8 (clients could not parse it)");
   if (config.log_level != "trace" && config.log_level != "debug" && config.log_level != "info" &&

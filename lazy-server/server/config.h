@@ -106,6 +106,13 @@ struct ServerConfig {
   // Chunks whose stored bytes are in the page cache and whose checksum is known go from the
   // image file to a plain (not TLS) socket by sendfile: no copy through our buffers.
   bool send_from_files = true;
+  // Write chunks into the clients' memory on this host instead of sending them, for sessions
+  // that hand over destinations (docs/protocol.md, "Placement"): "" off, "memfd" host memory,
+  // "cuda" device memory of GPU placement_device (CUDA builds).
+  std::string placement;
+  int placement_device = 0;
+  // cuda: image page cache kept registered (pinned) for DMA at once.
+  uint64_t placement_pin_budget = 16ull << 30;
 };
 
 // Parses argv (and --config FILE). On --help or a usage error, exit_code says how main should

@@ -119,6 +119,7 @@ nlohmann::json SessionJson(Session& session, const Dispatcher& dispatcher) {
       {"bytes_sent", stats.bytes_sent.load()},
       {"bytes_by_reference", stats.bytes_by_reference.load()},
       {"bytes_sendfile", stats.bytes_sendfile.load()},
+      {"bytes_placed", stats.bytes_placed.load()},
       {"chunks_sent", ChunksByPriority(stats.chunks_sent)},
       {"errors_sent", stats.errors_sent.load()},
       {"stream_done", stats.stream_done.load()},
@@ -186,6 +187,12 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"bytes_peak", totals.reply_bytes_queued_peak.load()},
       {"cutoffs", totals.reply_cutoffs.load()},
   };
+  if (placement) {
+    nlohmann::json counters = {{"kind", placement->kind()}};
+    for (const auto& [name, value] : placement->Counters())
+      counters[name] = value;
+    server["placement"] = counters;
+  }
   // The disk lanes and the chunk buffer pool (docs/server.md "Disk reads").
   const Dispatcher::LaneCounters lanes = dispatcher.lanes();
   const ChunkBufferPool::Counters buffers = dispatcher.buffers().counters();

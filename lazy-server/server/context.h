@@ -18,6 +18,7 @@
 #include "lazy-server/server/config.h"
 #include "lazy-server/server/dispatcher.h"
 #include "lazy-server/server/image_store.h"
+#include "lazy-server/server/placement.h"
 #include "proto/frame.h"
 
 namespace boost::asio {
@@ -60,6 +61,9 @@ struct ServerContext {
   const FrameLimits limits;  // what we accept and send
   ImageStore store;
   Dispatcher dispatcher;
+  // Set by Server::Listen when config.placement names a backend; read-only once serving.
+  // Declared after the dispatcher: destroyed first, after Server has flushed it.
+  std::unique_ptr<PlacementBackend> placement;
   ServerTotals totals;
   std::atomic<bool> shutting_down{false};
   // The event loops of --demand-network-threads, one thread each (the loops are owned by

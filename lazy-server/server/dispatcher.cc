@@ -172,11 +172,54 @@ void Dispatcher::Read(const Job& job) {
       ::posix_fadvise(range->fd, static_cast<off_t>(range->offset),
                       static_cast<off_t>(range->length), POSIX_FADV_WILLNEED);
   }
+  if (job.item.placed && TryPlace(job, sink)) return;
   Result<LoadedChunk> chunk =
       job.item.by_reference
           ? Locate(source, job.item)
           : ReadInto(source, job.item, sink->SendsFromFiles(job.item) && !job.cache_probed);
   Deliver(job, *sink, std::move(chunk));
+}
+
+bool Dispatcher::TryPlace(const Job& job, const std::shared_ptr<ChunkSink>& sink) {
+  const image::ImageSource& source = sink->source();
+  Result<LoadedChunk> located = Locate(source, job.item);
+  // Only RAW chunks: the bytes placed are the bytes stored (no device decompresses them).
+  if (!located.ok() || !located->in_file || located->info.codec != manifest::CODEC_RAW ||
+      located->in_file->length == 0 || located->in_file->length != located->info.raw_length)
+    return false;
+  const image::DiskRange from = *located->in_file;
+  std::optional<uint64_t> checksum;
+  if (located->has_checksum) checksum = located->info.checksum;
+  const WorkItem item = job.item;
+  Status queued = sink->PlaceChunk(
+      item, from, checksum,
+      [this, item, sink, info = located->info,
+       has_checksum = located->has_checksum](const Status& status) {
+        if (status.ok()) {
+          LoadedChunk placed;
+          placed.info = info;
+          placed.has_checksum = has_checksum;
+          placed.placed = true;
+          sink->OnChunkRead(item, std::move(placed));
+          return;
+        }
+        // Not placed, and nothing written (a mismatch), or a device that failed: the chunk goes
+        // as bytes, which the client checks itself and asks for again if they are bad.
+        spdlog::warn("BO {} chunk {} of session {} not placed ({}); sending its bytes", item.bo,
+                     item.chunk, item.session, status.ToString());
+        sink->OnChunkRead(item, ReadInto(sink->source(), item, /*from_file_allowed=*/false));
+      });
+  if (!queued.ok()) {
+    spdlog::debug("BO {} chunk {} of session {} goes as bytes: {}", item.bo, item.chunk,
+                  item.session, queued.ToString());
+    return false;
+  }
+  {
+    std::lock_guard lock(mu_);
+    ++(job.lane == Lane::kDemand ? demand_reads_ : bulk_reads_);
+  }
+  Finished(job.lane);
+  return true;
 }
 
 void Dispatcher::Deliver(const Job& job, ChunkSink& sink, Result<LoadedChunk> chunk) {

@@ -7,6 +7,8 @@
 // threads, two reads in flight per thread server-wide). Each finished read pumps the next
 // picks, so the disk stays busy while sessions have work and credit. Before a bulk read it
 // hints the kernel (posix_fadvise WILLNEED) about the next few chunks that session will read.
+// A placed chunk goes to the session's placement on a disk thread, and its slot is free as soon
+// as it is queued there (the placement delivers it when done).
 // A chunk sent by reference (the client reads it from the files it holds) needs no read: it is
 // located and handed to its sink on the thread that picked it, with no hints. So is a demand
 // chunk the connection sends from the page cache (cached bytes, known checksum: sendfile).
@@ -39,12 +41,14 @@ namespace gpulazy::server {
 // client reads its stored bytes, and has_checksum whether the checksum is known yet.
 // A chunk sent from the page cache has no buffer either: its info.stored_length bytes travel
 // on the wire, but the kernel takes them from from_file (sendfile), never read by us.
+// A placed chunk has neither: the server wrote its raw bytes into the client's destination.
 struct LoadedChunk {
   image::ChunkInfo info;
   ChunkBuffer buffer;
   std::optional<image::DiskRange> in_file;
   std::optional<image::DiskRange> from_file;
   bool has_checksum = true;
+  bool placed = false;
   std::span<const uint8_t> bytes() const {
     return from_file ? std::span<const uint8_t>() : buffer.span().first(info.stored_length);
   }
@@ -60,6 +64,16 @@ class ChunkSink {
   // The connection `item` goes out on may send its bytes straight from the image file
   // (LoadedChunk::from_file): a plain (not TLS) socket, and the server allows it.
   virtual bool SendsFromFiles(const WorkItem& item) const = 0;
+  // A placed item (WorkItem::placed): writes the RAW chunk stored at `from` into the session's
+  // destination, checked against `checksum` when there is one, and calls `done` once it is
+  // there (Ok) or will not be (an error: the chunk then goes as bytes). An error return: nothing
+  // was queued, `done` never runs, and the chunk goes as bytes.
+  virtual Status PlaceChunk(const WorkItem& item, const image::DiskRange& from,
+                            std::optional<uint64_t> checksum,
+                            std::function<void(Status)> done) {  // NOLINT(performance-*)
+    (void)item, (void)from, (void)checksum, (void)done;
+    return Unsupported("this session places nothing");
+  }
 };
 
 struct DispatcherOptions {
@@ -136,6 +150,10 @@ class Dispatcher {
   // A demand job whose chunk goes out from the page cache: served on this thread (true).
   // Otherwise the job is marked cache_probed and goes to a disk thread.
   bool ServeFromCacheHere(Job& job);
+  // A placed job: hands the chunk to the sink for placement and frees the job's slot at once
+  // (the placement's completion delivers it). False: it cannot be placed (stored compressed or
+  // empty, no destination, the device refused), so it is to be read and sent as bytes.
+  bool TryPlace(const Job& job, const std::shared_ptr<ChunkSink>& sink);
   // Counts the read and hands the chunk to its sink; then the job's slot is free.
   void Deliver(const Job& job, ChunkSink& sink, Result<LoadedChunk> chunk);
   // A read of `lane` finished (or was skipped): frees its slot and pumps.

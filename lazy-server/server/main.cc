@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   gpulazy::server::Server server(config);
   gpulazy::Status listening = server.Listen();
   if (!listening.ok()) {
-    spdlog::critical("cannot listen: {}", listening.ToString());
+    spdlog::critical("cannot start: {}", listening.ToString());
     return 1;
   }
   return server.Run();

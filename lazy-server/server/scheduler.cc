@@ -94,7 +94,7 @@ Status Scheduler::Have(SessionId id,
   return Status::Ok();
 }
 
-Status Scheduler::StreamAll(SessionId id, bool by_reference) {
+Status Scheduler::StreamAll(SessionId id, Delivery delivery) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
@@ -102,13 +102,13 @@ Status Scheduler::StreamAll(SessionId id, bool by_reference) {
     return InvalidArgument("stream_all was already requested in session {}", id);
   s.stream_all_taken = true;
   s.streaming = true;
-  s.stream_by_reference = by_reference;
+  s.stream_delivery = delivery;
   return Status::Ok();
 }
 
 Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                           const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
-                          Clock::time_point now, bool by_reference) {
+                          Clock::time_point now, Delivery delivery) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
@@ -142,7 +142,8 @@ Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, 
       item.output = output;
       item.request_id = request_id;
       item.received = now;
-      item.by_reference = by_reference;
+      item.by_reference = delivery == Delivery::kByReference;
+      item.placed = delivery == Delivery::kPlaced;
       queue->push_back(item);
     }
   }
@@ -252,7 +253,8 @@ std::optional<WorkItem> Scheduler::PickFrom(SessionId id, SessionState& s, Pick 
     item.priority = priority;
     item.output = Output::kStream;
     item.from_stream_all = true;
-    item.by_reference = s.stream_by_reference;
+    item.by_reference = s.stream_delivery == Delivery::kByReference;
+    item.placed = s.stream_delivery == Delivery::kPlaced;
     item.reserved_credit = payload;
     AssignLane(s, item);
     ++s.cursor;

@@ -69,6 +69,10 @@ class ImageLayout {
 // Where a chunk goes once read.
 enum class Output : uint8_t { kStream, kDemand };
 
+// How a chunk reaches the client: its bytes on the wire, where the client reads them itself
+// (by reference), or written into the client's memory by the server (placed).
+enum class Delivery : uint8_t { kBytes, kByReference, kPlaced };
+
 struct WorkItem {
   SessionId session = 0;
   uint32_t bo = 0;
@@ -88,6 +92,9 @@ struct WorkItem {
   // The client reads the stored bytes itself from the image files it was handed: send where
   // they are, not the bytes (docs/protocol.md, "Image files").
   bool by_reference = false;
+  // The server writes the chunk into the session's destination itself (server/placement.h)
+  // and tells the client so; what it cannot place goes as bytes.
+  bool placed = false;
 };
 
 struct SchedulerLimits {
@@ -112,10 +119,11 @@ class Scheduler {
 
   // Marks chunks as held by the client: stream_all skips them. All-or-nothing.
   Status Have(SessionId id, const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges);
-  // Starts streaming every chunk not in Have; by_reference marks its items. Once per session: a
+  // Starts streaming every chunk not in Have, its items delivered as `delivery` says. Once per
+  // session: a
   // second is InvalidArgument (it would send again what is in flight or sent, and walk the
   // whole plan under the dispatcher's lock for each small request).
-  Status StreamAll(SessionId id, bool by_reference = false);
+  Status StreamAll(SessionId id, Delivery delivery = Delivery::kBytes);
   // Queues exactly these chunks (again, if sent before). A chunk picked for a request is not
   // sent again by stream_all in this session while it is in flight or once it was written (a
   // demanded chunk ahead of the plan's cursor would otherwise cross the wire twice). One
@@ -124,7 +132,7 @@ class Scheduler {
   // range is kOutOfRange, past a limit kResourceExhausted, and nothing is queued.
   Status Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                  const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
-                 Clock::time_point now, bool by_reference = false);
+                 Clock::time_point now, Delivery delivery = Delivery::kBytes);
   // The session now has `count` bulk connections (its stream connection and count - 1 lanes):
   // its later stream picks are dealt round-robin over them. Never shrinks (a lane that goes
   // away ends its session).
@@ -180,7 +188,7 @@ class Scheduler {
     // stream_all
     bool streaming = false;
     bool stream_all_taken = false;  // StreamAll was called (streaming ends at StreamDone)
-    bool stream_by_reference = false;
+    Delivery stream_delivery = Delivery::kBytes;
     size_t cursor = 0;
     uint64_t stream_in_flight_all = 0;
     uint64_t stream_sent_chunks = 0;

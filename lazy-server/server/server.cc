@@ -70,6 +70,8 @@ Server::Server(const ServerConfig& config)
 
 Server::~Server() {
   listeners_.clear();
+  // Placements in flight hand their chunks to the dispatcher (a fallback read): finish them first.
+  if (ctx_->placement) ctx_->placement->Flush();
   ctx_->dispatcher.Stop();  // no disk thread posts into io_ while it is destroyed
 }
 
@@ -128,6 +130,18 @@ Result<Server::Listener> Server::Bind(const net::Endpoint& endpoint) {
 
 Status Server::Listen() {
   const ServerConfig& config = ctx_->config;
+  if (!config.placement.empty() && !ctx_->placement) {
+    PlacementOptions options;
+    options.kind = config.placement;
+    options.device = config.placement_device;
+    options.pin_budget_bytes = config.placement_pin_budget;
+    options.largest_chunk = std::min(config.max_frame, std::max(config.raw_chunk_size, 4u << 20));
+    Result<std::unique_ptr<PlacementBackend>> placement = CreatePlacement(options);
+    if (!placement.ok()) return placement.status().Context("--placement");
+    ctx_->placement = std::move(*placement);
+    spdlog::info("placement: {} (chunks go straight into the memory of clients that ask)",
+                 config.placement);
+  }
   if (config.tls.enabled()) {
     GPULAZY_ASSIGN_OR_RETURN(tls_, net::MakeServerTlsContext(config.tls));
     spdlog::info("TLS certificate {} ({})", config.tls.cert_file,
@@ -357,6 +371,7 @@ int Server::Run() {
   demand_work.clear();
   for (std::thread& thread : demand_threads)
     thread.join();
+  if (ctx_->placement) ctx_->placement->Flush();
   ctx_->dispatcher.Stop();
   for (const std::string& path : unix_paths_)
     ::unlink(path.c_str());

@@ -256,6 +256,97 @@ bool Session::SendsFromFiles(const WorkItem& item) const {
   return target && target->can_send_from_files();
 }
 
+Status Session::AddPlacementTargets(std::vector<PlacementTargetEntry> entries) {
+  std::lock_guard lock(placement_mu_);
+  const size_t bos = static_cast<size_t>(image_->layout->bo_count());
+  for (const PlacementTargetEntry& entry : entries) {
+    if (entry.bo >= bos) return OutOfRange("BO {} is not in the image ({} BOs)", entry.bo, bos);
+    if (entry.bo < placement_targets_.size() && placement_targets_[entry.bo])
+      return InvalidArgument("BO {} has a destination already", entry.bo);
+  }
+  if (placement_targets_.empty()) {
+    placement_targets_.resize(bos);
+    place_state_.assign(image_->layout->total_chunks(), PlaceState::kNone);
+  }
+  for (PlacementTargetEntry& entry : entries) {
+    placement_targets_[entry.bo] = std::move(entry.target);
+    ++placement_target_count_;
+  }
+  return Status::Ok();
+}
+
+bool Session::HasPlacementTarget(uint32_t bo) const {
+  std::lock_guard lock(placement_mu_);
+  return bo < placement_targets_.size() && placement_targets_[bo] != nullptr;
+}
+
+size_t Session::placement_targets() const {
+  std::lock_guard lock(placement_mu_);
+  return placement_target_count_;
+}
+
+Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
+                           std::optional<uint64_t> checksum, PlacementDone done) {
+  if (!ctx_.placement) return Unsupported("this server does not place chunks");
+  const ImageLayout& layout = *image_->layout;
+  if (!layout.Contains(item.bo, item.chunk))
+    return OutOfRange("BO {} chunk {} is not in the image", item.bo, item.chunk);
+  const uint64_t flat = layout.FlatIndex(item.bo, item.chunk);
+  const uint64_t offset = uint64_t{item.chunk} * image_->source->chunk_size();
+  PlacementTargetRef target;
+  {
+    std::lock_guard lock(placement_mu_);
+    if (item.bo >= placement_targets_.size() || !placement_targets_[item.bo])
+      return NotFound("BO {} has no destination", item.bo);
+    const PlaceState state = place_state_[flat];
+    if (state == PlaceState::kInFlight) {
+      place_waiting_[flat].push_back(std::move(done));
+      return Status::Ok();
+    }
+    if (state == PlaceState::kFailed)
+      return Aborted("BO {} chunk {} could not be placed before", item.bo, item.chunk);
+    if (state == PlaceState::kNone) {
+      target = placement_targets_[item.bo];
+      if (offset > target->size() || from.length > target->size() - offset)
+        return OutOfRange("BO {} chunk {} lies past its destination's {} bytes", item.bo,
+                          item.chunk, target->size());
+      place_state_[flat] = PlaceState::kInFlight;
+    }
+  }
+  if (!target) {
+    done(Status::Ok());  // placed before: the client is told again and ignores it
+    return Status::Ok();
+  }
+  const auto& files = image_->source->files();
+  const std::string_view file_name = from.file < files.size() ? files[from.file].name : "?";
+  std::shared_ptr<Session> self = shared_from_this();
+  Status queued = ctx_.placement->Place(
+      from, file_name, checksum, target, offset,
+      [self, flat, done](const Status& status) { self->FinishPlacement(flat, status, done); });
+  if (!queued.ok()) {
+    // Nothing was queued: this item goes as bytes, and so do those that started waiting on it.
+    FinishPlacement(flat, queued, nullptr);
+    return queued;
+  }
+  return Status::Ok();
+}
+
+void Session::FinishPlacement(uint64_t flat, const Status& status, const PlacementDone& done) {
+  std::vector<PlacementDone> waiting;
+  {
+    std::lock_guard lock(placement_mu_);
+    place_state_[flat] = status.ok() ? PlaceState::kPlaced : PlaceState::kFailed;
+    auto it = place_waiting_.find(flat);
+    if (it != place_waiting_.end()) {
+      waiting = std::move(it->second);
+      place_waiting_.erase(it);
+    }
+  }
+  if (done) done(status);
+  for (const PlacementDone& waiter : waiting)
+    waiter(status);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Connection
 
@@ -511,6 +602,11 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   body->set_server_name(ctx_.config.server_name);
   body->set_max_payload(ctx_.limits.max_payload);
   body->set_max_lanes(ctx_.config.max_lanes);
+  // Placement writes into the peer's memory on this host: Unix peers only.
+  if (ctx_.placement && identity_.pid) {
+    body->mutable_placement()->set_kind(std::string(ctx_.placement->kind()));
+    body->mutable_placement()->set_device(ctx_.placement->device());
+  }
   // Before a demand connection moves: the log line names the connection it arrived on.
   spdlog::debug("{}: hello from '{}' ({}), {} over {}", Tag(), hello.client_name().substr(0, 64),
                 identity_.ToString(),
@@ -614,6 +710,9 @@ net::Awaitable<void> Connection::HandleFrame(const wire::Header& frame) {
       break;
     case wire::Header::kRequest:
       HandleRequest(frame);
+      break;
+    case wire::Header::kPlaceInto:
+      co_await HandlePlaceInto(frame);
       break;
     case wire::Header::kCredit:
       if (role_ == Role::kDemand || role_ == Role::kLane) break;  // they need no credit
@@ -894,6 +993,80 @@ net::Awaitable<T> Connection::OnDiskThread(Work work) {
   co_return std::move(*pending->result);
 }
 
+net::Awaitable<void> Connection::HandlePlaceInto(const wire::Header& frame) {
+  const uint64_t rid = frame.request_id();
+  const wire::PlaceInto& place = frame.place_into();
+  if (!ctx_.placement || !identity_.pid) {
+    SendError(wire::ERROR_BAD_REQUEST,
+              ctx_.placement ? "placement is only offered on Unix sockets"
+                             : "this server does not place chunks (gpulazy-server --placement)",
+              rid);
+    co_return;
+  }
+  if (role_ != Role::kStream || !session_) {
+    SendError(wire::ERROR_BAD_REQUEST, "PlaceInto belongs on a stream connection after OpenImage",
+              rid);
+    co_return;
+  }
+  PlacementBackend& backend = *ctx_.placement;
+  if (place.kind() != backend.kind() || place.device() != backend.device()) {
+    SendError(wire::ERROR_BAD_REQUEST,
+              fmt::format("this server places into {} memory{}, not the destinations offered",
+                          backend.kind(), backend.device().empty() ? "" : " of its own GPU"),
+              rid);
+    co_return;
+  }
+  const manifest::Manifest& manifest = session_->image().source->manifest();
+  std::vector<Session::PlacementTargetEntry> entries;
+  std::set<uint32_t> named;
+  for (const wire::PlacementTarget& target : place.targets()) {
+    std::string problem;
+    if (target.bo() >= static_cast<uint32_t>(manifest.bos_size()))
+      problem = fmt::format("BO {} is not in the image ({} BOs)", target.bo(), manifest.bos_size());
+    else if (!named.insert(target.bo()).second || session_->HasPlacementTarget(target.bo()))
+      problem = fmt::format("BO {} is named twice", target.bo());
+    else if (target.size() < manifest.bos(static_cast<int>(target.bo())).size())
+      problem = fmt::format("the destination of BO {} holds {} bytes, the BO {}", target.bo(),
+                            target.size(), manifest.bos(static_cast<int>(target.bo())).size());
+    if (!problem.empty()) {
+      SendError(wire::ERROR_BAD_REQUEST, "PlaceInto: " + problem, rid);
+      co_return;
+    }
+    entries.push_back({target.bo(), target.handle(), target.size(), nullptr});
+  }
+  // Opening a CUDA IPC handle maps the allocation into our context (milliseconds): a disk
+  // thread does it. All or nothing: one that fails leaves the session as it was.
+  auto open = [&backend, entries = std::move(entries),
+               peer = identity_]() mutable -> Result<std::vector<Session::PlacementTargetEntry>> {
+    for (Session::PlacementTargetEntry& entry : entries) {
+      Result<PlacementTargetRef> opened = backend.Open(entry.handle, entry.size, peer);
+      if (!opened.ok())
+        return opened.status().Context(fmt::format("the destination of BO {}", entry.bo));
+      entry.target = std::move(*opened);
+    }
+    return entries;
+  };
+  Result<std::vector<Session::PlacementTargetEntry>> opened =
+      co_await OnDiskThread<Result<std::vector<Session::PlacementTargetEntry>>>(std::move(open));
+  if (closed_ || draining_) co_return;
+  if (!opened.ok()) {
+    spdlog::info("{}: PlaceInto refused: {}", Tag(), opened.status().ToString());
+    SendError(ToWire(opened.status().code()), "PlaceInto: " + opened.status().message(), rid);
+    co_return;
+  }
+  Status added = session_->AddPlacementTargets(std::move(*opened));
+  if (!added.ok()) {
+    SendError(wire::ERROR_BAD_REQUEST, "PlaceInto: " + added.message(), rid);
+    co_return;
+  }
+  wire::Header reply;
+  reply.set_request_id(rid);
+  reply.mutable_place_into_reply()->set_targets(
+      static_cast<uint32_t>(session_->placement_targets()));
+  spdlog::debug("{}: {} placement destination(s)", Tag(), session_->placement_targets());
+  Enqueue(std::move(reply));
+}
+
 void Connection::HandleRequest(const wire::Header& frame) {
   const uint64_t rid = frame.request_id();
   if (!session_) {
@@ -907,6 +1080,17 @@ void Connection::HandleRequest(const wire::Header& frame) {
               "by_reference needs the image files first (a Hello with want_files)", rid);
     return;
   }
+  if (request.placed() && request.by_reference()) {
+    SendError(wire::ERROR_BAD_REQUEST, "a Request is either placed or by_reference, not both", rid);
+    return;
+  }
+  if (request.placed() && session_->placement_targets() == 0) {
+    SendError(wire::ERROR_BAD_REQUEST, "placed needs destinations first (PlaceInto)", rid);
+    return;
+  }
+  const Delivery delivery = request.placed()         ? Delivery::kPlaced
+                            : request.by_reference() ? Delivery::kByReference
+                                                     : Delivery::kBytes;
   if (request.stream_all()) {
     if (role_ == Role::kDemand) {
       SendError(wire::ERROR_BAD_REQUEST, "stream_all belongs on the stream connection", rid);
@@ -914,7 +1098,7 @@ void Connection::HandleRequest(const wire::Header& frame) {
     }
     Status started;
     auto done = ctx_.dispatcher.Update([&](Scheduler& s) -> std::optional<StreamDoneInfo> {
-      started = s.StreamAll(id, request.by_reference());
+      started = s.StreamAll(id, delivery);
       if (!started.ok()) return std::nullopt;
       return s.TakeStreamDone(id);
     });
@@ -934,8 +1118,7 @@ void Connection::HandleRequest(const wire::Header& frame) {
   const Output output = role_ == Role::kDemand ? Output::kDemand : Output::kStream;
   const auto now = Clock::now();
   Status status = ctx_.dispatcher.Update([&](Scheduler& s) {
-    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now,
-                     request.by_reference());
+    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now, delivery);
   });
   if (!status.ok()) {
     spdlog::info("{}: request {} refused: {}", Tag(), rid, status.ToString());
@@ -1195,9 +1378,12 @@ void Connection::MarkStreamSeq(const WorkItem& item) {
 net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   const WorkItem& item = ready.item;
   const LoadedChunk& chunk = ready.chunk;
-  const uint64_t payload = chunk.in_file ? 0 : chunk.info.stored_length;
-  // Credit counts the stored bytes the client takes on, whether they travel or it reads them.
-  const uint64_t charged = chunk.in_file ? chunk.in_file->length : payload;
+  const uint64_t payload = chunk.in_file || chunk.placed ? 0 : chunk.info.stored_length;
+  // Credit counts the stored bytes the client takes on, whether they travel, it reads them or
+  // they were placed (RAW: the raw length).
+  const uint64_t charged = chunk.in_file  ? chunk.in_file->length
+                           : chunk.placed ? chunk.info.raw_length
+                                          : payload;
   if (payload > ctx_.limits.max_payload || payload > UINT32_MAX) {
     SendError(wire::ERROR_LIMIT,
               fmt::format("BO {} chunk {}: {} stored bytes exceed the frame limit", item.bo,
@@ -1236,6 +1422,10 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
     where->set_length(static_cast<uint32_t>(chunk.in_file->length));
     body->set_no_checksum(!chunk.has_checksum);
   }
+  if (chunk.placed) {
+    body->set_placed(true);
+    body->set_no_checksum(!chunk.has_checksum);
+  }
   BeginWrite();
   const auto write_started = Clock::now();
   // Not one ?: of two co_awaits: GCC 12 destroys the unused branch's temporary Status.
@@ -1261,6 +1451,7 @@ net::Awaitable<void> Connection::WriteChunk(ReadyChunk& ready) {
   if (session_) {
     session_->stats().bytes_sent.fetch_add(payload);
     if (chunk.in_file) session_->stats().bytes_by_reference.fetch_add(charged);
+    if (chunk.placed) session_->stats().bytes_placed.fetch_add(charged);
     if (chunk.from_file) session_->stats().bytes_sendfile.fetch_add(payload);
     session_->stats().chunks_sent[priority].fetch_add(1);
     if (item.priority == wire::PRIORITY_DEMAND)

@@ -25,12 +25,14 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "lazy-server/server/access.h"
 #include "lazy-server/server/context.h"
 #include "lazy-server/server/dispatcher.h"
 #include "lazy-server/server/image_store.h"
+#include "lazy-server/server/placement.h"
 #include "page-client/net/frame_stream.h"
 #include "page-client/net/stream.h"
 #include "proto/recent_values.h"
@@ -44,6 +46,7 @@ struct SessionStats {
   std::atomic<uint64_t> bytes_sent{0};          // payload bytes on the wire
   std::atomic<uint64_t> bytes_by_reference{0};  // stored bytes the client read from its files
   std::atomic<uint64_t> bytes_sendfile{0};      // of bytes_sent: sent from the files by sendfile
+  std::atomic<uint64_t> bytes_placed{0};        // raw bytes written into the client's memory by us
   std::array<std::atomic<uint64_t>, 3> chunks_sent{};  // by wire::Priority
   std::atomic<uint64_t> errors_sent{0};
   std::atomic<uint64_t> stream_done{0};
@@ -102,10 +105,28 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   };
   Latency DemandLatency() const;
 
+  // Placement (PlaceInto): a destination per BO the client handed over.
+  struct PlacementTargetEntry {
+    uint32_t bo = 0;
+    std::string handle;
+    uint64_t size = 0;
+    PlacementTargetRef target;
+  };
+  // Adds them all or none (a BO that has one already is kInvalidArgument).
+  Status AddPlacementTargets(std::vector<PlacementTargetEntry> entries);
+  bool HasPlacementTarget(uint32_t bo) const;
+  size_t placement_targets() const;
+
   // ChunkSink
   const image::ImageSource& source() const override { return *image_->source; }
   void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override;
   bool SendsFromFiles(const WorkItem& item) const override;
+  // Each chunk is placed at most once per session: a second request for one already placed is
+  // answered at once, one for a chunk on its way waits for that placement, and after a failed
+  // one the chunk only goes as bytes. A client may change a chunk as soon as it is told it is
+  // there, so a late second copy must never land on top.
+  Status PlaceChunk(const WorkItem& item, const image::DiskRange& from,
+                    std::optional<uint64_t> checksum, PlacementDone done) override;
 
  private:
   ServerContext& ctx_;
@@ -130,6 +151,15 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   RecentValues<LatencySample> latency_us_{kLatencySamples};
   uint64_t latency_count_ = 0;
   bool closed_ = false;
+
+  enum class PlaceState : uint8_t { kNone, kInFlight, kPlaced, kFailed };
+  // Called once a chunk's placement finished: records it and runs everyone who waited on it.
+  void FinishPlacement(uint64_t flat, const Status& status, const PlacementDone& done);
+  mutable std::mutex placement_mu_;
+  std::vector<PlacementTargetRef> placement_targets_;  // by BO; null: none
+  size_t placement_target_count_ = 0;
+  std::vector<PlaceState> place_state_;  // by flat chunk index, once there are targets
+  std::unordered_map<uint64_t, std::vector<PlacementDone>> place_waiting_;
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -186,6 +216,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   net::Awaitable<void> HandleHello(const wire::Header& frame);
   net::Awaitable<void> HandleFrame(const wire::Header& frame);
   net::Awaitable<void> HandleOpenImage(const wire::Header& frame);
+  // Opens the destinations a PlaceInto hands over (on a disk thread) and gives them to the
+  // session, all or none.
+  net::Awaitable<void> HandlePlaceInto(const wire::Header& frame);
   // A demand connection whose Hello was accepted moves onto the demand network threads
   // (--demand-network-threads): its socket goes to a successor Connection with the same id,
   // which sends `reply` and serves the connection from then on; this one ends without a word.

@@ -496,6 +496,26 @@ class CudaCopyEngine::Impl {
     return bo < destinations_.size() ? destinations_[bo] : nullptr;
   }
 
+  std::optional<PlacementExport> ExportDestination(uint32_t bo) {
+    if (!options_.export_for_placement || bo >= destinations_.size() ||
+        destinations_[bo] == nullptr || !UseDevice().ok())
+      return std::nullopt;
+    cudaDeviceProp properties{};
+    cudaIpcMemHandle_t handle{};
+    if (cudaGetDeviceProperties(&properties, options_.device) != cudaSuccess ||
+        cudaIpcGetMemHandle(&handle, destinations_[bo]) != cudaSuccess) {
+      cudaGetLastError();  // not sticky, but it would be reported by the next launch's check
+      return std::nullopt;
+    }
+    PlacementExport exported;
+    exported.kind = "cuda";
+    exported.device.assign(reinterpret_cast<const char*>(properties.uuid.bytes),
+                           sizeof properties.uuid.bytes);
+    exported.handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+    exported.size = sizes_[bo];
+    return exported;
+  }
+
   Status CopyToHost(uint32_t bo, uint64_t offset, std::span<uint8_t> out) const {
     if (bo >= destinations_.size() || destinations_[bo] == nullptr)
       return InvalidArgument("BO {} has no destination", bo);
@@ -679,6 +699,9 @@ void CudaCopyEngine::ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t leng
 }
 Status CudaCopyEngine::Flush() {
   return impl_->Flush();
+}
+std::optional<CopyEngine::PlacementExport> CudaCopyEngine::ExportDestination(uint32_t bo) {
+  return impl_->ExportDestination(bo);
 }
 void* CudaCopyEngine::DevicePointer(uint32_t bo) const {
   return impl_->DevicePointer(bo);

@@ -56,6 +56,9 @@ struct CudaEngineOptions {
   // instead of spinning on it, which CUDA does by default with one context per process: the
   // spinning reaper keeps a CPU busy for the whole restore, beside readers that need CPUs.
   bool blocking_sync = false;
+  // Offer the BOs' device buffers to a page server on this host that places chunks itself
+  // (ExportDestination: CUDA IPC handles, "cuda").
+  bool export_for_placement = true;
 };
 
 // Which side of the staging ring holds a stream back (docs/benchmarks.md, session 21). Writers
@@ -107,6 +110,8 @@ class CudaCopyEngine : public CopyEngine {
   static constexpr uint32_t kMinDefaultWriters = 4;
   static constexpr uint32_t kMaxDefaultWriters = 32;  // 128 staging slots at four a writer
   Status Flush() override;
+  // With export_for_placement: the BO's buffer as a CUDA IPC handle, on this engine's GPU.
+  std::optional<PlacementExport> ExportDestination(uint32_t bo) override;
 
   // The BO's device buffer (nullptr for an unknown BO).
   void* DevicePointer(uint32_t bo) const;

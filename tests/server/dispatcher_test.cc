@@ -355,7 +355,7 @@ TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecur
   auto sink = std::make_shared<RecordingSink>(*source_, &dispatcher);
   dispatcher.AddSession(1, layout_, sink);
   dispatcher.Update([&](Scheduler& s) {
-    ASSERT_TRUE(s.StreamAll(1, /*by_reference=*/true).ok());
+    ASSERT_TRUE(s.StreamAll(1, Delivery::kByReference).ok());
     s.AddCredit(1, 1 << 30);
   });
   // Update returned after its pump: every chunk was served inside it, on this thread.

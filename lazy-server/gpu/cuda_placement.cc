@@ -1,0 +1,92 @@
+#include "lazy-server/gpu/cuda_placement.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "lazy-server/gpu/device_placer.h"
+
+namespace gpulazy::server::gpu {
+namespace {
+
+class CudaDestination final : public PlacementTarget {
+ public:
+  CudaDestination(DestinationRef destination, uint64_t size)
+      : destination_(std::move(destination)), size_(size) {}
+  uint64_t size() const override { return size_; }
+  const DestinationRef& destination() const { return destination_; }
+
+ private:
+  DestinationRef destination_;
+  uint64_t size_;
+};
+
+class CudaPlacement final : public PlacementBackend {
+ public:
+  CudaPlacement(std::unique_ptr<DevicePlacer> placer, std::string uuid)
+      : placer_(std::move(placer)), uuid_(std::move(uuid)) {}
+
+  std::string_view kind() const override { return "cuda"; }
+  std::string device() const override { return uuid_; }
+
+  Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size,
+                                  const PeerIdentity& peer) override {
+    (void)peer;  // a CUDA IPC handle opens the exporter's allocation whoever sends it
+    if (handle.size() != kIpcHandleBytes)
+      return InvalidArgument("a cuda destination is a {}-byte IPC handle, not {} bytes",
+                             kIpcHandleBytes, handle.size());
+    IpcHandle bytes{};
+    std::memcpy(bytes.data(), handle.data(), bytes.size());
+    GPULAZY_ASSIGN_OR_RETURN(DestinationRef destination, placer_->OpenDestination(bytes, size));
+    return PlacementTargetRef(std::make_shared<CudaDestination>(std::move(destination), size));
+  }
+
+  Status Place(const image::DiskRange& from, std::string_view file_name,
+               std::optional<uint64_t> checksum, const PlacementTargetRef& target,
+               uint64_t target_offset, PlacementDone done) override {
+    const auto* cuda = dynamic_cast<const CudaDestination*>(target.get());
+    if (cuda == nullptr) return Internal("a cuda placement into another kind of destination");
+    if (from.length > UINT32_MAX) return OutOfRange("a {}-byte chunk", from.length);
+    // Registered once per file and then found in the placer's cache (by device, inode, size
+    // and modification time).
+    GPULAZY_ASSIGN_OR_RETURN(SourceRef source,
+                             placer_->RegisterFile(from.fd, std::string(file_name)));
+    return placer_->Place(source, from.offset, static_cast<uint32_t>(from.length), checksum,
+                          cuda->destination(), target_offset, std::move(done));
+  }
+
+  void Flush() override { placer_->Flush(); }
+
+  std::vector<std::pair<std::string, uint64_t>> Counters() const override {
+    const PlacerStats s = placer_->stats();
+    return {{"placed_chunks", s.placed_chunks}, {"placed_bytes", s.placed_bytes},
+            {"mismatches", s.mismatches},       {"registrations", s.registrations},
+            {"evictions", s.evictions},         {"pinned_bytes", s.pinned_bytes}};
+  }
+
+ private:
+  std::unique_ptr<DevicePlacer> placer_;
+  std::string uuid_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<PlacementBackend>> CreateCudaPlacement(const PlacementOptions& options) {
+  cudaDeviceProp properties{};
+  if (cudaError_t e = cudaGetDeviceProperties(&properties, options.device); e != cudaSuccess)
+    return Unavailable("placement into GPU {}: {} ({})", options.device, cudaGetErrorString(e),
+                       cudaGetErrorName(e));
+  PlacerOptions placer_options;
+  placer_options.device = options.device;
+  placer_options.pin_budget_bytes = options.pin_budget_bytes;
+  placer_options.slot_bytes = std::max<uint32_t>(options.largest_chunk, 4096);
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<DevicePlacer> placer,
+                           DevicePlacer::Create(placer_options));
+  std::string uuid(reinterpret_cast<const char*>(properties.uuid.bytes),
+                   sizeof properties.uuid.bytes);
+  return std::unique_ptr<PlacementBackend>(
+      std::make_unique<CudaPlacement>(std::move(placer), std::move(uuid)));
+}
+
+}  // namespace gpulazy::server::gpu

@@ -1,0 +1,84 @@
+// Placement: the page server writes a session's chunks into the client's memory itself instead
+// of sending their bytes (docs/protocol.md, "Placement"). The client hands over one destination
+// per BO (PlaceInto); a placed chunk is answered by a ChunkData that says so and carries nothing.
+// On a GPU host this takes the restoring process's CPU out of the data path: the server keeps
+// the image's page cache registered for DMA and copies each chunk straight into device memory
+// (lazy-server/gpu/, "cuda"). The host backend here ("memfd") does the same for host memory
+// (the client's memfds, taken from its process with pidfd_getfd): it saves nothing over reading
+// by reference, but it is the same protocol with no GPU, so the whole path is tested everywhere,
+// and it is how an AMD BO's dmabuf would come to the server.
+//
+// Trust: handles, sizes and offsets come from a client and are checked; a destination is taken
+// only from the peer process the socket's credentials name (never one the client names).
+// Thread-safety: every method from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "lazy-server/image/image_source.h"
+#include "lazy-server/server/access.h"
+#include "proto/status.h"
+
+namespace gpulazy::server {
+
+// A client's destination as a backend opened it; let go with the last reference (a placement
+// in flight holds one).
+class PlacementTarget {
+ public:
+  virtual ~PlacementTarget() = default;
+  virtual uint64_t size() const = 0;
+};
+using PlacementTargetRef = std::shared_ptr<const PlacementTarget>;
+
+// Runs once per queued placement, on any thread (also inside Place): Ok once the bytes are in
+// the destination; kCorrupt when they did not hash to the checksum (nothing was written);
+// another error when the copy failed.
+using PlacementDone = std::function<void(Status)>;
+
+class PlacementBackend {
+ public:
+  virtual ~PlacementBackend() = default;
+  // PlacementOffer.kind: "memfd" or "cuda".
+  virtual std::string_view kind() const = 0;
+  // PlacementOffer.device: a GPU's UUID; empty for host memory.
+  virtual std::string device() const = 0;
+  // Opens the destination `handle` names (the kind's encoding, wire.proto PlacementTarget) in
+  // the process of `peer`; it must hold at least `size` bytes.
+  virtual Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size,
+                                          const PeerIdentity& peer) = 0;
+  // Queues the bytes of `from` (a RAW chunk's stored bytes in an image file, `file_name` for
+  // messages) for [target_offset, + from.length) of `target`. With a checksum (XXH3-64) nothing
+  // reaches the destination unless the bytes match it. An error return: nothing was queued and
+  // `done` never runs.
+  virtual Status Place(const image::DiskRange& from, std::string_view file_name,
+                       std::optional<uint64_t> checksum, const PlacementTargetRef& target,
+                       uint64_t target_offset, PlacementDone done) = 0;
+  // Returns once every queued placement's `done` has run.
+  virtual void Flush() = 0;
+  // For StatsReply: what the backend did, by name ("placed_bytes", ...).
+  virtual std::vector<std::pair<std::string, uint64_t>> Counters() const = 0;
+};
+
+struct PlacementOptions {
+  std::string kind;  // "memfd" or "cuda"
+  int device = 0;    // cuda: the GPU
+  // cuda: page cache the server may keep registered for DMA at once (PlacerOptions).
+  uint64_t pin_budget_bytes = 16ull << 30;
+  uint32_t largest_chunk = 2u << 20;  // cuda: staging slots this large; larger chunks go as bytes
+};
+
+// The backend `options.kind` names. "cuda" only in a build with GPULAZY_WITH_CUDA (kUnsupported
+// otherwise) and on a host whose GPU it can use.
+Result<std::unique_ptr<PlacementBackend>> CreatePlacement(const PlacementOptions& options);
+// The host backend: destinations are memfds of the peer process, taken with pidfd_getfd (the
+// server must be allowed to ptrace the client: same user, or CAP_SYS_PTRACE).
+std::unique_ptr<PlacementBackend> CreateMemfdPlacement();
+
+}  // namespace gpulazy::server

@@ -1,0 +1,285 @@
+// Placement against a real gpulazy-server --placement memfd (docs/protocol.md, "Placement"): the
+// server writes the chunks into the client's memfds itself and says so; a restore that lets it
+// ends byte-exact with the chunks placed, on the stream and on demand; a chunk that fails the
+// server's check is never placed (it goes as bytes, which the client checks too); and every
+// misuse of PlaceInto is refused with an error naming why.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lazy-server/image/image_source.h"
+#include "lazy-server/image/io.h"
+#include "page-client/host_engine.h"
+#include "page-client/restore_session.h"
+#include "proto/endian.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::server::testing {
+namespace {
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+class PlacementTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::make_unique<TempDir>();
+    const fs::path root = dir_->path() / "images";
+    fs::create_directories(root);
+    const TestImage shape{.bytes = 3ull << 20, .seed = 41, .processes = 2, .lazy_chunk = 128 << 10};
+    TestImage raw = shape;
+    TestImage lazy = shape;
+    lazy.lazy = true;
+    ASSERT_TRUE(MakeTestImage(root / "raw", raw).ok());
+    ASSERT_TRUE(MakeTestImage(root / "lazy", lazy).ok());
+    ASSERT_TRUE(MakeTestImage(root / "corrupt", lazy).ok());
+    for (const char* name : {"raw", "lazy"}) {
+      auto contents = LoadCriuContents(root / name);
+      ASSERT_TRUE(contents.ok()) << contents.status().ToString();
+      expected_[name] = std::move(*contents);
+    }
+    CorruptOneRawChunk(root / "corrupt");
+    server_ = std::make_unique<ServerProcess>(
+        dir_->path(), root,
+        std::vector<std::string>{"--raw-chunk-size", "256K", "--max-frame", "1M", "--placement",
+                                 "memfd"});
+    ASSERT_TRUE(server_->ready()) << server_->Log();
+  }
+  static void TearDownTestSuite() {
+    if (server_ != nullptr && server_->ready()) {
+      EXPECT_EQ(server_->Terminate(), 0) << server_->Log();
+    }
+    server_.reset();
+    dir_.reset();
+  }
+  void SetUp() override { ::alarm(120); }
+  void TearDown() override {
+    ::alarm(0);
+    if (HasFailure()) std::cerr << server_->Log().substr(0, 20000);
+  }
+
+  // Flips one byte of the first chunk the lazy image stores RAW, so that chunk fails its check.
+  static void CorruptOneRawChunk(const fs::path& dir) {
+    auto source = image::ImageSource::Open(dir);
+    ASSERT_TRUE(source.ok()) << source.status().ToString();
+    const manifest::Manifest& manifest = (*source)->manifest();
+    for (int bo = 0; bo < manifest.bos_size(); ++bo) {
+      const uint64_t chunks =
+          (manifest.bos(bo).size() + manifest.chunk_size() - 1) / manifest.chunk_size();
+      for (uint32_t chunk = 0; chunk < chunks; ++chunk) {
+        auto stored = (*source)->LocateStoredChunk(static_cast<uint32_t>(bo), chunk);
+        ASSERT_TRUE(stored.ok());
+        if (stored->codec != manifest::CODEC_RAW || !stored->in_file) continue;
+        const fs::path file = dir / (*source)->files()[stored->in_file->file].name;
+        const int fd = ::open(file.c_str(), O_RDWR);
+        ASSERT_GE(fd, 0);
+        uint8_t byte = 0;
+        const off_t at = static_cast<off_t>(stored->in_file->offset + stored->raw_length / 2);
+        ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+        byte ^= 0x5a;
+        ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+        ::close(fd);
+        corrupt_bo_ = static_cast<uint32_t>(bo);
+        corrupt_chunk_ = chunk;
+        return;
+      }
+    }
+    FAIL() << "the lazy test image stores no chunk RAW";
+  }
+
+  static client::SessionOptions Options(const std::string& image) {
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = image;
+    options.reconnect.max_attempts = 0;
+    return options;
+  }
+
+  static void ExpectCheckpointBytes(const client::RestoreSession& session,
+                                    const client::HostCopyEngine& host, const std::string& image) {
+    for (uint32_t i = 0; i < session.bos().size(); ++i) {
+      auto want =
+          expected_[image].find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
+      ASSERT_NE(want, expected_[image].end());
+      Result<std::span<uint8_t>> got = host.Mapping(i);
+      ASSERT_TRUE(got.ok());
+      EXPECT_TRUE(std::ranges::equal(*got, want->second)) << "BO " << i;
+    }
+  }
+
+  // A stream connection with `image` open, for the refusal tests.
+  static std::unique_ptr<TestClient> Opened(const net::Endpoint& endpoint,
+                                            const std::string& image) {
+    auto client = std::make_unique<TestClient>(endpoint);
+    EXPECT_TRUE(client->Hello().ok());
+    EXPECT_TRUE(client->Open(image).ok());
+    return client;
+  }
+
+  static wire::Header PlaceIntoFrame(uint32_t bo, int fd, uint64_t size,
+                                     const std::string& kind = "memfd") {
+    wire::Header header;
+    header.set_request_id(7);
+    wire::PlaceInto* place = header.mutable_place_into();
+    place->set_kind(kind);
+    wire::PlacementTarget* target = place->add_targets();
+    target->set_bo(bo);
+    std::string handle(4, '\0');
+    StoreLe32(reinterpret_cast<uint8_t*>(handle.data()), static_cast<uint32_t>(fd));
+    target->set_handle(handle);
+    target->set_size(size);
+    return header;
+  }
+
+  static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> expected_;
+  static std::unique_ptr<TempDir> dir_;
+  static std::unique_ptr<ServerProcess> server_;
+  static uint32_t corrupt_bo_;
+  static uint32_t corrupt_chunk_;
+};
+std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> PlacementTest::expected_;
+std::unique_ptr<TempDir> PlacementTest::dir_;
+std::unique_ptr<ServerProcess> PlacementTest::server_;
+uint32_t PlacementTest::corrupt_bo_ = 0;
+uint32_t PlacementTest::corrupt_chunk_ = 0;
+
+TEST_F(PlacementTest, PlacedRestoreIsTheCheckpointsBytes) {
+  for (const std::string name : {"raw", "lazy"}) {
+    SCOPED_TRACE(name);
+    client::HostCopyEngine engine;
+    client::RestoreSession session(Options(name), engine);
+    ASSERT_TRUE(session.Start().ok());
+    Status complete = session.WaitComplete(60s);
+    ASSERT_TRUE(complete.ok()) << complete.ToString();
+    ExpectCheckpointBytes(session, engine, name);
+    const client::Progress progress = session.progress();
+    EXPECT_TRUE(progress.placing);
+    EXPECT_FALSE(progress.reading_files);
+    // A plain checkpoint stores every chunk RAW: all are placed. A lazy image's compressed and
+    // zero chunks come as bytes; the RAW ones are placed.
+    EXPECT_GT(progress.placed_chunks, 0u);
+    if (name == "raw") {
+      EXPECT_EQ(progress.placed_chunks, progress.total_chunks);
+      EXPECT_EQ(progress.placed_bytes, progress.total_bytes);
+      EXPECT_EQ(engine.bytes_written(), 0u);  // the engine never saw a byte
+    }
+  }
+}
+
+TEST_F(PlacementTest, EnsurePlacesTheChunkItWaitsFor) {
+  client::HostCopyEngine engine;
+  client::SessionOptions options = Options("raw");
+  options.stream_all = false;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  // The largest BO, and a chunk of it past its first.
+  uint32_t bo = 0;
+  for (uint32_t i = 0; i < session.bos().size(); ++i)
+    if (session.bos()[i].size > session.bos()[bo].size) bo = i;
+  const uint64_t offset = uint64_t{session.chunk_size()};
+  ASSERT_GE(session.bos()[bo].size, offset + session.chunk_size());
+  Status ensured = session.Ensure(bo, offset, 4096, 20s);
+  ASSERT_TRUE(ensured.ok()) << ensured.ToString();
+  EXPECT_TRUE(session.IsResident(bo, offset, 4096));
+  EXPECT_EQ(session.progress().placed_chunks, 1u);
+  auto want =
+      expected_["raw"].find(BoKey{session.bos()[bo].process_id, session.bos()[bo].bo_index});
+  ASSERT_NE(want, expected_["raw"].end());
+  Result<std::span<uint8_t>> got = engine.Mapping(bo);
+  ASSERT_TRUE(got.ok());
+  EXPECT_TRUE(std::equal(got->begin() + static_cast<ptrdiff_t>(offset),
+                         got->begin() + static_cast<ptrdiff_t>(offset + session.chunk_size()),
+                         want->second.begin() + static_cast<ptrdiff_t>(offset)));
+}
+
+// The server's check refuses the flipped chunk, so it goes as bytes; the client's own check
+// refuses those too, asks again and fails loudly. The destination never holds the bad bytes.
+TEST_F(PlacementTest, ChunkFailingTheServersCheckIsNeverPlaced) {
+  client::HostCopyEngine engine;
+  client::RestoreSession session(Options("corrupt"), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status complete = session.WaitComplete(60s);
+  ASSERT_FALSE(complete.ok());
+  EXPECT_EQ(complete.code(), Code::kCorrupt) << complete.ToString();
+  EXPECT_FALSE(session.IsResident(corrupt_bo_, uint64_t{corrupt_chunk_} * session.chunk_size(), 1));
+  Result<std::span<uint8_t>> got = engine.Mapping(corrupt_bo_);
+  ASSERT_TRUE(got.ok());
+  const auto chunk = got->subspan(uint64_t{corrupt_chunk_} * session.chunk_size(),
+                                  std::min<uint64_t>(session.chunk_size(), got->size()));
+  EXPECT_TRUE(std::ranges::all_of(chunk, [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(server_->LogShows({"not placed"})) << "no fallback to bytes was logged";
+}
+
+TEST_F(PlacementTest, OfferedOnUnixSocketsOnly) {
+  TestClient unix_client(server_->unix_endpoint());
+  Result<wire::HelloReply> over_unix = unix_client.Hello();
+  ASSERT_TRUE(over_unix.ok());
+  EXPECT_EQ(over_unix->placement().kind(), "memfd");
+  auto tcp = Opened(server_->tcp_endpoint(), "raw");
+  ASSERT_TRUE(tcp->Send(PlaceIntoFrame(0, 0, 1)).ok());
+  Result<wire::Error> error = tcp->ReadError();
+  ASSERT_TRUE(error.ok());
+  EXPECT_NE(error->message().find("Unix sockets"), std::string::npos) << error->message();
+}
+
+TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
+  const int memfd = ::memfd_create("placement-test", MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0);
+  ASSERT_EQ(::ftruncate(memfd, 1 << 20), 0);
+  const int not_memfd = ::open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(not_memfd, 0);
+  struct Case {
+    const char* what;
+    wire::Header frame;
+    const char* reason;
+  };
+  const std::vector<Case> cases = {
+      {"wrong kind", PlaceIntoFrame(0, memfd, 1 << 20, "cuda"), "places into memfd memory"},
+      {"BO out of range", PlaceIntoFrame(1000, memfd, 1 << 20), "not in the image"},
+      {"too small for the BO", PlaceIntoFrame(0, memfd, 1), "holds 1 bytes"},
+      {"not a memfd", PlaceIntoFrame(0, not_memfd, 1ull << 30), "not a memfd"},
+      {"claims more than it holds", PlaceIntoFrame(0, memfd, 1ull << 40), "not the"},
+      {"no such descriptor", PlaceIntoFrame(0, 100000, 1ull << 20), "pidfd_getfd"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto client = Opened(server_->unix_endpoint(), "raw");
+    ASSERT_TRUE(client->Send(c.frame).ok());
+    Result<wire::Error> error = client->ReadError();
+    ASSERT_TRUE(error.ok()) << error.status().ToString();
+    EXPECT_NE(error->message().find(c.reason), std::string::npos) << error->message();
+  }
+  {
+    SCOPED_TRACE("placed before PlaceInto");
+    auto client = Opened(server_->unix_endpoint(), "raw");
+    wire::Header request;
+    request.set_request_id(3);
+    request.mutable_request()->set_stream_all(true);
+    request.mutable_request()->set_placed(true);
+    ASSERT_TRUE(client->Send(request).ok());
+    Result<wire::Error> error = client->ReadError();
+    ASSERT_TRUE(error.ok());
+    EXPECT_NE(error->message().find("PlaceInto"), std::string::npos) << error->message();
+  }
+  {
+    SCOPED_TRACE("before OpenImage");
+    TestClient client(server_->unix_endpoint());
+    ASSERT_TRUE(client.Hello().ok());
+    ASSERT_TRUE(client.Send(PlaceIntoFrame(0, memfd, 1 << 20)).ok());
+    Result<wire::Error> error = client.ReadError();
+    ASSERT_TRUE(error.ok());
+    EXPECT_NE(error->message().find("after OpenImage"), std::string::npos) << error->message();
+  }
+  ::close(memfd);
+  ::close(not_memfd);
+}
+
+}  // namespace
+}  // namespace gpulazy::server::testing
