@@ -247,6 +247,9 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.readings = CpuReadings(cpu);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
+    // Chunks the server placed itself (gpulazy-server --placement cuda; the client accepts an
+    // offer by default): 0 when every byte came through the socket or the files.
+    result.readings["placed_chunks"] = static_cast<double>(session.progress().placed_chunks);
     AddReaderReadings(session.progress(), read_files ? readers : 0, result.seconds,
                       result.readings);
 

@@ -19,7 +19,8 @@ build=${1:?usage: device-bundle.sh [--tests] BUILD_DIR OUT_DIR}
 out=${2:?usage: device-bundle.sh [--tests] BUILD_DIR OUT_DIR}
 mkdir -p "$out/bin" "$out/lib"
 binaries=()
-for f in "$build"/bin/gpulazy-* "$build"/tests/cuda_engine_test "$build"/tests/cuda_session_test; do
+for f in "$build"/bin/gpulazy-* "$build"/tests/cuda_engine_test "$build"/tests/cuda_session_test \
+  "$build"/tests/device_placer_test "$build"/tests/cuda_placement_test; do
   [ -x "$f" ] && binaries+=("$f")
 done
 [ ${#binaries[@]} -gt 0 ] || { echo "device-bundle: no executables in $build/bin" >&2; exit 1; }

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -20,7 +21,9 @@ namespace asio = boost::asio;
 ServerProcess::ServerProcess(const fs::path& dir, const fs::path& root,
                              std::vector<std::string> extra_args) {
   ServerChildOptions options;
-  options.binary = fs::path(GPULAZY_BIN_DIR) / "gpulazy-server";
+  // GPULAZY_TEST_BIN_DIR: where a copied build's executables are (a lent GPU host's bundle).
+  const char* bin_dir = std::getenv("GPULAZY_TEST_BIN_DIR");
+  options.binary = fs::path(bin_dir != nullptr ? bin_dir : GPULAZY_BIN_DIR) / "gpulazy-server";
   options.root = root;
   options.run_dir = dir;
   options.log_level = "debug";

@@ -1,0 +1,68 @@
+// `gpulazy-server --placement cuda` with a RestoreSession on the CUDA engine: the engine hands
+// over its BOs' device buffers (CUDA IPC handles), the server places every chunk there from its
+// registered page cache, checked on the GPU, and the buffers read back byte for byte as the
+// checkpoint. Skipped where no CUDA device exists (CI compiles it only).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "page-client/cuda/cuda_engine.h"
+#include "page-client/restore_session.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::server::testing {
+namespace {
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+TEST(CudaPlacementTest, ServerPlacesEveryChunkIntoTheEnginesBuffersByteExact) {
+  if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  TestImage lazy{
+      .bytes = 24ull << 20, .seed = 51, .lazy = true, .processes = 2, .lazy_chunk = 1u << 20};
+  ASSERT_TRUE(MakeTestImage(root / "raw", {.bytes = 24ull << 20, .seed = 52, .processes = 2}).ok());
+  ASSERT_TRUE(MakeTestImage(root / "lazy", lazy).ok());
+  ServerProcess server(
+      dir.path(), root,
+      {"--raw-chunk-size", "2M", "--placement", "cuda", "--placement-pin-budget", "1G"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  for (const std::string name : {"raw", "lazy"}) {
+    SCOPED_TRACE(name);
+    auto expected = LoadCriuContents(root / name);
+    ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+    Result<std::unique_ptr<client::CudaCopyEngine>> engine = client::CudaCopyEngine::Create({});
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    client::SessionOptions options;
+    options.endpoint = server.unix_endpoint().ToString();
+    options.image = name;
+    options.reconnect.max_attempts = 0;
+    client::RestoreSession session(options, **engine);
+    ASSERT_TRUE(session.Start().ok());
+    Status complete = session.WaitComplete(60s);
+    ASSERT_TRUE(complete.ok()) << complete.ToString() << server.Log().substr(0, 20000);
+    const client::Progress progress = session.progress();
+    EXPECT_TRUE(progress.placing);
+    EXPECT_GT(progress.placed_chunks, 0u);
+    if (name == "raw") {
+      EXPECT_EQ(progress.placed_bytes, progress.total_bytes);
+    }
+    for (uint32_t i = 0; i < session.bos().size(); ++i) {
+      auto want = expected->find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
+      ASSERT_NE(want, expected->end());
+      std::vector<uint8_t> got(want->second.size());
+      ASSERT_TRUE((*engine)->CopyToHost(i, 0, got).ok());
+      EXPECT_EQ(got, want->second) << "BO " << i;
+    }
+  }
+  EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
+}
+
+}  // namespace
+}  // namespace gpulazy::server::testing
