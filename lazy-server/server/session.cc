@@ -318,7 +318,9 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
     return Status::Ok();
   }
   const auto& files = image_->source->files();
-  const std::string_view file_name = from.file < files.size() ? files[from.file].name : "?";
+  // Both branches string_view: a ?: of std::string and "?" would make a temporary string.
+  const std::string_view file_name =
+      from.file < files.size() ? std::string_view(files[from.file].name) : std::string_view("?");
   std::shared_ptr<Session> self = shared_from_this();
   Status queued = ctx_.placement->Place(
       from, file_name, checksum, target, offset,
