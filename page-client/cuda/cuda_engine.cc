@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "page-client/cuda/verify_kernel.h"
@@ -496,21 +497,33 @@ class CudaCopyEngine::Impl {
     return bo < destinations_.size() ? destinations_[bo] : nullptr;
   }
 
+  // The device's UUID, asked once: a restore exports every BO (thousands), and
+  // cudaGetDeviceProperties fills the whole property table each time.
+  const std::optional<std::string>& DeviceUuid() {
+    std::call_once(uuid_once_, [this] {
+      cudaDeviceProp properties{};
+      if (cudaGetDeviceProperties(&properties, options_.device) == cudaSuccess)
+        uuid_.emplace(reinterpret_cast<const char*>(properties.uuid.bytes),
+                      sizeof properties.uuid.bytes);
+      else
+        cudaGetLastError();
+    });
+    return uuid_;
+  }
+
   std::optional<PlacementExport> ExportDestination(uint32_t bo) {
     if (!options_.export_for_placement || bo >= destinations_.size() ||
         destinations_[bo] == nullptr || !UseDevice().ok())
       return std::nullopt;
-    cudaDeviceProp properties{};
+    const std::optional<std::string>& uuid = DeviceUuid();
     cudaIpcMemHandle_t handle{};
-    if (cudaGetDeviceProperties(&properties, options_.device) != cudaSuccess ||
-        cudaIpcGetMemHandle(&handle, destinations_[bo]) != cudaSuccess) {
+    if (!uuid || cudaIpcGetMemHandle(&handle, destinations_[bo]) != cudaSuccess) {
       cudaGetLastError();  // not sticky, but it would be reported by the next launch's check
       return std::nullopt;
     }
     PlacementExport exported;
     exported.kind = "cuda";
-    exported.device.assign(reinterpret_cast<const char*>(properties.uuid.bytes),
-                           sizeof properties.uuid.bytes);
+    exported.device = *uuid;
     exported.handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
     exported.size = sizes_[bo];
     return exported;
@@ -634,6 +647,8 @@ class CudaCopyEngine::Impl {
   uint32_t slot_bytes_ = 0;
   std::atomic<uint32_t> writers_{1};  // ExpectWriters, for a ring sized to them
   std::vector<void*> destinations_;
+  std::once_flag uuid_once_;
+  std::optional<std::string> uuid_;  // DeviceUuid
   std::vector<uint64_t> sizes_;
   std::atomic<uint64_t> next_stream_{0};
 

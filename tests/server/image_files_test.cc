@@ -32,6 +32,7 @@
 #include "page-client/server_connection.h"
 #include "tests/client/forwarding_engine.h"
 #include "tests/client/verifying_engine.h"
+#include "tests/server/checkpoint_bytes.h"
 #include "tests/server/test_support.h"
 #include "tests/support/threads.h"
 
@@ -112,14 +113,7 @@ class ImageFilesTest : public ::testing::Test {
   // Every BO the session restored into `host` is byte for byte the checkpoint's `image`.
   static void ExpectCheckpointBytes(const client::RestoreSession& session,
                                     const client::HostCopyEngine& host, const std::string& image) {
-    for (uint32_t i = 0; i < session.bos().size(); ++i) {
-      auto want =
-          expected_[image].find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
-      ASSERT_NE(want, expected_[image].end());
-      Result<std::span<uint8_t>> got = host.Mapping(i);
-      ASSERT_TRUE(got.ok());
-      EXPECT_TRUE(std::ranges::equal(*got, want->second)) << "BO " << i;
-    }
+    ExpectRestoredBytes(session, host, expected_[image]);
   }
 
   static std::map<std::string, std::map<BoKey, std::vector<uint8_t>>> expected_;

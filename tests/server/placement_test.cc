@@ -20,6 +20,7 @@
 #include "page-client/host_engine.h"
 #include "page-client/restore_session.h"
 #include "proto/endian.h"
+#include "tests/server/checkpoint_bytes.h"
 #include "tests/server/test_support.h"
 
 namespace gpulazy::server::testing {
@@ -104,14 +105,7 @@ class PlacementTest : public ::testing::Test {
 
   static void ExpectCheckpointBytes(const client::RestoreSession& session,
                                     const client::HostCopyEngine& host, const std::string& image) {
-    for (uint32_t i = 0; i < session.bos().size(); ++i) {
-      auto want =
-          expected_[image].find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
-      ASSERT_NE(want, expected_[image].end());
-      Result<std::span<uint8_t>> got = host.Mapping(i);
-      ASSERT_TRUE(got.ok());
-      EXPECT_TRUE(std::ranges::equal(*got, want->second)) << "BO " << i;
-    }
+    ExpectRestoredBytes(session, host, expected_[image]);
   }
 
   // A stream connection with `image` open, for the refusal tests.
