@@ -135,8 +135,11 @@ void Dispatcher::Pump() {
         continue;
       }
       // A demand chunk that goes out from the page cache (sendfile) has nothing to read either:
-      // a fault then waits for no disk thread (docs/benchmarks.md, session 9).
-      if (job.lane == Lane::kDemand && ServeFromCacheHere(job)) continue;
+      // a fault then waits for no disk thread (docs/benchmarks.md, session 9). Not a placed one:
+      // it goes through TryPlace, which places it, or makes it wait for its placement in
+      // flight. Sent as bytes from here it could reach the client, and be changed there, before
+      // that placement lands on top of it (docs/protocol.md, "Placement").
+      if (job.lane == Lane::kDemand && !job.item.placed && ServeFromCacheHere(job)) continue;
       boost::asio::thread_pool& lane = job.lane == Lane::kDemand ? demand_pool_ : pool_;
       boost::asio::post(lane, [this, job = std::move(job)] { Read(job); });
     }

@@ -6,7 +6,11 @@
 // converted). Each input is a script (server_script.h) of actions on up to four connections:
 // Hello with any versions, joins with right and wrong secrets (demand connections, lanes, the
 // files connection), OpenImage with good and bad names, requests with any ranges, priorities
-// and flags, Credit of any size, Have, stats, Goodbye, junk bytes, half-closes and resets.
+// and flags, Credit of any size, Have, stats, Goodbye, junk bytes, half-closes and resets, and
+// PlaceInto (the server places into memfds, as `--placement memfd`; the client is this process,
+// so the server takes the harness's own memfds with pidfd_getfd) with any kind, device, BOs,
+// sizes and handles: memfds the harness made of the right, a short or a larger size, sealed
+// ones, a pipe, any descriptor number, any bytes; and requests with `placed`.
 //
 // Checks, besides the sanitizers:
 //   - every frame the server sends decodes within the client's limits;
@@ -22,16 +26,37 @@
 //     order docs/protocol.md promises (the "lazy" image carries a profile: its hot set at
 //     PREFETCH, then the rest of its order, then table order at BACKGROUND), and nothing on a
 //     connection after that connection's StreamDone;
+//   - HelloReply offers memfd placement on the Unix socket and nothing over TCP; a PlaceInto is
+//     accepted exactly when it is well-formed: on a stream connection over the Unix socket,
+//     after OpenImage, of kind "memfd" and no device, every BO in range and named once (in the
+//     frame and in the session), each size at least its BO's, each handle 4 bytes naming a
+//     descriptor of this process that is one of the harness's memfds (by inode: the server's
+//     own copy of one counts, the process being one), unsealed and holding the size; its
+//     reply counts every destination the session holds;
+//   - a ChunkData flagged placed carries no bytes, is RAW, is checked (a lazy image's), and
+//     names a BO with an accepted destination, whose memfd then holds exactly the checkpoint's
+//     bytes of the chunk (not checked for a memfd given to BOs of different bytes); credit
+//     counts its raw length. A RAW chunk answering only placed requests, of a BO that had its
+//     destination when they were sent, comes placed (no placement fails here). After junk on a
+//     connection that is or may become a stream connection (the junk may hold a PlaceInto the
+//     harness never sent) placed chunks and replies the harness cannot account for pass, and no
+//     memfd's bytes are checked;
 //   - at the end of the script every connection answers a stats request or closes, in time
-//     (5 s when fuzzing);
+//     (5 s when fuzzing); then the server lets go of every memfd it took, and each memfd holds,
+//     chunk by chunk, nothing or the checkpoint's bytes of the BO it was given for (nothing at
+//     all if it was never accepted, nothing past the BO);
 //   - after every input a fresh client still gets a correct chunk.
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <google/protobuf/stubs/logging.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -47,6 +72,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,6 +82,7 @@
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/server/server.h"
 #include "proto/criu_file.h"
+#include "proto/endian.h"
 #include "proto/frame.h"
 #include "tests/fuzz/fuzz_support.h"
 #include "tests/fuzz/server_script.h"
@@ -77,6 +104,10 @@ constexpr auto kSilenceLimit = std::chrono::seconds(5);
 #endif
 constexpr uint64_t kBarrierId = uint64_t{1} << 62;
 constexpr uint64_t kOpenIdBase = uint64_t{1} << 61;
+constexpr uint64_t kPlaceIdBase = uint64_t{1} << 60;
+// The name of the harness's memfds: how /proc/self/fd tells them (and the server's copies of
+// them) from any other descriptor.
+constexpr const char* kMemfdName = "gpulazy-fuzz";
 
 [[noreturn]] void Die(const std::string& what) {
   std::fprintf(stderr, "fuzz_server: %s\n", what.c_str());
@@ -187,8 +218,30 @@ std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> ReadCriuContents(
   return out;
 }
 
+// A memfd the harness made for a PlaceInto target, open until the script ends.
+struct HarnessMemfd {
+  UniqueFd fd;
+  uint64_t size = 0;
+  bool sealed = false;  // F_SEAL_WRITE
+  dev_t dev = 0;
+  ino_t ino = 0;
+  // The bytes of the BO it is an accepted destination of (any session's); `mixed` once it is
+  // one of BOs whose bytes differ, when what it holds is not checked.
+  const std::vector<uint8_t>* expected = nullptr;
+  bool mixed = false;
+};
+
 struct SessionState {
   const ImageOracle* image = nullptr;
+  std::map<uint32_t, HarnessMemfd*> destinations;  // by BO: accepted by a PlaceIntoReply
+  // Requests with ranges, by where their chunks go (true: the demand connection, else the
+  // stream connection and its lanes) and request id: whether every one sent with that id was
+  // placed (and not by_reference), and the BOs that had destinations when each was sent.
+  struct Asked {
+    bool placed_only = true;
+    std::set<uint32_t> destined;
+  };
+  std::map<std::pair<bool, uint64_t>, Asked> asked;
   std::vector<bool> streamed;  // by flat index: sent by the stream
   std::string secret;
   uint64_t granted = 0;  // Credit sent on its stream connection, saturating
@@ -204,6 +257,7 @@ struct Slot {
   enum class Role { kNone, kStream, kDemand, kLane, kFiles };
   UniqueFd fd;
   Role role = Role::kNone;
+  bool tcp = false;
   bool hello_sent = false;
   bool write_closed = false;  // shut down by us, or a send failed
   bool garbled = false;       // we sent bytes that are not whole frames
@@ -217,8 +271,9 @@ struct Slot {
     int choice = -1;  // kImageNames index (kImageString: a string)
     std::string name;
   };
-  std::map<uint64_t, Open> opens;     // OpenImage requests sent, by request id
-  uint64_t pending_credit = 0;        // granted before this slot's session existed
+  std::map<uint64_t, Open> opens;              // OpenImage requests sent, by request id
+  std::map<uint64_t, wire::PlaceInto> places;  // PlaceInto sent and not answered, by request id
+  uint64_t pending_credit = 0;                 // granted before this slot's session existed
   uint64_t table_left = 0;            // version 2: table bytes still to come in ImageTablePart
   int64_t last_stream_position = -1;  // of the stream's chunks this connection carried
   bool stream_done = false;           // this connection got its StreamDone
@@ -264,6 +319,8 @@ class Harness {
     config.chunk_buffers = 4;
     config.shutdown_grace = std::chrono::milliseconds(200);
     config.handle_signals = false;
+    // The client is this process: the server takes the harness's memfds with pidfd_getfd.
+    config.placement = "memfd";
     server_ = std::make_unique<server::Server>(config);
     if (Status listening = server_->Listen(); !listening.ok())
       Die("server: " + listening.ToString());
@@ -276,6 +333,7 @@ class Harness {
     lazy_ = LoadOracle("lazy", root / "lazy");
     PlanStream(raw_, {});
     PlanStream(lazy_, with_profile.profile());
+    if (CountMemfds() != 0) Die("memfds of the harness's name before the first script");
     checking_ = true;
   }
   ~Harness() {
@@ -290,6 +348,7 @@ class Harness {
     for (uint32_t i = 0; i < kSlots; ++i)
       slots[i].name = "connection " + std::to_string(i);
     sessions_.clear();
+    placement_uncertain_ = false;
     seen_ = {};
     ScriptReader script(input);
     while (!script.done())
@@ -298,16 +357,25 @@ class Harness {
       Finish(slot);
     for (Slot& slot : slots)
       slot.fd.reset();
+    if (!memfds_.empty()) {
+      AwaitDestinationsReleased();
+      if (!placement_uncertain_) CheckDestinationBytes();
+    }
+    memfds_.clear();
+    pipe_read_.reset();
+    pipe_write_.reset();
     const Seen script_seen = seen_;
     Probe();
     // GPULAZY_FUZZ_VERBOSE=1: what each input reached, to see that a seed does what it says.
     if (verbose_)
       std::fprintf(stderr,
                    "fuzz_server: %zu sessions, %u chunks checked (%u by reference, %u in the "
-                   "stream's order), %u errors, %u hello replies, %u image files, %u stream ends\n",
+                   "stream's order), %u errors, %u hello replies, %u image files, %u stream ends, "
+                   "PlaceInto %u accepted %u refused, %u chunks placed (%u checked in the memfd)\n",
                    sessions_.size() - 1, script_seen.chunks, script_seen.by_reference,
                    script_seen.stream_ordered, script_seen.errors, script_seen.hello_replies,
-                   script_seen.image_files, script_seen.stream_done);
+                   script_seen.image_files, script_seen.stream_done, script_seen.places_accepted,
+                   script_seen.places_refused, script_seen.placed, script_seen.placed_checked);
   }
 
  private:
@@ -349,6 +417,7 @@ class Harness {
     const std::string name = slot.name;
     slot = Slot{};
     slot.name = name;
+    slot.tcp = tcp;
     int fd = ::socket(tcp ? AF_INET : AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) Die("socket failed");
     slot.fd.reset(fd);
@@ -489,11 +558,26 @@ class Harness {
         // chunks must be told apart from them.
         if (!request->stream_all() && header.request_id() == 0) header.set_request_id(256);
         request->set_by_reference(flags & kRequestByReference);
+        request->set_placed(flags & kRequestPlaced);
         for (int n = script.U8() % 4; n > 0; --n) {
           wire::ChunkRange* range = request->add_ranges();
           range->set_bo(script.U8());
           range->set_first_chunk(script.Small());
           range->set_chunk_count(script.Small());
+        }
+        if (!request->stream_all() && slot.session_known) {
+          SessionState& session = sessions_[slot.session_id];
+          std::set<uint32_t> destined;
+          for (const auto& [bo, memfd] : session.destinations)
+            destined.insert(bo);
+          const auto key = std::make_pair(slot.role == Slot::Role::kDemand, header.request_id());
+          auto [it, first] = session.asked.try_emplace(key);
+          it->second.placed_only &= request->placed() && !request->by_reference();
+          if (first) {
+            it->second.destined = std::move(destined);
+          } else {
+            std::erase_if(it->second.destined, [&](uint32_t bo) { return !destined.count(bo); });
+          }
         }
         Send(slot, header);
         break;
@@ -539,7 +623,7 @@ class Harness {
         for (uint8_t& b : junk)
           b = script.U8();
         SendBytes(slot, junk);
-        slot.garbled = true;
+        Garble(slot);
         break;
       }
       case kShutWrite:
@@ -568,6 +652,9 @@ class Harness {
           Sync(slot);
         }
         break;
+      case kPlaceInto:
+        PlaceInto(script, slot, header);
+        break;
       case kPrefix: {
         std::array<uint8_t, 8> prefix{};
         const uint32_t header_length = script.U32();
@@ -577,10 +664,288 @@ class Harness {
           prefix[4 + i] = static_cast<uint8_t>(payload_length >> (8 * i));
         }
         SendBytes(slot, prefix);
-        slot.garbled = true;
+        Garble(slot);
         break;
       }
     }
+  }
+
+  // kPlaceInto: builds the frame from the script, sends it and reads the slot until the answer,
+  // so that the harness knows the session's destinations before it reads any connection that
+  // might carry a chunk placed into one (the server adds them before it answers). Not sent on a
+  // slot that sent a partial frame (its answer might never come) or cannot write.
+  void PlaceInto(ScriptReader& script, Slot& slot, wire::Header& header) {
+    wire::PlaceInto* place = header.mutable_place_into();
+    // The choice bytes first, then their operands (as for each target).
+    const uint8_t kind = script.U8() % kPlaceKindCount;
+    const uint8_t device = script.U8() % kPlaceDeviceCount;
+    const int targets = script.U8() % (kMaxPlaceTargets + 1);
+    place->set_kind(kind == kPlaceKindMemfd    ? std::string("memfd")
+                    : kind == kPlaceKindCuda   ? std::string("cuda")
+                    : kind == kPlaceKindString ? script.String()
+                                               : std::string());
+    if (device == kPlaceDeviceUuid) {
+      std::string uuid;
+      for (int i = 0; i < 16; ++i)
+        uuid.push_back(static_cast<char>(script.U8()));
+      place->set_device(uuid);
+    } else if (device == kPlaceDeviceString) {
+      place->set_device(script.String());
+    }
+    // The BO table of the slot's image if the harness has seen it open, else "raw"'s (both
+    // images are the one checkpoint).
+    const ImageOracle& image = slot.session_known ? *sessions_[slot.session_id].image : raw_;
+    const uint32_t bo_count = static_cast<uint32_t>(image.bos.size());
+    uint32_t previous_bo = 0;
+    for (int n = targets; n > 0; --n) {
+      const uint8_t bo_byte = script.U8();
+      const uint8_t size_choice = script.U8() % 4;
+      const uint8_t handle_choice = script.U8() % kHandleCount;
+      uint32_t bo = 0;
+      switch (bo_byte & 3) {
+        case kPlaceBoValid:
+          bo = (bo_byte >> 2) % bo_count;
+          break;
+        case kPlaceBoPastEnd:
+          bo = bo_count + (bo_byte >> 2);
+          break;
+        case kPlaceBoRepeat:
+          bo = previous_bo;
+          break;
+        default:
+          bo = script.U32();
+      }
+      previous_bo = bo;
+      const uint64_t bo_size = bo < bo_count ? image.bos[bo].size() : 4096;
+      uint64_t size = bo_size;
+      if (size_choice == kPlaceSizeShort && bo_size > 0) size = bo_size - 1;
+      if (size_choice == kPlaceSizeLarger) size = bo_size + 4096;
+      if (size_choice == kPlaceSizeAny) size = script.U64();
+      std::string handle;
+      switch (handle_choice) {
+        case kHandleMemfd:
+          handle = Descriptor(NewMemfd(bo_size, false));
+          break;
+        case kHandleShortMemfd:
+          handle = Descriptor(NewMemfd(bo_size > 0 ? bo_size - 1 : 0, false));
+          break;
+        case kHandleLargerMemfd:
+          handle = Descriptor(NewMemfd(bo_size + 4096, false));
+          break;
+        case kHandleSealedMemfd:
+          handle = Descriptor(NewMemfd(bo_size, true));
+          break;
+        case kHandleLastMemfd:
+          handle =
+              Descriptor(memfds_.empty() ? NewMemfd(bo_size, false) : memfds_.back()->fd.get());
+          break;
+        case kHandlePipe:
+          handle = Descriptor(PipeEnd());
+          break;
+        case kHandleNumber:
+          handle = Descriptor(static_cast<int>(script.U32()));
+          break;
+        default:
+          handle = script.String();
+      }
+      wire::PlacementTarget* target = place->add_targets();
+      target->set_bo(bo);
+      target->set_size(size);
+      target->set_handle(handle);
+    }
+    if (slot.garbled || slot.write_closed) return;
+    const uint64_t rid = kPlaceIdBase + next_place_id_++;
+    header.set_request_id(rid);
+    slot.places[rid] = *place;
+    Send(slot, header);
+    const auto deadline = Clock::now() + kSilenceLimit;
+    bool answered = false;
+    auto is_answer = [rid](const wire::Header& h) {
+      return (h.has_place_into_reply() && h.request_id() == rid) ||
+             (h.has_error() && h.error().in_reply_to() == rid);
+    };
+    while (!answered && Receive(slot, 50, is_answer, &answered)) {
+      if (Clock::now() > deadline) Die(slot.name + ": no answer to a PlaceInto in time");
+    }
+  }
+
+  // Bytes that are not whole frames: the server may still find frames in them, by chance or by
+  // the fuzzer's design. On a connection that is or may become a stream connection those could
+  // be a PlaceInto the harness never sent, accepted, and the server could place into a memfd
+  // the harness does not know is a destination: from then on a placed chunk or a PlaceIntoReply
+  // the harness cannot account for is let pass, and no memfd's bytes are checked.
+  void Garble(Slot& slot) {
+    slot.garbled = true;
+    if (slot.role == Slot::Role::kStream || !slot.hello_sent) placement_uncertain_ = true;
+  }
+
+  static std::string Descriptor(int fd) {
+    std::string handle(4, '\0');
+    StoreLe32(reinterpret_cast<uint8_t*>(handle.data()), static_cast<uint32_t>(fd));
+    return handle;
+  }
+
+  // A new memfd of `size` bytes (zeros), kept until the script ends; past kMaxScriptMemfds the
+  // last one instead.
+  int NewMemfd(uint64_t size, bool sealed) {
+    if (memfds_.size() >= kMaxScriptMemfds) return memfds_.back()->fd.get();
+    auto memfd = std::make_unique<HarnessMemfd>();
+    memfd->fd.reset(::memfd_create(kMemfdName, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!memfd->fd.valid()) Die(std::string("memfd_create failed: ") + std::strerror(errno));
+    if (::ftruncate(memfd->fd.get(), static_cast<off_t>(size)) != 0)
+      Die(std::string("ftruncate of a memfd failed: ") + std::strerror(errno));
+    if (sealed && ::fcntl(memfd->fd.get(), F_ADD_SEALS, F_SEAL_WRITE) != 0)
+      Die(std::string("sealing a memfd failed: ") + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(memfd->fd.get(), &st) != 0) Die("fstat of a memfd failed");
+    memfd->size = size;
+    memfd->sealed = sealed;
+    memfd->dev = st.st_dev;
+    memfd->ino = st.st_ino;
+    memfds_.push_back(std::move(memfd));
+    return memfds_.back()->fd.get();
+  }
+
+  int PipeEnd() {
+    if (!pipe_read_.valid()) {
+      int ends[2];
+      if (::pipe2(ends, O_CLOEXEC) != 0) Die("pipe2 failed");
+      pipe_read_.reset(ends[0]);
+      pipe_write_.reset(ends[1]);
+    }
+    return pipe_read_.get();
+  }
+
+  // The harness's memfd that descriptor `number` of this process is now (by inode: the server's
+  // copy of one is that one), or null.
+  HarnessMemfd* ResolveMemfd(uint32_t number) const {
+    struct stat st {};
+    if (number > static_cast<uint32_t>(INT32_MAX) || ::fstat(static_cast<int>(number), &st) != 0)
+      return nullptr;
+    for (const auto& memfd : memfds_)
+      if (memfd->dev == st.st_dev && memfd->ino == st.st_ino) return memfd.get();
+    return nullptr;
+  }
+
+  // Descriptors of this process that are the harness's memfds or copies of them.
+  static size_t CountMemfds() {
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) Die("cannot list /proc/self/fd");
+    const std::string prefix = std::string("/memfd:") + kMemfdName;
+    size_t count = 0;
+    while (const dirent* entry = ::readdir(dir)) {
+      char target[256];
+      const ssize_t n = ::readlinkat(::dirfd(dir), entry->d_name, target, sizeof target - 1);
+      if (n > 0 && std::string_view(target, static_cast<size_t>(n)).starts_with(prefix)) ++count;
+    }
+    ::closedir(dir);
+    return count;
+  }
+
+  // After the script's connections closed, their sessions end and the server closes its copies
+  // of the harness's memfds (a placement in flight holds one a moment longer).
+  void AwaitDestinationsReleased() {
+    const auto deadline = Clock::now() + kSilenceLimit;
+    size_t count;
+    while ((count = CountMemfds()) > memfds_.size()) {
+      if (Clock::now() > deadline)
+        Die("the server still holds " + std::to_string(count - memfds_.size()) +
+            " of the client's memfds after every connection closed");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  // Once nothing can write into them: what the server placed is the checkpoint's, chunk by
+  // chunk, and nothing else was written.
+  void CheckDestinationBytes() {
+    for (size_t i = 0; i < memfds_.size(); ++i) {
+      const HarnessMemfd& memfd = *memfds_[i];
+      if (memfd.mixed) continue;
+      const std::string what = "memfd " + std::to_string(i) + " of the script";
+      std::vector<uint8_t> bytes(memfd.size);
+      if (!bytes.empty() && !ReadExactAt(memfd.fd.get(), 0, bytes, what).ok())
+        Die(what + ": cannot read it back");
+      const std::vector<uint8_t> none;
+      const std::vector<uint8_t>& expected = memfd.expected ? *memfd.expected : none;
+      if (expected.size() > bytes.size()) Die(what + ": smaller than the BO it was accepted for");
+      auto zero = [](auto begin, auto end) {
+        return std::all_of(begin, end, [](uint8_t b) { return b == 0; });
+      };
+      for (uint64_t at = 0; at < expected.size(); at += raw_.chunk_size) {
+        const uint64_t end = std::min<uint64_t>(at + raw_.chunk_size, expected.size());
+        const auto b = bytes.begin() + static_cast<long>(at);
+        const auto e = bytes.begin() + static_cast<long>(end);
+        if (!zero(b, e) && !std::equal(b, e, expected.begin() + static_cast<long>(at)))
+          Die(what + ": the chunk at " + std::to_string(at) +
+              " holds neither nothing nor the checkpoint's bytes");
+      }
+      if (!zero(bytes.begin() + static_cast<long>(expected.size()), bytes.end()))
+        Die(what + (memfd.expected ? ": written past its BO" : ": written, never accepted"));
+    }
+  }
+
+  // Why the server must refuse `place` from `slot` now; empty when it must accept it, with the
+  // memfd of each target in `resolved`.
+  std::string PlaceProblem(const Slot& slot, const wire::PlaceInto& place,
+                           std::vector<HarnessMemfd*>* resolved) {
+    if (slot.tcp) return "over TCP";
+    if (slot.role != Slot::Role::kStream) return "not on a stream connection";
+    if (!slot.session_known) return "before an OpenImage was accepted";
+    if (place.kind() != "memfd") return "of kind '" + place.kind() + "'";
+    if (!place.device().empty()) return "with a device";
+    const SessionState& session = sessions_.at(slot.session_id);
+    const ImageOracle& image = *session.image;
+    std::set<uint32_t> named;
+    for (const wire::PlacementTarget& target : place.targets()) {
+      const std::string bo = "BO " + std::to_string(target.bo());
+      if (target.bo() >= image.bos.size()) return bo + " out of range";
+      if (!named.insert(target.bo()).second || session.destinations.count(target.bo()))
+        return bo + " named twice";
+      if (target.size() < image.bos[target.bo()].size()) return bo + ": size short of the BO";
+      if (target.handle().size() != 4)
+        return bo + ": a handle of " + std::to_string(target.handle().size()) + " bytes";
+      const uint32_t number = LoadLe32(reinterpret_cast<const uint8_t*>(target.handle().data()));
+      HarnessMemfd* memfd = ResolveMemfd(number);
+      if (memfd == nullptr) return bo + ": descriptor " + std::to_string(number) + " is no memfd";
+      if (memfd->sealed) return bo + ": a sealed memfd";
+      if (memfd->size < target.size()) return bo + ": a memfd smaller than the size";
+      resolved->push_back(memfd);
+    }
+    return {};
+  }
+
+  void CheckPlaceAnswer(Slot& slot, const wire::Header& h) {
+    const uint64_t rid = h.has_error() ? h.error().in_reply_to() : h.request_id();
+    auto it = slot.places.find(rid);
+    if (it == slot.places.end()) {
+      if (h.has_place_into_reply() && !placement_uncertain_)
+        Die(slot.name + ": a PlaceIntoReply to no PlaceInto");
+      return;  // an Error to something else
+    }
+    const wire::PlaceInto place = std::move(it->second);
+    slot.places.erase(it);
+    std::vector<HarnessMemfd*> resolved;
+    const std::string problem = PlaceProblem(slot, place, &resolved);
+    if (h.has_error()) {
+      ++seen_.places_refused;
+      if (problem.empty())
+        Die(slot.name + ": a well-formed PlaceInto was refused: " + h.error().message());
+      return;
+    }
+    ++seen_.places_accepted;
+    if (!problem.empty()) Die(slot.name + ": a PlaceInto was accepted " + problem);
+    SessionState& session = sessions_[slot.session_id];
+    for (int i = 0; i < place.targets_size(); ++i) {
+      const uint32_t bo = place.targets(i).bo();
+      HarnessMemfd* memfd = resolved[static_cast<size_t>(i)];
+      session.destinations[bo] = memfd;
+      const std::vector<uint8_t>& bytes = session.image->contents[bo];
+      if (memfd->expected == nullptr) memfd->expected = &bytes;
+      if (*memfd->expected != bytes) memfd->mixed = true;
+    }
+    if (h.place_into_reply().targets() != session.destinations.size())
+      Die(slot.name + ": PlaceIntoReply counts " + std::to_string(h.place_into_reply().targets()) +
+          " destinations, the session holds " + std::to_string(session.destinations.size()));
   }
 
   // --- receiving and checking ---
@@ -668,6 +1033,15 @@ class Harness {
       slot.session_known = true;
       slot.session_id = slot.join_id;
     }
+    if (h.has_hello_reply()) {
+      const bool offered = h.hello_reply().has_placement();
+      if (offered == slot.tcp)
+        Die(slot.name + (offered ? ": placement offered over TCP" : ": no placement offered"));
+      if (offered && (h.hello_reply().placement().kind() != "memfd" ||
+                      !h.hello_reply().placement().device().empty()))
+        Die(slot.name + ": placement offered of another kind than memfd");
+    }
+    if (h.has_place_into_reply() || h.has_error()) CheckPlaceAnswer(slot, h);
     if (h.has_image_files() && (slot.role != Slot::Role::kFiles || !slot.join_secret_right ||
                                 !sessions_.count(slot.join_id)))
       Die(slot.name + ": image files went to a connection that did not join with the secret");
@@ -727,11 +1101,40 @@ class Harness {
     uint64_t stored = frame.payload.size();
     ++seen_.chunks;
     seen_.by_reference += data.has_in_file();
-    if (data.has_in_file()) {
+    if (data.placed()) {
+      ++seen_.placed;
+      if (!frame.payload.empty() || data.has_in_file()) Die(what + ": placed, and bytes besides");
+      if (data.codec() != manifest::CODEC_RAW) Die(what + ": placed, but not stored RAW");
+      if (session.image == &lazy_ && data.no_checksum())
+        Die(what + ": a lazy image's chunk placed unchecked");
+      auto destination = session.destinations.find(data.bo());
+      if (destination == session.destinations.end() && !placement_uncertain_)
+        Die(what + ": placed, but its BO has no destination the server accepted");
+      stored = data.raw_length();  // what credit counts for a placed chunk
+      if (destination != session.destinations.end() && !destination->second->mixed &&
+          !placement_uncertain_) {
+        const HarnessMemfd& memfd = *destination->second;
+        std::vector<uint8_t> placed(length);
+        if (!ReadExactAt(memfd.fd.get(), offset, placed, what).ok())
+          Die(what + ": cannot read its destination");
+        if (!std::equal(placed.begin(), placed.end(), bo.begin() + static_cast<long>(offset)))
+          Die(what + ": placed, but its destination holds other bytes than the checkpoint's");
+        ++seen_.placed_checked;
+      }
+    } else if (data.has_in_file()) {
       if (!frame.payload.empty()) Die(what + ": a by-reference chunk carries a payload");
       stored = data.in_file().length();
       if (stored > FrameLimits{}.max_payload) Die(what + ": stored length past the frame limit");
     } else {
+      // A RAW chunk as bytes in reply to placed requests only, of a BO that had its destination
+      // before: the server places every such chunk (no placement fails here: the bytes are
+      // right and the memfds writable), or answers once the placement in flight is done.
+      auto asked = session.asked.find(
+          std::make_pair(slot.role == Slot::Role::kDemand, frame.header.request_id()));
+      if (frame.header.request_id() != 0 && data.codec() == manifest::CODEC_RAW &&
+          asked != session.asked.end() && asked->second.placed_only &&
+          asked->second.destined.count(data.bo()))
+        Die(what + ": asked for placed into its destination, but sent as bytes");
       manifest::Chunk chunk;
       chunk.set_codec(data.codec());
       chunk.set_raw_length(data.raw_length());
@@ -847,9 +1250,15 @@ class Harness {
   bool checking_ = false;
   const bool verbose_ = std::getenv("GPULAZY_FUZZ_VERBOSE") != nullptr;
   const bool trace_ = verbose_ && std::string(std::getenv("GPULAZY_FUZZ_VERBOSE")) == "2";
+  std::vector<std::unique_ptr<HarnessMemfd>> memfds_;  // this script's
+  UniqueFd pipe_read_;
+  UniqueFd pipe_write_;
+  uint64_t next_place_id_ = 1;
+  bool placement_uncertain_ = false;  // this script's; see Garble
   struct Seen {
     uint32_t chunks = 0, by_reference = 0, stream_ordered = 0, errors = 0, hello_replies = 0,
-             image_files = 0, stream_done = 0;
+             image_files = 0, stream_done = 0, places_accepted = 0, places_refused = 0, placed = 0,
+             placed_checked = 0;
   } seen_;
 };
 

@@ -5,6 +5,7 @@
 // is tests/fuzz/corpus)
 #include <lz4.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -286,9 +287,11 @@ void ChunkCodecCorpus(Corpus& corpus) {
 }
 
 // Scripts for the server harness (server_script.h): whole restores in each shape a client opens
-// them (stream, lanes, a demand connection, files by reference), then abuse.
-void ServerCorpus(Corpus& corpus) {
+// them (stream, lanes, a demand connection, files by reference, placed into memfds), then abuse.
+// `m`: the tiny image's manifest, whose BO table the server lists.
+void ServerCorpus(Corpus& corpus, const manifest::Manifest& m) {
   using namespace fuzz::server_script;
+  const auto bo_count = static_cast<uint8_t>(m.bos_size());
   auto opened = [](uint8_t image, bool tcp) {
     ScriptWriter w;
     w.Connect(0, tcp).Hello(0, 2).Open(0, image).Sync(0);
@@ -358,6 +361,109 @@ void ServerCorpus(Corpus& corpus) {
     w.Connect(1, false).Op(kPrefix, 1).U32(0xFFFFFFF0).U32(16);
     corpus.Add("server", "junk-and-prefix", w.bytes());
   }
+  // PlaceInto (the harness's server places into memfds): a good destination for each BO in
+  // [first, end), kMaxPlaceTargets a frame.
+  auto place_all = [](ScriptWriter& w, uint8_t slot, uint8_t first, uint8_t end) {
+    while (first < end) {
+      const auto n = static_cast<uint8_t>(std::min<int>(end - first, kMaxPlaceTargets));
+      w.PlaceInto(slot, kPlaceKindMemfd, kPlaceDeviceNone, n);
+      for (uint8_t i = 0; i < n; ++i)
+        w.GoodTarget(static_cast<uint8_t>(first + i));
+      first = static_cast<uint8_t>(first + n);
+    }
+  };
+  {
+    ScriptWriter w = opened(0, false);
+    place_all(w, 0, 0, bo_count);
+    w.Credit(0, 255).StreamAllPlaced(0).Drain(0, 3);
+    corpus.Add("server", "place-memfd-stream-raw", w.bytes());
+  }
+  {
+    // Destinations in two frames; the placed stream over a lane too, and a placed demand request.
+    ScriptWriter w = opened(1, false);
+    w.Connect(1, false).Join(1, 0, kHelloLane).Sync(1);
+    w.Connect(2, false).Join(2, 0, 0).Sync(2);
+    place_all(w, 0, 0, bo_count / 2);
+    place_all(w, 0, bo_count / 2, bo_count);
+    w.Credit(0, 255).StreamAllPlaced(0);
+    w.Ask(2, wire::PRIORITY_DEMAND, 0, 0, 2, kRequestPlaced).Drain(2, 3).Drain(1, 3).Drain(0, 3);
+    corpus.Add("server", "place-memfd-lazy-lane-and-demand", w.bytes());
+  }
+  {
+    // One refusal each, then two good destinations and a placed stream: the other BOs as bytes.
+    // The files connection first, so that placed with by_reference meets its own refusal.
+    ScriptWriter w = opened(0, false);
+    w.Connect(1, false).Join(1, 0, kHelloWantFiles).Sync(1);
+    auto one = [&](uint8_t kind, uint8_t device) -> ScriptWriter& {
+      return w.PlaceInto(0, kind, device, 1);
+    };
+    w.StreamAllPlaced(0);  // no destinations yet
+    one(kPlaceKindCuda, kPlaceDeviceNone).GoodTarget(0);
+    one(kPlaceKindMemfd, kPlaceDeviceUuid).U64(0x0123456789abcdef).U64(0xfedcba9876543210);
+    w.GoodTarget(0);
+    one(kPlaceKindString, kPlaceDeviceNone).String("memfd ").GoodTarget(0);
+    one(kPlaceKindEmpty, kPlaceDeviceString).String("gpu0").GoodTarget(0);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).Target(kPlaceBoPastEnd, 0, kPlaceSizeBo, kHandleMemfd);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).Target(kPlaceBoAny, 0, kPlaceSizeBo, kHandleMemfd);
+    w.U32(0xFFFFFFFF);
+    w.PlaceInto(0, kPlaceKindMemfd, kPlaceDeviceNone, 2).GoodTarget(1);
+    w.Target(kPlaceBoRepeat, 0, kPlaceSizeBo, kHandleMemfd);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).Target(kPlaceBoValid, 0, kPlaceSizeShort, kHandleMemfd);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).Target(kPlaceBoValid, 0, kPlaceSizeAny, kHandleMemfd);
+    w.U64(UINT64_MAX);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).Target(kPlaceBoValid, 0, kPlaceSizeLarger, kHandleMemfd);
+    one(kPlaceKindMemfd, kPlaceDeviceNone)
+        .Target(kPlaceBoValid, 0, kPlaceSizeBo, kHandleShortMemfd);
+    one(kPlaceKindMemfd, kPlaceDeviceNone)
+        .Target(kPlaceBoValid, 0, kPlaceSizeBo, kHandleSealedMemfd);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).Target(kPlaceBoValid, 0, kPlaceSizeBo, kHandlePipe);
+    for (uint32_t number : {0u, 1000u, 0x7FFFFFFFu, 0x80000000u, 0xFFFFFFFFu})
+      one(kPlaceKindMemfd, kPlaceDeviceNone)
+          .Target(kPlaceBoValid, 0, kPlaceSizeBo, kHandleNumber)
+          .U32(number);
+    for (const char* junk : {"", "abc", "12345"})
+      one(kPlaceKindMemfd, kPlaceDeviceNone)
+          .Target(kPlaceBoValid, 0, kPlaceSizeBo, kHandleBytes)
+          .String(junk);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).GoodTarget(0);
+    one(kPlaceKindMemfd, kPlaceDeviceNone).GoodTarget(0);  // BO 0 has its destination already
+    w.Ask(0, wire::PRIORITY_PREFETCH, 0, 0, 1, kRequestPlaced | kRequestByReference);
+    one(kPlaceKindMemfd, kPlaceDeviceNone)
+        .Target(kPlaceBoValid, 1, kPlaceSizeLarger, kHandleLargerMemfd);
+    w.PlaceInto(0, kPlaceKindMemfd, kPlaceDeviceNone, 0);  // none: answered with the count
+    w.Credit(0, 255).StreamAllPlaced(0).Drain(0, 3);
+    corpus.Add("server", "place-malformed", w.bytes());
+  }
+  {
+    // PlaceInto before OpenImage, over TCP, on a demand connection and on a lane: refused; then
+    // accepted on the stream connection, and a placed demand request.
+    ScriptWriter w;
+    w.Connect(0, false).Hello(0, 2);
+    w.PlaceInto(0, kPlaceKindMemfd, kPlaceDeviceNone, 1).GoodTarget(0);
+    w.Open(0, 0).Sync(0);
+    w.Connect(1, true).Hello(1, 2).Open(1, 0).Sync(1);
+    w.PlaceInto(1, kPlaceKindMemfd, kPlaceDeviceNone, 1).GoodTarget(0);
+    w.Connect(2, false).Join(2, 0, 0).Sync(2);
+    w.PlaceInto(2, kPlaceKindMemfd, kPlaceDeviceNone, 1).GoodTarget(0);
+    w.Connect(3, false).Join(3, 0, kHelloLane).Sync(3);
+    w.PlaceInto(3, kPlaceKindMemfd, kPlaceDeviceNone, 1).GoodTarget(0);
+    w.PlaceInto(0, kPlaceKindMemfd, kPlaceDeviceNone, 1).GoodTarget(0);
+    w.Ask(2, wire::PRIORITY_DEMAND, 0, 0, 3, kRequestPlaced).Drain(2, 3);
+    corpus.Add("server", "place-on-the-wrong-connections", w.bytes());
+  }
+  {
+    // Two BOs into one memfd (the larger BO's, a page larger): accepted; the server writes both
+    // there, so the harness checks nothing of that memfd's bytes.
+    uint8_t big = 0;
+    uint8_t other = 1;
+    if (m.bos_size() > 1 && m.bos(1).size() > m.bos(0).size()) std::swap(big, other);
+    ScriptWriter w = opened(0, false);
+    w.PlaceInto(0, kPlaceKindMemfd, kPlaceDeviceNone, 2);
+    w.Target(kPlaceBoValid, big, kPlaceSizeBo, kHandleLargerMemfd);
+    w.Target(kPlaceBoValid, other, kPlaceSizeBo, kHandleLastMemfd);
+    w.Credit(0, 255).StreamAllPlaced(0).Drain(0, 3);
+    corpus.Add("server", "place-two-bos-into-one-memfd", w.bytes());
+  }
 }
 
 }  // namespace
@@ -383,7 +489,7 @@ int main(int argc, char** argv) {
   ManifestCorpus(corpus, lazy->manifest());
   CriuCorpus(corpus, dir);
   ChunkCodecCorpus(corpus);
-  ServerCorpus(corpus);
+  ServerCorpus(corpus, lazy->manifest());
   std::printf("fuzz_make_corpus: wrote %d inputs under %s\n", corpus.count(), argv[1]);
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -209,6 +210,68 @@ TEST_F(PlacementTest, ChunkFailingTheServersCheckIsNeverPlaced) {
                                   std::min<uint64_t>(session.chunk_size(), got->size()));
   EXPECT_TRUE(std::ranges::all_of(chunk, [](uint8_t b) { return b == 0; }));
   EXPECT_TRUE(server_->LogShows({"not placed"})) << "no fallback to bytes was logged";
+}
+
+// A placed demand request for a chunk that the page cache holds, its checksum known (a lazy
+// image's), is placed like any other. The server sends such chunks of an ordinary demand request
+// from the page cache straight from its network thread (sendfile); a placed one must not go that
+// way: the chunk may be being placed at that moment, and once the client has the bytes it may
+// change them, so the placement must not land afterwards (docs/protocol.md, "Placement", 4).
+// Found by the server fuzz harness (docs/hostile-input.md): its seed
+// place-on-the-wrong-connections got the chunks it asked placed as bytes.
+TEST_F(PlacementTest, PlacedDemandForACachedChunkIsPlaced) {
+  auto source = image::ImageSource::Open(dir_->path() / "images" / "lazy");
+  ASSERT_TRUE(source.ok()) << source.status().ToString();
+  const manifest::Manifest& manifest = (*source)->manifest();
+  // The first chunk stored RAW, read here once so that the page cache holds it.
+  std::optional<uint32_t> bo;
+  uint32_t chunk = 0;
+  std::vector<uint8_t> stored;
+  for (int b = 0; b < manifest.bos_size() && !bo; ++b) {
+    for (int c = 0; c < manifest.bos(b).chunks_size(); ++c) {
+      auto located =
+          (*source)->LocateStoredChunk(static_cast<uint32_t>(b), static_cast<uint32_t>(c));
+      ASSERT_TRUE(located.ok()) << located.status().ToString();
+      if (located->codec != manifest::CODEC_RAW || !located->in_file) continue;
+      stored.resize(located->in_file->length);
+      ASSERT_TRUE(
+          ReadExactAt(located->in_file->fd, located->in_file->offset, stored, "chunk").ok());
+      bo = static_cast<uint32_t>(b);
+      chunk = static_cast<uint32_t>(c);
+      break;
+    }
+  }
+  ASSERT_TRUE(bo.has_value()) << "the lazy test image stores no chunk RAW";
+  const uint64_t size = manifest.bos(static_cast<int>(*bo)).size();
+  const UniqueFd memfd_owner(::memfd_create("placement-test", MFD_CLOEXEC));
+  const int memfd = memfd_owner.get();
+  ASSERT_GE(memfd, 0);
+  ASSERT_EQ(::ftruncate(memfd, static_cast<off_t>(size)), 0);
+
+  auto client = Opened(server_->unix_endpoint(), "lazy");
+  ASSERT_TRUE(client->Send(PlaceIntoFrame(*bo, memfd, size)).ok());
+  Result<Frame> placed_into = client->Read();
+  ASSERT_TRUE(placed_into.ok()) << placed_into.status().ToString();
+  ASSERT_TRUE(placed_into->header.has_place_into_reply()) << placed_into->header.ShortDebugString();
+  ASSERT_TRUE(client->Credit(64 << 20).ok());
+  wire::Header request;
+  request.set_request_id(5);
+  request.mutable_request()->set_priority(wire::PRIORITY_DEMAND);
+  request.mutable_request()->set_placed(true);
+  wire::ChunkRange* range = request.mutable_request()->add_ranges();
+  range->set_bo(*bo);
+  range->set_first_chunk(chunk);
+  range->set_chunk_count(1);
+  ASSERT_TRUE(client->Send(request).ok());
+  Result<Frame> reply = client->Read();
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  ASSERT_TRUE(reply->header.has_chunk()) << reply->header.ShortDebugString();
+  EXPECT_TRUE(reply->header.chunk().placed())
+      << "sent as bytes: " << reply->header.ShortDebugString();
+  EXPECT_TRUE(reply->payload.empty());
+  std::vector<uint8_t> in_place(stored.size());
+  ASSERT_TRUE(ReadExactAt(memfd, uint64_t{chunk} * manifest.chunk_size(), in_place, "memfd").ok());
+  EXPECT_TRUE(in_place == stored) << "the destination holds other bytes than the chunk's";
 }
 
 TEST_F(PlacementTest, OfferedOnUnixSocketsOnly) {
