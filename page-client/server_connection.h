@@ -58,9 +58,6 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(
 net::Awaitable<Status> PlaceInto(net::Stream& socket, std::vector<wire::Header> frames,
                                  const FrameLimits& limits, std::chrono::milliseconds timeout,
                                  bool* refused);
-// Destinations per PlaceInto frame: 256 of at most ~90 serialized bytes (a 64-byte handle)
-// stay well inside the 64 KiB frame header.
-inline constexpr size_t kMaxTargetsPerPlaceInto = 256;
 
 // Asks the server for its statistics (docs/server.md, "Stats") on a connection of its own:
 // Hello with `token` (empty: none), then StatsRequest; returns the reply's JSON text. Blocking,

@@ -20,6 +20,10 @@ inline constexpr size_t kFramePrefixSize = 8;
 // OpenImageReply; 1 carries it in the reply's header.
 inline constexpr uint32_t kMinProtocolVersion = 1;
 inline constexpr uint32_t kProtocolVersion = 2;
+// Destinations per PlaceInto frame (docs/protocol.md, "Placement"): 256 of at most ~90 serialized
+// bytes (a 64-byte CUDA IPC handle) stay well inside the 64 KiB frame header. A server refuses
+// a frame with more.
+inline constexpr size_t kMaxTargetsPerPlaceInto = 256;
 
 struct FrameLimits {
   uint32_t max_header = 64 * 1024;

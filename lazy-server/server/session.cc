@@ -1018,6 +1018,13 @@ net::Awaitable<void> Connection::HandlePlaceInto(const wire::Header& frame) {
               rid);
     co_return;
   }
+  if (static_cast<size_t>(place.targets_size()) > kMaxTargetsPerPlaceInto) {
+    SendError(wire::ERROR_BAD_REQUEST,
+              fmt::format("PlaceInto: {} destinations in one frame, at most {}",
+                          place.targets_size(), kMaxTargetsPerPlaceInto),
+              rid);
+    co_return;
+  }
   const manifest::Manifest& manifest = session_->image().source->manifest();
   std::vector<Session::PlacementTargetEntry> entries;
   std::set<uint32_t> named;

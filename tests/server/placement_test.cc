@@ -297,7 +297,7 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
     wire::Header frame;
     const char* reason;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"wrong kind", PlaceIntoFrame(0, memfd, 1 << 20, "cuda"), "places into memfd memory"},
       {"BO out of range", PlaceIntoFrame(1000, memfd, 1 << 20), "not in the image"},
       {"too small for the BO", PlaceIntoFrame(0, memfd, 1), "holds 1 bytes"},
@@ -305,6 +305,13 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
       {"claims more than it holds", PlaceIntoFrame(0, memfd, 1ull << 40), "not the"},
       {"no such descriptor", PlaceIntoFrame(0, 100000, 1ull << 20), "pidfd_getfd"},
   };
+  // One more destination than a frame may carry: refused for its count, before the repeated BO.
+  wire::Header too_many = PlaceIntoFrame(0, memfd, 1 << 20);
+  const wire::PlacementTarget first = too_many.place_into().targets(0);
+  for (size_t i = 0; i < kMaxTargetsPerPlaceInto; ++i)
+    *too_many.mutable_place_into()->add_targets() = first;
+  ASSERT_EQ(static_cast<size_t>(too_many.place_into().targets_size()), kMaxTargetsPerPlaceInto + 1);
+  cases.push_back({"too many destinations in a frame", too_many, "at most 256"});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     auto client = Opened(server_->unix_endpoint(), "raw");
