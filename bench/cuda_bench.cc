@@ -37,6 +37,7 @@
 #include "page-client/cuda/cuda_engine.h"
 #include "page-client/local_restore.h"
 #include "page-client/restore_session.h"
+#include "page-client/server_connection.h"
 #include "proto/checksum.h"
 #include "proto/size.h"
 
@@ -211,6 +212,48 @@ std::map<std::string, double> CpuReadings(const CpuMeter& meter) {
   return readings;
 }
 
+// The server's placement counters (its stats' server.placement; docs/server.md, "Stats"), or
+// none when it places nothing or does not answer: the readings are diagnostics, not the result.
+std::map<std::string, double> ServerPlacementCounters(const std::string& endpoint_text) {
+  std::map<std::string, double> counters;
+  Result<net::Endpoint> endpoint = net::Endpoint::Parse(endpoint_text);
+  Result<net::ClientTransport> transport =
+      net::ClientTransport::Make({}, /*allow_insecure_tcp=*/true);
+  if (!endpoint.ok() || !transport.ok()) return counters;
+  Result<std::string> text = client::FetchServerStats(*endpoint, *transport, "", "bench-stats");
+  if (!text.ok()) return counters;
+  const nlohmann::json stats = nlohmann::json::parse(*text, nullptr, false);
+  if (stats.is_discarded() || !stats.contains("server") || !stats["server"].is_object() ||
+      !stats["server"].contains("placement") || !stats["server"]["placement"].is_object())
+    return counters;
+  for (const auto& [field, value] : stats["server"]["placement"].items())
+    if (value.is_number()) counters[field] = value.get<double>();
+  return counters;
+}
+
+// What the server's placer did during one run, from its counters before and after: how long it
+// had placements in flight, how many of its slots were busy on average meanwhile, and how long
+// callers waited for a slot and its callbacks took (seconds).
+void AddPlacerReadings(const std::map<std::string, double>& before,
+                       const std::map<std::string, double>& after,
+                       std::map<std::string, double>& into) {
+  auto delta = [&](const char* field) {
+    auto a = after.find(field);
+    auto b = before.find(field);
+    if (a == after.end()) return 0.0;
+    return a->second - (b == before.end() ? 0.0 : b->second);
+  };
+  if (!after.contains("active_ns")) return;
+  const double active_s = delta("active_ns") / 1e9;
+  into["placer_active_s"] = active_s;
+  into["placer_slots_busy_mean"] = active_s > 0 ? delta("slot_busy_ns") / 1e9 / active_s : 0;
+  into["placer_slot_wait_s"] = delta("slot_wait_ns") / 1e9;
+  into["placer_done_s"] = delta("done_ns") / 1e9;
+  into["placer_registrations"] = delta("registrations");
+  into["placer_opens"] = delta("opens");
+  into["placer_open_s"] = delta("open_ns") / 1e9;
+}
+
 // read_files: the client reads the image files the server passes, on `readers` threads
 // (chunks by reference); otherwise every byte crosses the Unix socket.
 Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::string& endpoint,
@@ -236,6 +279,7 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
   options.file_readers = readers;
   options.lanes = lanes;
   PipelineResult result;
+  const std::map<std::string, double> placer_before = ServerPlacementCounters(endpoint);
   {
     client::RestoreSession session(options, *engine);
     const CpuMeter cpu(server);
@@ -252,6 +296,8 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     result.readings["placed_chunks"] = static_cast<double>(session.progress().placed_chunks);
     AddReaderReadings(session.progress(), read_files ? readers : 0, result.seconds,
                       result.readings);
+
+    AddPlacerReadings(placer_before, ServerPlacementCounters(endpoint), result.readings);
 
     GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
     result.verified = true;

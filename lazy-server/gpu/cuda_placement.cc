@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "lazy-server/gpu/device_placer.h"
@@ -38,8 +40,17 @@ class CudaPlacement final : public PlacementBackend {
                              kIpcHandleBytes, handle.size());
     IpcHandle bytes{};
     std::memcpy(bytes.data(), handle.data(), bytes.size());
-    GPULAZY_ASSIGN_OR_RETURN(DestinationRef destination, placer_->OpenDestination(bytes, size));
-    return PlacementTargetRef(std::make_shared<CudaDestination>(std::move(destination), size));
+    const auto opening = std::chrono::steady_clock::now();
+    Result<DestinationRef> destination = placer_->OpenDestination(bytes, size);
+    // Opening maps the allocation into this process: a restore waits for it before its stream
+    // starts, so its cost is counted (docs/server.md, "Stats").
+    opens_.fetch_add(1, std::memory_order_relaxed);
+    open_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                 std::chrono::steady_clock::now() - opening)
+                                                 .count()),
+                       std::memory_order_relaxed);
+    if (!destination.ok()) return destination.status();
+    return PlacementTargetRef(std::make_shared<CudaDestination>(*std::move(destination), size));
   }
 
   Status Place(const image::DiskRange& from, std::string_view file_name,
@@ -50,8 +61,7 @@ class CudaPlacement final : public PlacementBackend {
     if (from.length > UINT32_MAX) return OutOfRange("a {}-byte chunk", from.length);
     // Registered once per file and then found in the placer's cache (by device, inode, size
     // and modification time).
-    GPULAZY_ASSIGN_OR_RETURN(SourceRef source,
-                             placer_->RegisterFile(from.fd, std::string(file_name)));
+    GPULAZY_ASSIGN_OR_RETURN(SourceRef source, placer_->RegisterFile(from.fd, file_name));
     return placer_->Place(source, from.offset, static_cast<uint32_t>(from.length), checksum,
                           cuda->destination(), target_offset, std::move(done));
   }
@@ -62,12 +72,17 @@ class CudaPlacement final : public PlacementBackend {
     const PlacerStats s = placer_->stats();
     return {{"placed_chunks", s.placed_chunks}, {"placed_bytes", s.placed_bytes},
             {"mismatches", s.mismatches},       {"registrations", s.registrations},
-            {"evictions", s.evictions},         {"pinned_bytes", s.pinned_bytes}};
+            {"evictions", s.evictions},         {"pinned_bytes", s.pinned_bytes},
+            {"active_ns", s.active_ns},         {"slot_busy_ns", s.slot_busy_ns},
+            {"slot_wait_ns", s.slot_wait_ns},   {"done_ns", s.done_ns},
+            {"opens", opens_.load()},           {"open_ns", open_ns_.load()}};
   }
 
  private:
   std::unique_ptr<DevicePlacer> placer_;
   std::string uuid_;
+  std::atomic<uint64_t> opens_{0};    // destinations opened (or tried)
+  std::atomic<uint64_t> open_ns_{0};  // the time it took
 };
 
 }  // namespace

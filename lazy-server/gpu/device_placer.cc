@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -173,7 +174,7 @@ class DevicePlacer::Impl {
     return Status::Ok();
   }
 
-  Result<SourceRef> RegisterFile(int fd, const std::string& name) {
+  Result<SourceRef> RegisterFile(int fd, std::string_view name) {
     struct stat st {};
     if (::fstat(fd, &st) != 0) return ErrnoError(errno, "registering {}: fstat", name);
     if (!S_ISREG(st.st_mode)) return InvalidArgument("registering {}: not a regular file", name);
@@ -181,6 +182,12 @@ class DevicePlacer::Impl {
     if (size == 0) return InvalidArgument("registering {}: the file is empty", name);
     const RegisteredFile::Key key{st.st_dev, st.st_ino, size, st.st_mtim.tv_sec,
                                   st.st_mtim.tv_nsec};
+    // Every placement of a stream asks for its file: a registered one is found without waiting
+    // behind a registration of another file.
+    {
+      std::lock_guard lock(mu_);
+      if (std::optional<SourceRef> cached = FindCachedLocked(key)) return *std::move(cached);
+    }
     // One registration at a time: two of the same file would pin it twice, and registering
     // holds the driver against every other call of the process anyway (session 14).
     std::lock_guard registering(register_mu_);
@@ -190,11 +197,8 @@ class DevicePlacer::Impl {
     std::vector<std::shared_ptr<RegisteredFile>> evicted;
     {
       std::lock_guard lock(mu_);
-      for (auto it = cache_.begin(); it != cache_.end(); ++it)
-        if ((*it)->key() == key) {
-          cache_.splice(cache_.begin(), cache_, it);  // most recently used first
-          return SourceRef(*cache_.begin());
-        }
+      // Registered by another caller while this one waited for register_mu_.
+      if (std::optional<SourceRef> cached = FindCachedLocked(key)) return *std::move(cached);
       if (pinned > options_.pin_budget_bytes)
         return ResourceExhausted("registering {}: {} bytes exceed the pin budget of {}", name, size,
                                  options_.pin_budget_bytes);
@@ -221,7 +225,7 @@ class DevicePlacer::Impl {
       ::munmap(mapping, pinned);
       return CudaError(e, fmt::format("registering {} ({} bytes) for DMA", name, size));
     }
-    auto file = std::make_shared<RegisteredFile>(key, name, mapping, size);
+    auto file = std::make_shared<RegisteredFile>(key, std::string(name), mapping, size);
     std::lock_guard lock(mu_);
     pinned_ += file->MappedBytes();
     ++stats_.registrations;
@@ -282,10 +286,16 @@ class DevicePlacer::Impl {
     uint32_t index = 0;
     {
       std::unique_lock lock(mu_);
-      slot_freed_.wait(lock, [&] { return !free_.empty(); });
+      if (free_.empty()) {
+        const auto waiting = Clock::now();
+        slot_freed_.wait(lock, [&] { return !free_.empty(); });
+        stats_.slot_wait_ns += NanosSince(waiting);
+      }
       index = free_.front();
       free_.pop_front();
-      ++in_flight_;
+      const auto now = Clock::now();
+      if (in_flight_++ == 0) active_since_ = now;
+      slots_[index].taken = now;
     }
     Slot& slot = slots_[index];
     cudaStream_t stream = streams_[index % streams_.size()];
@@ -348,13 +358,21 @@ class DevicePlacer::Impl {
     std::lock_guard lock(mu_);
     PlacerStats stats = stats_;
     stats.pinned_bytes = pinned_;
+    if (in_flight_ > 0) stats.active_ns += NanosSince(active_since_);
     return stats;
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  static uint64_t NanosSince(Clock::time_point since) {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count());
+  }
+
   struct Slot {
     cudaEvent_t event = nullptr;
-    SourceRef source;  // kept registered and open until the copy is done
+    Clock::time_point taken;  // under mu_
+    SourceRef source;         // kept registered and open until the copy is done
     DestinationRef destination;
     uint64_t offset = 0;
     uint32_t length = 0;
@@ -367,11 +385,21 @@ class DevicePlacer::Impl {
                    source.name(), offset, length);
   }
 
+  std::optional<SourceRef> FindCachedLocked(const RegisteredFile::Key& key) {
+    for (auto it = cache_.begin(); it != cache_.end(); ++it)
+      if ((*it)->key() == key) {
+        cache_.splice(cache_.begin(), cache_, it);  // most recently used first
+        return SourceRef(*cache_.begin());
+      }
+    return std::nullopt;
+  }
+
   void ReleaseSlot(uint32_t index) {
     {
       std::lock_guard lock(mu_);
       free_.push_back(index);
-      --in_flight_;
+      stats_.slot_busy_ns += NanosSince(slots_[index].taken);
+      if (--in_flight_ == 0) stats_.active_ns += NanosSince(active_since_);
     }
     slot_freed_.notify_all();
   }
@@ -409,7 +437,13 @@ class DevicePlacer::Impl {
       PlaceDone done = std::move(slot.done);
       slot.source.reset();
       slot.destination.reset();
-      if (done) done(std::move(result));
+      if (done) {
+        const auto calling = Clock::now();
+        done(std::move(result));
+        const uint64_t spent = NanosSince(calling);
+        std::lock_guard lock(mu_);
+        stats_.done_ns += spent;
+      }
       ReleaseSlot(index);
     }
   }
@@ -433,6 +467,7 @@ class DevicePlacer::Impl {
   std::deque<uint32_t> free_;
   std::deque<uint32_t> order_;  // queued slots, oldest first
   size_t in_flight_ = 0;
+  std::chrono::steady_clock::time_point active_since_;  // when in_flight_ last left 0
   bool stopping_ = false;
   std::list<std::shared_ptr<RegisteredFile>> cache_;  // most recently used first
   uint64_t pinned_ = 0;
@@ -449,7 +484,7 @@ Result<std::unique_ptr<DevicePlacer>> DevicePlacer::Create(const PlacerOptions& 
 DevicePlacer::DevicePlacer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DevicePlacer::~DevicePlacer() = default;
 
-Result<SourceRef> DevicePlacer::RegisterFile(int fd, const std::string& name) {
+Result<SourceRef> DevicePlacer::RegisterFile(int fd, std::string_view name) {
   return impl_->RegisterFile(fd, name);
 }
 Result<DestinationRef> DevicePlacer::OpenDestination(const IpcHandle& handle, uint64_t size) {

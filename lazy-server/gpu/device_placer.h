@@ -23,6 +23,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "proto/status.h"
 
@@ -64,6 +65,12 @@ struct PlacerStats {
   uint64_t registrations = 0;  // files registered (a cached one counts once)
   uint64_t evictions = 0;      // registrations let go to make room
   uint64_t pinned_bytes = 0;   // registered now
+  // Where a stream of placements spends its time, to tell a placer that holds the stream back
+  // from one that waits for work (docs/server.md, "Placement"). Nanoseconds since Create.
+  uint64_t active_ns = 0;     // with at least one placement in flight
+  uint64_t slot_busy_ns = 0;  // summed over slots: queued until its `done` returned
+  uint64_t slot_wait_ns = 0;  // summed over Place callers: waiting for a free slot
+  uint64_t done_ns = 0;       // in the `done` callbacks, on the placer's thread
 };
 
 class DevicePlacer {
@@ -76,7 +83,7 @@ class DevicePlacer {
 
   // The file open as `fd` (a regular file; `name` for messages), registered whole, or the
   // registration already made for the same file (device, inode, size and modification time).
-  Result<SourceRef> RegisterFile(int fd, const std::string& name);
+  Result<SourceRef> RegisterFile(int fd, std::string_view name);
   // Opens a destination a client exported; `size` is what the client says it holds and must
   // not exceed the allocation the handle opens.
   Result<DestinationRef> OpenDestination(const IpcHandle& handle, uint64_t size);

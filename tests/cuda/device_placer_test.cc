@@ -70,6 +70,8 @@ std::unique_ptr<IpcExporterProcess> Exporter(uint64_t size) {
 
 class DevicePlacerTest : public ::testing::Test {
  protected:
+  static constexpr uint32_t kSlots = 4;
+
   void SetUp() override {
     if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
   }
@@ -78,7 +80,7 @@ class DevicePlacerTest : public ::testing::Test {
     PlacerOptions options;
     options.pin_budget_bytes = pin_budget;
     options.slot_bytes = kChunk;
-    options.slots = 4;
+    options.slots = kSlots;
     options.streams = 2;
     auto placer = DevicePlacer::Create(options);
     EXPECT_TRUE(placer.ok()) << placer.status().ToString();
@@ -144,6 +146,12 @@ TEST_F(DevicePlacerTest, PlacesCheckedChunksByteExactAndNeverInstallsOneThatFail
   EXPECT_EQ(stats.placed_chunks, kChunks - 1);
   EXPECT_EQ(stats.mismatches, 1u);
   EXPECT_EQ(stats.placed_bytes, (kChunks - 1) * kChunk);
+  // The time accounts hold together: some slot is busy whenever the placer is active, never more
+  // than all of them, and a slot stays busy through its callback.
+  EXPECT_GT(stats.active_ns, 0u);
+  EXPECT_GE(stats.slot_busy_ns, stats.active_ns);
+  EXPECT_LE(stats.slot_busy_ns, uint64_t{kSlots} * stats.active_ns);
+  EXPECT_LE(stats.done_ns, stats.slot_busy_ns);
 }
 
 TEST_F(DevicePlacerTest, ChunksWithoutChecksumAndShortChunksLand) {
