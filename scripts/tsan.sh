@@ -11,8 +11,10 @@
 # (page client threads in CRIU's master, the fault channel, TLS, tasks dying mid-restore), and
 # the plugin's fault channel and SDMA engine (its reaper) against the fake device, and the
 # security tests (TLS listeners, credentials reloaded on SIGHUP while the server serves).
-# The CI set also replays the server fuzz harness's seed scripts (tests/fuzz/fuzz_server.cc): the
-# server's network, disk and demand threads under hostile clients, in one process.
+# The CI set also has placement's destinations opening on disk threads while the stream runs
+# (an embedded server), and replays the server fuzz harness's seed scripts
+# (tests/fuzz/fuzz_server.cc): the server's network, disk and demand threads under hostile
+# clients, in one process.
 # Built RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl)
 # into its own build dir; only the targets these tests need are built. Any race report fails
 # the run.
@@ -27,14 +29,14 @@ fi
 build=${1:-$root/build-tsan}
 "$root/scripts/install-deps.sh"
 targets=(client_basics_test client_session_test client_local_restore_test server_unit_test server_integration_test
-  server_image_files_test e2e_restore_test e2e_load_test uffd_test fuzz_server_replay gpulazy-server
-  gpulazy-client)
+  server_image_files_test server_placement_open_test e2e_restore_test e2e_load_test uffd_test
+  fuzz_server_replay gpulazy-server gpulazy-client)
 suites='RestoreSession|RestoreSessionInPlace|RestoreSessionThreads|RestoreSessionLanes|LocalRestore|SchedulerTest'
 suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Modes/UffdHandover|Handover'
-suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus'
+suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
     plugin_unit_test client_fetch_cli_test server_security_test)

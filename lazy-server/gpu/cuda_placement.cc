@@ -3,8 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
 
 #include "lazy-server/gpu/device_placer.h"
@@ -24,6 +22,23 @@ class CudaDestination final : public PlacementTarget {
   uint64_t size_;
 };
 
+// Opened by the placer, which outlives it: sessions open their destinations on the server's disk
+// threads, which stop before the backend goes.
+class AcceptedCudaDestination final : public AcceptedTarget {
+ public:
+  AcceptedCudaDestination(DevicePlacer& placer, const IpcHandle& handle, uint64_t size)
+      : placer_(placer), handle_(handle), size_(size) {}
+  Result<PlacementTargetRef> Open() override {
+    GPULAZY_ASSIGN_OR_RETURN(DestinationRef destination, placer_.OpenDestination(handle_, size_));
+    return PlacementTargetRef(std::make_shared<CudaDestination>(std::move(destination), size_));
+  }
+
+ private:
+  DevicePlacer& placer_;
+  IpcHandle handle_;
+  uint64_t size_;
+};
+
 class CudaPlacement final : public PlacementBackend {
  public:
   CudaPlacement(std::unique_ptr<DevicePlacer> placer, std::string uuid)
@@ -32,25 +47,18 @@ class CudaPlacement final : public PlacementBackend {
   std::string_view kind() const override { return "cuda"; }
   std::string device() const override { return uuid_; }
 
-  Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size,
-                                  const PeerIdentity& peer) override {
+  Result<std::unique_ptr<AcceptedTarget>> Accept(std::string_view handle, uint64_t size,
+                                                 const PeerIdentity& peer) override {
     (void)peer;  // a CUDA IPC handle opens the exporter's allocation whoever sends it
     if (handle.size() != kIpcHandleBytes)
       return InvalidArgument("a cuda destination is a {}-byte IPC handle, not {} bytes",
                              kIpcHandleBytes, handle.size());
+    if (size == 0) return InvalidArgument("a cuda destination of 0 bytes");
     IpcHandle bytes{};
     std::memcpy(bytes.data(), handle.data(), bytes.size());
-    const auto opening = std::chrono::steady_clock::now();
-    Result<DestinationRef> destination = placer_->OpenDestination(bytes, size);
-    // Opening maps the allocation into this process: a restore waits for it before its stream
-    // starts, so its cost is counted (docs/server.md, "Stats").
-    opens_.fetch_add(1, std::memory_order_relaxed);
-    open_ns_.fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                 std::chrono::steady_clock::now() - opening)
-                                                 .count()),
-                       std::memory_order_relaxed);
-    if (!destination.ok()) return destination.status();
-    return PlacementTargetRef(std::make_shared<CudaDestination>(*std::move(destination), size));
+    // Whether the handle opens, and holds `size` bytes, only opening tells.
+    return std::unique_ptr<AcceptedTarget>(
+        std::make_unique<AcceptedCudaDestination>(*placer_, bytes, size));
   }
 
   Status Place(const image::DiskRange& from, std::string_view file_name,
@@ -70,19 +78,23 @@ class CudaPlacement final : public PlacementBackend {
 
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {
     const PlacerStats s = placer_->stats();
-    return {{"placed_chunks", s.placed_chunks}, {"placed_bytes", s.placed_bytes},
-            {"mismatches", s.mismatches},       {"registrations", s.registrations},
-            {"evictions", s.evictions},         {"pinned_bytes", s.pinned_bytes},
-            {"active_ns", s.active_ns},         {"slot_busy_ns", s.slot_busy_ns},
-            {"slot_wait_ns", s.slot_wait_ns},   {"done_ns", s.done_ns},
-            {"opens", opens_.load()},           {"open_ns", open_ns_.load()}};
+    return {{"placed_chunks", s.placed_chunks},
+            {"placed_bytes", s.placed_bytes},
+            {"mismatches", s.mismatches},
+            {"registrations", s.registrations},
+            {"evictions", s.evictions},
+            {"pinned_bytes", s.pinned_bytes},
+            {"active_ns", s.active_ns},
+            {"slot_busy_ns", s.slot_busy_ns},
+            {"slot_wait_ns", s.slot_wait_ns},
+            {"done_ns", s.done_ns},
+            {"opens", s.opens},
+            {"open_ns", s.open_ns}};
   }
 
  private:
   std::unique_ptr<DevicePlacer> placer_;
   std::string uuid_;
-  std::atomic<uint64_t> opens_{0};    // destinations opened (or tried)
-  std::atomic<uint64_t> open_ns_{0};  // the time it took
 };
 
 }  // namespace

@@ -234,6 +234,15 @@ class DevicePlacer::Impl {
   }
 
   Result<DestinationRef> OpenDestination(const IpcHandle& handle, uint64_t size) {
+    const auto opening = Clock::now();
+    Result<DestinationRef> opened = OpenDestinationUntimed(handle, size);
+    std::lock_guard lock(mu_);
+    ++stats_.opens;
+    stats_.open_ns += NanosSince(opening);
+    return opened;
+  }
+
+  Result<DestinationRef> OpenDestinationUntimed(const IpcHandle& handle, uint64_t size) {
     if (size == 0) return InvalidArgument("opening a destination of 0 bytes");
     if (cudaError_t e = cudaSetDevice(options_.device); e != cudaSuccess)
       return CudaError(e, "selecting the placement device");

@@ -71,6 +71,8 @@ struct PlacerStats {
   uint64_t slot_busy_ns = 0;  // summed over slots: queued until its `done` returned
   uint64_t slot_wait_ns = 0;  // summed over Place callers: waiting for a free slot
   uint64_t done_ns = 0;       // in the `done` callbacks, on the placer's thread
+  uint64_t opens = 0;         // OpenDestination calls (failed ones too)
+  uint64_t open_ns = 0;       // the time they took, summed
 };
 
 class DevicePlacer {

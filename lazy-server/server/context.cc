@@ -191,6 +191,8 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
     nlohmann::json counters = {{"kind", placement->kind()}};
     for (const auto& [name, value] : placement->Counters())
       counters[name] = value;
+    counters["placements_deferred"] = totals.placements_deferred.load();
+    counters["destination_open_failures"] = totals.destination_open_failures.load();
     server["placement"] = counters;
   }
   // The disk lanes and the chunk buffer pool (docs/server.md "Disk reads").

@@ -52,6 +52,10 @@ struct ServerTotals {
   // SIGHUP: credentials read again and put in place, or refused (the old ones kept).
   std::atomic<uint64_t> credential_reloads{0};
   std::atomic<uint64_t> credential_reload_failures{0};
+  // Placement: chunks that waited for their BO's destination to open, and destinations that
+  // did not open after PlaceInto accepted them (their BOs' chunks went as bytes).
+  std::atomic<uint64_t> placements_deferred{0};
+  std::atomic<uint64_t> destination_open_failures{0};
 };
 
 struct ServerContext {

@@ -40,6 +40,27 @@ class MemfdTarget final : public PlacementTarget {
   uint64_t size_;
 };
 
+// Taken and checked; mapped when opened. (The client can still seal it in between: the mapping
+// then fails, and its BO goes as bytes.)
+class AcceptedMemfd final : public AcceptedTarget {
+ public:
+  AcceptedMemfd(UniqueFd fd, uint32_t number, uint64_t size)
+      : fd_(std::move(fd)), number_(number), size_(size) {}
+  Result<PlacementTargetRef> Open() override {
+    if (size_ == 0)
+      return PlacementTargetRef(std::make_shared<MemfdTarget>(std::move(fd_), nullptr, 0));
+    void* data = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_.get(), 0);
+    if (data == MAP_FAILED) return ErrnoError(errno, "mapping the client's memfd {}", number_);
+    return PlacementTargetRef(
+        std::make_shared<MemfdTarget>(std::move(fd_), static_cast<uint8_t*>(data), size_));
+  }
+
+ private:
+  UniqueFd fd_;
+  uint32_t number_;
+  uint64_t size_;
+};
+
 Result<UniqueFd> TakePeerDescriptor(pid_t pid, int fd) {
   // pidfd_open and pidfd_getfd (Linux 5.3 and 5.6) through syscall(): Debian 12's glibc has no
   // wrappers for them.
@@ -64,8 +85,8 @@ class MemfdPlacement final : public PlacementBackend {
   std::string_view kind() const override { return "memfd"; }
   std::string device() const override { return {}; }
 
-  Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size,
-                                  const PeerIdentity& peer) override {
+  Result<std::unique_ptr<AcceptedTarget>> Accept(std::string_view handle, uint64_t size,
+                                                 const PeerIdentity& peer) override {
     if (handle.size() != 4)
       return InvalidArgument("a memfd destination is a 4-byte descriptor number, not {} bytes",
                              handle.size());
@@ -85,12 +106,8 @@ class MemfdPlacement final : public PlacementBackend {
     if (static_cast<uint64_t>(st.st_size) < size)
       return OutOfRange("the client's memfd {} holds {} bytes, not the {} claimed", number,
                         st.st_size, size);
-    if (size == 0)
-      return PlacementTargetRef(std::make_shared<MemfdTarget>(std::move(fd), nullptr, 0));
-    void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-    if (data == MAP_FAILED) return ErrnoError(errno, "mapping the client's memfd {}", number);
-    return PlacementTargetRef(
-        std::make_shared<MemfdTarget>(std::move(fd), static_cast<uint8_t*>(data), size));
+    return std::unique_ptr<AcceptedTarget>(
+        std::make_unique<AcceptedMemfd>(std::move(fd), number, size));
   }
 
   Status Place(const image::DiskRange& from, std::string_view file_name,
@@ -134,6 +151,12 @@ class MemfdPlacement final : public PlacementBackend {
 };
 
 }  // namespace
+
+Result<PlacementTargetRef> PlacementBackend::Open(std::string_view handle, uint64_t size,
+                                                  const PeerIdentity& peer) {
+  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<AcceptedTarget> accepted, Accept(handle, size, peer));
+  return accepted->Open();
+}
 
 std::unique_ptr<PlacementBackend> CreateMemfdPlacement() {
   return std::make_unique<MemfdPlacement>();

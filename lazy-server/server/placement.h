@@ -37,6 +37,17 @@ class PlacementTarget {
 };
 using PlacementTargetRef = std::shared_ptr<const PlacementTarget>;
 
+// A destination taken from the client and checked (PlacementBackend::Accept), not yet ready.
+// Opening it is the costly part: a CUDA IPC handle's allocation is mapped into the server's
+// context, some 6 ms a GiB on an H200 (docs/benchmarks.md, "Session 41"), so a session opens its
+// destinations one by one while its stream runs, and a chunk waits only for its own BO's.
+class AcceptedTarget {
+ public:
+  virtual ~AcceptedTarget() = default;
+  // Once. An error leaves the BO's chunks to go as bytes.
+  virtual Result<PlacementTargetRef> Open() = 0;
+};
+
 // Runs once per queued placement, on any thread (also inside Place): Ok once the bytes are in
 // the destination; kCorrupt when they did not hash to the checksum (nothing was written);
 // another error when the copy failed.
@@ -49,10 +60,13 @@ class PlacementBackend {
   virtual std::string_view kind() const = 0;
   // PlacementOffer.device: a GPU's UUID; empty for host memory.
   virtual std::string device() const = 0;
-  // Opens the destination `handle` names (the kind's encoding, wire.proto PlacementTarget) in
-  // the process of `peer`; it must hold at least `size` bytes.
-  virtual Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size,
-                                          const PeerIdentity& peer) = 0;
+  // Takes the destination `handle` names (the kind's encoding, wire.proto PlacementTarget) from
+  // the process of `peer` and checks what can be checked at once; it must hold at least `size`
+  // bytes. Cheap: PlaceInto is answered after it, with its refusal as the reason.
+  virtual Result<std::unique_ptr<AcceptedTarget>> Accept(std::string_view handle, uint64_t size,
+                                                         const PeerIdentity& peer) = 0;
+  // Accept and Open in one step.
+  Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size, const PeerIdentity& peer);
   // Queues the bytes of `from` (a RAW chunk's stored bytes in an image file, `file_name` for
   // messages) for [target_offset, + from.length) of `target`. With a checksum (XXH3-64) nothing
   // reaches the destination unless the bytes match it. An error return: nothing was queued and

@@ -68,11 +68,17 @@ Server::Server(const ServerConfig& config)
   }
 }
 
+Server::Server(const ServerConfig& config, std::unique_ptr<PlacementBackend> placement)
+    : Server(config) {
+  ctx_->placement = std::move(placement);
+}
+
 Server::~Server() {
   listeners_.clear();
   // Placements in flight hand their chunks to the dispatcher (a fallback read): finish them first.
   if (ctx_->placement) ctx_->placement->Flush();
   ctx_->dispatcher.Stop();  // no disk thread posts into io_ while it is destroyed
+  if (ctx_->placement) ctx_->placement->Flush();  // queued by a destination's opening
 }
 
 Result<Server::Listener> Server::Bind(const net::Endpoint& endpoint) {
@@ -373,6 +379,9 @@ int Server::Run() {
     thread.join();
   if (ctx_->placement) ctx_->placement->Flush();
   ctx_->dispatcher.Stop();
+  // A session's destinations open on the disk threads, and queue the placements that waited
+  // for them: those too.
+  if (ctx_->placement) ctx_->placement->Flush();
   for (const std::string& path : unix_paths_)
     ::unlink(path.c_str());
   spdlog::info("stopped: {} bytes sent in {} sessions", ctx_->totals.bytes_sent.load(),

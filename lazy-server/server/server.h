@@ -26,6 +26,8 @@ namespace gpulazy::server {
 class Server {
  public:
   explicit Server(const ServerConfig& config);
+  // With a placement backend of the embedder's own making instead of config.placement's.
+  Server(const ServerConfig& config, std::unique_ptr<PlacementBackend> placement);
   ~Server();
 
   // Loads the TLS certificate and key (when configured), binds every --listen endpoint, then

@@ -257,32 +257,103 @@ bool Session::SendsFromFiles(const WorkItem& item) const {
 }
 
 Status Session::AddPlacementTargets(std::vector<PlacementTargetEntry> entries) {
-  std::lock_guard lock(placement_mu_);
-  const size_t bos = static_cast<size_t>(image_->layout->bo_count());
-  for (const PlacementTargetEntry& entry : entries) {
-    if (entry.bo >= bos) return OutOfRange("BO {} is not in the image ({} BOs)", entry.bo, bos);
-    if (entry.bo < placement_targets_.size() && placement_targets_[entry.bo])
-      return InvalidArgument("BO {} has a destination already", entry.bo);
+  bool start_opener = false;
+  {
+    std::lock_guard lock(placement_mu_);
+    const size_t bos = static_cast<size_t>(image_->layout->bo_count());
+    for (const PlacementTargetEntry& entry : entries) {
+      if (entry.bo >= bos) return OutOfRange("BO {} is not in the image ({} BOs)", entry.bo, bos);
+      if (!entry.accepted) return Internal("BO {}: no destination", entry.bo);
+      if (entry.bo < destinations_.size() &&
+          destinations_[entry.bo].state != DestinationState::kNone)
+        return InvalidArgument("BO {} has a destination already", entry.bo);
+    }
+    if (destinations_.empty()) {
+      destinations_.resize(bos);
+      place_state_.assign(image_->layout->total_chunks(), PlaceState::kNone);
+    }
+    for (PlacementTargetEntry& entry : entries) {
+      Destination& destination = destinations_[entry.bo];
+      destination.state = DestinationState::kOpening;
+      destination.size = entry.size;
+      destination.accepted = std::move(entry.accepted);
+      to_open_.push_back(entry.bo);
+    }
+    start_opener = !opener_running_ && !to_open_.empty();
+    if (start_opener) opener_running_ = true;
   }
-  if (placement_targets_.empty()) {
-    placement_targets_.resize(bos);
-    place_state_.assign(image_->layout->total_chunks(), PlaceState::kNone);
-  }
-  for (PlacementTargetEntry& entry : entries) {
-    placement_targets_[entry.bo] = std::move(entry.target);
-    ++placement_target_count_;
-  }
+  if (start_opener)
+    boost::asio::post(ctx_.dispatcher.pool(),
+                      [self = shared_from_this()] { self->OpenDestinations(); });
   return Status::Ok();
+}
+
+void Session::OpenDestinations() {
+  for (;;) {
+    uint32_t bo = 0;
+    uint64_t size = 0;
+    std::unique_ptr<AcceptedTarget> accepted;
+    {
+      std::lock_guard lock(placement_mu_);
+      if (to_open_.empty()) {
+        opener_running_ = false;
+        return;
+      }
+      bo = to_open_.front();
+      to_open_.pop_front();
+      accepted = std::move(destinations_[bo].accepted);
+      size = destinations_[bo].size;
+    }
+    bool closed = ctx_.shutting_down.load();
+    {
+      std::lock_guard lock(mu_);
+      closed = closed || closed_;
+    }
+    Result<PlacementTargetRef> opened =
+        closed ? Result<PlacementTargetRef>(Aborted("the session closed")) : accepted->Open();
+    accepted.reset();
+    if (opened.ok() && (*opened)->size() < size)
+      opened = Internal("the destination opened holds {} bytes, {} were accepted",
+                        (*opened)->size(), size);
+    std::vector<PendingPlacement> waiting;
+    {
+      std::lock_guard lock(placement_mu_);
+      Destination& destination = destinations_[bo];
+      destination.state = opened.ok() ? DestinationState::kOpen : DestinationState::kFailed;
+      if (opened.ok()) destination.target = *opened;
+      waiting.swap(destination.waiting);
+    }
+    if (!opened.ok()) {
+      if (!closed) {
+        ctx_.totals.destination_open_failures.fetch_add(1);
+        spdlog::warn(
+            "session {} (image '{}'): the destination of BO {} did not open ({}); its "
+            "chunks go as bytes",
+            id_, image_->name, bo, opened.status().ToString());
+      }
+      const Status failed = opened.status().Context(fmt::format("the destination of BO {}", bo));
+      for (PendingPlacement& placement : waiting)
+        FinishPlacement(placement.flat, failed, placement.done);
+      continue;
+    }
+    for (const PendingPlacement& placement : waiting) {
+      // Queued or not, each one's `done` runs: nobody else would send it as bytes.
+      if (Status queued = SubmitPlacement(*opened, placement); !queued.ok() && placement.done)
+        placement.done(queued);
+    }
+  }
 }
 
 bool Session::HasPlacementTarget(uint32_t bo) const {
   std::lock_guard lock(placement_mu_);
-  return bo < placement_targets_.size() && placement_targets_[bo] != nullptr;
+  return bo < destinations_.size() && destinations_[bo].state != DestinationState::kNone;
 }
 
 size_t Session::placement_targets() const {
   std::lock_guard lock(placement_mu_);
-  return placement_target_count_;
+  return static_cast<size_t>(
+      std::count_if(destinations_.begin(), destinations_.end(),
+                    [](const Destination& d) { return d.state != DestinationState::kNone; }));
 }
 
 Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
@@ -296,8 +367,11 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
   PlacementTargetRef target;
   {
     std::lock_guard lock(placement_mu_);
-    if (item.bo >= placement_targets_.size() || !placement_targets_[item.bo])
+    if (item.bo >= destinations_.size() || destinations_[item.bo].state == DestinationState::kNone)
       return NotFound("BO {} has no destination", item.bo);
+    Destination& destination = destinations_[item.bo];
+    if (destination.state == DestinationState::kFailed)
+      return NotFound("BO {}'s destination did not open", item.bo);
     const PlaceState state = place_state_[flat];
     if (state == PlaceState::kInFlight) {
       place_waiting_[flat].push_back(std::move(done));
@@ -306,25 +380,51 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
     if (state == PlaceState::kFailed)
       return Aborted("BO {} chunk {} could not be placed before", item.bo, item.chunk);
     if (state == PlaceState::kNone) {
-      target = placement_targets_[item.bo];
-      if (offset > target->size() || from.length > target->size() - offset)
+      if (offset > destination.size || from.length > destination.size - offset)
         return OutOfRange("BO {} chunk {} lies past its destination's {} bytes", item.bo,
-                          item.chunk, target->size());
+                          item.chunk, destination.size);
       place_state_[flat] = PlaceState::kInFlight;
+      if (destination.state == DestinationState::kOpening) {
+        // BOs that chunks wait for open first, in the order the first chunk of each began to
+        // wait: a fault's BO goes before the BOs the stream has not reached.
+        if (destination.waiting.empty()) {
+          auto queued = std::find(to_open_.begin(), to_open_.end(), item.bo);
+          if (queued != to_open_.end()) {
+            to_open_.erase(queued);
+            auto after_waited = std::find_if(to_open_.begin(), to_open_.end(), [&](uint32_t bo) {
+              return destinations_[bo].waiting.empty();
+            });
+            to_open_.insert(after_waited, item.bo);
+          }
+        }
+        destination.waiting.push_back({flat, from, checksum, offset, std::move(done)});
+        ctx_.totals.placements_deferred.fetch_add(1);
+        return Status::Ok();
+      }
+      target = destination.target;
     }
   }
   if (!target) {
     done(Status::Ok());  // placed before: the client is told again and ignores it
     return Status::Ok();
   }
+  return SubmitPlacement(target, {flat, from, checksum, offset, std::move(done)});
+}
+
+Status Session::SubmitPlacement(const PlacementTargetRef& target,
+                                const PendingPlacement& placement) {
   const auto& files = image_->source->files();
   // Both branches string_view: a ?: of std::string and "?" would make a temporary string.
-  const std::string_view file_name =
-      from.file < files.size() ? std::string_view(files[from.file].name) : std::string_view("?");
+  const std::string_view file_name = placement.from.file < files.size()
+                                         ? std::string_view(files[placement.from.file].name)
+                                         : std::string_view("?");
   std::shared_ptr<Session> self = shared_from_this();
-  Status queued = ctx_.placement->Place(
-      from, file_name, checksum, target, offset,
-      [self, flat, done](const Status& status) { self->FinishPlacement(flat, status, done); });
+  const uint64_t flat = placement.flat;
+  Status queued =
+      ctx_.placement->Place(placement.from, file_name, placement.checksum, target, placement.offset,
+                            [self, flat, done = placement.done](const Status& status) {
+                              self->FinishPlacement(flat, status, done);
+                            });
   if (!queued.ok()) {
     // Nothing was queued: this item goes as bytes, and so do those that started waiting on it.
     FinishPlacement(flat, queued, nullptr);
@@ -1043,20 +1143,22 @@ net::Awaitable<void> Connection::HandlePlaceInto(const wire::Header& frame) {
     }
     entries.push_back({target.bo(), target.handle(), target.size(), nullptr});
   }
-  // Opening a CUDA IPC handle maps the allocation into our context (milliseconds): a disk
-  // thread does it. All or nothing: one that fails leaves the session as it was.
-  auto open = [&backend, entries = std::move(entries),
-               peer = identity_]() mutable -> Result<std::vector<Session::PlacementTargetEntry>> {
+  // Taking a memfd from the client's process is system calls: a disk thread does it. All or
+  // nothing: one refused leaves the session as it was. The costly part, opening, comes after
+  // the reply (Session::AddPlacementTargets), so the stream need not wait for every BO's.
+  auto accept = [&backend, entries = std::move(entries),
+                 peer = identity_]() mutable -> Result<std::vector<Session::PlacementTargetEntry>> {
     for (Session::PlacementTargetEntry& entry : entries) {
-      Result<PlacementTargetRef> opened = backend.Open(entry.handle, entry.size, peer);
-      if (!opened.ok())
-        return opened.status().Context(fmt::format("the destination of BO {}", entry.bo));
-      entry.target = std::move(*opened);
+      Result<std::unique_ptr<AcceptedTarget>> accepted =
+          backend.Accept(entry.handle, entry.size, peer);
+      if (!accepted.ok())
+        return accepted.status().Context(fmt::format("the destination of BO {}", entry.bo));
+      entry.accepted = std::move(*accepted);
     }
-    return entries;
+    return std::move(entries);
   };
   Result<std::vector<Session::PlacementTargetEntry>> opened =
-      co_await OnDiskThread<Result<std::vector<Session::PlacementTargetEntry>>>(std::move(open));
+      co_await OnDiskThread<Result<std::vector<Session::PlacementTargetEntry>>>(std::move(accept));
   if (closed_ || draining_) co_return;
   if (!opened.ok()) {
     spdlog::info("{}: PlaceInto refused: {}", Tag(), opened.status().ToString());

@@ -105,14 +105,17 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   };
   Latency DemandLatency() const;
 
-  // Placement (PlaceInto): a destination per BO the client handed over.
+  // Placement (PlaceInto): a destination per BO the client handed over, accepted by the backend
+  // and opened on a disk thread afterwards, one BO at a time while the stream runs: first the
+  // BOs chunks already wait for, then in the order handed over. A chunk whose BO is still being
+  // opened waits for it; one whose BO failed to open goes as bytes.
   struct PlacementTargetEntry {
     uint32_t bo = 0;
     std::string handle;
     uint64_t size = 0;
-    PlacementTargetRef target;
+    std::unique_ptr<AcceptedTarget> accepted;
   };
-  // Adds them all or none (a BO that has one already is kInvalidArgument).
+  // Adds them all or none (a BO that has one already is kInvalidArgument) and starts opening.
   Status AddPlacementTargets(std::vector<PlacementTargetEntry> entries);
   bool HasPlacementTarget(uint32_t bo) const;
   size_t placement_targets() const;
@@ -155,9 +158,30 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   enum class PlaceState : uint8_t { kNone, kInFlight, kPlaced, kFailed };
   // Called once a chunk's placement finished: records it and runs everyone who waited on it.
   void FinishPlacement(uint64_t flat, const Status& status, const PlacementDone& done);
+  // A chunk marked kInFlight, on its way to the backend (or waiting for its BO's open).
+  struct PendingPlacement {
+    uint64_t flat = 0;
+    image::DiskRange from;
+    std::optional<uint64_t> checksum;
+    uint64_t offset = 0;  // in the BO
+    PlacementDone done;
+  };
+  // Queues it with the backend; when that fails, it (and whoever waits on it) goes as bytes.
+  Status SubmitPlacement(const PlacementTargetRef& target, const PendingPlacement& placement);
+  // On a disk thread, while BOs wait to be opened (one runs at a time per session).
+  void OpenDestinations();
+  enum class DestinationState : uint8_t { kNone, kOpening, kOpen, kFailed };
+  struct Destination {
+    DestinationState state = DestinationState::kNone;
+    uint64_t size = 0;                         // what the client said it holds
+    std::unique_ptr<AcceptedTarget> accepted;  // kOpening, until the opener takes it
+    PlacementTargetRef target;                 // kOpen
+    std::vector<PendingPlacement> waiting;     // kOpening: placements waiting for the open
+  };
   mutable std::mutex placement_mu_;
-  std::vector<PlacementTargetRef> placement_targets_;  // by BO; null: none
-  size_t placement_target_count_ = 0;
+  std::vector<Destination> destinations_;  // by BO, once there are any
+  std::deque<uint32_t> to_open_;           // accepted BOs the opener has not taken, next first
+  bool opener_running_ = false;
   std::vector<PlaceState> place_state_;  // by flat chunk index, once there are targets
   std::unordered_map<uint64_t, std::vector<PlacementDone>> place_waiting_;
 };

@@ -1,0 +1,283 @@
+// Destinations open while the stream runs (docs/protocol.md, "Placement"): a server embedded
+// here with the memfd backend behind a gate that holds or fails each destination's opening, so
+// every step is seen: PlaceInto is answered before any destination is open; a chunk whose BO is
+// not open yet waits for it, and the first BO a chunk waits for opens next; a destination that
+// fails to open leaves its BO's chunks to come as bytes; a session that closes while its
+// destinations open opens no more of them. Each restore ends byte-exact.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "lazy-server/server/server.h"
+#include "page-client/host_engine.h"
+#include "page-client/restore_session.h"
+#include "tests/server/checkpoint_bytes.h"
+#include "tests/server/test_support.h"
+
+namespace gpulazy::server::testing {
+namespace {
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+// The memfd backend, with each destination's opening held at a gate or failed. The client
+// hands its BOs over in order in one frame, so the n-th accepted destination is BO n.
+class GatedPlacement final : public PlacementBackend {
+ public:
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable changed;
+    bool held = false;
+    std::set<uint32_t> failing;   // BOs whose opening fails
+    std::vector<uint32_t> opens;  // BOs in the order their opening began
+    uint32_t accepted = 0;
+  };
+
+  explicit GatedPlacement(std::shared_ptr<Gate> gate)
+      : inner_(CreateMemfdPlacement()), gate_(std::move(gate)) {}
+
+  std::string_view kind() const override { return inner_->kind(); }
+  std::string device() const override { return inner_->device(); }
+  Result<std::unique_ptr<AcceptedTarget>> Accept(std::string_view handle, uint64_t size,
+                                                 const PeerIdentity& peer) override {
+    GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<AcceptedTarget> accepted,
+                             inner_->Accept(handle, size, peer));
+    std::lock_guard lock(gate_->mu);
+    return std::unique_ptr<AcceptedTarget>(
+        std::make_unique<Gated>(std::move(accepted), gate_, gate_->accepted++));
+  }
+  Status Place(const image::DiskRange& from, std::string_view file_name,
+               std::optional<uint64_t> checksum, const PlacementTargetRef& target,
+               uint64_t target_offset, PlacementDone done) override {
+    return inner_->Place(from, file_name, checksum, target, target_offset, std::move(done));
+  }
+  void Flush() override { inner_->Flush(); }
+  std::vector<std::pair<std::string, uint64_t>> Counters() const override {
+    return inner_->Counters();
+  }
+
+ private:
+  class Gated final : public AcceptedTarget {
+   public:
+    Gated(std::unique_ptr<AcceptedTarget> inner, std::shared_ptr<Gate> gate, uint32_t bo)
+        : inner_(std::move(inner)), gate_(std::move(gate)), bo_(bo) {}
+    Result<PlacementTargetRef> Open() override {
+      std::unique_lock lock(gate_->mu);
+      gate_->opens.push_back(bo_);
+      gate_->changed.notify_all();
+      gate_->changed.wait(lock, [&] { return !gate_->held; });
+      if (gate_->failing.contains(bo_)) return Unavailable("the test fails BO {}'s opening", bo_);
+      lock.unlock();
+      return inner_->Open();
+    }
+
+   private:
+    std::unique_ptr<AcceptedTarget> inner_;
+    std::shared_ptr<Gate> gate_;
+    uint32_t bo_;
+  };
+
+  std::unique_ptr<PlacementBackend> inner_;
+  std::shared_ptr<Gate> gate_;
+};
+
+class PlacementOpenTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = std::make_unique<TempDir>();
+    ASSERT_TRUE(MakeTestImage(dir_->path() / "images" / "raw",
+                              {.bytes = 3ull << 20, .seed = 43, .processes = 2})
+                    .ok());
+    auto contents = LoadCriuContents(dir_->path() / "images" / "raw");
+    ASSERT_TRUE(contents.ok()) << contents.status().ToString();
+    expected_ = std::move(*contents);
+  }
+  static void TearDownTestSuite() { dir_.reset(); }
+
+  void SetUp() override {
+    ::alarm(120);
+    gate_ = std::make_shared<GatedPlacement::Gate>();
+    ServerConfig config;
+    config.image_roots = {dir_->path() / "images"};
+    auto endpoint = net::Endpoint::Parse("unix:" + (dir_->path() / "s.sock").string());
+    ASSERT_TRUE(endpoint.ok());
+    config.listen = {*endpoint};
+    config.io_threads = 2;
+    config.disk_threads = 2;
+    config.raw_chunk_size = 256 << 10;
+    config.handle_signals = false;
+    server_ = std::make_unique<Server>(config, std::make_unique<GatedPlacement>(gate_));
+    ASSERT_TRUE(server_->Listen().ok());
+    runner_ = std::thread([this] { EXPECT_EQ(server_->Run(), 0); });
+  }
+  void TearDown() override {
+    Release();  // a disk thread held at the gate would keep Stop waiting
+    server_->Stop();
+    runner_.join();
+    server_.reset();
+    ::alarm(0);
+  }
+
+  client::SessionOptions Options() const {
+    client::SessionOptions options;
+    options.endpoint = server_->bound().front().ToString();
+    options.image = "raw";
+    options.reconnect.max_attempts = 0;
+    return options;
+  }
+
+  void Hold() {
+    std::lock_guard lock(gate_->mu);
+    gate_->held = true;
+  }
+  void Release() {
+    std::lock_guard lock(gate_->mu);
+    gate_->held = false;
+    gate_->changed.notify_all();
+  }
+  // Waits until `count` openings have begun; false after 20 s.
+  bool OpensBegun(size_t count) {
+    std::unique_lock lock(gate_->mu);
+    return gate_->changed.wait_for(lock, 20s, [&] { return gate_->opens.size() >= count; });
+  }
+  std::vector<uint32_t> Opens() {
+    std::lock_guard lock(gate_->mu);
+    return gate_->opens;
+  }
+
+  // server.placement's and server's counter `name`, polled until `done` holds it (20 s).
+  uint64_t ServerCounter(const char* section, const char* name,
+                         const std::function<bool(uint64_t)>& done) {
+    uint64_t value = 0;
+    for (auto deadline = std::chrono::steady_clock::now() + 20s;
+         std::chrono::steady_clock::now() < deadline;) {
+      TestClient client(server_->bound().front());
+      if (client.Hello().ok()) {
+        Result<std::string> text = client.Stats();
+        if (text.ok()) {
+          const nlohmann::json doc = nlohmann::json::parse(*text);
+          const nlohmann::json& counters =
+              section[0] != '\0' ? doc["server"][section] : doc["server"];
+          value = counters.value(name, uint64_t{0});
+          if (done(value)) return value;
+        }
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    return value;
+  }
+
+  static std::unique_ptr<TempDir> dir_;
+  static std::map<BoKey, std::vector<uint8_t>> expected_;
+  std::shared_ptr<GatedPlacement::Gate> gate_;
+  std::unique_ptr<Server> server_;
+  std::thread runner_;
+};
+std::unique_ptr<TempDir> PlacementOpenTest::dir_;
+std::map<BoKey, std::vector<uint8_t>> PlacementOpenTest::expected_;
+
+TEST_F(PlacementOpenTest, ChunksWaitForTheirBOAndTheFirstWaitedForOpensNext) {
+  Hold();
+  client::HostCopyEngine engine;
+  client::SessionOptions options = Options();
+  options.stream_all = false;  // only the faults below ask for chunks
+  client::RestoreSession session(options, engine);
+  // PlaceInto answered, though no destination is open: the first one's opening is held.
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(OpensBegun(1));
+  const uint32_t bos = static_cast<uint32_t>(session.bos().size());
+  ASSERT_GE(bos, 4u);
+  // A fault in the last BO waits for its destination, which then opens next; so does one in
+  // BO 2, after it, and both before BO 1, which no chunk waits for.
+  const uint32_t last = bos - 1;
+  Status ensured_last, ensured_2;
+  std::thread fault_last([&] { ensured_last = session.Ensure(last, 0, 4096, 20s); });
+  EXPECT_EQ(ServerCounter("placement", "placements_deferred", [](uint64_t n) { return n >= 1; }),
+            1u);
+  std::thread fault_2([&] { ensured_2 = session.Ensure(2, 0, 4096, 20s); });
+  EXPECT_EQ(ServerCounter("placement", "placements_deferred", [](uint64_t n) { return n >= 2; }),
+            2u);
+  EXPECT_EQ(session.progress().placed_chunks, 0u);
+  Release();
+  fault_last.join();
+  fault_2.join();
+  ASSERT_TRUE(ensured_last.ok()) << ensured_last.ToString();
+  ASSERT_TRUE(ensured_2.ok()) << ensured_2.ToString();
+  for (uint32_t bo : {last, 2u}) {
+    SCOPED_TRACE(bo);
+    auto want = expected_.find(BoKey{session.bos()[bo].process_id, session.bos()[bo].bo_index});
+    ASSERT_NE(want, expected_.end());
+    Result<std::span<uint8_t>> got = engine.Mapping(bo);
+    ASSERT_TRUE(got.ok());
+    const size_t length = std::min<size_t>(session.chunk_size(), want->second.size());
+    EXPECT_TRUE(std::equal(got->begin(), got->begin() + static_cast<ptrdiff_t>(length),
+                           want->second.begin()));
+  }
+  EXPECT_TRUE(session.progress().placing);
+  EXPECT_EQ(session.progress().placed_chunks, 2u);
+  EXPECT_EQ(engine.bytes_written(), 0u);
+  // Every destination opens in the end, waited for or not.
+  ASSERT_TRUE(OpensBegun(bos));
+  std::vector<uint32_t> order{0, last, 2, 1};
+  for (uint32_t bo = 3; bo < last; ++bo)
+    order.push_back(bo);
+  EXPECT_EQ(Opens(), order);
+}
+
+TEST_F(PlacementOpenTest, DestinationThatDoesNotOpenHasItsBOsChunksSentAsBytes) {
+  {
+    std::lock_guard lock(gate_->mu);
+    gate_->failing = {1};
+  }
+  client::HostCopyEngine engine;
+  client::RestoreSession session(Options(), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status complete = session.WaitComplete(60s);
+  ASSERT_TRUE(complete.ok()) << complete.ToString();
+  ExpectRestoredBytes(session, engine, expected_);
+  const client::Progress progress = session.progress();
+  const uint64_t bo1_chunks =
+      (session.bos()[1].size + session.chunk_size() - 1) / session.chunk_size();
+  EXPECT_EQ(progress.placed_chunks, progress.total_chunks - bo1_chunks);
+  EXPECT_EQ(engine.bytes_written(), session.bos()[1].size);  // BO 1's bytes, through the client
+  EXPECT_EQ(
+      ServerCounter("placement", "destination_open_failures", [](uint64_t n) { return n >= 1; }),
+      1u);
+}
+
+TEST_F(PlacementOpenTest, SessionClosedWhileItsDestinationsOpenOpensNoMore) {
+  Hold();
+  {
+    client::HostCopyEngine engine;
+    client::RestoreSession session(Options(), engine);
+    ASSERT_TRUE(session.Start().ok());
+    ASSERT_TRUE(OpensBegun(1));
+  }  // the client leaves with BO 0's opening held
+  EXPECT_EQ(ServerCounter("", "sessions_open", [](uint64_t n) { return n == 0; }), 0u);
+  Release();
+  // The server goes on serving: a restore after it is byte-exact, all placed.
+  client::HostCopyEngine engine;
+  client::RestoreSession session(Options(), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status complete = session.WaitComplete(60s);
+  ASSERT_TRUE(complete.ok()) << complete.ToString();
+  ExpectRestoredBytes(session, engine, expected_);
+  EXPECT_EQ(session.progress().placed_chunks, session.progress().total_chunks);
+  // The first session's opener stopped after the opening it was in: of its BOs only BO 0 was
+  // opened; the second session opened all of its own.
+  const std::vector<uint32_t> opens = Opens();
+  ASSERT_EQ(opens.size(), 1 + session.bos().size());
+  EXPECT_EQ(opens.front(), 0u);
+}
+
+}  // namespace
+}  // namespace gpulazy::server::testing
