@@ -16,6 +16,7 @@
 // the server (over its Unix socket, reading the image files it passes: `server`; over TCP, every
 // byte on the socket as for a remote server: `tcp`) and locally, beside the upstream-style loop.
 #include <cuda_runtime.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -232,18 +233,23 @@ std::map<std::string, double> ServerPlacementCounters(const std::string& endpoin
 }
 
 // What the server's placer did during one run, from its counters before and after: how long it
-// had placements in flight, how many of its slots were busy on average meanwhile, and how long
-// callers waited for a slot and its callbacks took (seconds).
-void AddPlacerReadings(const std::map<std::string, double>& before,
-                       const std::map<std::string, double>& after,
-                       std::map<std::string, double>& into) {
+// had placements in flight, how many of its slots were busy on average meanwhile, how long
+// callers waited for a slot and its callbacks took, and how long opening the destinations took
+// (seconds). A counter missing from a CUDA placer's stats is an error, not a silent 0.
+Status AddPlacerReadings(const std::map<std::string, double>& before,
+                         const std::map<std::string, double>& after,
+                         std::map<std::string, double>& into) {
+  if (!after.contains("active_ns")) return Status::Ok();  // not a CUDA placer: nothing to read
+  std::vector<std::string> missing;
   auto delta = [&](const char* field) {
     auto a = after.find(field);
     auto b = before.find(field);
-    if (a == after.end()) return 0.0;
+    if (a == after.end()) {
+      missing.emplace_back(field);
+      return 0.0;
+    }
     return a->second - (b == before.end() ? 0.0 : b->second);
   };
-  if (!after.contains("active_ns")) return;
   const double active_s = delta("active_ns") / 1e9;
   into["placer_active_s"] = active_s;
   into["placer_slots_busy_mean"] = active_s > 0 ? delta("slot_busy_ns") / 1e9 / active_s : 0;
@@ -252,6 +258,11 @@ void AddPlacerReadings(const std::map<std::string, double>& before,
   into["placer_registrations"] = delta("registrations");
   into["placer_opens"] = delta("opens");
   into["placer_open_s"] = delta("open_ns") / 1e9;
+  into["placer_deferred_chunks"] = delta("placements_deferred");
+  into["placer_open_failures"] = delta("destination_open_failures");
+  if (!missing.empty())
+    return Internal("the server's placement stats lack {}", fmt::join(missing, ", "));
+  return Status::Ok();
 }
 
 // read_files: the client reads the image files the server passes, on `readers` threads
@@ -297,7 +308,8 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     AddReaderReadings(session.progress(), read_files ? readers : 0, result.seconds,
                       result.readings);
 
-    AddPlacerReadings(placer_before, ServerPlacementCounters(endpoint), result.readings);
+    GPULAZY_RETURN_IF_ERROR(
+        AddPlacerReadings(placer_before, ServerPlacementCounters(endpoint), result.readings));
 
     GPULAZY_RETURN_IF_ERROR(VerifyDevice(image_dir, session.bos(), *engine));
     result.verified = true;
