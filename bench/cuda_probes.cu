@@ -29,6 +29,10 @@
 //   pinned-cache FILE     The same question the other way round: the server holds the image in
 //                         pinned host memory it shares by descriptor, and the restoring process
 //                         maps it and DMAs from it itself (pinned_cache::PinnedCache below).
+//   ipc-open-overlap TOTAL_MIB [BUFFERS=8 COPY_MIB=16384]
+//                         Does opening CUDA IPC handles (TOTAL_MIB in BUFFERS allocations of
+//                         another process) stall DMA running meanwhile, in this process or from
+//                         another one? (open_overlap::Run below.)
 //   pin-cost TOTAL_MIB    What does a staging ring of TOTAL_MIB cost to make before a restore
 //                         may resume? Per-slot cudaMallocHost (2 and 4 MiB), one allocation,
 //                         and cudaHostRegister of memory we fault in ourselves (4 KiB pages or
@@ -1303,11 +1307,156 @@ void PinnedCache(const File& file, size_t chunk_bytes, int rounds, int copy_stre
 
 }  // namespace
 
+// ipc-open-overlap: does opening a CUDA IPC handle (what a page server does for each destination
+// a restoring process hands over) stall DMA that runs meanwhile, and does it matter which process
+// opens? An exporter process allocates BUFFERS device buffers of TOTAL_MIB in all and exports
+// them. This process copies COPY_MIB from pinned memory into its own device buffer (2 MiB chunks
+// on 16 streams, as the placer does): alone; beside a thread of its own that opens and closes
+// every exported buffer; and beside a second process that does the same. Each opening is timed
+// too. Processes are forked before any CUDA call (a forked CUDA context is unusable).
+namespace open_overlap {
+
+void ExporterProcess(int to_copier, int to_opener, size_t total, int buffers) {
+  Check(cudaSetDevice(0), "exporter: selecting GPU 0");
+  std::vector<void*> allocations;
+  for (int i = 0; i < buffers; ++i) {
+    void* allocation = nullptr;
+    Check(cudaMalloc(&allocation, total / static_cast<size_t>(buffers)), "exporter: cudaMalloc");
+    cudaIpcMemHandle_t handle;
+    Check(cudaIpcGetMemHandle(&handle, allocation), "exporter: cudaIpcGetMemHandle");
+    ipc::SendAll(to_copier, &handle, sizeof handle);
+    ipc::SendAll(to_opener, &handle, sizeof handle);
+    allocations.push_back(allocation);
+  }
+  char quit = 0;
+  ipc::RecvAll(to_copier, &quit, 1);
+  for (void* allocation : allocations)
+    cudaFree(allocation);
+}
+
+std::vector<cudaIpcMemHandle_t> ReceiveHandles(int from_exporter, int buffers) {
+  std::vector<cudaIpcMemHandle_t> handles(static_cast<size_t>(buffers));
+  for (cudaIpcMemHandle_t& handle : handles)
+    ipc::RecvAll(from_exporter, &handle, sizeof handle);
+  return handles;
+}
+
+// Opens and closes each handle; the seconds the openings took, summed.
+double OpenAll(const std::vector<cudaIpcMemHandle_t>& handles) {
+  Check(cudaSetDevice(0), "opener: selecting GPU 0");
+  double opening = 0;
+  for (const cudaIpcMemHandle_t& handle : handles) {
+    void* mapped = nullptr;
+    const auto start = Clock::now();
+    Check(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess),
+          "cudaIpcOpenMemHandle");
+    opening += SecondsSince(start);
+    Check(cudaIpcCloseMemHandle(mapped), "cudaIpcCloseMemHandle");
+  }
+  return opening;
+}
+
+void OpenerProcess(int from_exporter, int to_copier, int buffers) {
+  const std::vector<cudaIpcMemHandle_t> handles = ReceiveHandles(from_exporter, buffers);
+  Check(cudaSetDevice(0), "opener: selecting GPU 0");
+  Check(cudaFree(nullptr), "opener: making its context");
+  char go = 0;
+  ipc::SendAll(to_copier, &go, 1);  // ready
+  ipc::RecvAll(to_copier, &go, 1);
+  const double opening = OpenAll(handles);
+  ipc::SendAll(to_copier, &opening, sizeof opening);
+}
+
+struct Copier {
+  static constexpr size_t kChunk = 2 * kMiB;
+  static constexpr size_t kRing = 256 * kMiB;
+  static constexpr int kStreams = 16;
+  uint8_t* host = nullptr;
+  uint8_t* device = nullptr;
+  std::vector<cudaStream_t> streams;
+  Copier() {
+    Check(cudaMallocHost(&host, kRing), "pinned ring");
+    std::memset(host, 0x5a, kRing);
+    Check(cudaMalloc(&device, kRing), "device ring");
+    streams.resize(kStreams);
+    for (cudaStream_t& stream : streams)
+      Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  }
+  double Copy(size_t bytes) {
+    const auto start = Clock::now();
+    for (size_t done = 0, i = 0; done < bytes; done += kChunk, ++i) {
+      const size_t at = done % kRing;
+      Check(cudaMemcpyAsync(device + at, host + at, kChunk, cudaMemcpyHostToDevice,
+                            streams[i % streams.size()]),
+            "cudaMemcpyAsync");
+    }
+    Check(cudaDeviceSynchronize(), "copies");
+    return SecondsSince(start);
+  }
+};
+
+void Run(size_t total, int buffers, size_t copy_bytes) {
+  int to_exporter[2], to_opener[2], exporter_to_opener[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, to_exporter) != 0 ||
+      ::socketpair(AF_UNIX, SOCK_STREAM, 0, to_opener) != 0 ||
+      ::socketpair(AF_UNIX, SOCK_STREAM, 0, exporter_to_opener) != 0) {
+    std::perror("ipc-open-overlap: socketpair");
+    std::exit(1);
+  }
+  const pid_t exporter = ::fork();
+  if (exporter == 0) {
+    ExporterProcess(to_exporter[1], exporter_to_opener[0], total, buffers);
+    std::_Exit(0);
+  }
+  const pid_t opener = ::fork();
+  if (opener == 0) {
+    OpenerProcess(exporter_to_opener[1], to_opener[1], buffers);
+    std::_Exit(0);
+  }
+  const std::vector<cudaIpcMemHandle_t> handles = ReceiveHandles(to_exporter[0], buffers);
+  Check(cudaSetDevice(0), "selecting GPU 0");
+  Copier copier;
+  copier.Copy(copy_bytes);  // warm-up
+  const double copy_alone = copier.Copy(copy_bytes);
+  const double open_alone = OpenAll(handles);
+  double open_beside = 0;
+  std::thread opening([&] { open_beside = OpenAll(handles); });
+  const double copy_beside_own_open = copier.Copy(copy_bytes);
+  opening.join();
+  char go = 0;
+  ipc::RecvAll(to_opener[0], &go, 1);  // the opener's context is made
+  ipc::SendAll(to_opener[0], &go, 1);
+  const double copy_beside_other_open = copier.Copy(copy_bytes);
+  double open_other = 0;
+  ipc::RecvAll(to_opener[0], &open_other, sizeof open_other);
+  ipc::SendAll(to_exporter[0], &go, 1);
+  ::waitpid(opener, nullptr, 0);
+  ::waitpid(exporter, nullptr, 0);
+  const double gb = static_cast<double>(copy_bytes) / 1e9;
+  std::printf(
+      "{\"probe\": \"ipc-open-overlap\", \"open_bytes\": %zu, \"buffers\": %d, \"copy_bytes\": "
+      "%zu, \"copy_alone_s\": %.4f, \"copy_alone_GBps\": %.2f, \"open_alone_s\": %.4f, "
+      "\"copy_beside_own_open_s\": %.4f, \"open_beside_own_copy_s\": %.4f, "
+      "\"copy_beside_other_process_open_s\": %.4f, \"open_in_other_process_s\": %.4f}\n",
+      total, buffers, copy_bytes, copy_alone, gb / copy_alone, open_alone, copy_beside_own_open,
+      open_beside, copy_beside_other_open, open_other);
+}
+
+}  // namespace open_overlap
+
 int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "pin-cost") {
     const size_t total = std::strtoull(argv[2], nullptr, 10) * kMiB;
     if (total < 4 * kMiB) return 2;
     PinCost(total);
+    return 0;
+  }
+  if (argc >= 3 && std::string(argv[1]) == "ipc-open-overlap") {
+    const size_t total = std::strtoull(argv[2], nullptr, 10) * kMiB;
+    const int buffers = argc > 3 ? std::atoi(argv[3]) : 8;
+    const size_t copy = (argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 16384) * kMiB;
+    if (total < kMiB || buffers < 1 || buffers > 1024 || copy < 256 * kMiB) return 2;
+    open_overlap::Run(total, buffers, copy);
     return 0;
   }
   if (argc < 3) {
