@@ -274,9 +274,14 @@ class CudaCopyEngine::Impl {
       sizes_.resize(bo + 1, 0);
     }
     if (destinations_[bo] != nullptr) return InvalidArgument("BO {} already has a destination", bo);
-    // cudaMalloc(0) returns no buffer; keep one byte so a zero-length BO still has an address.
+    // Whole 2 MiB pages: a page server opening the buffer's IPC handle (placement) maps one of
+    // some other size in about 6 ms a GiB, one of whole pages in well under a millisecond, and
+    // that mapping holds its DMA back meanwhile (docs/benchmarks.md, "Session 41"). Also keeps a
+    // zero-length BO an address (cudaMalloc(0) returns none).
+    const uint64_t allocated =
+        (std::max<uint64_t>(size, 1) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
     void* buffer = nullptr;
-    if (cudaError_t e = cudaMalloc(&buffer, size == 0 ? 1 : size); e != cudaSuccess)
+    if (cudaError_t e = cudaMalloc(&buffer, allocated); e != cudaSuccess)
       return CudaError(e, fmt::format("allocating {} bytes of device memory for BO {}", size, bo));
     destinations_[bo] = buffer;
     sizes_[bo] = size;

@@ -1,6 +1,8 @@
 // CudaCopyEngine against a real GPU. Skipped where no CUDA device exists (CI compiles it only).
 #include "page-client/cuda/cuda_engine.h"
 
+#include <cuda.h>
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sched.h>
 #include <unistd.h>
@@ -348,6 +350,42 @@ TEST_F(CudaEngineTest, RejectsWritesOutsideTheBoWithoutCallingDone) {
   EXPECT_EQ((*engine)->Write(0, 1, bytes, mark).code(), Code::kOutOfRange);
   EXPECT_EQ((*engine)->Write(0, UINT64_MAX, bytes, mark).code(), Code::kOutOfRange);
   EXPECT_EQ((*engine)->Write(1, 0, bytes, mark).code(), Code::kInvalidArgument);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_FALSE(called);
+}
+
+// A BO's device buffer is whole 2 MiB pages: a page server maps one of another size from its IPC
+// handle in milliseconds a GiB, and holds its DMA back meanwhile (docs/benchmarks.md, "Session
+// 41"). The BO's bounds stay its own size.
+TEST_F(CudaEngineTest, BoBuffersAreWholeTwoMiBPagesAndWritesStayInTheBo) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  void* found = nullptr;
+  cudaDriverEntryPointQueryResult query{};
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &found, 12000,
+                                             cudaEnableDefault, &query),
+            cudaSuccess);
+  ASSERT_EQ(query, cudaDriverEntryPointSuccess);
+  const auto address_range = reinterpret_cast<GetAddressRange>(found);
+  auto engine = CudaCopyEngine::Create({});
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  constexpr uint64_t kPage = 2ull << 20;
+  const std::map<uint32_t, std::pair<uint64_t, uint64_t>> sizes = {
+      {0, {0, kPage}}, {1, {4096, kPage}}, {2, {kPage, kPage}}, {3, {3 * kPage + 5, 4 * kPage}}};
+  for (const auto& [bo, size] : sizes)
+    ASSERT_TRUE((*engine)->AddDestination(bo, size.first).ok());
+  for (const auto& [bo, size] : sizes) {
+    SCOPED_TRACE(bo);
+    const auto pointer = reinterpret_cast<CUdeviceptr>((*engine)->DevicePointer(bo));
+    CUdeviceptr base = 0;
+    size_t allocated = 0;
+    ASSERT_EQ(address_range(&base, &allocated, pointer), CUDA_SUCCESS);
+    EXPECT_EQ(base, pointer);
+    EXPECT_EQ(allocated, size.second);
+  }
+  std::vector<uint8_t> bytes(2, 1);
+  bool called = false;
+  EXPECT_EQ((*engine)->Write(3, 3 * kPage + 4, bytes, [&](Status) { called = true; }).code(),
+            Code::kOutOfRange);
   ASSERT_TRUE((*engine)->Flush().ok());
   EXPECT_FALSE(called);
 }
