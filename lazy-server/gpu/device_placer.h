@@ -5,7 +5,8 @@
 // session 14). A DevicePlacer copies each chunk from that registered page cache into a device
 // staging slot of its own, checks it there with the CUDA engine's verify kernel, and only on a
 // match installs it into a destination the restoring process exported (CUDA IPC). No CPU copies
-// a byte. Only built with GPULAZY_WITH_CUDA; not yet wired into gpulazy-server's protocol.
+// a byte. Only built with GPULAZY_WITH_CUDA; `gpulazy-server --placement cuda` drives it
+// (cuda_placement.h).
 //
 // Trust: the destination handle, its claimed size and every offset come from a client and are
 // checked (the claimed size against the allocation the handle opens); the checksum comes from

@@ -39,7 +39,8 @@ using PlacementTargetRef = std::shared_ptr<const PlacementTarget>;
 
 // A destination taken from the client and checked (PlacementBackend::Accept), not yet ready.
 // Opening it is the costly part: a CUDA IPC handle's allocation is mapped into the server's
-// context, some 6 ms a GiB on an H200 (docs/benchmarks.md, "Session 41"), so a session opens its
+// context, on an H200 6-9 ms a GiB for an allocation that is not whole 2 MiB pages (under a
+// millisecond for one that is; docs/benchmarks.md, "Session 41"), so a session opens its
 // destinations one by one while its stream runs, and a chunk waits only for its own BO's.
 class AcceptedTarget {
  public:

@@ -275,9 +275,9 @@ class CudaCopyEngine::Impl {
     }
     if (destinations_[bo] != nullptr) return InvalidArgument("BO {} already has a destination", bo);
     // Whole 2 MiB pages: a page server opening the buffer's IPC handle (placement) maps one of
-    // some other size in about 6 ms a GiB, one of whole pages in well under a millisecond, and
-    // that mapping holds its DMA back meanwhile (docs/benchmarks.md, "Session 41"). Also keeps a
-    // zero-length BO an address (cudaMalloc(0) returns none).
+    // another size in 6-9 ms a GiB on an H200, one of whole pages in well under a millisecond,
+    // and that mapping holds its DMA back meanwhile (docs/benchmarks.md, "Session 41"). Also
+    // keeps a zero-length BO an address (cudaMalloc(0) returns none).
     const uint64_t allocated =
         (std::max<uint64_t>(size, 1) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
     void* buffer = nullptr;
