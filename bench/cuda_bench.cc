@@ -298,13 +298,25 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
     GPULAZY_RETURN_IF_ERROR(session.Start());
     result.setup_s = SecondsSince(start);
     GPULAZY_RETURN_IF_ERROR(session.WaitComplete(std::chrono::minutes(10)));
-    result.seconds = SecondsSince(start);
+    const auto finished = Clock::now();
+    result.seconds = std::chrono::duration<double>(finished - start).count();
     result.readings = CpuReadings(cpu);
     result.throughput_Bps = static_cast<double>(session.progress().total_bytes) / result.seconds;
     result.unchecked_chunks = session.progress().unchecked_chunks;
     // Chunks the server placed itself (gpulazy-server --placement cuda; the client accepts an
     // offer by default): 0 when every byte came through the socket or the files.
     result.readings["placed_chunks"] = static_cast<double>(session.progress().placed_chunks);
+    // The run in three: until the first chunk was resident (start-up: the handshake, PlaceInto,
+    // the first request), from it to the last, and from the last to the end (the tail).
+    const client::Progress ends = session.progress();
+    if (ends.first_resident_at != Clock::time_point{}) {
+      result.readings["first_chunk_s"] =
+          std::chrono::duration<double>(ends.first_resident_at - start).count();
+      result.readings["chunks_s"] =
+          std::chrono::duration<double>(ends.last_resident_at - ends.first_resident_at).count();
+      result.readings["tail_s"] =
+          std::chrono::duration<double>(finished - ends.last_resident_at).count();
+    }
     AddReaderReadings(session.progress(), read_files ? readers : 0, result.seconds,
                       result.readings);
 

@@ -2175,6 +2175,9 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   {
     std::lock_guard lock(mutex_);
     residency_.MarkResident(id.first, id.second);
+    counters_.last_resident_at = Clock::now();
+    if (counters_.first_resident_at == Clock::time_point{})
+      counters_.first_resident_at = counters_.last_resident_at;
     complete = residency_.complete();
     wakes = residency_.LandingWakes(id.first, id.second);
     if (complete) abandoned = residency_.abandoned_chunks();

@@ -183,6 +183,11 @@ struct Progress {
   // The part of file_engine_s spent waiting to enter the engine gate (EngineGate): with an
   // engine that takes one caller at a time, the readers' queue for it.
   double file_gate_wait_s = 0;
+  // When the first and the latest chunk became resident (steady clock; the epoch until one has):
+  // beside the time Start was called and the time the restore completed, they split a run into
+  // its start-up, its stream and its tail.
+  std::chrono::steady_clock::time_point first_resident_at{};
+  std::chrono::steady_clock::time_point last_resident_at{};
   bool complete = false;  // every chunk is resident or abandoned
 };
 

@@ -150,11 +150,18 @@ TEST_F(PlacementTest, PlacedRestoreIsTheCheckpointsBytes) {
     SCOPED_TRACE(name);
     client::HostCopyEngine engine;
     client::RestoreSession session(Options(name), engine);
+    const auto started = std::chrono::steady_clock::now();
     ASSERT_TRUE(session.Start().ok());
     Status complete = session.WaitComplete(60s);
+    const auto completed = std::chrono::steady_clock::now();
     ASSERT_TRUE(complete.ok()) << complete.ToString();
     ExpectCheckpointBytes(session, engine, name);
     const client::Progress progress = session.progress();
+    // The run's first and last resident chunk lie within it (the bench splits runs by them).
+    EXPECT_LE(started, progress.first_resident_at);
+    EXPECT_LE(progress.first_resident_at, progress.last_resident_at);
+    EXPECT_LE(progress.last_resident_at, completed);
+    EXPECT_LT(progress.first_resident_at, progress.last_resident_at);
     EXPECT_TRUE(progress.placing);
     EXPECT_FALSE(progress.reading_files);
     // A plain checkpoint stores every chunk RAW: all are placed. A lazy image's compressed and
