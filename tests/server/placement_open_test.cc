@@ -176,6 +176,14 @@ class PlacementOpenTest : public ::testing::Test {
     return value;
   }
 
+  // Streams the whole image into `engine` and checks it is the checkpoint's bytes.
+  void RestoreWhole(client::RestoreSession& session, const client::HostCopyEngine& engine) {
+    ASSERT_TRUE(session.Start().ok());
+    Status complete = session.WaitComplete(60s);
+    ASSERT_TRUE(complete.ok()) << complete.ToString();
+    ExpectRestoredBytes(session, engine, expected_);
+  }
+
   static std::unique_ptr<TempDir> dir_;
   static std::map<BoKey, std::vector<uint8_t>> expected_;
   std::shared_ptr<GatedPlacement::Gate> gate_;
@@ -240,10 +248,7 @@ TEST_F(PlacementOpenTest, DestinationThatDoesNotOpenHasItsBOsChunksSentAsBytes) 
   }
   client::HostCopyEngine engine;
   client::RestoreSession session(Options(), engine);
-  ASSERT_TRUE(session.Start().ok());
-  Status complete = session.WaitComplete(60s);
-  ASSERT_TRUE(complete.ok()) << complete.ToString();
-  ExpectRestoredBytes(session, engine, expected_);
+  ASSERT_NO_FATAL_FAILURE(RestoreWhole(session, engine));
   const client::Progress progress = session.progress();
   const uint64_t bo1_chunks =
       (session.bos()[1].size + session.chunk_size() - 1) / session.chunk_size();
@@ -267,10 +272,7 @@ TEST_F(PlacementOpenTest, SessionClosedWhileItsDestinationsOpenOpensNoMore) {
   // The server goes on serving: a restore after it is byte-exact, all placed.
   client::HostCopyEngine engine;
   client::RestoreSession session(Options(), engine);
-  ASSERT_TRUE(session.Start().ok());
-  Status complete = session.WaitComplete(60s);
-  ASSERT_TRUE(complete.ok()) << complete.ToString();
-  ExpectRestoredBytes(session, engine, expected_);
+  ASSERT_NO_FATAL_FAILURE(RestoreWhole(session, engine));
   EXPECT_EQ(session.progress().placed_chunks, session.progress().total_chunks);
   // The first session's opener stopped after the opening it was in: of its BOs only BO 0 was
   // opened; the second session opened all of its own.
