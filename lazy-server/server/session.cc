@@ -291,7 +291,6 @@ Status Session::AddPlacementTargets(std::vector<PlacementTargetEntry> entries) {
 void Session::OpenDestinations() {
   for (;;) {
     uint32_t bo = 0;
-    uint64_t size = 0;
     std::unique_ptr<AcceptedTarget> accepted;
     {
       std::lock_guard lock(placement_mu_);
@@ -302,7 +301,6 @@ void Session::OpenDestinations() {
       bo = to_open_.front();
       to_open_.pop_front();
       accepted = std::move(destinations_[bo].accepted);
-      size = destinations_[bo].size;
     }
     bool closed = ctx_.shutting_down.load();
     {
@@ -312,9 +310,6 @@ void Session::OpenDestinations() {
     Result<PlacementTargetRef> opened =
         closed ? Result<PlacementTargetRef>(Aborted("the session closed")) : accepted->Open();
     accepted.reset();
-    if (opened.ok() && (*opened)->size() < size)
-      opened = Internal("the destination opened holds {} bytes, {} were accepted",
-                        (*opened)->size(), size);
     std::vector<PendingPlacement> waiting;
     {
       std::lock_guard lock(placement_mu_);
