@@ -476,7 +476,7 @@ class DevicePlacer::Impl {
   std::deque<uint32_t> free_;
   std::deque<uint32_t> order_;  // queued slots, oldest first
   size_t in_flight_ = 0;
-  std::chrono::steady_clock::time_point active_since_;  // when in_flight_ last left 0
+  Clock::time_point active_since_;  // when in_flight_ last left 0
   bool stopping_ = false;
   std::list<std::shared_ptr<RegisteredFile>> cache_;  // most recently used first
   uint64_t pinned_ = 0;

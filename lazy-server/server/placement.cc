@@ -152,12 +152,6 @@ class MemfdPlacement final : public PlacementBackend {
 
 }  // namespace
 
-Result<PlacementTargetRef> PlacementBackend::Open(std::string_view handle, uint64_t size,
-                                                  const PeerIdentity& peer) {
-  GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<AcceptedTarget> accepted, Accept(handle, size, peer));
-  return accepted->Open();
-}
-
 std::unique_ptr<PlacementBackend> CreateMemfdPlacement() {
   return std::make_unique<MemfdPlacement>();
 }

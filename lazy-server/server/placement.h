@@ -66,8 +66,6 @@ class PlacementBackend {
   // bytes. Cheap: PlaceInto is answered after it, with its refusal as the reason.
   virtual Result<std::unique_ptr<AcceptedTarget>> Accept(std::string_view handle, uint64_t size,
                                                          const PeerIdentity& peer) = 0;
-  // Accept and Open in one step.
-  Result<PlacementTargetRef> Open(std::string_view handle, uint64_t size, const PeerIdentity& peer);
   // Queues the bytes of `from` (a RAW chunk's stored bytes in an image file, `file_name` for
   // messages) for [target_offset, + from.length) of `target`. With a checksum (XXH3-64) nothing
   // reaches the destination unless the bytes match it. An error return: nothing was queued and
