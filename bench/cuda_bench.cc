@@ -132,8 +132,8 @@ struct PipelineResult {
   // yet): what "verified by the client" does not cover.
   uint64_t unchecked_chunks = 0;
   // Named numbers reported as they are (medians over the runs): the CpuMeter over the timed
-  // part (cpu_busy, client_cpu_s, server_cpu_s), the file readers' time (AddReaderReadings) and
-  // the engine's staging-ring stats (AddEngineReadings).
+  // part (cpu_busy, client_cpu_s, server_cpu_s, and each by thread name), the file readers' time
+  // (AddReaderReadings) and the engine's staging-ring stats (AddEngineReadings).
   std::map<std::string, double> readings;
 };
 
@@ -206,7 +206,7 @@ Status VerifyDevice(const fs::path& image_dir, const std::vector<client::BoEntry
 }
 
 std::map<std::string, double> CpuReadings(const CpuMeter& meter) {
-  const nlohmann::json read = meter.Read();  // held: items() refers into it
+  const nlohmann::json read = meter.Read(/*by_thread=*/true);  // held: items() refers into it
   std::map<std::string, double> readings;
   for (const auto& [field, value] : read.items())
     readings[field] = value.get<double>();

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -222,7 +223,27 @@ CpuMeter::CpuMeter(pid_t server)
       machine_(ReadMachine()),
       self_s_(SelfSeconds()),
       self_switches_(SelfVoluntarySwitches()),
-      server_s_(server > 0 ? ProcessSeconds(server) : std::nullopt) {}
+      server_s_(server > 0 ? ProcessSeconds(server) : std::nullopt),
+      self_threads_(ThreadSecondsByName(::getpid())),
+      server_threads_(server > 0 ? ThreadSecondsByName(server) : std::map<std::string, double>{}) {}
+
+std::map<std::string, double> CpuMeter::ThreadSecondsByName(pid_t pid) {
+  std::map<std::string, double> by_name;
+  std::error_code error;
+  const std::filesystem::path tasks = fmt::format("/proc/{}/task", pid);
+  for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+    std::ifstream comm(task.path() / "comm");
+    std::ifstream schedstat(task.path() / "schedstat");  // "on-CPU-ns wait-ns timeslices"
+    std::string name;
+    uint64_t on_cpu_ns = 0;
+    // A thread that ended while we read is skipped.
+    if (!std::getline(comm, name) || !(schedstat >> on_cpu_ns)) continue;
+    std::replace(name.begin(), name.end(), '-', '_');
+    std::replace(name.begin(), name.end(), ' ', '_');
+    by_name[name] += static_cast<double>(on_cpu_ns) / 1e9;
+  }
+  return by_name;
+}
 
 CpuMeter::MachineTicks CpuMeter::ReadMachine() {
   // "cpu  user nice system idle iowait irq softirq steal ..." (proc(5)).
@@ -273,7 +294,7 @@ uint64_t CpuMeter::SelfVoluntarySwitches() {
   return static_cast<uint64_t>(usage.ru_nvcsw);
 }
 
-nlohmann::json CpuMeter::Read() const {
+nlohmann::json CpuMeter::Read(bool by_thread) const {
   const MachineTicks now = ReadMachine();
   nlohmann::json out;
   // Both reads worked (a failed one reads as all zeros) and time passed.
@@ -288,6 +309,19 @@ nlohmann::json CpuMeter::Read() const {
   if (const std::optional<double> now_s = server_ > 0 ? ProcessSeconds(server_) : std::nullopt;
       now_s && server_s_)
     out["server_cpu_s"] = *now_s - *server_s_;
+  if (by_thread) {
+    // A name's threads then against now; a thread started meanwhile counts from 0.
+    auto add = [&out](std::string_view process, const std::map<std::string, double>& before,
+                      const std::map<std::string, double>& now) {
+      for (const auto& [name, seconds] : now) {
+        const auto then = before.find(name);
+        out[fmt::format("{}_cpu_{}_s", process, name)] =
+            std::max(0.0, seconds - (then == before.end() ? 0.0 : then->second));
+      }
+    };
+    add("client", self_threads_, ThreadSecondsByName(::getpid()));
+    if (server_ > 0) add("server", server_threads_, ThreadSecondsByName(server_));
+  }
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -119,8 +120,14 @@ class CpuMeter {
   // cpu_busy: share of all CPUs' time not idle (steal included, also reported as cpu_steal);
   // client_cpu_s: this process; server_cpu_s: the server's, when one was given;
   // client_voluntary_switches: how often this process's threads slept (waiting for data, a
-  // lock, the disk).
-  nlohmann::json Read() const;
+  // lock, the disk). With by_thread, also each process's CPU-seconds per thread name
+  // ("client_cpu_gl_stream_s", "server_cpu_gl_disk_s": the names gpulazy gives its threads,
+  // '-' as '_'), summed over the threads of a name, which tells whose thread the time is.
+  nlohmann::json Read(bool by_thread = false) const;
+
+  // CPU-seconds per thread name of the live threads of `pid` (/proc/PID/task/*/schedstat, in
+  // nanoseconds; threads that ended are not in it).
+  static std::map<std::string, double> ThreadSecondsByName(pid_t pid);
 
  private:
   struct MachineTicks {
@@ -135,6 +142,8 @@ class CpuMeter {
   double self_s_;
   uint64_t self_switches_;
   std::optional<double> server_s_;
+  std::map<std::string, double> self_threads_;
+  std::map<std::string, double> server_threads_;
 };
 
 // Warnings and errors only, on stderr: results go to stdout (one JSON object per line with

@@ -2,6 +2,7 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #define XXH_STATIC_LINKING_ONLY  // XXH3_generateSecret_fromSeed
@@ -415,6 +416,8 @@ class DevicePlacer::Impl {
 
   // Completions in the order they were queued; a later one that finished first waits a little.
   void ReapLoop() {
+    // Named for top -H and the cuda bench's per-thread CPU readings (bench/harness.h).
+    (void)::pthread_setname_np(::pthread_self(), "gl-placer-reap");
     cudaSetDevice(options_.device);
     for (;;) {
       uint32_t index = 0;

@@ -587,6 +587,7 @@ class CudaCopyEngine::Impl {
   // Waits for copies in submission order and completes them. In-order completion is slightly
   // conservative with several streams, but keeps the ring simple and callbacks ordered.
   void ReapLoop() {
+    net::NameThisThread("gl-cuda-reap");  // for top -H and the cuda bench's per-thread CPU
     cudaSetDevice(options_.device);
     while (true) {
       uint32_t index;

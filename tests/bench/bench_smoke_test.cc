@@ -2,7 +2,9 @@
 // are read from, with values that can be true (a benchmark that reports nonsense fails here
 // instead of in a results table).
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/harness.h"
@@ -235,6 +238,41 @@ TEST(BenchSmoke, WorkDirIsMadeWhenMissingAndRefusedWhenItCannotBe) {
   EXPECT_NE(run.out.find("creating the work directory " + (file / "below").string()),
             std::string::npos)
       << run.out;
+}
+
+// The meter's per-thread readings name whose thread spent the time: a thread named like
+// gpulazy's that burns CPU shows under its name ('-' as '_'), one that sleeps barely at all.
+TEST(BenchSmoke, CpuMeterSplitsAProcessesTimeByThreadName) {
+  const bench::CpuMeter meter(::getpid());
+  auto spin = [](const char* name, bool burn) {
+    return std::thread([name, burn] {
+      ::pthread_setname_np(::pthread_self(), name);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+      volatile uint64_t sink = 0;
+      while (std::chrono::steady_clock::now() < until) {
+        if (burn)
+          sink = sink + 1;
+        else
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    });
+  };
+  std::thread burner = spin("gl-test-burn", true);
+  std::thread sleeper = spin("gl-test-sleep", false);
+  // Read while both still run: the readings cover live threads only.
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  const nlohmann::json read = meter.Read(/*by_thread=*/true);
+  const nlohmann::json plain = meter.Read();
+  burner.join();
+  sleeper.join();
+  ASSERT_TRUE(read.contains("client_cpu_gl_test_burn_s")) << read.dump();
+  ASSERT_TRUE(read.contains("server_cpu_gl_test_burn_s")) << read.dump();  // the same process
+  ASSERT_TRUE(read.contains("client_cpu_gl_test_sleep_s")) << read.dump();
+  const double burned = read["client_cpu_gl_test_burn_s"].get<double>();
+  EXPECT_GT(burned, 0.02) << read.dump();  // on a loaded 2-core VM it may get a fraction
+  EXPECT_LE(burned, read["client_cpu_s"].get<double>() + 0.02) << read.dump();
+  EXPECT_LT(read["client_cpu_gl_test_sleep_s"].get<double>(), burned) << read.dump();
+  EXPECT_FALSE(plain.contains("client_cpu_gl_test_burn_s")) << plain.dump();  // only when asked
 }
 
 }  // namespace
