@@ -256,6 +256,7 @@ Status AddPlacerReadings(const std::map<std::string, double>& before,
   into["placer_slot_wait_s"] = delta("slot_wait_ns") / 1e9;
   into["placer_done_s"] = delta("done_ns") / 1e9;
   into["placer_registrations"] = delta("registrations");
+  into["placer_budget_refusals"] = delta("budget_refusals");
   into["placer_opens"] = delta("opens");
   into["placer_open_s"] = delta("open_ns") / 1e9;
   into["placer_deferred_chunks"] = delta("placements_deferred");

@@ -83,6 +83,7 @@ class CudaPlacement final : public PlacementBackend {
             {"mismatches", s.mismatches},
             {"registrations", s.registrations},
             {"evictions", s.evictions},
+            {"budget_refusals", s.budget_refusals},
             {"pinned_bytes", s.pinned_bytes},
             {"active_ns", s.active_ns},
             {"slot_busy_ns", s.slot_busy_ns},

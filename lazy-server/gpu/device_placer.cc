@@ -15,6 +15,7 @@
 #include <deque>
 #include <list>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -201,8 +202,9 @@ class DevicePlacer::Impl {
       // Registered by another caller while this one waited for register_mu_.
       if (std::optional<SourceRef> cached = FindCachedLocked(key)) return *std::move(cached);
       if (pinned > options_.pin_budget_bytes)
-        return ResourceExhausted("registering {}: {} bytes exceed the pin budget of {}", name, size,
-                                 options_.pin_budget_bytes);
+        return RefusedForBudgetLocked(
+            key, ResourceExhausted("registering {}: {} bytes exceed the pin budget of {}", name,
+                                   size, options_.pin_budget_bytes));
       // Let go of files nothing uses, least recently used first, until this one fits.
       for (auto it = cache_.end();
            it != cache_.begin() && pinned_ + pinned > options_.pin_budget_bytes;) {
@@ -214,9 +216,10 @@ class DevicePlacer::Impl {
         it = cache_.erase(it);
       }
       if (pinned_ + pinned > options_.pin_budget_bytes)
-        return ResourceExhausted(
-            "registering {}: {} bytes, and {} of the pin budget of {} are in use", name, size,
-            pinned_, options_.pin_budget_bytes);
+        return RefusedForBudgetLocked(
+            key,
+            ResourceExhausted("registering {}: {} bytes, and {} of the pin budget of {} are in use",
+                              name, size, pinned_, options_.pin_budget_bytes));
     }
     evicted.clear();  // before the new pin, so the budget is never exceeded
     void* mapping = ::mmap(nullptr, pinned, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
@@ -404,6 +407,17 @@ class DevicePlacer::Impl {
     return std::nullopt;
   }
 
+  // Every chunk of a refused file asks again, so the refusal is counted each time and logged
+  // once per file: a budget too small for the images placed would otherwise only show as a
+  // slower restore.
+  Status RefusedForBudgetLocked(const RegisteredFile::Key& key, Status refusal) {
+    ++stats_.budget_refusals;
+    if (budget_warned_.insert(key).second)
+      spdlog::warn("{}; its chunks go as bytes (raise --placement-pin-budget to place them)",
+                   refusal.message());
+    return refusal;
+  }
+
   void ReleaseSlot(uint32_t index) {
     {
       std::lock_guard lock(mu_);
@@ -482,6 +496,7 @@ class DevicePlacer::Impl {
   Clock::time_point active_since_;  // when in_flight_ last left 0
   bool stopping_ = false;
   std::list<std::shared_ptr<RegisteredFile>> cache_;  // most recently used first
+  std::set<RegisteredFile::Key> budget_warned_;       // files refused for the budget, logged
   uint64_t pinned_ = 0;
   PlacerStats stats_;
   std::thread reaper_;

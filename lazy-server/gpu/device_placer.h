@@ -65,7 +65,10 @@ struct PlacerStats {
   uint64_t mismatches = 0;
   uint64_t registrations = 0;  // files registered (a cached one counts once)
   uint64_t evictions = 0;      // registrations let go to make room
-  uint64_t pinned_bytes = 0;   // registered now
+  // Registrations refused for the pin budget (the file larger than it, or the budget held by
+  // files in use): their chunks go as bytes. Every refusal counts; each file is warned of once.
+  uint64_t budget_refusals = 0;
+  uint64_t pinned_bytes = 0;  // registered now
   // Where a stream of placements spends its time, to tell a placer that holds the stream back
   // from one that waits for work (docs/server.md, "Placement"). Nanoseconds since Create.
   uint64_t active_ns = 0;     // with at least one placement in flight

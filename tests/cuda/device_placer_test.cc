@@ -250,6 +250,7 @@ TEST_F(DevicePlacerTest, RegistrationsAreCachedAndLetGoLeastRecentlyUsedWithinTh
   Result<SourceRef> refused = placer->RegisterFile(b.fd(), b.path());
   EXPECT_EQ(refused.status().code(), Code::kResourceExhausted) << refused.status().ToString();
   EXPECT_EQ(placer->stats().evictions, 0u);
+  EXPECT_EQ(placer->stats().budget_refusals, 1u);
 
   // Once nothing uses A, B takes its place.
   *first = nullptr;
@@ -262,6 +263,9 @@ TEST_F(DevicePlacerTest, RegistrationsAreCachedAndLetGoLeastRecentlyUsedWithinTh
   // Larger than the whole budget, and not a regular file.
   TempFile big(RandomBytes(5 << 20, 6));
   EXPECT_EQ(placer->RegisterFile(big.fd(), big.path()).status().code(), Code::kResourceExhausted);
+  EXPECT_EQ(placer->RegisterFile(big.fd(), big.path()).status().code(), Code::kResourceExhausted);
+  EXPECT_EQ(placer->stats().budget_refusals, 3u);  // every refusal, each chunk of a file asks
+  EXPECT_EQ(placer->stats().registrations, 2u);
   const int null_device = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   EXPECT_EQ(placer->RegisterFile(null_device, "/dev/null").status().code(), Code::kInvalidArgument);
   ::close(null_device);
