@@ -318,6 +318,12 @@ Result<PipelineResult> MeasurePipeline(const fs::path& image_dir, const std::str
       result.readings["tail_s"] =
           std::chrono::duration<double>(finished - ends.last_resident_at).count();
     }
+    if (ends.placement_answered_at != Clock::time_point{})
+      result.readings["placement_answered_s"] =
+          std::chrono::duration<double>(ends.placement_answered_at - start).count();
+    if (ends.stream_requested_at != Clock::time_point{})
+      result.readings["stream_requested_s"] =
+          std::chrono::duration<double>(ends.stream_requested_at - start).count();
     AddReaderReadings(session.progress(), read_files ? readers : 0, result.seconds,
                       result.readings);
 

@@ -1070,6 +1070,11 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
                                          options_.handshake_timeout, &placement_refused);
       if (handed.ok()) {
         placing = true;
+        std::lock_guard lock(mutex_);
+        if (counters_.placement_answered_at == Clock::time_point{})
+          counters_.placement_answered_at = Clock::now();
+      }
+      if (handed.ok()) {
         if (first)
           spdlog::info("image {}: the server places the chunks into the {} engine's memory",
                        options_.image, engine_.name());
@@ -1195,6 +1200,11 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     stream_all.mutable_request()->set_by_reference(link->files != nullptr);
     stream_all.mutable_request()->set_placed(placing);
     link->stream_writer.Send(std::move(stream_all));
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (counters_.stream_requested_at == Clock::time_point{})
+      counters_.stream_requested_at = Clock::now();
   }
 
   link_ = link;

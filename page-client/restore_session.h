@@ -188,6 +188,11 @@ struct Progress {
   // its start-up, its stream and its tail.
   std::chrono::steady_clock::time_point first_resident_at{};
   std::chrono::steady_clock::time_point last_resident_at{};
+  // The first connection's start-up, step by step (the epoch until reached): the server's answer
+  // to PlaceInto (none when it does not place), and the stream asked for (credit and stream_all
+  // sent, after the demand connection and the lanes' start).
+  std::chrono::steady_clock::time_point placement_answered_at{};
+  std::chrono::steady_clock::time_point stream_requested_at{};
   bool complete = false;  // every chunk is resident or abandoned
 };
 

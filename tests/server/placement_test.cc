@@ -162,6 +162,10 @@ TEST_F(PlacementTest, PlacedRestoreIsTheCheckpointsBytes) {
     EXPECT_LE(progress.first_resident_at, progress.last_resident_at);
     EXPECT_LE(progress.last_resident_at, completed);
     EXPECT_LT(progress.first_resident_at, progress.last_resident_at);
+    // Start-up in order: PlaceInto answered, then the stream asked for, then its first chunk.
+    EXPECT_LE(started, progress.placement_answered_at);
+    EXPECT_LE(progress.placement_answered_at, progress.stream_requested_at);
+    EXPECT_LE(progress.stream_requested_at, progress.first_resident_at);
     EXPECT_TRUE(progress.placing);
     EXPECT_FALSE(progress.reading_files);
     // A plain checkpoint stores every chunk RAW: all are placed. A lazy image's compressed and
@@ -173,6 +177,25 @@ TEST_F(PlacementTest, PlacedRestoreIsTheCheckpointsBytes) {
       EXPECT_EQ(engine.bytes_written(), 0u);  // the engine never saw a byte
     }
   }
+}
+
+// A client that declines the offer streams the bytes itself; its start-up has no PlaceInto.
+TEST_F(PlacementTest, DecliningClientStreamsWithNoPlacementAnswer) {
+  client::HostCopyEngine engine;
+  client::SessionOptions options = Options("raw");
+  options.accept_placement = false;
+  client::RestoreSession session(options, engine);
+  const auto started = std::chrono::steady_clock::now();
+  ASSERT_TRUE(session.Start().ok());
+  Status complete = session.WaitComplete(60s);
+  ASSERT_TRUE(complete.ok()) << complete.ToString();
+  ExpectCheckpointBytes(session, engine, "raw");
+  const client::Progress progress = session.progress();
+  EXPECT_FALSE(progress.placing);
+  EXPECT_EQ(progress.placed_chunks, 0u);
+  EXPECT_EQ(progress.placement_answered_at, std::chrono::steady_clock::time_point{});
+  EXPECT_LE(started, progress.stream_requested_at);
+  EXPECT_LE(progress.stream_requested_at, progress.first_resident_at);
 }
 
 TEST_F(PlacementTest, EnsurePlacesTheChunkItWaitsFor) {
