@@ -29,14 +29,14 @@ fi
 build=${1:-$root/build-tsan}
 "$root/scripts/install-deps.sh"
 targets=(client_basics_test client_session_test client_local_restore_test server_unit_test server_integration_test
-  server_image_files_test server_placement_open_test e2e_restore_test e2e_load_test uffd_test
+  server_image_files_test server_placement_open_test server_warm_test e2e_restore_test e2e_load_test uffd_test
   fuzz_server_replay gpulazy-server gpulazy-client)
 suites='RestoreSession|RestoreSessionInPlace|RestoreSessionThreads|RestoreSessionLanes|LocalRestore|SchedulerTest'
 suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|Modes/UffdRestore|Modes/UffdHandover|Handover'
-suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest'
+suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest|Warm|ReadIntoPageCache'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
     plugin_unit_test client_fetch_cli_test server_security_test)

@@ -74,6 +74,12 @@ class CudaPlacement final : public PlacementBackend {
                           cuda->destination(), target_offset, std::move(done));
   }
 
+  Status Prepare(int fd, std::string_view file_name) override {
+    // The placer's cache keeps the registration once this reference goes (and lets it go, least
+    // recently used first, only when the budget needs the room).
+    return placer_->RegisterFile(fd, file_name).status();
+  }
+
   void Flush() override { placer_->Flush(); }
 
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {

@@ -155,6 +155,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--placement-pin-budget", pin_budget,
                  "--placement cuda: image page cache kept registered for DMA at once (e.g. 16G)")
       ->capture_default_str();
+  app.add_option("--warm", config.warm,
+                 "IMAGE: once listening, read the image's files into the page cache and, with "
+                 "--placement cuda, register them for DMA, so its first restore waits for "
+                 "neither (repeatable; one disk thread does it, image after image)");
   app.add_option("--max-sessions", config.max_sessions, "open sessions at most")
       ->capture_default_str();
   app.add_option("--max-connections", config.max_connections, "open connections at most")
@@ -338,6 +342,9 @@ Status ValidateConfig(const ServerConfig& config) {
   if (c < image::kMinChunkSize || c > image::kMaxChunkSize || (c & (c - 1)) != 0)
     return InvalidArgument("--raw-chunk-size must be a power of two in [{}, {}], not {}",
                            image::kMinChunkSize, image::kMaxChunkSize, c);
+  for (const std::string& name : config.warm)
+    if (Status valid = ImageStore::ValidateName(name); !valid.ok())
+      return valid.Context(fmt::format("--warm '{}'", name));
   if (config.placement_device < 0 || config.placement_device > 1024)
     return InvalidArgument("--placement-device must be 0..1024, not {}", config.placement_device);
   if (!IsValidUtf8(config.server_name))

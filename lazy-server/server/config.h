@@ -113,6 +113,10 @@ struct ServerConfig {
   int placement_device = 0;
   // cuda: image page cache kept registered (pinned) for DMA at once.
   uint64_t placement_pin_budget = 16ull << 30;
+  // Images (named as clients name them) made ready once the server listens, so their first
+  // restore waits for neither: every file read into the page cache and, with placement,
+  // prepared by the backend (cuda: registered for DMA within the pin budget).
+  std::vector<std::string> warm;
 };
 
 // Parses argv (and --config FILE). On --help or a usage error, exit_code says how main should

@@ -187,6 +187,15 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"bytes_peak", totals.reply_bytes_queued_peak.load()},
       {"cutoffs", totals.reply_cutoffs.load()},
   };
+  if (!config.warm.empty()) {
+    const uint64_t done = totals.warm_images.load() + totals.warm_failures.load();
+    server["warm"] = {
+        {"images", totals.warm_images.load()},
+        {"failures", totals.warm_failures.load()},
+        {"pending", config.warm.size() - std::min<uint64_t>(done, config.warm.size())},
+        {"files", totals.warm_files.load()},
+        {"bytes", totals.warm_bytes.load()}};
+  }
   if (placement) {
     nlohmann::json counters = {{"kind", placement->kind()}};
     for (const auto& [name, value] : placement->Counters())

@@ -56,6 +56,12 @@ struct ServerTotals {
   // did not open after PlaceInto accepted them (their BOs' chunks went as bytes).
   std::atomic<uint64_t> placements_deferred{0};
   std::atomic<uint64_t> destination_open_failures{0};
+  // --warm: images made ready, and those that could not be (not found, unreadable, refused by
+  // the placement backend: their restores simply start cold); their files and bytes.
+  std::atomic<uint64_t> warm_images{0};
+  std::atomic<uint64_t> warm_failures{0};
+  std::atomic<uint64_t> warm_files{0};
+  std::atomic<uint64_t> warm_bytes{0};
 };
 
 struct ServerContext {

@@ -136,6 +136,10 @@ class MemfdPlacement final : public PlacementBackend {
     return Status::Ok();
   }
 
+  Status Prepare(int /*fd*/, std::string_view /*file_name*/) override {
+    return Status::Ok();  // reads its source at each placement: nothing to keep ready
+  }
+
   void Flush() override {}  // every placement completes inside Place
 
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {

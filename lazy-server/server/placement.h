@@ -73,6 +73,11 @@ class PlacementBackend {
   virtual Status Place(const image::DiskRange& from, std::string_view file_name,
                        std::optional<uint64_t> checksum, const PlacementTargetRef& target,
                        uint64_t target_offset, PlacementDone done) = 0;
+  // Makes an image file (open as `fd`, `file_name` for messages) ready before its first chunk is
+  // placed: cuda registers its page cache for DMA (within the pin budget, and kept while the
+  // budget allows), which the first placement from it would otherwise wait for; memfd has
+  // nothing to do. Slow: call it off the network threads.
+  virtual Status Prepare(int fd, std::string_view file_name) = 0;
   // Returns once every queued placement's `done` has run.
   virtual void Flush() = 0;
   // For StatsReply: what the backend did, by name ("placed_bytes", ...).

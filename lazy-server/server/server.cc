@@ -16,6 +16,7 @@
 #include "lazy-server/image/io.h"
 #include "lazy-server/server/access.h"
 #include "lazy-server/server/session.h"
+#include "lazy-server/server/warm.h"
 #include "page-client/net/threads.h"
 #include "proto/checksum.h"
 
@@ -326,6 +327,10 @@ int Server::Run() {
   for (Listener& listener : listeners_)
     asio::co_spawn(strand_, AcceptLoop(listener), asio::detached);
   if (ctx_->config.stats_interval.count() > 0) asio::co_spawn(strand_, StatsLoop(), asio::detached);
+  // On a bulk disk thread, the others serving restores meanwhile (an image asked for before it
+  // is warm is served as it is: cold). Joined with the pool at shutdown.
+  if (!ctx_->config.warm.empty())
+    asio::post(ctx_->dispatcher.pool(), [ctx = ctx_.get()] { WarmImages(*ctx); });
 
   std::atomic<int> exit_code = 0;
   auto stop_loops = [&] {

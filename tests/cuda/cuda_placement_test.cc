@@ -8,7 +8,9 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "page-client/cuda/cuda_engine.h"
@@ -61,6 +63,63 @@ TEST(CudaPlacementTest, ServerPlacesEveryChunkIntoTheEnginesBuffersByteExact) {
       EXPECT_EQ(got, want->second) << "BO " << i;
     }
   }
+  EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
+}
+
+nlohmann::json PlacementStats(const ServerProcess& server) {
+  TestClient client(server.unix_endpoint());
+  EXPECT_TRUE(client.Hello().ok());
+  Result<std::string> stats = client.Stats();
+  EXPECT_TRUE(stats.ok()) << stats.status().ToString();
+  return nlohmann::json::parse(stats.ok() ? *stats : "{}")["server"];
+}
+
+// --warm registers the image's files before any client asks: the restore then registers none,
+// and one file too large for the budget is refused (counted), not fatal.
+TEST(CudaPlacementTest, WarmRegistersTheImageBeforeItsFirstRestore) {
+  if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(MakeTestImage(root / "raw", {.bytes = 24ull << 20, .seed = 53, .processes = 2}).ok());
+  ASSERT_TRUE(MakeTestImage(root / "big", {.bytes = 80ull << 20, .seed = 54}).ok());
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "2M", "--placement", "cuda", "--placement-pin-budget",
+                        "64M", "--warm", "raw", "--warm", "big"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  nlohmann::json stats;
+  for (int i = 0; i < 1000; ++i) {
+    stats = PlacementStats(server);
+    if (stats["warm"]["pending"] == 0) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(stats["warm"]["pending"], 0) << stats.dump();
+  EXPECT_EQ(stats["warm"]["images"], 1) << stats.dump();
+  EXPECT_EQ(stats["warm"]["failures"], 1) << stats.dump();  // big's pages file: over 64M
+  EXPECT_GE(stats["placement"]["budget_refusals"].get<uint64_t>(), 1u) << stats.dump();
+  const uint64_t registered = stats["placement"]["registrations"].get<uint64_t>();
+  EXPECT_GE(registered, 2u) << stats.dump();  // raw's two processes' pages files at least
+
+  auto expected = LoadCriuContents(root / "raw");
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  Result<std::unique_ptr<client::CudaCopyEngine>> engine = client::CudaCopyEngine::Create({});
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  client::SessionOptions options;
+  options.endpoint = server.unix_endpoint().ToString();
+  options.image = "raw";
+  options.reconnect.max_attempts = 0;
+  client::RestoreSession session(options, **engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(60s).ok()) << server.Log().substr(0, 20000);
+  EXPECT_EQ(session.progress().placed_bytes, session.progress().total_bytes);
+  for (uint32_t i = 0; i < session.bos().size(); ++i) {
+    auto want = expected->find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
+    ASSERT_NE(want, expected->end());
+    std::vector<uint8_t> got(want->second.size());
+    ASSERT_TRUE((*engine)->CopyToHost(i, 0, got).ok());
+    EXPECT_EQ(got, want->second) << "BO " << i;
+  }
+  EXPECT_EQ(PlacementStats(server)["placement"]["registrations"], registered);
   EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
 }
 

@@ -67,5 +67,19 @@ TEST(ServerCommandLine, MaxLanesDefaultOverrideAndLimit) {
   EXPECT_NE(refused.exit_code, 0);
 }
 
+TEST(ServerCommandLine, WarmTakesImageNamesAndRefusesOnesNoClientCouldUse) {
+  ParsedCommandLine defaults = Parse({});
+  ASSERT_TRUE(defaults.config.has_value());
+  EXPECT_TRUE(defaults.config->warm.empty());
+  ParsedCommandLine set = Parse({"--warm", "models/llama", "--warm", "b"});
+  ASSERT_TRUE(set.config.has_value());
+  EXPECT_EQ(set.config->warm, (std::vector<std::string>{"models/llama", "b"}));
+  for (const char* name : {"../outside", "/etc", ""}) {
+    ParsedCommandLine refused = Parse({"--warm", name});
+    EXPECT_FALSE(refused.config.has_value()) << name;
+    EXPECT_NE(refused.exit_code, 0) << name;
+  }
+}
+
 }  // namespace
 }  // namespace gpulazy::server

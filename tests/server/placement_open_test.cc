@@ -60,6 +60,9 @@ class GatedPlacement final : public PlacementBackend {
                uint64_t target_offset, PlacementDone done) override {
     return inner_->Place(from, file_name, checksum, target, target_offset, std::move(done));
   }
+  Status Prepare(int fd, std::string_view file_name) override {
+    return inner_->Prepare(fd, file_name);
+  }
   void Flush() override { inner_->Flush(); }
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {
     return inner_->Counters();
