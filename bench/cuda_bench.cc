@@ -753,6 +753,13 @@ int Run(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"server", "tcp", "local"}))
       ->capture_default_str();
+  std::vector<std::string> layer_modes = {"eager", "parallel", "lazy"};
+  app.add_option("--layer-modes", layer_modes,
+                 "layers: the modes, in this order on each path (the first restore of an image "
+                 "through a placing server also registers its files)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"eager", "parallel", "lazy"}))
+      ->capture_default_str();
   app.add_option("--startup-ms", layer_options.startup_ms, "layers: the program's own start-up")
       ->capture_default_str();
   app.add_flag("--blocking-sync", layer_options.engine.blocking_sync,
@@ -996,7 +1003,7 @@ int Run(int argc, char** argv) {
       for (const std::string& path : layer_paths) {
         const std::string& endpoint =
             path == "tcp" ? server->tcp_endpoint() : server->unix_endpoint();
-        for (const char* mode : {"eager", "parallel", "lazy"}) {
+        for (const std::string& mode : layer_modes) {
           Result<LayerTimes> t =
               RunLayerCase(*image_dir, endpoint, path, mode, layer_options, *expected);
           if (!t.ok()) return fail(t.status());
