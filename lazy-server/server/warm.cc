@@ -61,6 +61,7 @@ Status ReadIntoPageCache(int fd, uint64_t size, const std::function<bool()>& kee
 
 void WarmImages(ServerContext& ctx) {
   const auto keep_going = [&ctx] { return !ctx.shutting_down.load(); };
+  uint64_t warmed_bytes = 0;  // of the images warmed whole
   for (const std::string& name : ctx.config.warm) {
     if (!keep_going()) return;
     const auto started = std::chrono::steady_clock::now();
@@ -89,6 +90,15 @@ void WarmImages(ServerContext& ctx) {
       continue;
     }
     ctx.totals.warm_images.fetch_add(1);
+    warmed_bytes += bytes;
+    // Registrations nothing uses are let go least recently used first when a later one needs
+    // the room: the images warmed first would be cold again.
+    if (ctx.placement && ctx.placement->kind() == "cuda" &&
+        warmed_bytes > ctx.config.placement_pin_budget)
+      spdlog::warn(
+          "--warm {}: the images warmed so far hold {} bytes, more than --placement-pin-budget "
+          "{}: registrations of those warmed before it may have been let go",
+          name, warmed_bytes, ctx.config.placement_pin_budget);
     spdlog::info("--warm {}: {} files, {} bytes in the page cache{} in {:.3f} s", name, files,
                  bytes,
                  ctx.placement ? fmt::format(", prepared for {} placement", ctx.placement->kind())

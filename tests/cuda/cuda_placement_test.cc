@@ -75,14 +75,16 @@ nlohmann::json PlacementStats(const ServerProcess& server) {
 }
 
 // --warm registers the image's files before any client asks: the restore then registers none,
-// and one file too large for the budget is refused (counted), not fatal.
+// and an image whose pages files are each larger than the budget is refused (counted), not
+// fatal, and lets go of nothing registered before it.
 TEST(CudaPlacementTest, WarmRegistersTheImageBeforeItsFirstRestore) {
   if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
   TempDir dir;
   const fs::path root = dir.path() / "images";
   fs::create_directories(root);
   ASSERT_TRUE(MakeTestImage(root / "raw", {.bytes = 24ull << 20, .seed = 53, .processes = 2}).ok());
-  ASSERT_TRUE(MakeTestImage(root / "big", {.bytes = 80ull << 20, .seed = 54}).ok());
+  // Two pages files (one per GPU), each well over the budget.
+  ASSERT_TRUE(MakeTestImage(root / "big", {.bytes = 400ull << 20, .seed = 54}).ok());
   ServerProcess server(dir.path(), root,
                        {"--raw-chunk-size", "2M", "--placement", "cuda", "--placement-pin-budget",
                         "64M", "--warm", "raw", "--warm", "big"});
@@ -96,6 +98,7 @@ TEST(CudaPlacementTest, WarmRegistersTheImageBeforeItsFirstRestore) {
   ASSERT_EQ(stats["warm"]["pending"], 0) << stats.dump();
   EXPECT_EQ(stats["warm"]["images"], 1) << stats.dump();
   EXPECT_EQ(stats["warm"]["failures"], 1) << stats.dump();  // big's pages file: over 64M
+  EXPECT_EQ(stats["placement"]["evictions"], 0) << stats.dump();
   EXPECT_GE(stats["placement"]["budget_refusals"].get<uint64_t>(), 1u) << stats.dump();
   const uint64_t registered = stats["placement"]["registrations"].get<uint64_t>();
   EXPECT_GE(registered, 2u) << stats.dump();  // raw's two processes' pages files at least
