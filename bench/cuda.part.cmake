@@ -14,7 +14,7 @@ if(GPULAZY_WITH_CUDA)
                    ${CMAKE_CURRENT_LIST_DIR}/cuda_layers.cc)
     # The engine brings the static CUDA runtime the kernel's launch stubs need.
     target_link_libraries(gpulazy-cuda-bench PRIVATE gpulazy_bench_harness gpulazy_cuda_kernels
-                          gpulazy_cuda_engine gpulazy_server_gpu gpulazy_local_restore
+                          gpulazy_cuda_engine gpulazy_server gpulazy_server_gpu gpulazy_local_restore
                           gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
     target_compile_definitions(gpulazy-cuda-bench
                                PRIVATE GPULAZY_DEFAULT_BIN_DIR="${CMAKE_BINARY_DIR}/bin")

@@ -35,6 +35,7 @@
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
+#include "lazy-server/server/config.h"
 #include "page-client/cuda/cuda_engine.h"
 #include "page-client/local_restore.h"
 #include "page-client/restore_session.h"
@@ -159,25 +160,19 @@ void AddEngineReadings(const client::CudaCopyEngine& engine, std::map<std::strin
   into["copy_queue_empty_s"] = stats.copy_queue_empty_s;
 }
 
-// The chunk size the benchmark's server cuts its raw images into: its default, or the
-// --raw-chunk-size given with --server-arg.
+// The chunk size the benchmark's server cuts its raw images into, as the server's own command
+// line makes it from the --server-arg options (its default depends on --placement).
 Result<uint32_t> ServedChunkBytes(const std::vector<std::string>& server_args) {
-  uint32_t bytes = image::kDefaultChunkSize;
-  constexpr std::string_view kOption = "--raw-chunk-size";
-  for (size_t i = 0; i < server_args.size(); ++i) {
-    const std::string& arg = server_args[i];
-    std::optional<std::string> value;
-    if (arg.starts_with(std::string(kOption) + "="))
-      value = arg.substr(kOption.size() + 1);
-    else if (arg == kOption && i + 1 < server_args.size())
-      value = server_args[i + 1];
-    if (!value) continue;
-    GPULAZY_ASSIGN_OR_RETURN(uint64_t parsed, ParseSize(*value));
-    if (parsed == 0 || parsed > (64u << 20))
-      return InvalidArgument("--server-arg {}: not a chunk size", arg);
-    bytes = static_cast<uint32_t>(parsed);
-  }
-  return bytes;
+  std::vector<std::string> args = {"gpulazy-server", "--images", "/", "--listen", "unix:/unused"};
+  args.insert(args.end(), server_args.begin(), server_args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : args)
+    argv.push_back(arg.data());
+  const server::ParsedCommandLine parsed =
+      server::ParseCommandLine(static_cast<int>(argv.size()), argv.data());
+  if (!parsed.config)
+    return InvalidArgument("the --server-arg options are not the server's (said above)");
+  return parsed.config->raw_chunk_size;
 }
 
 // Byte-for-byte check of every BO in device memory against the checkpoint's pages files.

@@ -227,6 +227,12 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   Result<uint32_t> chunk = ParseSize32(raw_chunk_size, "--raw-chunk-size");
   if (!chunk.ok()) return fail(chunk.status());
   config.raw_chunk_size = *chunk;
+  // Placed into device memory, a plain checkpoint streams at 0.91-0.95 of the pinned rate in
+  // 4 MiB chunks where 2 MiB ones reach 0.88-0.92 (a cost per copy; docs/benchmarks.md,
+  // "Session 42"): the default there, unless set or unless frames cannot carry it.
+  if (app.count("--raw-chunk-size") == 0 && config.placement == "cuda" &&
+      config.max_frame >= kPlacedRawChunkSize)
+    config.raw_chunk_size = kPlacedRawChunkSize;
   Result<uint64_t> budget = ParseSize(pin_budget);
   if (!budget.ok()) return fail(budget.status().Context("--placement-pin-budget"));
   config.placement_pin_budget = *budget;

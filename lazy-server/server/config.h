@@ -39,6 +39,9 @@ uint32_t DefaultNetworkThreads();
 // (docs/benchmarks.md, session 29).
 uint32_t DefaultDemandNetworkThreads();
 
+// --raw-chunk-size's default with --placement cuda: the largest chunk (image::kMaxChunkSize).
+inline constexpr uint32_t kPlacedRawChunkSize = 4u << 20;
+
 struct ServerConfig {
   std::vector<std::filesystem::path> image_roots;
   std::vector<net::Endpoint> listen;
@@ -84,8 +87,10 @@ struct ServerConfig {
   // network threads here) carry one restore: one connection's receiving thread bounds a remote
   // restore (docs/protocol.md, "Lanes"). Each counts against max_connections.
   uint32_t max_lanes = 7;
-  uint32_t read_ahead = 4;             // chunks hinted to the kernel ahead of the scheduler
-  uint32_t raw_chunk_size = 2u << 20;  // chunk size when serving plain CRIU checkpoints
+  uint32_t read_ahead = 4;  // chunks hinted to the kernel ahead of the scheduler
+  // Chunk size when serving plain CRIU checkpoints. The command line makes it
+  // kPlacedRawChunkSize with --placement cuda unless --raw-chunk-size is given.
+  uint32_t raw_chunk_size = 2u << 20;
   uint32_t max_cached_images = 64;
 
   std::chrono::milliseconds hello_timeout{10'000};  // first frame must arrive by then

@@ -67,6 +67,16 @@ TEST(ServerCommandLine, MaxLanesDefaultOverrideAndLimit) {
   EXPECT_NE(refused.exit_code, 0);
 }
 
+TEST(ServerCommandLine, RawChunksAreFourMiBWhenPlacingIntoDeviceMemoryUnlessSet) {
+  EXPECT_EQ(Parse({}).config->raw_chunk_size, 2u << 20);
+  EXPECT_EQ(Parse({"--placement", "memfd"}).config->raw_chunk_size, 2u << 20);
+  EXPECT_EQ(Parse({"--placement", "cuda"}).config->raw_chunk_size, kPlacedRawChunkSize);
+  EXPECT_EQ(Parse({"--placement", "cuda", "--raw-chunk-size", "2M"}).config->raw_chunk_size,
+            2u << 20);
+  // Frames too small for 4 MiB keep the plain default.
+  EXPECT_EQ(Parse({"--placement", "cuda", "--max-frame", "3M"}).config->raw_chunk_size, 2u << 20);
+}
+
 TEST(ServerCommandLine, WarmTakesImageNamesAndRefusesOnesNoClientCouldUse) {
   ParsedCommandLine defaults = Parse({});
   ASSERT_TRUE(defaults.config.has_value());
