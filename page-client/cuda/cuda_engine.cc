@@ -41,6 +41,10 @@ constexpr uint32_t kDefaultSlotBytes = 4u << 20;  // the largest chunk a server 
 constexpr uint32_t kSlotsPerWriter = 4;
 constexpr uint32_t kMinAutoSlots = 16;
 constexpr uint32_t kMaxAutoSlots = 128;
+// Slots larger than this get fewer, for the same ring bytes (SlotCount), but never fewer than
+// kMinLargeSlots.
+constexpr uint32_t kReferenceSlotBytes = 2u << 20;
+constexpr uint32_t kMinLargeSlots = 8;
 constexpr uint32_t kMaxSlotBytes = 64u << 20;
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kHugePageBytes = size_t{2} << 20;
@@ -300,7 +304,7 @@ class CudaCopyEngine::Impl {
   // whole or not at all).
   Status MakeRing(uint32_t slot_bytes) {
     GPULAZY_RETURN_IF_ERROR(UseDevice());
-    std::vector<Slot> slots(SlotCount());
+    std::vector<Slot> slots(SlotCount(slot_bytes));
     auto destroy_events = [&] {
       for (Slot& made : slots)
         if (made.event != nullptr) cudaEventDestroy(made.event);
@@ -344,11 +348,17 @@ class CudaCopyEngine::Impl {
     return Status::Ok();
   }
 
-  // staging_slots, or with 0 four per announced writer within [16, 128].
-  uint32_t SlotCount() const {
+  // staging_slots, or with 0 four per announced writer within [16, 128], as many bytes as that
+  // many 2 MiB slots where slots are larger: the pinned ring is made inside the restore's resume
+  // (an H200 pinned 4 MiB x 64 slots in 50-69 ms, twice the 2 MiB ring's time; docs/benchmarks.md,
+  // "Session 42"), and the bytes in flight, not the slots, are what the copies need.
+  uint32_t SlotCount(uint32_t slot_bytes) const {
     if (options_.staging_slots != 0) return options_.staging_slots;
     const uint32_t writers = std::max(1u, writers_.load(std::memory_order_relaxed));
-    return std::clamp(writers * kSlotsPerWriter, kMinAutoSlots, kMaxAutoSlots);
+    const uint32_t count = std::clamp(writers * kSlotsPerWriter, kMinAutoSlots, kMaxAutoSlots);
+    if (slot_bytes <= kReferenceSlotBytes) return count;
+    return std::max<uint32_t>(
+        kMinLargeSlots, static_cast<uint32_t>(uint64_t{count} * kReferenceSlotBytes / slot_bytes));
   }
 
   void ExpectWriters(uint32_t writers) {

@@ -31,7 +31,8 @@ struct CudaEngineOptions {
   // Pinned staging slots. 0: four per writer the restore announces (CopyEngine::ExpectWriters,
   // which the restores call before they say their chunk size), at least 16 and at most 128;
   // measured, four per reader is where the stream stops gaining (docs/benchmarks.md, session
-  // 14). The ring is made once: writers announced later do not resize it.
+  // 14). Slots over 2 MiB come fewer, as many bytes as that count of 2 MiB slots (at least 8).
+  // The ring is made once: writers announced later do not resize it.
   uint32_t staging_slots = 0;
   // Bytes per staging slot. 0: the image's chunk size, as the restore tells it
   // (ExpectChunkBytes; up to 4 MiB, the largest chunk a server sends: larger chunks need an

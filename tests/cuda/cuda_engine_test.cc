@@ -251,6 +251,26 @@ TEST_F(CudaEngineTest, RingSizedToTheWritersAnnouncedBeforeTheChunkSize) {
   }
 }
 
+// Slots over 2 MiB come fewer, holding the bytes as many 2 MiB slots would (at least 8): the
+// ring is pinned inside the restore's resume.
+TEST_F(CudaEngineTest, LargerSlotsComeFewerForTheSameRingBytes) {
+  struct Case {
+    uint32_t writers;
+    uint32_t chunk;
+    uint32_t want;
+  };
+  for (const Case& c : {Case{16, 2u << 20, 64}, Case{16, 4u << 20, 32}, Case{1, 4u << 20, 8},
+                        Case{100, 4u << 20, 64}, Case{16, 1u << 20, 64}}) {
+    SCOPED_TRACE(fmt::format("{} writers, {}-byte chunks", c.writers, c.chunk));
+    auto engine = CudaCopyEngine::Create({});
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    (*engine)->ExpectWriters(c.writers);
+    ASSERT_TRUE((*engine)->ExpectChunkBytes(c.chunk).ok());
+    EXPECT_EQ((*engine)->staging_slots(), c.want);
+    EXPECT_EQ((*engine)->slot_bytes(), c.chunk);
+  }
+}
+
 TEST_F(CudaEngineTest, FixedSlotsRefuseLargerChunksAndUntoldRestoresGetFourMiB) {
   CudaEngineOptions fixed;
   fixed.staging_slots = 2;
