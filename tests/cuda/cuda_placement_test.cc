@@ -22,6 +22,18 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
+// Every BO of the restore, copied back from the engine's device memory, is the checkpoint's.
+void ExpectDeviceBytes(const client::RestoreSession& session, const client::CudaCopyEngine& engine,
+                       const std::map<BoKey, std::vector<uint8_t>>& expected) {
+  for (uint32_t i = 0; i < session.bos().size(); ++i) {
+    auto want = expected.find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
+    ASSERT_NE(want, expected.end());
+    std::vector<uint8_t> got(want->second.size());
+    ASSERT_TRUE(engine.CopyToHost(i, 0, got).ok());
+    EXPECT_EQ(got, want->second) << "BO " << i;
+  }
+}
+
 TEST(CudaPlacementTest, ServerPlacesEveryChunkIntoTheEnginesBuffersByteExact) {
   if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
   TempDir dir;
@@ -55,13 +67,7 @@ TEST(CudaPlacementTest, ServerPlacesEveryChunkIntoTheEnginesBuffersByteExact) {
     if (name == "raw") {
       EXPECT_EQ(progress.placed_bytes, progress.total_bytes);
     }
-    for (uint32_t i = 0; i < session.bos().size(); ++i) {
-      auto want = expected->find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
-      ASSERT_NE(want, expected->end());
-      std::vector<uint8_t> got(want->second.size());
-      ASSERT_TRUE((*engine)->CopyToHost(i, 0, got).ok());
-      EXPECT_EQ(got, want->second) << "BO " << i;
-    }
+    ExpectDeviceBytes(session, **engine, *expected);
   }
   EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
 }
@@ -115,13 +121,7 @@ TEST(CudaPlacementTest, WarmRegistersTheImageBeforeItsFirstRestore) {
   ASSERT_TRUE(session.Start().ok());
   ASSERT_TRUE(session.WaitComplete(60s).ok()) << server.Log().substr(0, 20000);
   EXPECT_EQ(session.progress().placed_bytes, session.progress().total_bytes);
-  for (uint32_t i = 0; i < session.bos().size(); ++i) {
-    auto want = expected->find(BoKey{session.bos()[i].process_id, session.bos()[i].bo_index});
-    ASSERT_NE(want, expected->end());
-    std::vector<uint8_t> got(want->second.size());
-    ASSERT_TRUE((*engine)->CopyToHost(i, 0, got).ok());
-    EXPECT_EQ(got, want->second) << "BO " << i;
-  }
+  ExpectDeviceBytes(session, **engine, *expected);
   EXPECT_EQ(PlacementStats(server)["placement"]["registrations"], registered);
   EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
 }
