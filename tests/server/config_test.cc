@@ -5,6 +5,8 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -75,6 +77,14 @@ TEST(ServerCommandLine, RawChunksAreFourMiBWhenPlacingIntoDeviceMemoryUnlessSet)
             2u << 20);
   // Frames too small for 4 MiB keep the plain default.
   EXPECT_EQ(Parse({"--placement", "cuda", "--max-frame", "3M"}).config->raw_chunk_size, 2u << 20);
+  // A size set in the config file is set too.
+  const std::string file = ::testing::TempDir() + "/gpulazy-config-test.toml";
+  { std::ofstream(file) << "raw-chunk-size = \"1M\"\nplacement = \"cuda\"\n"; }
+  ParsedCommandLine from_file = Parse({"--config", file});
+  ASSERT_TRUE(from_file.config.has_value());
+  EXPECT_EQ(from_file.config->placement, "cuda");
+  EXPECT_EQ(from_file.config->raw_chunk_size, 1u << 20);
+  std::remove(file.c_str());
 }
 
 TEST(ServerCommandLine, WarmTakesImageNamesAndRefusesOnesNoClientCouldUse) {
