@@ -32,6 +32,7 @@
 #include "lazy-server/gpu/device_placer.h"
 #include "lazy-server/gpu/ipc_exporter.h"
 #include "lazy-server/image/criu_checkpoint.h"
+#include "lazy-server/image/image_source.h"
 #include "lazy-server/image/io.h"
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
@@ -173,6 +174,29 @@ Result<uint32_t> ServedChunkBytes(const std::vector<std::string>& server_args) {
   if (!parsed.config)
     return InvalidArgument("the --server-arg options are not the server's (said above)");
   return parsed.config->raw_chunk_size;
+}
+
+// Converts the stream's checkpoint into a lazy image beside it, every chunk stored as it is
+// (no LZ4, no sharing): each carries a checksum and none needs decoding, so every one can be
+// placed and checked on the GPU. Reads the chunk file once, so the run starts from page cache.
+Status ConvertForStream(const fs::path& image_dir, uint32_t chunk_bytes) {
+  GPULAZY_ASSIGN_OR_RETURN(image::CriuCheckpoint checkpoint,
+                           image::CriuCheckpoint::Open(image_dir));
+  image::ConvertOptions options;
+  options.chunk_size = chunk_bytes;
+  options.compress = false;
+  options.deduplicate = false;
+  GPULAZY_RETURN_IF_ERROR(image::ConvertToLazyImage(checkpoint, options).status());
+  GPULAZY_ASSIGN_OR_RETURN(std::shared_ptr<const image::ImageSource> source,
+                           image::ImageSource::Open(image_dir));
+  std::vector<uint8_t> buffer(8u << 20);
+  for (const image::ImageSource::StoredFile& file : source->files())
+    for (uint64_t at = 0; at < file.size; at += buffer.size())
+      GPULAZY_RETURN_IF_ERROR(ReadExactAt(
+          file.fd.get(), at,
+          std::span<uint8_t>(buffer.data(), std::min<uint64_t>(buffer.size(), file.size - at)),
+          file.name));
+  return Status::Ok();
 }
 
 // Byte-for-byte check of every BO in device memory against the checkpoint's pages files.
@@ -709,6 +733,13 @@ int Run(int argc, char** argv) {
       ->allow_extra_args(false);
   app.add_option("--experiment", experiments, "stream, layers, place")->delimiter(',');
   app.add_option("--size", size_text, "stream: image content bytes")->capture_default_str();
+  std::string stream_image = "criu";
+  app.add_option("--stream-image", stream_image,
+                 "stream: criu (a plain checkpoint: no checksums) or lazy (converted, every chunk "
+                 "stored raw in the served chunk size with its checksum, so a placing server "
+                 "checks each on the GPU)")
+      ->check(CLI::IsMember({"criu", "lazy"}))
+      ->capture_default_str();
   app.add_option(
          "--cases", cases,
          "stream: unix, tcp, unix-files, local, upstream (the ceiling always; unix-files gets "
@@ -808,6 +839,10 @@ int Run(int argc, char** argv) {
   if (wants("stream")) {
     Result<fs::path> image_dir = MakeWarmImage(root, "ckpt", *size, 2, 5);
     if (!image_dir.ok()) return fail(image_dir.status());
+    if (stream_image == "lazy") {
+      if (Status converted = ConvertForStream(*image_dir, served_chunk_bytes); !converted.ok())
+        return fail(converted);
+    }
     std::vector<double> ceiling, pipeline, pipeline_tcp, by_reference, local, upstream;
     std::map<std::string, std::vector<double>> setup;
     // Case -> reading (PipelineResult::readings) -> one value per run (medians reported).
@@ -884,6 +919,7 @@ int Run(int argc, char** argv) {
           {"bench", "cuda-stream"},
           {"case", name},
           {"server_args", common.server_args},
+          {"stream_image", stream_image},
           {"size_bytes", *size},
           {"window_bytes", *window},
           {"file_window_bytes", *file_window},
