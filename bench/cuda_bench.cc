@@ -167,6 +167,7 @@ Result<uint32_t> ServedChunkBytes(const std::vector<std::string>& server_args) {
   std::vector<std::string> args = {"gpulazy-server", "--images", "/", "--listen", "unix:/unused"};
   args.insert(args.end(), server_args.begin(), server_args.end());
   std::vector<char*> argv;
+  argv.reserve(args.size());
   for (std::string& arg : args)
     argv.push_back(arg.data());
   const server::ParsedCommandLine parsed =
