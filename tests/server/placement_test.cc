@@ -23,6 +23,7 @@
 #include "proto/endian.h"
 #include "tests/server/checkpoint_bytes.h"
 #include "tests/server/test_support.h"
+#include "tests/support/process.h"
 
 namespace gpulazy::server::testing {
 namespace {
@@ -302,6 +303,21 @@ TEST_F(PlacementTest, PlacedDemandForACachedChunkIsPlaced) {
   std::vector<uint8_t> in_place(stored.size());
   ASSERT_TRUE(ReadExactAt(memfd, uint64_t{chunk} * manifest.chunk_size(), in_place, "memfd").ok());
   EXPECT_TRUE(in_place == stored) << "the destination holds other bytes than the chunk's";
+}
+
+// --placement cuda on a host that cannot place into a GPU (a build without CUDA, or no usable
+// device or driver, as on the development VM): the server refuses to start and says why,
+// rather than serving without the placement it was asked for.
+TEST(PlacementStartup, CudaPlacementWithoutAUsableGpuRefusesToStart) {
+  if (fs::exists("/dev/nvidiactl")) GTEST_SKIP() << "a GPU may be usable here";
+  TempDir dir;
+  const std::string command =
+      std::string(GPULAZY_BIN_DIR) + "/gpulazy-server --images " + dir.path().string() +
+      " --listen unix:" + (dir.path() / "s.sock").string() + " --placement cuda";
+  const ::gpulazy::testing::CommandRun run = ::gpulazy::testing::RunCommand(command, 30);
+  EXPECT_NE(run.exit_code, 0) << run.out;
+  EXPECT_NE(run.out.find("--placement"), std::string::npos) << run.out;
+  EXPECT_FALSE(fs::exists(dir.path() / "s.sock")) << run.out;
 }
 
 TEST_F(PlacementTest, OfferedOnUnixSocketsOnly) {
