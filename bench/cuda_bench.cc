@@ -37,6 +37,7 @@
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "lazy-server/server/config.h"
+#include "lazy-server/server/warm.h"
 #include "page-client/cuda/cuda_engine.h"
 #include "page-client/local_restore.h"
 #include "page-client/restore_session.h"
@@ -190,13 +191,10 @@ Status ConvertForStream(const fs::path& image_dir, uint32_t chunk_bytes) {
   GPULAZY_RETURN_IF_ERROR(image::ConvertToLazyImage(checkpoint, options).status());
   GPULAZY_ASSIGN_OR_RETURN(std::shared_ptr<const image::ImageSource> source,
                            image::ImageSource::Open(image_dir));
-  std::vector<uint8_t> buffer(8u << 20);
   for (const image::ImageSource::StoredFile& file : source->files())
-    for (uint64_t at = 0; at < file.size; at += buffer.size())
-      GPULAZY_RETURN_IF_ERROR(ReadExactAt(
-          file.fd.get(), at,
-          std::span<uint8_t>(buffer.data(), std::min<uint64_t>(buffer.size(), file.size - at)),
-          file.name));
+    GPULAZY_RETURN_IF_ERROR(server::ReadIntoPageCache(file.fd.get(), file.size, [] {
+                              return true;
+                            }).Context(file.name));
   return Status::Ok();
 }
 

@@ -1,8 +1,10 @@
 // --warm: images made ready before any client asks for them, for a page server that starts
 // with the host and serves a known set of images (inference containers' cold start): each
 // file's bytes read into the page cache, and with placement each file prepared by the backend
-// (cuda: registered for DMA, which a first restore would otherwise wait for: 0.2-0.3 s for
-// 3.1 GB, 1.0-1.4 s for 16 GiB on an H200, docs/benchmarks.md "Session 41"). A failure is
+// (cuda: registered for DMA, which a first restore would otherwise wait for: on an H200 a cold
+// server's first (eager) placed restore of a 3.1 GB model took 0.23-0.28 s and of 16 GiB
+// 1.0-1.4 s, where a registered image is resident in 0.09 s and 0.37 s; docs/benchmarks.md,
+// "Session 42"). A failure is
 // logged and counted, and that image's restores simply start cold.
 #pragma once
 

@@ -350,8 +350,9 @@ class CudaCopyEngine::Impl {
 
   // staging_slots, or with 0 four per announced writer within [16, 128], as many bytes as that
   // many 2 MiB slots where slots are larger: the pinned ring is made inside the restore's resume
-  // (an H200 pinned 4 MiB x 64 slots in 50-69 ms, twice the 2 MiB ring's time; docs/benchmarks.md,
-  // "Session 42"), and the bytes in flight, not the slots, are what the copies need.
+  // (on an H200 a restore's Start took 50-69 ms with 64 slots of 4 MiB, 25-40 ms with 32;
+  // docs/benchmarks.md, "Session 42"), and the bytes in flight, not the slots, are what the
+  // copies need.
   uint32_t SlotCount(uint32_t slot_bytes) const {
     if (options_.staging_slots != 0) return options_.staging_slots;
     const uint32_t writers = std::max(1u, writers_.load(std::memory_order_relaxed));
