@@ -72,7 +72,9 @@ void WarmImages(ServerContext& ctx) {
     if (image.ok()) {
       for (const image::ImageSource::StoredFile& file : (*image)->source->files()) {
         warmed = ReadIntoPageCache(file.fd.get(), file.size, keep_going);
-        if (warmed.ok() && ctx.placement) warmed = ctx.placement->Prepare(file.fd.get(), file.name);
+        // An empty file holds no chunk to place (and cannot be registered).
+        if (warmed.ok() && ctx.placement && file.size > 0)
+          warmed = ctx.placement->Prepare(file.fd.get(), file.name);
         if (!warmed.ok()) {
           warmed = warmed.Context(file.name);
           break;
