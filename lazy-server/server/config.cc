@@ -230,6 +230,7 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   // Placed into device memory, a plain checkpoint streams at 0.91-0.95 of the pinned rate in
   // 4 MiB chunks where 2 MiB ones reach 0.88-0.92 (a cost per copy; docs/benchmarks.md,
   // "Session 42"): the default there, unless set or unless frames cannot carry it.
+  static_assert(kPlacedRawChunkSize <= image::kMaxChunkSize);
   if (app.count("--raw-chunk-size") == 0 && config.placement == "cuda" &&
       config.max_frame >= kPlacedRawChunkSize)
     config.raw_chunk_size = kPlacedRawChunkSize;
