@@ -307,7 +307,11 @@ class RestoreSession::Impl {
   void LoseDemand(const std::shared_ptr<DemandLink>& link, Status why, bool drain = true);
   // Demand bookkeeping: the demand thread (or the stream thread without a demand connection).
   void RestartDemand();  // a new connection: re-send every demand still pending
-  void QueueDemand(const std::vector<ChunkId>& chunks);
+  // Asks for `chunks`, marked demanded (mutex_ held) by a caller that then read demand_epoch_
+  // (under mutex_, in that critical section or a later one), unless a RestartDemand since took
+  // its snapshot: that snapshot holds them and asked for them already.
+  void QueueDemand(const std::vector<ChunkId>& chunks, uint64_t epoch);
+  uint64_t DemandEpoch();
   // With a chunk table: claims and reads each chunk from the passed files on this thread;
   // returns those it cannot (no table, not located) for the server.
   std::vector<ChunkId> ReadLocally(const std::vector<ChunkId>& chunks);
@@ -466,6 +470,9 @@ class RestoreSession::Impl {
   uint32_t demand_in_flight_ = 0;  // demand chunks asked for and not yet received
   // When each chunk asked for on the demand connection was asked, until its reply arrives.
   std::map<ChunkId, Clock::time_point> demand_asked_;
+  // RestartDemand's snapshots so far (guarded by mutex_): a demand posted before the latest
+  // snapshot was taken is in it, and sending it again would fetch its chunks twice.
+  uint64_t demand_epoch_ = 0;
 
   // Lane threads, each running its io_context: made by the stream thread when a connection
   // first has lanes, never removed before the destructor. `current` is its thread's.
@@ -709,7 +716,9 @@ Status RestoreSession::Impl::Ensure(uint32_t bo, uint64_t offset, uint64_t lengt
     for (const ChunkId& id : wanted)
       asked.push_back(AskedChunk{id, residency_.ChunkLength(id.first, id.second)});
     if (!wanted.empty())
-      OnDemandThread([this, wanted = std::move(wanted)] { QueueDemand(wanted); });
+      OnDemandThread([this, wanted = std::move(wanted), epoch = demand_epoch_] {
+        QueueDemand(wanted, epoch);
+      });
   }
   if (!landing.empty()) OnDemandThread([this, landing = std::move(landing)] { Expedite(landing); });
   if (!read_here.empty() || !asked.empty()) {
@@ -1316,12 +1325,14 @@ void RestoreSession::Impl::NoteStreamEnd(const std::shared_ptr<Link>& link) {
   for (const ChunkRun& run : missed)
     for (uint32_t i = 0; i < run.count; ++i)
       chunks.emplace_back(run.bo, run.first + i);
+  uint64_t epoch = 0;
   {
     std::lock_guard lock(mutex_);
     for (const ChunkId& id : chunks)
       residency_.set_demanded(id.first, id.second);
+    epoch = demand_epoch_;
   }
-  OnDemandThread([this, chunks = std::move(chunks)] { QueueDemand(chunks); });
+  OnDemandThread([this, chunks = std::move(chunks), epoch] { QueueDemand(chunks, epoch); });
 }
 
 void RestoreSession::Impl::StartLanes(const std::shared_ptr<Link>& link, const wire::Hello& join,
@@ -1555,6 +1566,7 @@ void RestoreSession::Impl::RestartDemand() {
   {
     std::lock_guard lock(mutex_);
     pending = residency_.PendingDemandRuns();
+    ++demand_epoch_;
   }
   // Whatever the last connection had in flight is gone with it; everything demanded and not
   // held is asked for again (in the snapshot above, so a demand queued meanwhile is not lost).
@@ -1572,10 +1584,18 @@ void RestoreSession::Impl::RestartDemand() {
   PumpDemand();
 }
 
-void RestoreSession::Impl::QueueDemand(const std::vector<ChunkId>& chunks) {
+void RestoreSession::Impl::QueueDemand(const std::vector<ChunkId>& chunks, uint64_t epoch) {
+  // Posted before RestartDemand ran on this thread but after the chunks were marked: they were
+  // in its snapshot and are asked for (or read) already.
+  if (epoch != DemandEpoch()) return;
   std::vector<ChunkId> rest = ReadLocally(chunks);
   demand_queue_.insert(demand_queue_.end(), rest.begin(), rest.end());
   PumpDemand();
+}
+
+uint64_t RestoreSession::Impl::DemandEpoch() {
+  std::lock_guard lock(mutex_);
+  return demand_epoch_;
 }
 
 std::vector<RestoreSession::Impl::ChunkId> RestoreSession::Impl::ReadLocally(
@@ -2109,7 +2129,9 @@ Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t
     return Corrupt("{}: second copy is bad too, not installing it: {}", What(bo, chunk),
                    why.message());
   spdlog::warn("{}; fetching it again", why.message());
-  OnDemandThread([this, id = ChunkId{bo, chunk}] { QueueDemand({id}); });
+  // Read after UnclaimBadCopy marked the chunk demanded, as QueueDemand needs.
+  OnDemandThread(
+      [this, id = ChunkId{bo, chunk}, epoch = DemandEpoch()] { QueueDemand({id}, epoch); });
   return Status::Ok();
 }
 
