@@ -4,8 +4,13 @@
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t by value
 #include <xxhash.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "proto/checksum_variants.h"
 #if defined(GPULAZY_XXH3_DISPATCH)
@@ -106,6 +111,30 @@ std::string DigestToString(const Digest128& digest) {
   for (uint8_t b : digest)
     out += fmt::format("{:02x}", b);
   return out;
+}
+
+uint64_t ZeroChecksum64(uint64_t length) {
+  // Lengths seen so far, most recent last; a few suffice (the chunk size and the BOs' tails).
+  constexpr size_t kRemembered = 16;
+  static std::mutex mu;
+  static std::vector<std::pair<uint64_t, uint64_t>> known;  // length -> checksum
+  {
+    std::lock_guard lock(mu);
+    for (const auto& [known_length, sum] : known)
+      if (known_length == length) return sum;
+  }
+  static const std::array<uint8_t, 64u << 10> kZeros{};
+  Checksum64Stream hash;
+  for (uint64_t left = length; left > 0;) {
+    const size_t piece = static_cast<size_t>(std::min<uint64_t>(left, kZeros.size()));
+    hash.Update(std::span(kZeros.data(), piece));
+    left -= piece;
+  }
+  const uint64_t sum = hash.Digest();
+  std::lock_guard lock(mu);
+  if (known.size() == kRemembered) known.erase(known.begin());
+  known.emplace_back(length, sum);
+  return sum;
 }
 
 bool IsAllZero(std::span<const uint8_t> bytes) {

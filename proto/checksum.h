@@ -41,6 +41,11 @@ Digest128 ContentDigest(std::span<const uint8_t> bytes);
 std::string DigestToString(const Digest128& digest);  // 32 hex digits
 bool IsAllZero(std::span<const uint8_t> bytes);
 
+// Checksum64 of `length` zero bytes, what a CODEC_ZERO chunk of that raw length must carry:
+// hashed once per length (an image's chunks come in one or a few lengths) and remembered, so a
+// zero chunk is checked without a pass over bytes that are known. Any thread.
+uint64_t ZeroChecksum64(uint64_t length);
+
 inline std::span<const uint8_t> AsBytes(std::string_view s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
 }

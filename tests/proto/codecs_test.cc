@@ -206,6 +206,25 @@ TEST(ChunkCodecTest, EmptyZeroChunkIntoAnEmptyBuffer) {
 
 // --- Frames --------------------------------------------------------------------------------
 
+// ZeroChecksum64 stands in for hashing a zero chunk's bytes: it must be that hash for every
+// length (remembered or not, around the block it hashes in), and a zero chunk whose checksum is
+// anything else is refused.
+TEST(ChecksumTest, ZeroChecksumIsTheChecksumOfThatManyZeros) {
+  for (uint64_t length : {0ull, 1ull, 240ull, 4096ull, 65535ull, 65536ull, 65537ull, 1ull << 20,
+                          (4ull << 20) + 4096, 4096ull}) {
+    const std::vector<uint8_t> zeros(length);
+    EXPECT_EQ(ZeroChecksum64(length), Checksum64(zeros)) << length;
+  }
+  for (uint64_t length = 1; length <= 40; ++length)  // more lengths than it remembers
+    EXPECT_EQ(ZeroChecksum64(length * 4096), Checksum64(std::vector<uint8_t>(length * 4096)));
+  std::vector<uint8_t> raw(4096, 0xff);
+  EXPECT_TRUE(DecodeChunkBytes(manifest::CODEC_ZERO, ZeroChecksum64(4096), {}, raw, "z").ok());
+  EXPECT_TRUE(std::all_of(raw.begin(), raw.end(), [](uint8_t b) { return b == 0; }));
+  Status bad = DecodeChunkBytes(manifest::CODEC_ZERO, ZeroChecksum64(4096) ^ 1, {}, raw, "z");
+  EXPECT_EQ(bad.code(), Code::kCorrupt);
+  EXPECT_NE(bad.message().find("checksum mismatch"), std::string::npos) << bad.message();
+}
+
 TEST(FrameTest, RoundTrip) {
   FrameLimits limits;
   std::string payload = "chunk bytes \x00\x01\x02";
