@@ -101,6 +101,18 @@ class CopyEngine {
     return Unsupported("{} engine does not verify chunks", name());
   }
 
+  // Optional: zeroes [offset, offset + length) of BO `bo` without being handed the bytes (a
+  // CODEC_ZERO chunk, whose checksum the caller has checked against the zero bytes' checksum).
+  // A DMA engine fills device memory on the device instead of copying zeros across the bus
+  // (the CUDA engine: cudaMemsetAsync). Completes like Write: `done` exactly once unless it
+  // returns an error. Called only when WritesZeros(); the same callers and threads as Write.
+  virtual bool WritesZeros() const { return false; }
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): overrides take ownership of `done`.
+  virtual Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+    (void)bo, (void)offset, (void)length, (void)done;
+    return Unsupported("{} engine does not fill zeros", name());
+  }
+
   // A ReceiveTarget span that will not be committed (its bytes failed verification, or the
   // connection broke mid-receive): the engine may reuse it. The caller has zeroed it.
   virtual void ReleaseReceived(uint32_t bo, uint64_t offset, uint64_t length) {

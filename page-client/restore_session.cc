@@ -378,6 +378,10 @@ class RestoreSession::Impl {
   Status InstallChunk(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
                       std::vector<uint8_t>& payload, bool on_stream,
                       DemandChunkTiming* timing = nullptr);
+  // A claimed CODEC_ZERO chunk with no payload, for an engine that WritesZeros: checked against
+  // the zero bytes' checksum, then zeroed by the engine (a bad checksum is a bad copy).
+  Status InstallZeros(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
+                      bool on_stream, DemandChunkTiming* timing);
   // A landing chunk whose copy failed verification: back to missing, counted, and marked
   // demanded, all under one lock. Returns the bad copies so far. Done in separate steps, the
   // stream's end could see the chunk missing and unrequested in between and demand it a second
@@ -1820,6 +1824,12 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
     co_return Status::Ok();
   }
 
+  // A zero chunk for an engine that zeroes memory itself: nothing to receive or copy.
+  if (data.codec() == manifest::CODEC_ZERO && payload_length == 0 && engine_.WritesZeros()) {
+    if (timing) timing->received = Clock::now();
+    co_return InstallZeros(link, data, on_stream, timing ? &*timing : nullptr);
+  }
+
   // Claimed. Only a RAW chunk whose payload is exactly its raw bytes can land in place; the
   // engine decides whether its memory may hold unverified bytes of a chunk that is not resident.
   std::optional<std::span<uint8_t>> target;
@@ -2176,6 +2186,43 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
                       });
   }
   if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
+  return Status::Ok();
+}
+
+Status RestoreSession::Impl::InstallZeros(const std::shared_ptr<Link>& link,
+                                          const wire::ChunkData& data, bool on_stream,
+                                          DemandChunkTiming* timing) {
+  const uint32_t bo = data.bo();
+  const uint32_t chunk = data.chunk();
+  // AcceptChunk checked raw_length against the BO table; the checksum must be that of as many
+  // zeros, as when the bytes are decoded (a zero chunk carries no payload, so no credit).
+  if (const uint64_t zero_sum = ZeroChecksum64(data.raw_length()); zero_sum != data.checksum()) {
+    const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
+    return BadCopy(link, bo, chunk, 0, on_stream,
+                   Corrupt("{}: checksum mismatch (a zero chunk hashes to {:016x}, expected "
+                           "{:016x})",
+                           What(bo, chunk), zero_sum, data.checksum()),
+                   bad_copies);
+  }
+  {
+    std::lock_guard lock(mutex_);
+    ++counters_.zero_filled_chunks;
+    counters_.zero_filled_bytes += data.raw_length();
+  }
+  Status written;
+  {
+    EngineHold engine_hold(commit_gate_, UrgencyOf(on_stream),
+                           timing ? &timing->gate_wait : nullptr);
+    std::optional<DemandChunkTiming> timed;
+    if (timing) timed = *timing;
+    written =
+        engine_.WriteZeros(bo, uint64_t{chunk} * chunk_size_, data.raw_length(),
+                           [this, link, id = ChunkId{bo, chunk}, timed](const Status& status) {
+                             OnWritten(status, link, id, nullptr, 0, timed ? &*timed : nullptr);
+                           });
+  }
+  if (!written.ok())
+    return written.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
   return Status::Ok();
 }
 

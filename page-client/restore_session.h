@@ -162,8 +162,13 @@ struct Progress {
   bool placing = false;          // the current connection's server places chunks (placement)
   uint64_t placed_chunks = 0;    // chunks the server placed in our destinations
   uint64_t placed_bytes = 0;     // their raw bytes
-  uint32_t lanes = 0;            // lanes joined to the current connection (besides the stream's)
-  uint64_t lane_bytes = 0;       // of received_bytes: payload bytes that came on lanes
+  // Zero chunks (CODEC_ZERO) off the connections that the engine zeroed itself
+  // (CopyEngine::WritesZeros: on the GPU for the CUDA engine) instead of being handed their
+  // bytes; their checksums checked here. (File readers do the same, uncounted here.)
+  uint64_t zero_filled_chunks = 0;
+  uint64_t zero_filled_bytes = 0;  // their raw bytes
+  uint32_t lanes = 0;              // lanes joined to the current connection (besides the stream's)
+  uint64_t lane_bytes = 0;         // of received_bytes: payload bytes that came on lanes
   // Where the stream connection's reading thread spent its time (wall time, other work of that
   // thread included): waiting for the next frame to start, and inside chunk frames (receiving
   // the payload, which may also wait for bytes, verifying it, handing it to the engine).

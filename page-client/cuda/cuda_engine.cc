@@ -395,17 +395,36 @@ class CudaCopyEngine::Impl {
     return Queue(index, bo, offset, raw.size(), std::move(done));
   }
 
+  // A zero chunk: a memset on the GPU, in a slot for its event (it stages nothing), so it
+  // completes in order with the copies around it.
+  Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+    GPULAZY_RETURN_IF_ERROR(CheckRange(bo, offset, length));
+    if (length > slot_bytes_)
+      return InvalidArgument("zeroing {} bytes exceeds the {}-byte chunks the engine was sized to",
+                             length, slot_bytes_);
+    uint32_t index;
+    {
+      std::unique_lock lock(mu_);
+      WaitForFreeSlot(lock);
+      index = free_.front();
+      free_.pop_front();
+    }
+    return Queue(index, bo, offset, length, std::move(done), std::nullopt, /*zeros=*/true);
+  }
+
   // Queues the DMA of a filled staging slot; on failure the slot is free again. With
   // `checksum`, the bytes go to the slot's device staging first and the verify kernel installs
-  // them only if they hash to it.
+  // them only if they hash to it. With `zeros`, the range is zeroed instead (nothing staged).
   Status Queue(uint32_t index, uint32_t bo, uint64_t offset, uint64_t length, CopyDone done,
-               std::optional<uint64_t> checksum = std::nullopt) {
+               std::optional<uint64_t> checksum = std::nullopt, bool zeros = false) {
     Slot& slot = slots_[index];
     cudaError_t e = cudaSetDevice(options_.device);  // the caller's thread may be on another
     cudaStream_t stream =
         streams_[next_stream_.fetch_add(1, std::memory_order_relaxed) % streams_.size()];
     auto* target = static_cast<uint8_t*>(destinations_[bo]) + offset;
-    if (checksum) {
+    if (zeros) {
+      if (e == cudaSuccess) e = cudaMemsetAsync(target, 0, length, stream);
+    } else if (checksum) {
       verdicts_[index] = cuda::kVerdictPending;
       const cuda::VerifyJob job{.staged = slot.device,
                                 .destination = target,
@@ -426,7 +445,8 @@ class CudaCopyEngine::Impl {
       std::lock_guard lock(mu_);
       free_.push_back(index);
       freed_.notify_one();
-      return CudaError(e, fmt::format("queueing a copy into BO {}", bo));
+      return CudaError(e,
+                       fmt::format("queueing a {} BO {}", zeros ? "memset of" : "copy into", bo));
     }
     slot.done = std::move(done);
     slot.bytes = static_cast<uint32_t>(length);
@@ -714,6 +734,10 @@ std::optional<std::span<uint8_t>> CudaCopyEngine::ReceiveTarget(uint32_t bo, uin
                                                                 uint64_t length) {
   return impl_->ReceiveTarget(bo, offset, length);
 }
+Status CudaCopyEngine::WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+  return impl_->WriteZeros(bo, offset, length, std::move(done));
+}
+
 Status CudaCopyEngine::CommitReceived(uint32_t bo, uint64_t offset, uint64_t length,
                                       CopyDone done) {
   return impl_->CommitReceived(bo, offset, length, std::move(done));

@@ -86,6 +86,9 @@ class CudaCopyEngine : public CopyEngine {
   Status ExpectChunkBytes(uint32_t max_bytes) override;
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override;
+  // Zero chunks are zeroed on the GPU (cudaMemsetAsync), completing in order with the copies.
+  bool WritesZeros() const override { return true; }
+  Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
   // Lends pinned staging slots: the bytes are received (or read) straight into a slot and DMA'd
   // from there once verified, with no copy of ours in between.
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,

@@ -236,6 +236,7 @@ void FakeServer::SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority p
   data->set_priority(priority);
   std::vector<uint8_t> payload;
   bool corrupt = false;
+  bool bad_zero = false;
   {
     std::lock_guard lock(mutex_);
     auto it = options_.corrupt_copies.find({bo, chunk});
@@ -243,8 +244,16 @@ void FakeServer::SendChunk(int fd, uint32_t bo, uint32_t chunk, wire::Priority p
       --it->second;
       corrupt = true;
     }
+    auto zero = options_.bad_zero_checksums.find({bo, chunk});
+    if (zero != options_.bad_zero_checksums.end() && zero->second > 0 && IsAllZero(raw)) {
+      --zero->second;
+      bad_zero = true;
+    }
   }
-  if (corrupt) {
+  if (bad_zero) {
+    data->set_codec(manifest::CODEC_ZERO);
+    data->set_checksum(data->checksum() ^ 1);
+  } else if (corrupt) {
     data->set_codec(manifest::CODEC_RAW);
     payload.assign(raw.begin(), raw.end());
     payload[length / 2] ^= 0x5a;

@@ -42,6 +42,8 @@ struct FakeServerOptions {
   bool mixed_codecs = true;  // LZ4 for odd chunks, ZERO for zero chunks, RAW otherwise
   // Copies of these chunks to send corrupted (one byte flipped, checksum of the good bytes).
   std::map<ChunkKey, int> corrupt_copies;
+  // Copies of these zero chunks to send as CODEC_ZERO with a wrong checksum.
+  std::map<ChunkKey, int> bad_zero_checksums;
   // Close the stream connection after this many stream chunks in total (once; -1: never).
   int drop_after_chunks = -1;
   // Close every stream connection right after its OpenImageReply (a server that fails the same

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -119,6 +120,42 @@ TEST(LocalRestore, RestoresCheckpointAndLazyImageByteExact) {
       ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine, dir));
     }
   }
+}
+
+// An engine that zeroes memory itself (CopyEngine::WritesZeros, as the CUDA engine does on the
+// GPU) is handed a lazy image's zero chunks as ranges, with nothing read for them; it zeroes
+// them through the host engine's Write, so the byte check covers them.
+TEST(LocalRestore, ZeroChunksOfALazyImageGoToAnEngineThatZeroesAsRanges) {
+  class ZeroingEngine : public ForwardingHostEngine {
+   public:
+    std::string_view name() const override { return "zeroing-host"; }
+    bool WritesZeros() const override { return true; }
+    Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+      zeroed_bytes_ += length;
+      const std::vector<uint8_t> zeros(length);
+      return host_.Write(bo, offset, zeros, std::move(done));  // completes inside
+    }
+    uint64_t zeroed_bytes() const { return zeroed_bytes_.load(); }
+
+   private:
+    std::atomic<uint64_t> zeroed_bytes_{0};
+  };
+  TempDir root;
+  const fs::path dir = root.path() / "lazy";
+  ASSERT_NO_FATAL_FAILURE(Synthesize(dir, 24ull << 20, 5));
+  ASSERT_NO_FATAL_FAILURE(Convert(dir));
+  ZeroingEngine engine;
+  LocalRestoreOptions options;
+  options.image_dir = dir;
+  options.readers = 2;
+  LocalRestore restore(options, engine);
+  ASSERT_TRUE(restore.Start().ok());
+  Status done = restore.WaitComplete(std::chrono::seconds(120));
+  ASSERT_TRUE(done.ok()) << done.ToString();
+  ASSERT_NO_FATAL_FAILURE(ExpectRestored(restore, engine.host(), dir));
+  // The synthetic job's KV-cache pools are zeros: whole chunks of them were never read.
+  EXPECT_GE(engine.zeroed_bytes(), 256u * 1024);
+  EXPECT_EQ(engine.zeroed_bytes() % 4096, 0u);
 }
 
 // Progress::file_read_s and file_engine_s: an engine that takes 2 ms in every ReceiveTarget puts

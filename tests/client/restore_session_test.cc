@@ -905,6 +905,113 @@ TEST(RestoreSessionEngineVerifies, PersistentCorruptionFailsLoudlyAndNeverBecome
   EXPECT_TRUE(std::all_of(range.begin(), range.end(), [](uint8_t b) { return b == 0; }));
 }
 
+// Zeroes zero chunks itself (CopyEngine::WritesZeros), as the CUDA engine does on the GPU: counts
+// the calls and zeroes through the host engine's Write, so the byte checks still see them.
+class ZeroFillingEngine : public CountingEngine {
+ public:
+  explicit ZeroFillingEngine(const FakeImage& image) : CountingEngine(image), image_(image) {}
+  bool WritesZeros() const override { return true; }
+  Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override {
+    {
+      std::lock_guard lock(mu_);
+      ++zeroed_[{bo, static_cast<uint32_t>(offset / image_.chunk_size)}];
+    }
+    const std::vector<uint8_t> zeros(length);
+    return Write(bo, offset, zeros, std::move(done));  // completes inside: zeros outlive it
+  }
+  std::map<ChunkKey, int> zeroed() const {
+    std::lock_guard lock(mu_);
+    return zeroed_;
+  }
+
+ private:
+  const FakeImage& image_;
+  mutable std::mutex mu_;
+  std::map<ChunkKey, int> zeroed_;
+};
+
+std::map<ChunkKey, int> ZeroChunksOnce(const FakeImage& image) {
+  std::map<ChunkKey, int> zero;
+  for (uint32_t bo = 0; bo < image.bos.size(); ++bo)
+    for (uint32_t chunk = 0; chunk < image.ChunkCount(bo); ++chunk) {
+      const uint64_t start = uint64_t{chunk} * image.chunk_size;
+      const uint64_t end = std::min<uint64_t>(start + image.chunk_size, image.bos[bo].size());
+      if (std::all_of(image.bos[bo].begin() + start, image.bos[bo].begin() + end,
+                      [](uint8_t b) { return b == 0; }))
+        zero[{bo, chunk}] = 1;
+    }
+  return zero;
+}
+
+TEST(RestoreSessionZeros, AnEngineThatZeroesGetsNoBytesForZeroChunks) {
+  FakeImage image = SmallImage();
+  FakeServer server(image, {});  // zero chunks travel as CODEC_ZERO
+  ZeroFillingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  EXPECT_EQ(engine.bad_writes(), 0);
+  engine.ExpectEachChunkOnce();
+  const std::map<ChunkKey, int> zero = ZeroChunksOnce(image);
+  ASSERT_GT(zero.size(), 3u);
+  EXPECT_EQ(engine.zeroed(), zero);  // each zero chunk zeroed once, and nothing else
+  const Progress p = session.progress();
+  EXPECT_EQ(p.zero_filled_chunks, zero.size());
+  EXPECT_EQ(p.zero_filled_bytes, zero.size() * 4096);  // no zero chunk is a BO's short tail here
+}
+
+// A zero chunk's checksum is checked as a decoded one's is: a wrong one is a bad copy, asked
+// for again; a second one fails the restore and the engine never zeroes the chunk.
+TEST(RestoreSessionZeros, AZeroChunkWithAWrongChecksumIsFetchedAgain) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.bad_zero_checksums[{0, 5}] = 1;
+  FakeServer server(image, server_options);
+  ZeroFillingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(engine.zeroed().at({0, 5}), 1);
+  EXPECT_EQ(session.progress().refetches, 1u);
+}
+
+TEST(RestoreSessionZeros, ZeroChunksWithWrongChecksumsFailLoudlyAndAreNeverZeroed) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.bad_zero_checksums[{1, 5}] = 100;
+  FakeServer server(image, server_options);
+  ZeroFillingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status status = session.WaitComplete(10s);
+  EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
+  EXPECT_NE(status.message().find("BO 1"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("chunk 5"), std::string::npos) << status.message();
+  EXPECT_NE(status.message().find("zero chunk"), std::string::npos) << status.message();
+  EXPECT_EQ(engine.zeroed().count({1, 5}), 0u);
+  EXPECT_EQ(engine.writes().count({1, 5}), 0u);
+  EXPECT_FALSE(session.IsResident(1, 5 * 4096, 4096));
+}
+
+// An engine that does not zero gets the zeros through Write, checked the same way.
+TEST(RestoreSessionZeros, DecodedZeroChunksWithAWrongChecksumAreFetchedAgain) {
+  FakeImage image = SmallImage();
+  FakeServerOptions server_options;
+  server_options.bad_zero_checksums[{0, 8}] = 1;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(session.progress().refetches, 1u);
+  EXPECT_EQ(session.progress().zero_filled_chunks, 0u);
+}
+
 // A session that planned file readers and whose server will not pass the files tells the
 // engine it writes with one thread after all (the fake server passes no files).
 TEST(RestoreSession, ServerRefusingFilesMakesItOneWriterAgain) {

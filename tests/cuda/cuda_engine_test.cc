@@ -374,6 +374,49 @@ TEST_F(CudaEngineTest, RejectsWritesOutsideTheBoWithoutCallingDone) {
   EXPECT_FALSE(called);
 }
 
+// A zero chunk is zeroed on the GPU over whatever the range held, in order with the copies
+// around it, within the BO and the chunk size only, and is counted as written.
+TEST_F(CudaEngineTest, ZeroWritesClearTheirRangeOnTheGpuAndStayInTheBo) {
+  auto engine = CudaCopyEngine::Create({});
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  ASSERT_TRUE((*engine)->ExpectChunkBytes(64 * 1024).ok());
+  constexpr uint64_t kSize = 5 * 64 * 1024 + 4096;
+  ASSERT_TRUE((*engine)->AddDestination(0, kSize).ok());
+  std::vector<uint8_t> pattern(kSize);
+  for (size_t i = 0; i < pattern.size(); ++i)
+    pattern[i] = static_cast<uint8_t>(i * 7 + 1);
+  std::atomic<int> completed{0};
+  auto count = [&](const Status& s) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    ++completed;
+  };
+  for (uint64_t offset = 0; offset < kSize; offset += 64 * 1024) {
+    const uint64_t length = std::min<uint64_t>(64 * 1024, kSize - offset);
+    ASSERT_TRUE(
+        (*engine)->Write(0, offset, std::span(pattern).subspan(offset, length), count).ok());
+  }
+  // Chunks 1 and 3, and the short tail, zeroed after their bytes were copied in.
+  ASSERT_TRUE((*engine)->WriteZeros(0, 64 * 1024, 64 * 1024, count).ok());
+  ASSERT_TRUE((*engine)->WriteZeros(0, 3 * 64 * 1024, 64 * 1024, count).ok());
+  ASSERT_TRUE((*engine)->WriteZeros(0, 5 * 64 * 1024, 4096, count).ok());
+  bool called = false;
+  auto mark = [&](Status) { called = true; };
+  EXPECT_EQ((*engine)->WriteZeros(0, kSize - 4095, 4096, mark).code(), Code::kOutOfRange);
+  EXPECT_EQ((*engine)->WriteZeros(0, UINT64_MAX, 1, mark).code(), Code::kOutOfRange);
+  EXPECT_EQ((*engine)->WriteZeros(1, 0, 4096, mark).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*engine)->WriteZeros(0, 0, 128 * 1024, mark).code(), Code::kInvalidArgument);
+  ASSERT_TRUE((*engine)->Flush().ok());
+  EXPECT_FALSE(called);
+  EXPECT_EQ(completed.load(), 6 + 3);
+  std::vector<uint8_t> expected = pattern;
+  for (uint64_t offset : {uint64_t{64 * 1024}, uint64_t{3 * 64 * 1024}})
+    std::fill_n(expected.begin() + static_cast<std::ptrdiff_t>(offset), 64 * 1024, 0);
+  std::fill(expected.begin() + 5 * 64 * 1024, expected.end(), 0);
+  std::vector<uint8_t> back(kSize);
+  ASSERT_TRUE((*engine)->CopyToHost(0, 0, back).ok());
+  EXPECT_EQ(back, expected);
+}
+
 // A BO's device buffer is whole 2 MiB pages: a page server maps one of another size from its IPC
 // handle in milliseconds a GiB, and holds its DMA back meanwhile (docs/benchmarks.md, "Session
 // 41"). The BO's bounds stay its own size.
