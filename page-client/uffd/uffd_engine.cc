@@ -11,16 +11,20 @@ Status UffdCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   return Status::Ok();
 }
 
-Status UffdCopyEngine::Install(const Destination& dest, uint64_t offset,
-                               std::span<const uint8_t> raw) {
+Status UffdCopyEngine::Install(const Destination& dest, const Held& write) {
   if (target_gone_.load()) return Status::Ok();
+  const uint64_t offset = write.offset;
   const uint64_t addr = dest.region->addr + offset;
   auto install = [&]() -> Result<InstallResult> {
-    if (uffd_.mode() == FillMode::kMissingCopy) return uffd_.Copy(addr, raw);
+    if (uffd_.mode() == FillMode::kMissingCopy)
+      return write.zeros ? uffd_.ZeroPage(addr, write.length) : uffd_.Copy(addr, write.raw);
     // Bytes first through our own mapping (the faulting process cannot see them yet: its page
     // tables do not map these pages), then map them there.
-    std::memcpy(dest.filler.data() + offset, raw.data(), raw.size());
-    return uffd_.Continue(addr, raw.size());
+    if (write.zeros)
+      std::memset(dest.filler.data() + offset, 0, write.length);
+    else
+      std::memcpy(dest.filler.data() + offset, write.raw.data(), write.raw.size());
+    return uffd_.Continue(addr, write.length);
   };
   Result<InstallResult> result = install();
   if (!result.ok()) {
@@ -33,28 +37,39 @@ Status UffdCopyEngine::Install(const Destination& dest, uint64_t offset,
   }
   bytes_installed_ += result->installed;
   already_present_ += result->already_present;
+  if (write.zeros) zeroed_ += result->installed;
   return Status::Ok();
 }
 
 Status UffdCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                              client::CopyDone done) {
+  return Submit(bo, Held{offset, raw, raw.size(), /*zeros=*/false, std::move(done)});
+}
+
+Status UffdCopyEngine::WriteZeros(uint32_t bo, uint64_t offset, uint64_t length,
+                                  client::CopyDone done) {
+  return Submit(bo, Held{offset, {}, length, /*zeros=*/true, std::move(done)});
+}
+
+Status UffdCopyEngine::Submit(uint32_t bo, Held write) {
   Destination* dest = nullptr;
   {
     std::lock_guard lock(mutex_);
     auto it = destinations_.find(bo);
     if (it == destinations_.end()) return NotFound("uffd engine: no destination for BO {}", bo);
-    if (offset > it->second.size || raw.size() > it->second.size - offset)
-      return OutOfRange("uffd engine: write [{}, +{}) past BO {} of {} bytes", offset, raw.size(),
-                        bo, it->second.size);
+    if (write.offset > it->second.size || write.length > it->second.size - write.offset)
+      return OutOfRange("uffd engine: {} [{}, +{}) past BO {} of {} bytes",
+                        write.zeros ? "zeroing" : "write", write.offset, write.length, bo,
+                        it->second.size);
     if (!it->second.region) {
       // After Abandon nothing may be held: a held callback would outlive its session.
       if (abandoned_) return Aborted("uffd engine: BO {} will never be bound (abandoned)", bo);
-      it->second.held.push_back({offset, raw, std::move(done)});
+      it->second.held.push_back(std::move(write));
       return Status::Ok();
     }
     dest = &it->second;  // bound destinations never change again
   }
-  done(Install(*dest, offset, raw));
+  write.done(Install(*dest, write));
   return Status::Ok();
 }
 
@@ -79,7 +94,7 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
     dest = &it->second;
   }
   for (Held& write : held)
-    write.done(Install(*dest, write.offset, write.raw));
+    write.done(Install(*dest, write));
   return Status::Ok();
 }
 

@@ -35,6 +35,11 @@ class UffdCopyEngine : public client::CopyEngine {
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
+  // Zero chunks without bytes: UFFDIO_ZEROPAGE in MISSING mode (in private anonymous memory the
+  // shared zero page: no page allocated until the program writes); in MINOR mode the range is
+  // zeroed through our mapping, then mapped (UFFDIO_CONTINUE).
+  bool WritesZeros() const override { return true; }
+  Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, client::CopyDone done) override;
   Status Flush() override;
 
   // Where BO `region.bo` lives in the faulting process. In MINOR mode `memfd` is the BO's
@@ -47,11 +52,14 @@ class UffdCopyEngine : public client::CopyEngine {
   bool target_gone() const { return target_gone_.load(); }
   uint64_t bytes_installed() const { return bytes_installed_.load(); }
   uint64_t bytes_already_present() const { return already_present_.load(); }
+  uint64_t bytes_zeroed() const { return zeroed_.load(); }  // of bytes_installed, by WriteZeros
 
  private:
   struct Held {
     uint64_t offset;
-    std::span<const uint8_t> raw;
+    std::span<const uint8_t> raw;  // empty for zeros
+    uint64_t length;               // raw.size(), or the bytes to zero
+    bool zeros;
     client::CopyDone done;
   };
   struct Destination {
@@ -60,8 +68,10 @@ class UffdCopyEngine : public client::CopyEngine {
     Mapping filler;  // MINOR mode: our own mapping of the memfd
     std::vector<Held> held;
   };
+  // Checks the range and installs the write, or holds it while the BO is not bound.
+  Status Submit(uint32_t bo, Held write);
   // Installs into a bound destination; called without mutex_ held.
-  Status Install(const Destination& dest, uint64_t offset, std::span<const uint8_t> raw);
+  Status Install(const Destination& dest, const Held& write);
 
   const Userfaultfd& uffd_;
   std::mutex mutex_;  // guards destinations_' shape, bindings and held writes
@@ -70,6 +80,7 @@ class UffdCopyEngine : public client::CopyEngine {
   std::atomic<bool> target_gone_{false};
   std::atomic<uint64_t> bytes_installed_{0};
   std::atomic<uint64_t> already_present_{0};
+  std::atomic<uint64_t> zeroed_{0};
 };
 
 }  // namespace gpulazy::uffd

@@ -29,8 +29,8 @@ uint64_t FeaturesFor(FillMode mode) {
                                         : (UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM);
 }
 
-// One ioctl that installs pages (COPY or CONTINUE), repeated past pages that are already there
-// (EEXIST) and past interruptions (EAGAIN: the range changed under us, retry the rest).
+// One ioctl that installs pages (COPY, CONTINUE or ZEROPAGE), repeated past pages that are already
+// there (EEXIST) and past interruptions (EAGAIN: the range changed under us, retry the rest).
 template <typename Step>
 Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* what, Step step) {
   InstallResult result;
@@ -149,6 +149,19 @@ Result<InstallResult> Userfaultfd::Continue(uint64_t addr, uint64_t length) cons
     return cont.mapped < 0 ? static_cast<int>(-cont.mapped) : errno;
   };
   return InstallLoop(addr, PageAlignUp(length), "UFFDIO_CONTINUE", step);
+}
+
+Result<InstallResult> Userfaultfd::ZeroPage(uint64_t addr, uint64_t length) const {
+  auto step = [&](uint64_t at, uint64_t left, int64_t* progressed) {
+    uffdio_zeropage zero{};
+    zero.range.start = at;
+    zero.range.len = left;
+    int rc = ioctl(fd_.get(), UFFDIO_ZEROPAGE, &zero);
+    *progressed = zero.zeropage > 0 ? zero.zeropage : 0;
+    if (rc == 0) return 0;
+    return zero.zeropage < 0 ? static_cast<int>(-zero.zeropage) : errno;
+  };
+  return InstallLoop(addr, PageAlignUp(length), "UFFDIO_ZEROPAGE", step);
 }
 
 Status Userfaultfd::Wake(uint64_t addr, uint64_t length) const {

@@ -67,6 +67,10 @@ class Userfaultfd {
   Result<InstallResult> Copy(uint64_t dst, std::span<const uint8_t> src) const;
   // UFFDIO_CONTINUE over [addr, addr + length): maps page-cache pages. Present pages skipped.
   Result<InstallResult> Continue(uint64_t addr, uint64_t length) const;
+  // UFFDIO_ZEROPAGE over [addr, addr + length) (page aligned; the length rounded up to whole
+  // pages): zero pages without a source, the shared zero page in private anonymous memory, a
+  // cleared page in shmem. Present pages skipped; kAborted as for Copy.
+  Result<InstallResult> ZeroPage(uint64_t addr, uint64_t length) const;
   // UFFDIO_WAKE: wakes threads blocked on faults in the range (after someone else installed).
   Status Wake(uint64_t addr, uint64_t length) const;
 

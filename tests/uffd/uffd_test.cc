@@ -181,6 +181,8 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
     EXPECT_EQ(std::memcmp(memory->bytes(bo).data(), source[bo].data(), source[bo].size()), 0)
         << "BO " << bo;
   EXPECT_EQ(session.progress().reading_files, read_files);
+  // The synthetic job's zero BOs came as zero chunks, installed without bytes (WriteZeros).
+  EXPECT_GT(engine.bytes_zeroed(), 0u);
   // Under a sanitizer the readers slow down far more than the kernel's fill, so the socket
   // plane's fill too can land before they touch a page (seen once in CI's TSan stage).
   if (!read_files && !::gpulazy::testing::kSanitized) {
@@ -188,6 +190,92 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
     EXPECT_GT(recorder.size(), 0u);
   }
 }
+
+// Resident set of this process, in bytes (/proc/self/statm's second field).
+uint64_t ResidentBytes() {
+  std::FILE* statm = std::fopen("/proc/self/statm", "r");
+  if (statm == nullptr) return 0;
+  unsigned long long size = 0, resident = 0;
+  const int read = std::fscanf(statm, "%llu %llu", &size, &resident);
+  std::fclose(statm);
+  return read == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+// Zero writes in either mode: held until the BO is bound, within the BO only, and in MISSING
+// mode never over a page that is there (a chunk installed earlier keeps its bytes); in private
+// anonymous memory MISSING mode maps the zero page and allocates nothing.
+class UffdZeros : public ::testing::TestWithParam<FillMode> {};
+
+TEST_P(UffdZeros, ZeroWritesInstallZerosAndNeverOverwriteAPresentPage) {
+  const FillMode mode = GetParam();
+  auto uffd = Userfaultfd::Create(mode);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  constexpr uint64_t kChunk = 64 << 10;
+  UffdCopyEngine engine(*uffd);
+  ASSERT_TRUE(engine.AddDestination(0, 4 * kChunk).ok());
+  auto memory = RestoredMemory::Create(*uffd, {4 * kChunk});
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  int completed = 0;
+  auto count = [&](const Status& s) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    ++completed;
+  };
+  ASSERT_TRUE(engine.WriteZeros(0, 2 * kChunk, kChunk, count).ok());  // held: not bound yet
+  EXPECT_EQ(completed, 0);
+  ASSERT_TRUE(engine.Bind(memory->regions()[0], memory->memfd(0)).ok());
+  EXPECT_EQ(completed, 1);
+  const std::vector<uint8_t> data(kChunk, 0xab);
+  ASSERT_TRUE(engine.Write(0, 0, data, count).ok());
+  // MISSING mode: over chunk 0 (present: skipped) and chunk 1 (missing: zeroed). MINOR mode
+  // writes through the memfd before it maps, as its Write does: a chunk is only ever written
+  // with its own bytes (the session claims it first), so there only chunk 1.
+  const bool missing = mode == FillMode::kMissingCopy;
+  ASSERT_TRUE(
+      engine.WriteZeros(0, missing ? 0 : kChunk, missing ? 2 * kChunk : kChunk, count).ok());
+  ASSERT_TRUE(engine.WriteZeros(0, 3 * kChunk, kChunk, count).ok());
+  bool called = false;
+  auto mark = [&](Status) { called = true; };
+  EXPECT_EQ(engine.WriteZeros(0, 4 * kChunk - 4096, 8192, mark).code(), Code::kOutOfRange);
+  EXPECT_EQ(engine.WriteZeros(1, 0, 4096, mark).code(), Code::kNotFound);
+  EXPECT_FALSE(called);
+  EXPECT_EQ(completed, 4);
+  EXPECT_EQ(engine.bytes_zeroed(), 3 * kChunk);
+  EXPECT_EQ(engine.bytes_already_present(), missing ? kChunk : 0);
+  // Every page is there now: reading faults on none.
+  std::span<const uint8_t> bytes = memory->bytes(0);
+  EXPECT_TRUE(std::equal(data.begin(), data.end(), bytes.begin()));
+  EXPECT_TRUE(std::all_of(bytes.begin() + kChunk, bytes.end(), [](uint8_t b) { return b == 0; }));
+}
+
+TEST(UffdZeros, MissingModeZeroesAnonymousMemoryWithoutAllocatingIt) {
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  constexpr uint64_t kSize = 64ull << 20;
+  UffdCopyEngine engine(*uffd);
+  ASSERT_TRUE(engine.AddDestination(0, kSize).ok());
+  auto memory = RestoredMemory::Create(*uffd, {kSize}, /*anonymous=*/true);
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  ASSERT_TRUE(engine.Bind(memory->regions()[0]).ok());
+  const uint64_t before = ResidentBytes();
+  for (uint64_t offset = 0; offset < kSize; offset += 2 << 20)
+    ASSERT_TRUE(engine
+                    .WriteZeros(0, offset, 2 << 20,
+                                [](const Status& s) { EXPECT_TRUE(s.ok()) << s.ToString(); })
+                    .ok());
+  std::span<const uint8_t> bytes = memory->bytes(0);
+  EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_EQ(engine.bytes_zeroed(), kSize);
+  // The shared zero page, mapped 16 384 times, counts nothing; 64 MiB of copied zeros would.
+  EXPECT_LT(ResidentBytes(), before + (8ull << 20));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, UffdZeros,
+                         ::testing::Values(FillMode::kMissingCopy, FillMode::kMinorContinue),
+                         [](const ::testing::TestParamInfo<FillMode>& info) {
+                           std::string name = FillModeName(info.param);
+                           std::ranges::replace(name, '-', '_');
+                           return name;
+                         });
 
 // Test names that say what runs: Modes/UffdRestore.<test>/missing_copy_ReadFiles, and so on
 // (the pager's own mode names; gtest allows no '-').
