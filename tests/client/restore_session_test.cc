@@ -943,20 +943,43 @@ std::map<ChunkKey, int> ZeroChunksOnce(const FakeImage& image) {
   return zero;
 }
 
-TEST(RestoreSessionZeros, AnEngineThatZeroesGetsNoBytesForZeroChunks) {
+// A session restoring the small image into a ZeroFillingEngine (`zeroing`) or a CountingEngine,
+// from a fake server that sends zero chunks as CODEC_ZERO, the copies `bad` names with a wrong
+// checksum.
+struct ZeroRestore {
+  explicit ZeroRestore(std::map<ChunkKey, int> bad = {}, bool zeroing = true)
+      : server(image, ServerOptions(std::move(bad))),
+        zeroing_engine(image),
+        counting_engine(image),
+        engine(zeroing ? zeroing_engine : counting_engine),
+        session(Options(server), engine) {}
+  static FakeServerOptions ServerOptions(std::map<ChunkKey, int> bad) {
+    FakeServerOptions options;
+    options.bad_zero_checksums = std::move(bad);
+    return options;
+  }
+  void ExpectRestored() {
+    ASSERT_TRUE(session.Start().ok());
+    ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
+    EXPECT_TRUE(engine.Matches(image));
+    EXPECT_EQ(engine.bad_writes(), 0);
+    engine.ExpectEachChunkOnce();
+  }
   FakeImage image = SmallImage();
-  FakeServer server(image, {});  // zero chunks travel as CODEC_ZERO
-  ZeroFillingEngine engine(image);
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
-  EXPECT_TRUE(engine.Matches(image));
-  EXPECT_EQ(engine.bad_writes(), 0);
-  engine.ExpectEachChunkOnce();
-  const std::map<ChunkKey, int> zero = ZeroChunksOnce(image);
+  FakeServer server;
+  ZeroFillingEngine zeroing_engine;
+  CountingEngine counting_engine;
+  CountingEngine& engine;
+  RestoreSession session;
+};
+
+TEST(RestoreSessionZeros, AnEngineThatZeroesGetsNoBytesForZeroChunks) {
+  ZeroRestore r;
+  ASSERT_NO_FATAL_FAILURE(r.ExpectRestored());
+  const std::map<ChunkKey, int> zero = ZeroChunksOnce(r.image);
   ASSERT_GT(zero.size(), 3u);
-  EXPECT_EQ(engine.zeroed(), zero);  // each zero chunk zeroed once, and nothing else
-  const Progress p = session.progress();
+  EXPECT_EQ(r.zeroing_engine.zeroed(), zero);  // each zero chunk zeroed once, and nothing else
+  const Progress p = r.session.progress();
   EXPECT_EQ(p.zero_filled_chunks, zero.size());
   EXPECT_EQ(p.zero_filled_bytes, zero.size() * 4096);  // no zero chunk is a BO's short tail here
 }
@@ -964,52 +987,30 @@ TEST(RestoreSessionZeros, AnEngineThatZeroesGetsNoBytesForZeroChunks) {
 // A zero chunk's checksum is checked as a decoded one's is: a wrong one is a bad copy, asked
 // for again; a second one fails the restore and the engine never zeroes the chunk.
 TEST(RestoreSessionZeros, AZeroChunkWithAWrongChecksumIsFetchedAgain) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.bad_zero_checksums[{0, 5}] = 1;
-  FakeServer server(image, server_options);
-  ZeroFillingEngine engine(image);
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
-  EXPECT_TRUE(engine.Matches(image));
-  engine.ExpectEachChunkOnce();
-  EXPECT_EQ(engine.zeroed().at({0, 5}), 1);
-  EXPECT_EQ(session.progress().refetches, 1u);
+  ZeroRestore r({{{0, 5}, 1}});
+  ASSERT_NO_FATAL_FAILURE(r.ExpectRestored());
+  EXPECT_EQ(r.zeroing_engine.zeroed().at({0, 5}), 1);
+  EXPECT_EQ(r.session.progress().refetches, 1u);
 }
 
 TEST(RestoreSessionZeros, ZeroChunksWithWrongChecksumsFailLoudlyAndAreNeverZeroed) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.bad_zero_checksums[{1, 5}] = 100;
-  FakeServer server(image, server_options);
-  ZeroFillingEngine engine(image);
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  Status status = session.WaitComplete(10s);
+  ZeroRestore r({{{1, 5}, 100}});
+  ASSERT_TRUE(r.session.Start().ok());
+  Status status = r.session.WaitComplete(10s);
   EXPECT_EQ(status.code(), Code::kCorrupt) << status.ToString();
-  EXPECT_NE(status.message().find("BO 1"), std::string::npos) << status.message();
-  EXPECT_NE(status.message().find("chunk 5"), std::string::npos) << status.message();
-  EXPECT_NE(status.message().find("zero chunk"), std::string::npos) << status.message();
-  EXPECT_EQ(engine.zeroed().count({1, 5}), 0u);
-  EXPECT_EQ(engine.writes().count({1, 5}), 0u);
-  EXPECT_FALSE(session.IsResident(1, 5 * 4096, 4096));
+  for (const char* said : {"BO 1", "chunk 5", "zero chunk"})
+    EXPECT_NE(status.message().find(said), std::string::npos) << status.message();
+  EXPECT_EQ(r.zeroing_engine.zeroed().count({1, 5}), 0u);
+  EXPECT_EQ(r.engine.writes().count({1, 5}), 0u);
+  EXPECT_FALSE(r.session.IsResident(1, 5 * 4096, 4096));
 }
 
 // An engine that does not zero gets the zeros through Write, checked the same way.
 TEST(RestoreSessionZeros, DecodedZeroChunksWithAWrongChecksumAreFetchedAgain) {
-  FakeImage image = SmallImage();
-  FakeServerOptions server_options;
-  server_options.bad_zero_checksums[{0, 8}] = 1;
-  FakeServer server(image, server_options);
-  CountingEngine engine(image);
-  RestoreSession session(Options(server), engine);
-  ASSERT_TRUE(session.Start().ok());
-  ASSERT_TRUE(session.WaitComplete(10s).ok()) << session.status().ToString();
-  EXPECT_TRUE(engine.Matches(image));
-  engine.ExpectEachChunkOnce();
-  EXPECT_EQ(session.progress().refetches, 1u);
-  EXPECT_EQ(session.progress().zero_filled_chunks, 0u);
+  ZeroRestore r({{{0, 8}, 1}}, /*zeroing=*/false);
+  ASSERT_NO_FATAL_FAILURE(r.ExpectRestored());
+  EXPECT_EQ(r.session.progress().refetches, 1u);
+  EXPECT_EQ(r.session.progress().zero_filled_chunks, 0u);
 }
 
 // A session that planned file readers and whose server will not pass the files tells the
