@@ -1,5 +1,6 @@
 #include "page-client/host_engine.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -163,6 +164,36 @@ Status HostCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8
     EndFileWrite(*destination, offset);  // a claim whose pages came meanwhile (prepared, say)
   }
   bytes_written_.fetch_add(raw.size(), std::memory_order_relaxed);
+  if (done) done(Status::Ok());
+  return Status::Ok();
+}
+
+Status HostCopyEngine::WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) {
+  GPULAZY_ASSIGN_OR_RETURN(Destination * destination, Find(bo));
+  const MemfdRegion& region = destination->memfd;
+  if (offset > region.size() || length > region.size() - offset)
+    return OutOfRange("host engine: zeroing {} bytes at offset {} past the end of BO {} ({} bytes)",
+                      length, offset, bo, region.size());
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t end = offset + length;
+  uint64_t first_page = std::min(end, (offset + page - 1) / page * page);
+  uint64_t last_page = std::max(first_page, end / page * page);
+  if (last_page > first_page && ::fallocate(region.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                            static_cast<off_t>(first_page),
+                                            static_cast<off_t>(last_page - first_page)) != 0) {
+    if (errno != EOPNOTSUPP)
+      return ErrnoError(errno, "host engine: punching [{}, {}) out of BO {}'s memfd", first_page,
+                        last_page, bo);
+    first_page = last_page = end;  // a memory without holes: zero it all by hand
+  }
+  // The parts of pages at either end (a BO whose size is not whole pages). An empty range of an
+  // empty BO may have no address at all.
+  if (length > 0) {
+    std::memset(region.bytes().data() + offset, 0, first_page - offset);
+    std::memset(region.bytes().data() + last_page, 0, end - last_page);
+  }
+  bytes_written_.fetch_add(length, std::memory_order_relaxed);
+  bytes_zeroed_.fetch_add(length, std::memory_order_relaxed);
   if (done) done(Status::Ok());
   return Status::Ok();
 }

@@ -90,6 +90,11 @@ class HostCopyEngine : public CopyEngine {
   std::string_view name() const override { return "host"; }
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw, CopyDone done) override;
+  // Zero chunks: the whole pages of the range are punched out of the memfd (FALLOC_FL_PUNCH_HOLE:
+  // they read as zeros and hold no memory until something writes them), the rest memset. A
+  // mostly-zero BO (a KV-cache pool) then costs no memory for its zeros.
+  bool WritesZeros() const override { return true; }
+  Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, CopyDone done) override;
   Status Flush() override { return Status::Ok(); }
   std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t bo, uint64_t offset,
                                                   uint64_t length) override;
@@ -121,6 +126,8 @@ class HostCopyEngine : public CopyEngine {
   // The BO's memfd (owned by the engine; dup it to keep it past the engine's life).
   Result<int> Fd(uint32_t bo) const;
   uint64_t bytes_written() const;
+  // Of bytes_written, the bytes of zero chunks (WriteZeros).
+  uint64_t bytes_zeroed() const { return bytes_zeroed_.load(std::memory_order_relaxed); }
   // Bytes the populate-ahead thread faulted in (0 when it is off).
   uint64_t populated_bytes() const { return populate_.populated_bytes(); }
   // Bytes PrepareDestination faulted in (whole pieces it found missing).
@@ -159,6 +166,7 @@ class HostCopyEngine : public CopyEngine {
   mutable std::mutex mutex_;  // guards the map's shape, not the bytes
   std::map<uint32_t, Destination> regions_;
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> bytes_zeroed_{0};
   std::atomic<uint64_t> prepared_bytes_{0};
   // How fresh chunks are written now (ExpectWriters): kWrite while one thread writes.
   std::atomic<HostEngineOptions::FreshPages> fresh_pages_{

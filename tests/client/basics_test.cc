@@ -777,6 +777,48 @@ TEST(HostCopyEngine, TakesConcurrentWritesOfDisjointRanges) {
           << "chunk " << chunk;
 }
 
+// Zero writes: whole pages punched out of the memfd (no memory held; they read as zeros), the
+// parts of pages at either end zeroed in place, the bytes around kept; bounds as for Write.
+TEST(HostCopyEngine, ZeroWritesFreeWholePagesAndZeroTheRest) {
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  HostCopyEngine engine(HostEngineOptions{.populate_ahead_bytes = 0});
+  const uint64_t size = 16 * page + 100;  // a BO that is not whole pages
+  ASSERT_TRUE(engine.AddDestination(0, size).ok());
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < bytes.size(); ++i)
+    bytes[i] = static_cast<uint8_t>(i % 251 + 1);
+  ASSERT_TRUE(engine.Write(0, 0, bytes, nullptr).ok());
+  Result<std::span<uint8_t>> mapping = engine.Mapping(0);
+  ASSERT_TRUE(mapping.ok());
+  ASSERT_EQ(ResidentBytes(*mapping, 0, 16 * page), 16 * page);
+  int done_calls = 0;
+  auto count = [&](Status s) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    ++done_calls;
+  };
+  // Pages 2-5 whole, half of page 8 to a quarter into page 11, and the BO's short last page.
+  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
+      {2 * page, 4 * page}, {8 * page + page / 2, 2 * page + page / 4}, {16 * page, 100}};
+  for (const auto& [offset, length] : ranges) {
+    ASSERT_TRUE(engine.WriteZeros(0, offset, length, count).ok());
+    std::fill_n(bytes.begin() + static_cast<std::ptrdiff_t>(offset), length, 0);
+  }
+  EXPECT_EQ(done_calls, 3);
+  EXPECT_EQ(ResidentBytes(*mapping, 2 * page, 6 * page), 0u);    // punched out
+  EXPECT_EQ(ResidentBytes(*mapping, 9 * page, 10 * page), 0u);   // the whole page of the second
+  EXPECT_EQ(ResidentBytes(*mapping, 8 * page, 9 * page), page);  // zeroed in place
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), mapping->begin()));
+  EXPECT_EQ(engine.bytes_zeroed(), 4 * page + 2 * page + page / 4 + 100);
+  bool called = false;
+  auto mark = [&](Status) { called = true; };
+  EXPECT_EQ(engine.WriteZeros(0, size - 10, 11, mark).code(), Code::kOutOfRange);
+  EXPECT_EQ(engine.WriteZeros(0, UINT64_MAX - 4, 8, mark).code(), Code::kOutOfRange);
+  EXPECT_EQ(engine.WriteZeros(1, 0, 8, mark).code(), Code::kNotFound);
+  EXPECT_FALSE(called);
+  EXPECT_TRUE(engine.AddDestination(9, 0).ok());
+  EXPECT_TRUE(engine.WriteZeros(9, 0, 0, nullptr).ok());  // an empty BO, an empty range
+}
+
 TEST(HostCopyEngine, RejectsOutOfBoundsAndUnknownBos) {
   HostCopyEngine engine;
   ASSERT_TRUE(engine.AddDestination(0, 4096).ok());
