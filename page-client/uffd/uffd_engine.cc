@@ -20,10 +20,12 @@ Status UffdCopyEngine::Install(const Destination& dest, const Held& write) {
       return write.zeros ? uffd_.ZeroPage(addr, write.length) : uffd_.Copy(addr, write.raw);
     // Bytes first through our own mapping (the faulting process cannot see them yet: its page
     // tables do not map these pages), then map them there.
-    if (write.zeros)
-      std::memset(dest.filler.data() + offset, 0, write.length);
-    else
-      std::memcpy(dest.filler.data() + offset, write.raw.data(), write.raw.size());
+    if (write.zeros) {
+      if (write.length > 0) std::memset(dest.filler.data() + offset, 0, write.length);
+    } else {
+      if (!write.raw.empty())
+        std::memcpy(dest.filler.data() + offset, write.raw.data(), write.raw.size());
+    }
     return uffd_.Continue(addr, write.length);
   };
   Result<InstallResult> result = install();
