@@ -111,9 +111,7 @@ Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, c
   if (c.codec == manifest::CODEC_ZERO && c.stored_length == 0 && engine.WritesZeros()) {
     // Nothing to read: the checksum must be that of the zeros, and the engine zeroes the range.
     if (!c.checksum) return Corrupt("{}: an encoded chunk without a checksum", what);
-    if (const uint64_t zero_sum = ZeroChecksum64(c.raw_length); zero_sum != *c.checksum)
-      return Corrupt("{}: checksum mismatch (a zero chunk hashes to {:016x}, expected {:016x})",
-                     what, zero_sum, *c.checksum);
+    GPULAZY_RETURN_IF_ERROR(CheckZeroChunk(*c.checksum, c.raw_length, what));
     Status queued;
     {
       EngineHold engine_hold(commit_gate, urgency, stopwatch.gate_wait());

@@ -25,6 +25,7 @@
 #include "page-client/residency.h"
 #include "page-client/server_connection.h"
 #include "proto/checksum.h"
+#include "proto/chunk_codec.h"
 #include "proto/recent_values.h"
 #include "proto/utf8.h"
 
@@ -2196,13 +2197,10 @@ Status RestoreSession::Impl::InstallZeros(const std::shared_ptr<Link>& link,
   const uint32_t chunk = data.chunk();
   // AcceptChunk checked raw_length against the BO table; the checksum must be that of as many
   // zeros, as when the bytes are decoded (a zero chunk carries no payload, so no credit).
-  if (const uint64_t zero_sum = ZeroChecksum64(data.raw_length()); zero_sum != data.checksum()) {
+  if (Status zeros = CheckZeroChunk(data.checksum(), data.raw_length(), What(bo, chunk));
+      !zeros.ok()) {
     const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
-    return BadCopy(link, bo, chunk, 0, on_stream,
-                   Corrupt("{}: checksum mismatch (a zero chunk hashes to {:016x}, expected "
-                           "{:016x})",
-                           What(bo, chunk), zero_sum, data.checksum()),
-                   bad_copies);
+    return BadCopy(link, bo, chunk, 0, on_stream, zeros, bad_copies);
   }
   {
     std::lock_guard lock(mutex_);

@@ -9,6 +9,13 @@
 
 namespace gpulazy {
 
+Status CheckZeroChunk(uint64_t checksum, uint64_t raw_length, std::string_view what) {
+  if (const uint64_t zero_sum = ZeroChecksum64(raw_length); zero_sum != checksum)
+    return Corrupt("{}: checksum mismatch (a zero chunk hashes to {:016x}, expected {:016x})", what,
+                   zero_sum, checksum);
+  return Status::Ok();
+}
+
 Status DecodeChunkBytes(manifest::Codec codec, uint64_t checksum, std::span<const uint8_t> stored,
                         std::span<uint8_t> raw, std::string_view what) {
   switch (codec) {
@@ -18,10 +25,7 @@ Status DecodeChunkBytes(manifest::Codec codec, uint64_t checksum, std::span<cons
       // An empty span may have a null data(); memset's pointer must not be null even for 0.
       if (!raw.empty()) std::memset(raw.data(), 0, raw.size());
       // The bytes are known: so is their checksum (no pass over them).
-      if (const uint64_t zero_sum = ZeroChecksum64(raw.size()); zero_sum != checksum)
-        return Corrupt("{}: checksum mismatch (a zero chunk hashes to {:016x}, expected {:016x})",
-                       what, zero_sum, checksum);
-      return Status::Ok();
+      return CheckZeroChunk(checksum, raw.size(), what);
     case manifest::CODEC_RAW:
       if (stored.size() != raw.size())
         return Corrupt("{}: raw chunk of {} stored bytes, raw length is {}", what, stored.size(),

@@ -18,4 +18,8 @@ namespace gpulazy {
 Status DecodeChunkBytes(manifest::Codec codec, uint64_t checksum, std::span<const uint8_t> stored,
                         std::span<uint8_t> raw, std::string_view what);
 
+// A CODEC_ZERO chunk of raw_length bytes claims `checksum`: kCorrupt naming `what` unless it is
+// that of as many zeros (ZeroChecksum64; no bytes are hashed).
+Status CheckZeroChunk(uint64_t checksum, uint64_t raw_length, std::string_view what);
+
 }  // namespace gpulazy
