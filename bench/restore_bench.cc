@@ -126,7 +126,8 @@ Result<nlohmann::json> MeasureMode(const ModeRun& run) {
   if (lazy) {
     GPULAZY_ASSIGN_OR_RETURN(uffd::Userfaultfd created, uffd::Userfaultfd::Create(fill));
     uffd.emplace(std::move(created));
-    engine = std::make_unique<uffd::UffdCopyEngine>(*uffd);
+    engine = std::make_unique<uffd::UffdCopyEngine>(
+        *uffd, uffd::UffdEngineOptions{.defer_zeros = options.defer_zeros});
   } else {
     engine = std::make_unique<client::HostCopyEngine>();
   }
@@ -522,6 +523,10 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
       },
       "credit window while reading passed image files (default: the client's)");
   AddBackgroundNiceOption(*cmd, options.background_nice);
+  cmd->add_flag("--defer-zeros,!--no-defer-zeros", options.defer_zeros,
+                "lazy modes, missing fill: zero chunks installed when first touched, not streamed "
+                "into memory")
+      ->capture_default_str();
   cmd->add_option("--svg", options.svg, "write a timeline plot (SVG) here");
   cmd->add_flag("--mechanisms", options.mechanisms,
                 "compare MISSING+COPY and MINOR+CONTINUE (no server)");

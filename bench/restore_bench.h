@@ -30,6 +30,7 @@ struct RestoreOptions {
   uint32_t startup_ms = 100;  // the program's own start-up work before its first token
   uint32_t tokens = 2;        // tokens the workload computes (the first is "first result")
   std::string fill_mode = "missing";  // missing (UFFDIO_COPY) or minor (UFFDIO_CONTINUE)
+  bool defer_zeros = true;            // MISSING mode: zero chunks installed on their first fault
   std::string svg;                    // write a timeline plot here
   bool mechanisms = false;            // instead: compare MISSING+COPY and MINOR+CONTINUE, no server
   bool read_files = true;  // by reference from the passed image files, else through the socket

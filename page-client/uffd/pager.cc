@@ -77,6 +77,8 @@ Status Pager::Start() {
   loop_ = std::thread([this] { Loop(); });
   for (uint32_t i = 0; i < std::max(1u, options_.demand_threads); ++i)
     workers_.emplace_back([this] { DemandWorker(); });
+  if (options_.install_hot_zeros && engine_.defers_zeros() && session_.profile().hot_count() > 0)
+    hot_zeros_ = std::thread([this] { InstallHotZeros(); });
   return Status::Ok();
 }
 
@@ -94,6 +96,7 @@ void Pager::Stop() {
   for (std::thread& worker : workers_)
     if (worker.joinable()) worker.join();
   workers_.clear();
+  if (hot_zeros_.joinable()) hot_zeros_.join();
 }
 
 Status Pager::UnregisterAll() {
@@ -189,10 +192,9 @@ void Pager::HandleFault(uint64_t address, Clock::time_point when) {
     ++stats_.faults;
   }
   if (session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
-    // Installed before we read the fault (the install woke it, or raced with it).
-    Status woken = uffd_.mode() == FillMode::kMinorContinue
-                       ? uffd_.Continue(page, PageSize()).status()
-                       : uffd_.Wake(page, PageSize());
+    // Installed before we read the fault (the install woke it, or raced with it), or a zero
+    // chunk whose pages the engine left for the first touch.
+    Status woken = ServeResident(*region, chunk, page);
     // A fault read just before its process exited: CONTINUE finds it gone (Wake ignores that).
     if (woken.code() == Code::kAborted) return EndPeerGone("a wake found it gone");
     std::lock_guard lock(mutex_);
@@ -244,19 +246,73 @@ void Pager::DemandWorker() {
   }
 }
 
+void Pager::InstallHotZeros() {
+  auto stopping = [this] {
+    std::lock_guard lock(mutex_);
+    return stopping_;
+  };
+  while (true) {
+    Status hot = session_.WaitHotSet(options_.poll_interval);
+    if (hot.ok()) break;
+    // Anything but a timeout ended the session (which says why); zeros left deferred are still
+    // installed on their faults.
+    if (hot.code() != Code::kTimeout || stopping()) return;
+  }
+  const manifest::AccessProfile& profile = session_.profile();
+  const int hot_count = static_cast<int>(
+      std::min<uint64_t>(profile.hot_count(), static_cast<uint64_t>(profile.order_size())));
+  for (int i = 0; i < hot_count && !stopping(); ++i) {
+    const manifest::ChunkRef& ref = profile.order(i);
+    if (ref.bo() >= by_bo_.size() || by_bo_[ref.bo()] == nullptr) continue;
+    const Region& region = *by_bo_[ref.bo()];
+    if (uint64_t{ref.chunk()} * chunk_size_ >= region.size) continue;
+    Result<std::optional<InstallResult>> zeroed = engine_.InstallDeferredZeros(
+        ref.bo(), uint64_t{ref.chunk()} * chunk_size_, ChunkLength(region, ref.chunk()));
+    if (zeroed.status().code() == Code::kAborted) return EndPeerGone("an install found it gone");
+    if (!zeroed.ok()) return Fail(zeroed.status());
+  }
+}
+
+Status Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page) {
+  if (uffd_.mode() == FillMode::kMinorContinue) return uffd_.Continue(page, PageSize()).status();
+  // The whole chunk's deferred zeros, as a data chunk comes whole: a workload touching a zero
+  // pool page by page would otherwise fault on every page.
+  Result<std::optional<InstallResult>> zeroed = engine_.InstallDeferredZeros(
+      region.bo, uint64_t{chunk} * chunk_size_, ChunkLength(region, chunk));
+  if (!zeroed.ok()) return zeroed.status();
+  // UFFDIO_ZEROPAGE woke the chunk's threads where it installed; a page found there was
+  // installed by someone else (or is being mapped now): wake it as for any resident page.
+  if (zeroed->has_value() && (*zeroed)->already_present == 0) return Status::Ok();
+  return uffd_.Wake(page, PageSize());
+}
+
 void Pager::Resolve(const Key& key, bool landed) {
   const Region& region = *by_bo_[key.first];
+  Pending pending;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = pending_.find(key);
+    if (it != pending_.end()) {
+      pending = std::move(it->second);
+      pending_.erase(it);
+    }
+  }
+  // The chunk is resident now, so later faults on it take the resident path; these waited.
+  Status served;
+  if (landed && engine_.defers_zeros() && !pending.faulted.empty())
+    served = engine_
+                 .InstallDeferredZeros(region.bo, uint64_t{key.second} * chunk_size_,
+                                       ChunkLength(region, key.second))
+                 .status();
+  if (served.code() == Code::kAborted) return EndPeerGone("an install found it gone");
   // The install already woke the faulting threads; this wake covers pages that were present
   // before (EEXIST) and faults that arrived in between.
   Status woken = uffd_.Wake(ChunkAddr(region, key.second), ChunkLength(region, key.second));
   const auto now = Clock::now();
   std::lock_guard lock(mutex_);
-  auto it = pending_.find(key);
-  if (it != pending_.end()) {
-    for (const auto& when : it->second.faulted)
-      RecordLatency(when, now);
-    pending_.erase(it);
-  }
+  for (const auto& when : pending.faulted)
+    RecordLatency(when, now);
+  if (!served.ok() && status_.ok()) status_ = served;
   if (!woken.ok() && status_.ok() && landed) status_ = woken;
 }
 

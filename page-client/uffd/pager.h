@@ -59,6 +59,10 @@ struct PagerOptions {
   std::chrono::milliseconds poll_interval{100};  // how often the loop checks for a dead peer
   int peer_fd = -1;  // handover socket: hang-up means the restored process is gone
   AccessRecorder* recorder = nullptr;  // notes the first fault per chunk, when set
+  // With deferred zeros (UffdCopyEngine): once the profile's hot set is resident, install its
+  // zero chunks from a thread of their own, before the program touches them. The hot set is
+  // what the program needs first: one fault per zero chunk there would sit on its path.
+  bool install_hot_zeros = true;
   // Tests only: runs on the loop thread after each read that returned fault events, before they
   // are handled, so a test can change the world in between (e.g. let the process exit).
   std::function<void()> after_events_read;
@@ -103,7 +107,11 @@ class Pager {
                      std::chrono::steady_clock::time_point woken);
   void HandleFault(uint64_t address, std::chrono::steady_clock::time_point when);
   void DemandWorker();
+  void InstallHotZeros();
   void Resolve(const Key& key, bool landed);
+  // A fault at `page` of `chunk` of `region`, a chunk the session has: installs the chunk's
+  // deferred zeros if it has any, else wakes the page. kAborted when the process is gone.
+  Status ServeResident(const Region& region, uint32_t chunk, uint64_t page);
   void Fail(Status status);
   // The restored process went away: cancels the session and stops, without an error.
   void EndPeerGone(const char* how);
@@ -130,6 +138,7 @@ class Pager {
   std::atomic<bool> peer_gone_{false};
   std::thread loop_;
   std::vector<std::thread> workers_;
+  std::thread hot_zeros_;
 };
 
 }  // namespace gpulazy::uffd

@@ -1,6 +1,8 @@
 #include "page-client/uffd/uffd_engine.h"
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 
 namespace gpulazy::uffd {
 
@@ -11,10 +13,14 @@ Status UffdCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   return Status::Ok();
 }
 
-Status UffdCopyEngine::Install(const Destination& dest, const Held& write) {
+Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
   if (target_gone_.load()) return Status::Ok();
   const uint64_t offset = write.offset;
   const uint64_t addr = dest.region->addr + offset;
+  if (write.zeros && defers_zeros()) {
+    DeferZeros(dest, offset, write.length, true);
+    return Status::Ok();
+  }
   auto install = [&]() -> Result<InstallResult> {
     if (uffd_.mode() == FillMode::kMissingCopy)
       return write.zeros ? uffd_.ZeroPage(addr, write.length) : uffd_.Copy(addr, write.raw);
@@ -28,19 +34,98 @@ Status UffdCopyEngine::Install(const Destination& dest, const Held& write) {
     }
     return uffd_.Continue(addr, write.length);
   };
-  Result<InstallResult> result = install();
+  return Account(install(), write.zeros, dest.region->bo, offset);
+}
+
+Status UffdCopyEngine::Account(Result<InstallResult> result, bool zeros, uint32_t bo,
+                               uint64_t offset) {
   if (!result.ok()) {
     if (result.status().code() == Code::kAborted) {
       target_gone_.store(true);
       return Status::Ok();
     }
-    return result.status().Context(
-        fmt::format("installing BO {} offset {}", dest.region->bo, offset));
+    return result.status().Context(fmt::format("installing BO {} offset {}", bo, offset));
   }
   bytes_installed_ += result->installed;
   already_present_ += result->already_present;
-  if (write.zeros) zeroed_ += result->installed;
+  if (zeros) zeroed_ += result->installed;
   return Status::Ok();
+}
+
+void UffdCopyEngine::DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count) {
+  if (length == 0) return;
+  uint64_t start = offset;
+  uint64_t end = offset + length;
+  std::lock_guard lock(zeros_mutex_);
+  std::map<uint64_t, uint64_t>& ranges = dest.deferred_zeros;
+  // Merge with every range that overlaps or touches [start, end).
+  auto it = ranges.upper_bound(start);
+  if (it != ranges.begin() && std::prev(it)->second >= start) --it;
+  while (it != ranges.end() && it->first <= end) {
+    start = std::min(start, it->first);
+    end = std::max(end, it->second);
+    it = ranges.erase(it);
+  }
+  ranges.emplace(start, end);
+  if (count) deferred_ += length;
+}
+
+Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32_t bo,
+                                                                          uint64_t offset,
+                                                                          uint64_t length) {
+  Destination* dest = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = destinations_.find(bo);
+    if (it == destinations_.end() || !it->second.region) return std::optional<InstallResult>{};
+    dest = &it->second;  // bound destinations never change again
+  }
+  // The parts of [offset, offset + length) that are deferred zeros, page-rounded (a deferred
+  // range is whole chunks, page aligned; only a BO's last chunk may end inside a page), taken
+  // out of the record: whoever takes a page installs it, and a fault after that finds it
+  // installed or being installed (a wake, then the install's own wake), not a page-by-page
+  // EEXIST walk.
+  std::vector<std::pair<uint64_t, uint64_t>> pieces;
+  {
+    std::lock_guard lock(zeros_mutex_);
+    std::map<uint64_t, uint64_t>& ranges = dest->deferred_zeros;
+    auto it = ranges.upper_bound(offset);
+    if (it != ranges.begin()) --it;
+    while (it != ranges.end() && it->first < offset + length) {
+      const auto [start, end] = *it;
+      const uint64_t from = PageAlignDown(std::max(start, offset));
+      const uint64_t to = PageAlignUp(std::min(end, offset + length));
+      if (std::max(start, offset) >= std::min(end, offset + length)) {
+        ++it;
+        continue;
+      }
+      it = ranges.erase(it);
+      if (start < from) ranges.emplace(start, from);
+      if (to < end) it = ranges.emplace(to, end).first;
+      pieces.emplace_back(from, to);
+    }
+  }
+  if (pieces.empty()) return std::optional<InstallResult>{};
+  InstallResult total;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto [from, to] = pieces[i];
+    Result<InstallResult> result = uffd_.ZeroPage(dest->region->addr + from, to - from);
+    if (!result.ok()) {
+      if (result.status().code() == Code::kAborted) {
+        target_gone_.store(true);
+      } else {
+        // Back into the record, so a later fault tries again rather than waking a missing page.
+        for (size_t j = i; j < pieces.size(); ++j)
+          DeferZeros(*dest, pieces[j].first, pieces[j].second - pieces[j].first, false);
+      }
+      return result.status().Context(
+          fmt::format("installing deferred zeros of BO {} offset {}", bo, from));
+    }
+    GPULAZY_RETURN_IF_ERROR(Account(*result, /*zeros=*/true, bo, from));
+    total.installed += result->installed;
+    total.already_present += result->already_present;
+  }
+  return std::optional<InstallResult>{total};
 }
 
 Status UffdCopyEngine::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,

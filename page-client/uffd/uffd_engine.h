@@ -11,6 +11,14 @@
 // When the restored process is gone (ESRCH), writes complete with Ok and change nothing, and
 // target_gone() turns true: there is no memory left to fill, and the pager ends the session.
 //
+// Deferred zeros (MISSING mode, the default there): a zero chunk is recorded, not installed, and
+// completes at once; the pager installs a page of it (UFFDIO_ZEROPAGE) when the program first
+// touches that page (InstallDeferredZeros). In shmem, where UFFDIO_ZEROPAGE allocates a cleared
+// page, the zeros nobody touches then cost no memory, and after unregistration they stay holes
+// (reading one there allocates it, as for any shmem hole). The price: until unregistration such
+// a chunk is resident for the session but unmapped, so a syscall on it (the registration is
+// user-mode only) gets EFAULT, as on any unfilled page.
+//
 // Thread-safety: as CopyEngine; Bind, Abandon and the accessors from any thread.
 #pragma once
 
@@ -27,17 +35,22 @@
 
 namespace gpulazy::uffd {
 
+struct UffdEngineOptions {
+  bool defer_zeros = true;  // MISSING mode only; MINOR mode always installs zeros
+};
+
 class UffdCopyEngine : public client::CopyEngine {
  public:
-  explicit UffdCopyEngine(const Userfaultfd& uffd) : uffd_(uffd) {}
+  explicit UffdCopyEngine(const Userfaultfd& uffd, UffdEngineOptions options = {})
+      : uffd_(uffd), options_(options) {}
 
   std::string_view name() const override { return "uffd"; }
   Status AddDestination(uint32_t bo, uint64_t size) override;
   Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
                client::CopyDone done) override;
-  // Zero chunks without bytes: UFFDIO_ZEROPAGE in MISSING mode (in private anonymous memory the
-  // shared zero page: no page allocated until the program writes); in MINOR mode the range is
-  // zeroed through our mapping, then mapped (UFFDIO_CONTINUE).
+  // Zero chunks without bytes. MISSING mode: deferred (above), or else UFFDIO_ZEROPAGE at once
+  // (in private anonymous memory the shared zero page: nothing allocated until the program
+  // writes); MINOR mode: zeroed through our mapping, then mapped (UFFDIO_CONTINUE).
   bool WritesZeros() const override { return true; }
   Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, client::CopyDone done) override;
   Status Flush() override;
@@ -45,6 +58,16 @@ class UffdCopyEngine : public client::CopyEngine {
   // Where BO `region.bo` lives in the faulting process. In MINOR mode `memfd` is the BO's
   // memfd (the engine maps it to write); ignored in MISSING mode. Applies held writes.
   Status Bind(const Region& region, int memfd = -1);
+  // The pager, on a fault at [offset, offset + length) of `bo` (page aligned) in a chunk the
+  // session has: installs the deferred zero pages there (UFFDIO_ZEROPAGE, which wakes their
+  // faulting threads) and drops them from the record. nullopt when no deferred zero overlaps the
+  // range (the fault is for a page an install is mapping or has mapped: wake it); kAborted when
+  // the process is gone.
+  Result<std::optional<InstallResult>> InstallDeferredZeros(uint32_t bo, uint64_t offset,
+                                                            uint64_t length);
+  bool defers_zeros() const {
+    return options_.defer_zeros && uffd_.mode() == FillMode::kMissingCopy;
+  }
   // Completes every held write with kAborted (the restored process will never bind); later
   // writes to unbound BOs fail at once instead of being held.
   void Abandon();
@@ -52,7 +75,9 @@ class UffdCopyEngine : public client::CopyEngine {
   bool target_gone() const { return target_gone_.load(); }
   uint64_t bytes_installed() const { return bytes_installed_.load(); }
   uint64_t bytes_already_present() const { return already_present_.load(); }
-  uint64_t bytes_zeroed() const { return zeroed_.load(); }  // of bytes_installed, by WriteZeros
+  // Of bytes_installed, zero pages (by WriteZeros, or deferred and installed on a fault).
+  uint64_t bytes_zeroed() const { return zeroed_.load(); }
+  uint64_t bytes_zero_deferred() const { return deferred_.load(); }  // recorded, not installed
 
  private:
   struct Held {
@@ -67,20 +92,30 @@ class UffdCopyEngine : public client::CopyEngine {
     std::optional<Region> region;
     Mapping filler;  // MINOR mode: our own mapping of the memfd
     std::vector<Held> held;
+    // Deferred zero ranges, start -> end, disjoint and merged where they touch. Guarded by
+    // zeros_mutex_ (not mutex_: installs run without mutex_, and so does the fault path).
+    std::map<uint64_t, uint64_t> deferred_zeros;
   };
   // Checks the range and installs the write, or holds it while the BO is not bound.
   Status Submit(uint32_t bo, Held write);
   // Installs into a bound destination; called without mutex_ held.
-  Status Install(const Destination& dest, const Held& write);
+  Status Install(Destination& dest, const Held& write);
+  // Records [offset, offset + length) as zeros to install on a fault (counted when `count`).
+  void DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count);
+  // Counts an install's outcome, or turns kAborted into target_gone.
+  Status Account(Result<InstallResult> result, bool zeros, uint32_t bo, uint64_t offset);
 
   const Userfaultfd& uffd_;
-  std::mutex mutex_;  // guards destinations_' shape, bindings and held writes
+  const UffdEngineOptions options_;
+  std::mutex mutex_;        // guards destinations_' shape, bindings and held writes
+  std::mutex zeros_mutex_;  // guards every Destination::deferred_zeros
   std::map<uint32_t, Destination> destinations_;
   bool abandoned_ = false;  // guarded by mutex_
   std::atomic<bool> target_gone_{false};
   std::atomic<uint64_t> bytes_installed_{0};
   std::atomic<uint64_t> already_present_{0};
   std::atomic<uint64_t> zeroed_{0};
+  std::atomic<uint64_t> deferred_{0};
 };
 
 }  // namespace gpulazy::uffd

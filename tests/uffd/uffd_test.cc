@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -11,6 +12,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -114,6 +116,12 @@ void ReadRandomly(const RestoredMemory& memory, const std::vector<std::vector<ui
     reader.join();
 }
 
+// Bytes a memfd holds (allocated pages, whatever is mapped).
+uint64_t AllocatedBytes(int fd) {
+  struct stat st {};
+  return fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : ~uint64_t{0};
+}
+
 // (fill mode, chunks read from the image files by reference). Reading the files is fast enough
 // that the whole fill can land before the readers touch a page, so only the socket data plane
 // is held to "some reads faulted", and only in an unsanitized build.
@@ -177,12 +185,27 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   ASSERT_TRUE(pager.UnregisterAll().ok());
   pager.Stop();
   EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  uint64_t allocated = 0, total = 0;
+  for (uint32_t bo = 0; bo < source.size(); ++bo) {
+    allocated += AllocatedBytes(memory->memfd(bo));
+    total += source[bo].size();
+  }
   for (uint32_t bo = 0; bo < source.size(); ++bo)
     EXPECT_EQ(std::memcmp(memory->bytes(bo).data(), source[bo].data(), source[bo].size()), 0)
         << "BO " << bo;
   EXPECT_EQ(session.progress().reading_files, read_files);
-  // The synthetic job's zero BOs came as zero chunks, installed without bytes (WriteZeros).
+  // The synthetic job's zero BOs came as zero chunks, installed without bytes (WriteZeros). In
+  // MISSING mode they were deferred: the readers' faults installed the pages they touched (the
+  // job has a zero BO, and 1200 random reads over 6 BOs touch it), and only those were
+  // allocated, measured before the whole-memory check above read the rest as holes.
   EXPECT_GT(engine.bytes_zeroed(), 0u);
+  if (fill_mode == FillMode::kMissingCopy) {
+    EXPECT_GT(engine.bytes_zero_deferred(), engine.bytes_zeroed());
+    EXPECT_LE(allocated, total - engine.bytes_zero_deferred() + engine.bytes_zeroed() +
+                             source.size() * PageSize());
+  } else {
+    EXPECT_EQ(engine.bytes_zero_deferred(), 0u);
+  }
   // Under a sanitizer the readers slow down far more than the kernel's fill, so the socket
   // plane's fill too can land before they touch a page (seen once in CI's TSan stage).
   if (!read_files && !::gpulazy::testing::kSanitized) {
@@ -191,19 +214,35 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   }
 }
 
-// Resident set of this process, in bytes (/proc/self/statm's second field).
-uint64_t ResidentBytes() {
-  std::FILE* statm = std::fopen("/proc/self/statm", "r");
-  if (statm == nullptr) return 0;
-  unsigned long long size = 0, resident = 0;
-  const int read = std::fscanf(statm, "%llu %llu", &size, &resident);
-  std::fclose(statm);
-  return read == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+// Resident bytes of the mapping that holds `addr` (its "Rss:" in /proc/self/smaps): that
+// mapping's own pages, not a sanitizer's shadow of them. ~0 when it cannot be read.
+uint64_t MappingResidentBytes(const void* addr) {
+  std::FILE* smaps = std::fopen("/proc/self/smaps", "r");
+  if (smaps == nullptr) return ~uint64_t{0};
+  const auto at = reinterpret_cast<uintptr_t>(addr);
+  char line[512];
+  bool inside = false;
+  uint64_t rss = ~uint64_t{0};
+  while (std::fgets(line, sizeof line, smaps) != nullptr) {
+    unsigned long long from = 0, to = 0;
+    if (std::sscanf(line, "%llx-%llx ", &from, &to) == 2 && std::strchr(line, '-') != nullptr &&
+        std::strstr(line, "kB") == nullptr) {
+      inside = from <= at && at < to;
+      continue;
+    }
+    unsigned long long kib = 0;
+    if (inside && std::sscanf(line, "Rss: %llu kB", &kib) == 1) {
+      rss = kib * 1024;
+      break;
+    }
+  }
+  std::fclose(smaps);
+  return rss;
 }
 
-// Zero writes in either mode: held until the BO is bound, within the BO only, and in MISSING
-// mode never over a page that is there (a chunk installed earlier keeps its bytes); in private
-// anonymous memory MISSING mode maps the zero page and allocates nothing.
+// Zero writes installed at once, in either mode: held until the BO is bound, within the BO only,
+// and in MISSING mode never over a page that is there (a chunk installed earlier keeps its
+// bytes); in private anonymous memory MISSING mode maps the zero page and allocates nothing.
 class UffdZeros : public ::testing::TestWithParam<FillMode> {};
 
 TEST_P(UffdZeros, ZeroWritesInstallZerosAndNeverOverwriteAPresentPage) {
@@ -211,7 +250,8 @@ TEST_P(UffdZeros, ZeroWritesInstallZerosAndNeverOverwriteAPresentPage) {
   auto uffd = Userfaultfd::Create(mode);
   ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
   constexpr uint64_t kChunk = 64 << 10;
-  UffdCopyEngine engine(*uffd);
+  UffdCopyEngine engine(*uffd, {.defer_zeros = false});
+  EXPECT_FALSE(engine.defers_zeros());
   ASSERT_TRUE(engine.AddDestination(0, 4 * kChunk).ok());
   auto memory = RestoredMemory::Create(*uffd, {4 * kChunk});
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
@@ -251,12 +291,11 @@ TEST(UffdZeros, MissingModeZeroesAnonymousMemoryWithoutAllocatingIt) {
   auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
   ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
   constexpr uint64_t kSize = 64ull << 20;
-  UffdCopyEngine engine(*uffd);
+  UffdCopyEngine engine(*uffd, {.defer_zeros = false});
   ASSERT_TRUE(engine.AddDestination(0, kSize).ok());
   auto memory = RestoredMemory::Create(*uffd, {kSize}, /*anonymous=*/true);
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
   ASSERT_TRUE(engine.Bind(memory->regions()[0]).ok());
-  const uint64_t before = ResidentBytes();
   for (uint64_t offset = 0; offset < kSize; offset += 2 << 20)
     ASSERT_TRUE(engine
                     .WriteZeros(0, offset, 2 << 20,
@@ -266,7 +305,157 @@ TEST(UffdZeros, MissingModeZeroesAnonymousMemoryWithoutAllocatingIt) {
   EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](uint8_t b) { return b == 0; }));
   EXPECT_EQ(engine.bytes_zeroed(), kSize);
   // The shared zero page, mapped 16 384 times, counts nothing; 64 MiB of copied zeros would.
-  EXPECT_LT(ResidentBytes(), before + (8ull << 20));
+  EXPECT_LT(MappingResidentBytes(bytes.data()), 8ull << 20);
+  // And the measure sees pages when there are some: writing 16 MiB allocates them.
+  for (uint64_t offset = 0; offset < (16ull << 20); offset += PageSize())
+    memory->bytes(0)[offset] = 1;
+  EXPECT_GE(MappingResidentBytes(bytes.data()), 16ull << 20);
+}
+
+// MISSING mode's default: zero chunks recorded and completed at once, allocating nothing; a
+// fault's page installed from the record (and only where the record says zeros: a page of a
+// data chunk is the data's); after unregistration the rest reads as the holes they are.
+TEST(UffdZeros, MissingModeDefersZeroChunksToTheirFirstTouch) {
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  constexpr uint64_t kChunk = 2 << 20;
+  constexpr uint64_t kSize = 8 * kChunk + 12345;  // a short last chunk, inside a page
+  UffdCopyEngine engine(*uffd);
+  EXPECT_TRUE(engine.defers_zeros());
+  ASSERT_TRUE(engine.AddDestination(0, kSize).ok());
+  auto memory = RestoredMemory::Create(*uffd, {kSize});
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  int completed = 0;
+  auto count = [&](const Status& s) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    ++completed;
+  };
+  ASSERT_TRUE(engine.WriteZeros(0, 8 * kChunk, 12345, count).ok());  // held until Bind
+  ASSERT_TRUE(engine.Bind(memory->regions()[0], memory->memfd(0)).ok());
+  const std::vector<uint8_t> data(kChunk, 0x5c);
+  ASSERT_TRUE(engine.Write(0, 3 * kChunk, data, count).ok());
+  for (uint64_t chunk : {0, 1, 2, 4, 6, 5})  // out of order: the record merges them
+    ASSERT_TRUE(engine.WriteZeros(0, chunk * kChunk, kChunk, count).ok());
+  EXPECT_EQ(completed, 8);
+  EXPECT_EQ(engine.bytes_zero_deferred(), 6 * kChunk + 12345);
+  EXPECT_EQ(engine.bytes_zeroed(), 0u);
+  EXPECT_EQ(AllocatedBytes(memory->memfd(0)), kChunk);  // the data chunk only
+
+  const uint64_t page = PageSize();
+  // A fault in zero chunk 5: its one page, installed (which also wakes its threads).
+  auto installed = engine.InstallDeferredZeros(0, 5 * kChunk + 7 * page, page);
+  ASSERT_TRUE(installed.ok()) << installed.status().ToString();
+  ASSERT_TRUE(installed->has_value());
+  EXPECT_EQ((*installed)->installed, page);
+  EXPECT_EQ(AllocatedBytes(memory->memfd(0)), kChunk + page);
+  // The same page again (two threads faulted on it): out of the record, so a wake's business.
+  installed = engine.InstallDeferredZeros(0, 5 * kChunk + 7 * page, page);
+  ASSERT_TRUE(installed.ok());
+  EXPECT_FALSE(installed->has_value());
+  // The rest of chunk 5, whole: the pages around the one installed.
+  installed = engine.InstallDeferredZeros(0, 5 * kChunk, kChunk);
+  ASSERT_TRUE(installed.ok() && installed->has_value());
+  EXPECT_EQ((*installed)->installed, kChunk - page);
+  EXPECT_EQ((*installed)->already_present, 0u);
+  // The last page, part zero chunk: installed whole.
+  installed = engine.InstallDeferredZeros(0, PageAlignDown(kSize - 1), page);
+  ASSERT_TRUE(installed.ok() && installed->has_value());
+  EXPECT_EQ((*installed)->installed, page);
+  // Pages that are not deferred zeros: the data chunk, chunk 7 (nothing came), an unknown BO.
+  for (auto [bo, offset] :
+       {std::pair<uint32_t, uint64_t>{0, 3 * kChunk + page}, {0, 7 * kChunk}, {1, 0}}) {
+    installed = engine.InstallDeferredZeros(bo, offset, page);
+    ASSERT_TRUE(installed.ok()) << installed.status().ToString();
+    EXPECT_FALSE(installed->has_value()) << "BO " << bo << " offset " << offset;
+  }
+  EXPECT_EQ(engine.bytes_zeroed(), kChunk + page);
+  EXPECT_EQ(AllocatedBytes(memory->memfd(0)), 2 * kChunk + page);
+
+  // Chunk 7 as data, then unregistered: every byte reads right, nothing waits.
+  ASSERT_TRUE(engine.Write(0, 7 * kChunk, data, count).ok());
+  const Region& region = memory->regions()[0];
+  ASSERT_TRUE(uffd->Unregister(region.addr, PageAlignUp(region.size)).ok());
+  std::span<const uint8_t> bytes = memory->bytes(0);
+  for (uint64_t chunk = 0; chunk < 9; ++chunk) {
+    const uint64_t length = std::min(kChunk, kSize - chunk * kChunk);
+    const bool is_data = chunk == 3 || chunk == 7;
+    EXPECT_TRUE(std::all_of(bytes.begin() + chunk * kChunk, bytes.begin() + chunk * kChunk + length,
+                            [&](uint8_t b) { return b == (is_data ? 0x5c : 0); }))
+        << "chunk " << chunk;
+  }
+}
+
+// A profile's hot zero chunks, with deferred zeros: installed by the pager once the hot set is
+// resident, before the program touches them (no fault), and only those: the other zero chunks
+// stay deferred until a touch.
+TEST(UffdPager, HotZeroChunksAreInstalledBeforeTheProgramTouchesThem) {
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 8 << 20);
+  std::vector<std::pair<uint32_t, uint32_t>> hot_zeros, cold_zeros;
+  uint64_t hot_zero_bytes = 0, zero_bytes = 0;
+  {
+    auto lazy = image::LazyImage::Open(image_dir);
+    ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
+    manifest::Manifest manifest = lazy->manifest();
+    manifest::AccessProfile* profile = manifest.mutable_profile();
+    profile->Clear();
+    for (int bo = 0; bo < manifest.bos_size(); ++bo) {
+      for (int c = 0; c < manifest.bos(bo).chunks_size(); ++c) {
+        const manifest::Chunk& chunk = manifest.bos(bo).chunks(c);
+        if (chunk.codec() != manifest::CODEC_ZERO) continue;
+        zero_bytes += chunk.raw_length();
+        if (c % 2 != 0) {  // every other zero chunk is hot
+          cold_zeros.emplace_back(bo, c);
+          continue;
+        }
+        hot_zeros.emplace_back(bo, c);
+        hot_zero_bytes += chunk.raw_length();
+        manifest::ChunkRef* ref = profile->add_order();
+        ref->set_bo(static_cast<uint32_t>(bo));
+        ref->set_chunk(static_cast<uint32_t>(c));
+      }
+    }
+    ASSERT_FALSE(hot_zeros.empty() || cold_zeros.empty()) << "too few zero chunks";
+    profile->set_hot_count(static_cast<uint32_t>(profile->order_size()));
+    profile->set_source("test");
+    ASSERT_TRUE(image::WriteManifest(image_dir, manifest).ok());
+  }
+  ServerProcess server(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server.ready()) << server.Log();
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  UffdCopyEngine engine(*uffd);
+  client::RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_EQ(session.profile().hot_count(), hot_zeros.size());
+  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  for (const Region& region : memory->regions())
+    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
+  Pager pager(*uffd, session, engine, memory->regions());
+  ASSERT_TRUE(pager.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(20s).ok());
+  // The pager's thread installs after the hot set is resident; give it a bounded while.
+  for (int i = 0; i < 1000 && engine.bytes_zeroed() < hot_zero_bytes; ++i)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(engine.bytes_zero_deferred(), zero_bytes);
+  EXPECT_EQ(engine.bytes_zeroed(), hot_zero_bytes);  // the hot ones, none else
+  const uint32_t chunk_size = session.chunk_size();
+  for (const auto& [bo, chunk] : hot_zeros) {
+    std::span<const uint8_t> bytes = memory->bytes(bo).subspan(
+        uint64_t{chunk} * chunk_size,
+        std::min<uint64_t>(chunk_size, memory->bytes(bo).size() - uint64_t{chunk} * chunk_size));
+    EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](uint8_t b) { return b == 0; }));
+  }
+  EXPECT_EQ(pager.stats().faults, 0u);  // they were there when read
+  // A cold zero chunk: its first touch faults, and the pager installs it.
+  const auto [cold_bo, cold_chunk] = cold_zeros.front();
+  EXPECT_EQ(memory->bytes(cold_bo)[uint64_t{cold_chunk} * chunk_size], 0);
+  EXPECT_EQ(pager.stats().faults, 1u);
+  EXPECT_GT(engine.bytes_zeroed(), hot_zero_bytes);
+  ASSERT_TRUE(pager.UnregisterAll().ok());
+  pager.Stop();
+  EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, UffdZeros,
