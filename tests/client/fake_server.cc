@@ -199,7 +199,11 @@ void FakeServer::Serve(int fd) {
     reply.mutable_hello_reply()->set_max_payload(options_.max_payload);
     reply.mutable_hello_reply()->set_max_lanes(options_.max_lanes);
     const uint64_t joins = header.hello().join_session();
-    if (joins != 0 && header.hello().join_as_lane() && options_.lanes_join_after_stream_done) {
+    // (A join that wants the image files is no demand connection: this server passes none.)
+    const bool held = header.hello().join_as_lane() ? options_.lanes_join_after_stream_done
+                      : header.hello().want_files() ? false
+                                                    : options_.demand_joins_after_stream_done;
+    if (joins != 0 && held) {
       std::unique_lock lock(mutex_);
       cv_.wait(lock, [&] {
         return stopping_ || stream_done_chunks_.contains(joins) || !live_sessions_.contains(joins);
@@ -207,15 +211,20 @@ void FakeServer::Serve(int fd) {
     }
     if (joins != 0 && header.hello().join_as_lane()) {
       ServeLane(fd, header.hello(), reply);
+    } else if (joins != 0) {
+      ServeDemand(fd, header.hello(), reply);
     } else if (WriteFrame(fd, reply)) {
-      if (joins != 0)
-        ServeDemand(fd, header.hello());
-      else
-        ServeStream(fd, header.hello());
+      ServeStream(fd, header.hello());
     }
   }
   std::lock_guard lock(mutex_);
   open_fds_.erase(fd);
+  // The number may be reused at once (by a new listening socket, say): nothing may shut it down
+  // as this connection's later on.
+  for (auto& [id, session] : live_sessions_)
+    if (session.second == fd) session.second = -1;
+  for (auto& [id, lanes] : lanes_)
+    std::erase(lanes, fd);
   ::close(fd);
 }
 
@@ -550,11 +559,13 @@ bool FakeServer::JoinsLiveSessionLocked(int fd, const wire::Hello& hello) {
 void FakeServer::ServeLane(int fd, const wire::Hello& hello, const wire::Header& reply) {
   {
     std::lock_guard lock(mutex_);
-    if (!WriteFrame(fd, reply) || !JoinsLiveSessionLocked(fd, hello)) return;
+    // Refusals instead of the HelloReply, as from the real server.
+    if (!JoinsLiveSessionLocked(fd, hello)) return;
     if (lanes_[hello.join_session()].size() >= options_.max_lanes) {
       SendError(fd, wire::ERROR_LIMIT, "too many lanes");
       return;
     }
+    if (!WriteFrame(fd, reply)) return;
     lanes_[hello.join_session()].push_back(fd);
     ++lanes_joined_;
     // A lane that joins after the stream ended is told so at once, as the real server does;
@@ -575,10 +586,12 @@ void FakeServer::ServeLane(int fd, const wire::Hello& hello, const wire::Header&
 }
 
 // The demand connection: answers each request at once, in order.
-void FakeServer::ServeDemand(int fd, const wire::Hello& hello) {
+void FakeServer::ServeDemand(int fd, const wire::Hello& hello, const wire::Header& reply) {
   {
+    // As the real server: a join for a session that ended (its stream connection closed) is
+    // answered ERROR_NOT_FOUND instead of a HelloReply.
     std::lock_guard lock(mutex_);
-    if (!JoinsLiveSessionLocked(fd, hello)) return;
+    if (!JoinsLiveSessionLocked(fd, hello) || !WriteFrame(fd, reply)) return;
     live_sessions_[hello.join_session()].second = fd;
   }
   wire::Header header;

@@ -68,6 +68,9 @@ struct FakeServerOptions {
   // Hold each lane's HelloReply until its session's stream connection has sent StreamDone: the
   // lanes join a stream that has ended, and (as from the real server) hear its end on joining.
   bool lanes_join_after_stream_done = false;
+  // The same for the demand connection's HelloReply: a client that waits for its demand
+  // connection before asking for the stream never gets either.
+  bool demand_joins_after_stream_done = false;
   // The highest protocol version spoken. 2 (when the client offers it) sends the image table as
   // payload after OpenImageReply, in pieces of at most table_piece bytes.
   uint32_t version = 1;
@@ -120,7 +123,7 @@ class FakeServer {
   void AcceptLoop();
   void Serve(int fd);
   void ServeStream(int fd, const wire::Hello& hello);
-  void ServeDemand(int fd, const wire::Hello& hello);
+  void ServeDemand(int fd, const wire::Hello& hello, const wire::Header& reply);
   void ServeLane(int fd, const wire::Hello& hello, const wire::Header& reply);
   // mutex_ held: whether hello names a live session with its secret; if not, tells the client.
   bool JoinsLiveSessionLocked(int fd, const wire::Hello& hello);
