@@ -278,6 +278,10 @@ class RestoreSession::Impl {
   asio::awaitable<Status> RunAttempt(bool first);
   asio::awaitable<Status> ReadStream(std::shared_ptr<Link> link);
   asio::awaitable<void> RunWriter(std::shared_ptr<Link> link);
+  // Joins this attempt's demand connection beside its stream (JoinDemand on the demand thread)
+  // and hands it to `link`; a join that fails aborts the stream half, to reconnect both.
+  asio::awaitable<void> AttachDemand(std::shared_ptr<Link> link, wire::Hello join,
+                                     FrameLimits limits, std::shared_ptr<const ImageFileSet> files);
   void ReturnCredit(const std::shared_ptr<Link>& link, uint64_t bytes);
   // Any thread: credit back to the server, at once on the stream thread, else posted there
   // (returns that land meanwhile ride along).
@@ -1154,19 +1158,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     std::lock_guard lock(mutex_);
     demand_files_ = files;
   }
-  if (options_.demand_connection) {
-    // The demand socket is made, joined and served on the demand thread; only a weak_ptr to it
-    // comes back here.
-    auto [joined, demand] = co_await asio::co_spawn(
-        demand_io_, JoinDemand(link, join, limits, files), asio::use_awaitable);
-    if (!joined.ok()) {
-      link->Close();
-      co_return joined;
-    }
-    link->demand = std::move(demand);
-    link->demand_executor = demand_io_.get_executor();
-  }
-  // A Cancel or Fail while we waited for the demand connection closed link_, not this one.
+  // A Cancel or Fail while we connected closed link_, not this one.
   if (cancelled_ || Failed()) {
     link->Close();
     co_return Aborted("image {}: session ended while connecting", options_.image);
@@ -1230,13 +1222,53 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
                  endpoint_.ToString(), held.size());
 
   asio::co_spawn(io_, RunWriter(link), asio::detached);
+  // The demand connection joins while the stream's first chunks come: asked for first, they do
+  // not wait for its handshake (a round trip and a connection; docs/client.md, "Start-up"). An
+  // attempt ends only once its join did, so no join outlives the connection it belongs to.
+  auto demand_joined =
+      std::make_shared<asio::steady_timer>(io_, asio::steady_timer::time_point::max());
+  // Expiring at once wakes a wait under way and lets a later one through.
+  auto joined = [demand_joined] {
+    demand_joined->expires_at(asio::steady_timer::time_point::min());
+  };
+  if (options_.demand_connection)
+    asio::co_spawn(io_, AttachDemand(link, join, limits, files),
+                   [joined](const std::exception_ptr&) { joined(); });
+  else
+    joined();
   Status status = co_await ReadStream(link);
   spdlog::debug("image {}: stream reader ended: {}", options_.image, status.ToString());
   link->Close();
+  boost::system::error_code ignored;
+  co_await demand_joined->async_wait(asio::redirect_error(asio::use_awaitable, ignored));
   if (link_ == link) link_.reset();
   if (link->complete) co_return Status::Ok();
   if (!link->error.ok()) co_return link->error;
   co_return status.ok() ? Unavailable("stream connection closed") : status;
+}
+
+asio::awaitable<void> RestoreSession::Impl::AttachDemand(
+    std::shared_ptr<Link> link, wire::Hello join, FrameLimits limits,
+    std::shared_ptr<const ImageFileSet> files) {
+  try {
+    // The demand socket is made, joined and served on the demand thread; only a weak_ptr to it
+    // comes back here.
+    auto [joined, demand] = co_await asio::co_spawn(
+        demand_io_, JoinDemand(link, std::move(join), limits, std::move(files)),
+        asio::use_awaitable);
+    if (!joined.ok()) {
+      // As a broken demand connection: the stream half drains what it has and reconnects both.
+      link->Abort(joined, options_.handshake_timeout);
+      co_return;
+    }
+    link->demand = std::move(demand);
+    link->demand_executor = demand_io_.get_executor();
+    // The stream ended (complete, broken, cancelled) while the demand connection joined: its
+    // Close could not reach the demand half then.
+    if (link->closed || link->aborting) link->CloseDemand();
+  } catch (const std::exception& e) {
+    link->Fail(Internal("joining the demand connection: {}", e.what()));
+  }
 }
 
 asio::awaitable<void> RestoreSession::Impl::RunWriter(std::shared_ptr<Link> link) {

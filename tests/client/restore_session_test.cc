@@ -185,8 +185,8 @@ TEST(RestoreSession, ProgressSplitsTheStreamReadersTimeIntoWaitingAndChunks) {
   const auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(session.Start().ok());
   // The silence counts from when the stream reader waits, which may be well after Start returns
-  // (the demand connection joins first). Its window's Credit starts our clock: the session's one
-  // I/O thread writes it only once the reader waits.
+  // (PlaceInto or the image files come first, where offered). Its window's Credit starts our
+  // clock: the session's one I/O thread writes it just before the reader waits.
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (server.max_outstanding_credit() == 0 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(1ms);
@@ -219,6 +219,26 @@ TEST(RestoreSession, WorksWithoutDemandConnection) {
   EXPECT_FALSE(server.credit_violated());
 }
 
+// The stream is asked for before the demand connection has joined, so a restore's first chunks
+// do not wait for that handshake. A server that answers the join only once the stream ended
+// still restores the image whole, on the first connection; a client that waited for its demand
+// connection first would wait for both, time out and reconnect until its deadline.
+TEST(RestoreSession, TheStreamDoesNotWaitForTheDemandConnection) {
+  FakeImage image = FakeImage::Make({512 * 1024, 50000}, 4096, 37);  // over the 256 KiB window
+  FakeServerOptions server_options;
+  server_options.demand_joins_after_stream_done = true;
+  FakeServer server(image, server_options);
+  CountingEngine engine(image);
+  RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  EXPECT_TRUE(engine.Matches(image));
+  engine.ExpectEachChunkOnce();
+  EXPECT_EQ(session.progress().reconnects, 0u);
+  EXPECT_EQ(server.sessions(), 1);
+  EXPECT_FALSE(server.credit_violated());
+}
+
 TEST(RestoreSession, EnsureDemandsMissingChunks) {
   PausedServer paused;
   FakeServer& server = paused.server;
@@ -248,8 +268,8 @@ TEST(RestoreSession, EnsureDemandsMissingChunks) {
   ASSERT_TRUE(session.WaitComplete(10s).ok());
   EXPECT_TRUE(engine.Matches(image));
   engine.ExpectEachChunkOnce();  // the streamed copies of chunks 2 and 3 were ignored...
-  // ...or never sent: the demand connection joins before the Have is sent, so the demanded
-  // chunks may already be listed in it and the server skips them.
+  // ...or never sent: Ensure may run before the Have is sent, so the demanded chunks may already
+  // be listed in it and the server skips them.
   std::vector<std::vector<wire::ChunkRange>> haves = server.haves();
   if (haves.empty() || haves[0].empty()) {
     EXPECT_GE(session.progress().duplicates, 2u);
