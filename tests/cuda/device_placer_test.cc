@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <random>
@@ -59,11 +60,18 @@ class TempFile {
   int fd_ = -1;
 };
 
-// The restoring process's stand-in: zeroed device memory exported by IPC handle.
+// The restoring process's stand-in: zeroed device memory exported by IPC handle. Where a copied
+// build's executables are (a lent GPU host's bundle): GPULAZY_IPC_EXPORTER names the exporter,
+// or GPULAZY_TEST_BIN_DIR its folder, as for the other tests' gpulazy-server.
+std::string ExporterPath() {
+  if (const char* path = std::getenv("GPULAZY_IPC_EXPORTER")) return path;
+  if (const char* bin_dir = std::getenv("GPULAZY_TEST_BIN_DIR"))
+    return (std::filesystem::path(bin_dir) / "gpulazy-ipc-exporter").string();
+  return GPULAZY_IPC_EXPORTER;
+}
+
 std::unique_ptr<IpcExporterProcess> Exporter(uint64_t size) {
-  const char* from_env = std::getenv("GPULAZY_IPC_EXPORTER");
-  auto exporter =
-      IpcExporterProcess::Start(from_env != nullptr ? from_env : GPULAZY_IPC_EXPORTER, size);
+  auto exporter = IpcExporterProcess::Start(ExporterPath(), size);
   EXPECT_TRUE(exporter.ok()) << exporter.status().ToString();
   return exporter.ok() ? std::move(*exporter) : nullptr;
 }
