@@ -15,9 +15,10 @@
 // completes at once; the pager installs a page of it (UFFDIO_ZEROPAGE) when the program first
 // touches that page (InstallDeferredZeros). In shmem, where UFFDIO_ZEROPAGE allocates a cleared
 // page, the zeros nobody touches then cost no memory, and after unregistration they stay holes
-// (reading one there allocates it, as for any shmem hole). The price: until unregistration such
-// a chunk is resident for the session but unmapped, so a syscall on it (the registration is
-// user-mode only) gets EFAULT, as on any unfilled page.
+// (reading one there allocates it, as for any shmem hole). Until unregistration such a chunk is
+// resident for the session but unmapped: a system call on it faults in the kernel and waits for
+// the pager as the program's touch does, or gets EFAULT, as on any unfilled page, where the
+// registration is user-mode only (Userfaultfd::scope()).
 //
 // Thread-safety: as CopyEngine; Bind, Abandon and the accessors from any thread.
 #pragma once

@@ -3,11 +3,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
+#include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace gpulazy::uffd {
@@ -58,10 +60,33 @@ Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* wh
 
 }  // namespace
 
-Result<Userfaultfd> Userfaultfd::Create(FillMode mode) {
-  int raw =
-      static_cast<int>(syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY));
-  if (raw < 0) return ErrnoError(errno, "userfaultfd");
+const char* FaultScopeName(FaultScope scope) {
+  return scope == FaultScope::kUserAndKernel ? "user and kernel" : "user-mode only";
+}
+
+Result<Userfaultfd> Userfaultfd::Create(FillMode mode, std::optional<FaultScope> scope) {
+  auto open = [](FaultScope wanted) {
+    const int flags =
+        O_CLOEXEC | O_NONBLOCK | (wanted == FaultScope::kUserOnly ? UFFD_USER_MODE_ONLY : 0);
+    return static_cast<int>(syscall(SYS_userfaultfd, flags));
+  };
+  FaultScope got = scope.value_or(FaultScope::kUserAndKernel);
+  int raw = open(got);
+  if (raw < 0 && errno == EPERM && !scope) {
+    // Catching the kernel's faults needs CAP_SYS_PTRACE (or vm.unprivileged_userfaultfd=1); a
+    // restore as root has it. Without it the program runs, but a syscall handed BO memory that
+    // has not arrived fails (docs/uffd.md, "Limits").
+    static std::once_flag warned;
+    std::call_once(warned, [] {
+      spdlog::warn(
+          "userfaultfd: not allowed to catch kernel-mode faults (needs CAP_SYS_PTRACE or "
+          "vm.unprivileged_userfaultfd=1); user-mode faults only: a system call given restored "
+          "memory that has not arrived gets EFAULT");
+    });
+    got = FaultScope::kUserOnly;
+    raw = open(got);
+  }
+  if (raw < 0) return ErrnoError(errno, "userfaultfd ({} faults)", FaultScopeName(got));
   UniqueFd fd(raw);
   uffdio_api api{};
   api.api = UFFD_API;
@@ -71,11 +96,11 @@ Result<Userfaultfd> Userfaultfd::Create(FillMode mode) {
       return Unsupported("userfaultfd lacks features for {}", FillModeName(mode));
     return ErrnoError(errno, "UFFDIO_API");
   }
-  return Userfaultfd(std::move(fd), mode);
+  return Userfaultfd(std::move(fd), mode, got);
 }
 
 Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode) {
-  return Userfaultfd(std::move(fd), mode);
+  return Userfaultfd(std::move(fd), mode, std::nullopt);
 }
 
 Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <utility>
 
@@ -46,16 +47,32 @@ struct InstallResult {
   uint64_t already_present = 0;
 };
 
+// Whose accesses to unfilled registered memory become faults for the pager.
+enum class FaultScope {
+  // The program's own, and the kernel's on its behalf (read(2) into BO memory, write(2) from
+  // it, ...): both wait for the pager. Needs CAP_SYS_PTRACE or vm.unprivileged_userfaultfd=1.
+  kUserAndKernel,
+  // UFFD_USER_MODE_ONLY: any process may open it, but a system call on unfilled memory fails
+  // with EFAULT instead of waiting.
+  kUserOnly,
+};
+const char* FaultScopeName(FaultScope scope);
+
 class Userfaultfd {
  public:
-  // Opens a userfaultfd (O_CLOEXEC | O_NONBLOCK, user-mode faults only) and negotiates the API
-  // with the features `mode` needs; kUnsupported when the kernel lacks them.
-  static Result<Userfaultfd> Create(FillMode mode);
-  // Wraps a descriptor received from another process (API already negotiated there).
+  // Opens a userfaultfd (O_CLOEXEC | O_NONBLOCK) and negotiates the API with the features `mode`
+  // needs; kUnsupported when the kernel lacks them. Without a `scope`: kernel-mode faults too
+  // where this process may catch them, else user-mode only (warned once); a `scope` given is
+  // that or an error.
+  static Result<Userfaultfd> Create(FillMode mode, std::optional<FaultScope> scope = std::nullopt);
+  // Wraps a descriptor received from another process (API already negotiated there; its scope
+  // is the creator's, not known here).
   static Userfaultfd Adopt(UniqueFd fd, FillMode mode);
 
   int fd() const { return fd_.get(); }
   FillMode mode() const { return mode_; }
+  // The scope it was created with; nullopt for an adopted descriptor.
+  std::optional<FaultScope> scope() const { return scope_; }
 
   // Registers [addr, addr + length) (page aligned) for the mode's fault kinds.
   Status Register(uint64_t addr, uint64_t length) const;
@@ -78,9 +95,11 @@ class Userfaultfd {
   Result<size_t> Read(std::span<FaultEvent> out) const;
 
  private:
-  Userfaultfd(UniqueFd fd, FillMode mode) : fd_(std::move(fd)), mode_(mode) {}
+  Userfaultfd(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope)
+      : fd_(std::move(fd)), mode_(mode), scope_(scope) {}
   UniqueFd fd_;
   FillMode mode_ = FillMode::kMissingCopy;
+  std::optional<FaultScope> scope_;
 };
 
 uint64_t PageSize();

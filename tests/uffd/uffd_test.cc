@@ -1,5 +1,6 @@
 // The userfaultfd pager end to end: a real gpulazy-server, a RestoreSession, a UffdCopyEngine
 // and real userfaultfd faults. Every wait is bounded.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -488,6 +490,167 @@ INSTANTIATE_TEST_SUITE_P(Modes, UffdRestore,
                            return ModeName(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_ReadFiles" : "_Socket");
                          });
+
+// Runs `call` (a system call on registered memory) on a thread of its own and returns its
+// result, or aborts the test binary loudly when it has not returned within 20 s (a kernel-mode
+// fault nobody serves would block it for good).
+ssize_t BoundedCall(const std::function<ssize_t()>& call, const char* what) {
+  std::atomic<bool> done{false};
+  ssize_t result = -1;
+  int error = 0;
+  std::thread caller([&] {
+    result = call();
+    error = errno;
+    done.store(true);
+  });
+  for (int i = 0; i < 2000 && !done.load(); ++i)
+    std::this_thread::sleep_for(10ms);
+  if (!done.load()) {
+    std::fprintf(stderr, "%s: still blocked after 20 s\n", what);
+    std::abort();
+  }
+  caller.join();
+  errno = error;
+  return result;
+}
+
+// The pager's userfaultfd catches the kernel's faults too where this process may (root, as a
+// CRIU restore): a system call handed restored memory that has not arrived waits for its chunk
+// like the program's own access, instead of failing with EFAULT.
+bool CatchesKernelFaults(const Userfaultfd& uffd) {
+  return uffd.scope() == FaultScope::kUserAndKernel;
+}
+
+UniqueFd CreateFile(const fs::path& path) {
+  return UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+}
+
+TEST(UffdKernelFaults, ASystemCallOnMemoryNotYetRestoredWaitsForItsChunks) {
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 8 << 20);
+  ServerProcess server(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server.ready()) << server.Log();
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  if (!CatchesKernelFaults(*uffd)) GTEST_SKIP() << "not allowed to catch kernel-mode faults";
+  UffdCopyEngine engine(*uffd);
+  client::SessionOptions options = Options(server);
+  options.stream_all = false;  // only what a fault asks for arrives
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  const auto source = SourceBytes(image_dir, session.bos());
+  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  for (const Region& region : memory->regions())
+    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
+  Pager pager(*uffd, session, engine, memory->regions());
+  ASSERT_TRUE(pager.Start().ok());
+
+  // write(2) reads the BO's memory in the kernel: three chunks, none of them there yet.
+  const uint32_t bo = 0;
+  ASSERT_GT(source[bo].size(), 300'000u);
+  const uint64_t offset = 70'000;
+  const size_t length = 150'000;
+  ASSERT_FALSE(session.IsResident(bo, offset, length));
+  const UniqueFd out = CreateFile(dir.path() / "written");
+  ASSERT_TRUE(out.valid()) << std::strerror(errno);
+  const ssize_t written = BoundedCall(
+      [&] { return ::write(out.get(), memory->bytes(bo).data() + offset, length); }, "write(2)");
+  ASSERT_EQ(written, static_cast<ssize_t>(length)) << std::strerror(errno);
+  std::vector<uint8_t> file(length);
+  ASSERT_TRUE(ReadExactAt(out.get(), 0, file, "written").ok());
+  EXPECT_EQ(std::memcmp(file.data(), source[bo].data() + offset, length), 0);
+  EXPECT_TRUE(session.IsResident(bo, offset, length));
+  EXPECT_GE(pager.stats().faults, 1u);
+
+  // read(2) writes into it in the kernel: the chunk comes first, then the file's bytes on top.
+  const uint32_t other = 1;
+  ASSERT_GT(source[other].size(), 4096u);
+  std::vector<uint8_t> pattern(4096);
+  for (size_t i = 0; i < pattern.size(); ++i)
+    pattern[i] = static_cast<uint8_t>(i * 7 + 1);
+  ASSERT_EQ(::pwrite(out.get(), pattern.data(), pattern.size(), 0),
+            static_cast<ssize_t>(pattern.size()));
+  auto* into = const_cast<uint8_t*>(memory->bytes(other).data()) + 1000;  // the program's memory
+  const ssize_t read =
+      BoundedCall([&] { return ::pread(out.get(), into, pattern.size(), 0); }, "pread(2)");
+  ASSERT_EQ(read, static_cast<ssize_t>(pattern.size())) << std::strerror(errno);
+  EXPECT_EQ(std::memcmp(into, pattern.data(), pattern.size()), 0);
+  EXPECT_EQ(std::memcmp(memory->bytes(other).data(), source[other].data(), 1000), 0);
+
+  session.Cancel();
+  pager.Stop();
+}
+
+// The fallback for a process that may not catch the kernel's faults, and what the registration
+// was before: the same system call fails at once.
+TEST(UffdKernelFaults, UserModeOnlyMakesASystemCallOnUnfilledMemoryFail) {
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy, FaultScope::kUserOnly);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  EXPECT_EQ(uffd->scope(), FaultScope::kUserOnly);
+  auto memory = RestoredMemory::Create(*uffd, {1 << 20});
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  TempDir dir;
+  const UniqueFd out = CreateFile(dir.path() / "written");
+  ASSERT_TRUE(out.valid()) << std::strerror(errno);
+  errno = 0;
+  EXPECT_EQ(::write(out.get(), memory->bytes(0).data(), 4096), -1);
+  EXPECT_EQ(errno, EFAULT);
+}
+
+// A deferred zero chunk (resident for the session, its pages holes until touched) handed to a
+// system call: the kernel's fault reaches the pager, which installs the zeros.
+TEST(UffdKernelFaults, ASystemCallOnADeferredZeroChunkGetsItsZeros) {
+  TempDir dir;
+  const fs::path image_dir = MakeImage(dir.path() / "images", 8 << 20);
+  std::pair<uint32_t, uint32_t> zero{~0u, ~0u};
+  {
+    auto lazy = image::LazyImage::Open(image_dir);
+    ASSERT_TRUE(lazy.ok()) << lazy.status().ToString();
+    const manifest::Manifest& manifest = lazy->manifest();
+    for (int bo = 0; bo < manifest.bos_size() && zero.first == ~0u; ++bo)
+      for (int c = 0; c < manifest.bos(bo).chunks_size(); ++c)
+        if (manifest.bos(bo).chunks(c).codec() == manifest::CODEC_ZERO &&
+            manifest.bos(bo).chunks(c).raw_length() == 64u << 10) {
+          zero = {static_cast<uint32_t>(bo), static_cast<uint32_t>(c)};
+          break;
+        }
+    ASSERT_NE(zero.first, ~0u) << "no whole zero chunk in the image";
+  }
+  ServerProcess server(dir.path(), dir.path() / "images");
+  ASSERT_TRUE(server.ready()) << server.Log();
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  if (!CatchesKernelFaults(*uffd)) GTEST_SKIP() << "not allowed to catch kernel-mode faults";
+  UffdCopyEngine engine(*uffd);
+  ASSERT_TRUE(engine.defers_zeros());
+  client::RestoreSession session(Options(server), engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_EQ(session.chunk_size(), 64u << 10);
+  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  for (const Region& region : memory->regions())
+    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
+  Pager pager(*uffd, session, engine, memory->regions());
+  ASSERT_TRUE(pager.Start().ok());
+  ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
+  const uint64_t zeroed = engine.bytes_zeroed();
+
+  const std::span<const uint8_t> chunk =
+      memory->bytes(zero.first).subspan(uint64_t{zero.second} * (64u << 10), 64u << 10);
+  const UniqueFd out = CreateFile(dir.path() / "zeros");
+  ASSERT_TRUE(out.valid()) << std::strerror(errno);
+  const ssize_t written =
+      BoundedCall([&] { return ::write(out.get(), chunk.data(), chunk.size()); }, "write(2)");
+  ASSERT_EQ(written, static_cast<ssize_t>(chunk.size())) << std::strerror(errno);
+  std::vector<uint8_t> file(chunk.size(), 0xff);
+  ASSERT_TRUE(ReadExactAt(out.get(), 0, file, "zeros").ok());
+  EXPECT_TRUE(std::all_of(file.begin(), file.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_GT(engine.bytes_zeroed(), zeroed);  // installed for the system call, not before
+  ASSERT_TRUE(pager.UnregisterAll().ok());
+  pager.Stop();
+  EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+}
 
 TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
   TempDir dir;
