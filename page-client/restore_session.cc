@@ -45,6 +45,9 @@ constexpr size_t kMaxSpareBuffers = 64;
 // A serialized ChunkLocations entry is at most about 30 bytes: images whose table could pass
 // the client's table limit do without one.
 constexpr uint64_t kChunkTableBytesPerChunk = 32;
+// How long a Cancel or a Fail waits for a placing server to end its placements and close: they
+// take milliseconds; the destructor waits 2 s for the stream thread in all.
+constexpr std::chrono::milliseconds kPlacementReleaseGrace{1500};
 
 wire::ChunkRange ToRange(const ChunkRun& run) {
   wire::ChunkRange range;
@@ -177,7 +180,9 @@ struct Link : std::enable_shared_from_this<Link> {
   bool closed = false;
   bool aborting = false;
   bool complete = false;  // closed because every chunk is resident
-  Status error;           // the first transport error; retrying may help
+  // The server places chunks into our memory on this generation's session (PlaceInto taken).
+  bool placing = false;
+  Status error;  // the first transport error; retrying may help
 };
 
 // The demand half of one connection generation: the demand socket and its writer. Demand
@@ -406,6 +411,10 @@ class RestoreSession::Impl {
   void KeepDemandTiming(DemandChunkTiming timing);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
   void Fail(const Status& status);
+  // On the stream thread, for a Cancel, a Fail or completion: ends the current connection
+  // generation, and where the server places chunks, only once it has let go of our memory (or
+  // after a grace).
+  void EndLink(const Status& why);
   bool Failed() const;
   std::string What(uint32_t bo, uint32_t chunk) const;
   std::shared_ptr<std::vector<uint8_t>> TakeBuffer();
@@ -622,14 +631,26 @@ void RestoreSession::Impl::Fail(const Status& status) {
   }
   spdlog::error("restore of image {}: {}", options_.image, status.ToString());
   cv_.notify_all();
-  asio::post(io_, [this] {
-    if (link_) link_->Close();
+  asio::post(io_, [this, status] {
+    EndLink(status);
     backoff_timer_.cancel();
   });
   if (options_.demand_connection) {
     asio::post(demand_io_, [this] {
       if (demand_link_) demand_link_->Close();
     });
+  }
+}
+
+void RestoreSession::Impl::EndLink(const Status& why) {
+  if (!link_) return;
+  if (link_->placing) {
+    // The server writes into our memory: it closes the connection only once its placements have
+    // ended and it let go of our destinations (docs/protocol.md, "Placement", 5). Until that
+    // close the engine must not free them, so half-close and drain to it (bounded).
+    link_->Abort(why, std::min(options_.handshake_timeout, kPlacementReleaseGrace));
+  } else {
+    link_->Close();
   }
 }
 
@@ -645,7 +666,7 @@ void RestoreSession::Impl::Cancel() {
   cv_.notify_all();
   if (started) {
     asio::post(io_, [this] {
-      if (link_) link_->Close();
+      EndLink(Aborted("restore of image {} cancelled", options_.image));
       backoff_timer_.cancel();
     });
     if (options_.demand_connection) {
@@ -799,7 +820,7 @@ Status RestoreSession::Impl::Abandon(std::span<const uint32_t> bos) {
     if (!link_) return;
     if (complete) {
       link_->complete = true;
-      link_->Close();
+      EndLink(Status::Ok());
       return;
     }
     for (wire::Header& have : HaveFrames(runs))
@@ -1154,14 +1175,21 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
 
   auto link = std::make_shared<Link>(std::move(stream->socket), limits);
   link->files = files;
+  link->placing = placing;
   if (files && !files->chunk_table.empty()) {
     std::lock_guard lock(mutex_);
     demand_files_ = files;
   }
   // A Cancel or Fail while we connected closed link_, not this one.
   if (cancelled_ || Failed()) {
+    const Status ended = Aborted("image {}: session ended while connecting", options_.image);
+    if (placing) {
+      // The server took our destinations: drain to its close as EndLink does.
+      link->Abort(ended, std::min(options_.handshake_timeout, kPlacementReleaseGrace));
+      (void)co_await ReadStream(link);
+    }
     link->Close();
-    co_return Aborted("image {}: session ended while connecting", options_.image);
+    co_return ended;
   }
   // Lanes when the chunks travel through the socket: several threads receive them.
   lanes_joined_.store(0);
@@ -1300,6 +1328,9 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
         payload.resize(head->payload_length);
         Status read = co_await net::ReadPayload(link->stream, payload);
         if (!read.ok()) co_return link->complete ? Status::Ok() : read;
+        // Ending (Abort): what ends the drain is the server's close (it may say goodbye first,
+        // when another connection of the session went), not a frame.
+        if (link->aborting) continue;
       }
       switch (header->body_case()) {
         case wire::Header::kChunk: {
@@ -2314,7 +2345,7 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
       ReturnCredit(link, link->credit_to_return.exchange(0, std::memory_order_acq_rel));
     if (complete && link_) {
       link_->complete = true;
-      link_->Close();
+      EndLink(Status::Ok());
     }
   });
 }

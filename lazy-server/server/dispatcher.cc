@@ -208,8 +208,10 @@ bool Dispatcher::TryPlace(const Job& job, const std::shared_ptr<ChunkSink>& sink
         }
         // Not placed, and nothing written (a mismatch), or a device that failed: the chunk goes
         // as bytes, which the client checks itself and asks for again if they are bad.
-        spdlog::warn("BO {} chunk {} of session {} not placed ({}); sending its bytes", item.bo,
-                     item.chunk, item.session, status.ToString());
+        // (Aborted: the client let its destinations go, ending the session: no news.)
+        spdlog::log(status.code() == Code::kAborted ? spdlog::level::debug : spdlog::level::warn,
+                    "BO {} chunk {} of session {} not placed ({}); sending its bytes", item.bo,
+                    item.chunk, item.session, status.ToString());
         sink->OnChunkRead(item, ReadInto(sink->source(), item, /*from_file_allowed=*/false));
       });
   if (!queued.ok()) {

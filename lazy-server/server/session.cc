@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <iterator>
 
 #include "page-client/net/fd_passing.h"
 #include "proto/frame.h"
@@ -294,13 +295,14 @@ void Session::OpenDestinations() {
     std::unique_ptr<AcceptedTarget> accepted;
     {
       std::lock_guard lock(placement_mu_);
-      if (to_open_.empty()) {
+      if (to_open_.empty() || placement_released_) {
         opener_running_ = false;
         return;
       }
       bo = to_open_.front();
       to_open_.pop_front();
       accepted = std::move(destinations_[bo].accepted);
+      opening_ = true;
     }
     bool closed = ctx_.shutting_down.load();
     {
@@ -311,13 +313,21 @@ void Session::OpenDestinations() {
         closed ? Result<PlacementTargetRef>(Aborted("the session closed")) : accepted->Open();
     accepted.reset();
     std::vector<PendingPlacement> waiting;
+    PlacementTargetRef released;  // opened after the client let its destinations go
     {
       std::lock_guard lock(placement_mu_);
+      opening_ = false;
+      if (placement_released_ && opened.ok()) {
+        released = std::move(*opened);
+        opened = Result<PlacementTargetRef>(Aborted("the client released its destinations"));
+        closed = true;  // not a failure worth a warning
+      }
       Destination& destination = destinations_[bo];
       destination.state = opened.ok() ? DestinationState::kOpen : DestinationState::kFailed;
       if (opened.ok()) destination.target = *opened;
       waiting.swap(destination.waiting);
     }
+    released.reset();
     if (!opened.ok()) {
       if (!closed) {
         ctx_.totals.destination_open_failures.fetch_add(1);
@@ -329,6 +339,7 @@ void Session::OpenDestinations() {
       const Status failed = opened.status().Context(fmt::format("the destination of BO {}", bo));
       for (PendingPlacement& placement : waiting)
         FinishPlacement(placement.flat, failed, placement.done);
+      FinishReleaseIfDone();  // the opening may have been all a release waited for
       continue;
     }
     for (const PendingPlacement& placement : waiting) {
@@ -362,6 +373,7 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
   PlacementTargetRef target;
   {
     std::lock_guard lock(placement_mu_);
+    if (placement_released_) return Aborted("the client released its destinations");
     if (item.bo >= destinations_.size() || destinations_[item.bo].state == DestinationState::kNone)
       return NotFound("BO {} has no destination", item.bo);
     Destination& destination = destinations_[item.bo];
@@ -379,6 +391,7 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
         return OutOfRange("BO {} chunk {} lies past its destination's {} bytes", item.bo,
                           item.chunk, destination.size);
       place_state_[flat] = PlaceState::kInFlight;
+      ++placements_in_flight_;
       if (destination.state == DestinationState::kOpening) {
         // BOs that chunks wait for open first, in the order the first chunk of each began to
         // wait: a fault's BO goes before the BOs the stream has not reached.
@@ -433,6 +446,7 @@ void Session::FinishPlacement(uint64_t flat, const Status& status, const Placeme
   {
     std::lock_guard lock(placement_mu_);
     place_state_[flat] = status.ok() ? PlaceState::kPlaced : PlaceState::kFailed;
+    --placements_in_flight_;
     auto it = place_waiting_.find(flat);
     if (it != place_waiting_.end()) {
       waiting = std::move(it->second);
@@ -442,6 +456,53 @@ void Session::FinishPlacement(uint64_t flat, const Status& status, const Placeme
   if (done) done(status);
   for (const PlacementDone& waiter : waiting)
     waiter(status);
+  FinishReleaseIfDone();
+}
+
+void Session::ReleasePlacement(std::function<void()> released) {
+  std::vector<PendingPlacement> abandoned;
+  {
+    std::lock_guard lock(placement_mu_);
+    if (placement_released_) return;
+    placement_released_ = true;
+    on_released_ = std::move(released);
+    to_open_.clear();  // nothing more opens
+    // Chunks waiting for a destination nobody is opening now never go there. (The one being
+    // opened, if any, is the opener's: it sees the release when its opening returns.)
+    for (Destination& destination : destinations_) {
+      if (destination.state != DestinationState::kOpening || !destination.accepted) continue;
+      destination.state = DestinationState::kFailed;
+      std::move(destination.waiting.begin(), destination.waiting.end(),
+                std::back_inserter(abandoned));
+      destination.waiting.clear();
+    }
+  }
+  const Status status = Aborted("the client released its destinations");
+  for (const PendingPlacement& placement : abandoned)
+    FinishPlacement(placement.flat, status, placement.done);
+  FinishReleaseIfDone();
+}
+
+void Session::FinishReleaseIfDone() {
+  std::function<void()> released;
+  std::vector<PlacementTargetRef> targets;
+  std::vector<std::unique_ptr<AcceptedTarget>> accepted;
+  {
+    std::lock_guard lock(placement_mu_);
+    if (!placement_released_ || !on_released_ || placements_in_flight_ > 0 || opening_) return;
+    for (Destination& destination : destinations_) {
+      if (destination.target) targets.push_back(std::move(destination.target));
+      if (destination.accepted) accepted.push_back(std::move(destination.accepted));
+      if (destination.state != DestinationState::kNone)
+        destination.state = DestinationState::kFailed;
+    }
+    released = std::move(on_released_);
+    on_released_ = nullptr;
+  }
+  // The last references (no placement holds one now): a backend closes each here.
+  targets.clear();
+  accepted.clear();
+  released();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -516,6 +577,8 @@ net::Awaitable<void> Connection::Run() {
     // No exception leaves a connection: one broken client never disturbs the others.
     spdlog::error("{}: internal error: {}", Tag(), e.what());
   }
+  if (role_ == Role::kStream && session_ && session_->placement_targets() > 0 && !closed_)
+    co_await ReleasePlacement();
 
   // Let the writer flush what is queued for the client (an error, a reply), then close.
   draining_ = true;
@@ -527,6 +590,32 @@ net::Awaitable<void> Connection::Run() {
   }
   if (!closed_ && !moved_away_) co_await LingerBeforeClose(/*below_tls=*/false);
   Close("connection finished");
+}
+
+net::Awaitable<void> Connection::ReleasePlacement() {
+  // The client may free or reuse its destinations once it sees this connection close, so the
+  // session's placements end first: none in flight, every destination let go of
+  // (docs/protocol.md, "Placement", 5). The session ends now: nothing new is scheduled for it.
+  session_->Close(this);
+  auto released = std::make_shared<bool>(false);  // this connection's strand only
+  session_->ReleasePlacement([weak = weak_from_this(), released] {
+    auto self = weak.lock();
+    if (!self) return;
+    asio::post(self->socket_.get_executor(), [self, released] {
+      *released = true;
+      self->reader_resume_.cancel();
+    });
+  });
+  const auto began = Clock::now();
+  error_code ec;
+  // The reader has ended: its timer is free. Close (the watchdog's, a shutdown) cancels it too.
+  while (!*released && !closed_) {
+    reader_resume_.expires_at(Clock::time_point::max());
+    co_await reader_resume_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+  spdlog::debug(
+      "{}: placement released after {} us", Tag(),
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - began).count());
 }
 
 net::Awaitable<void> Connection::LingerBeforeClose(bool below_tls) {

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -117,6 +118,11 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   };
   // Adds them all or none (a BO that has one already is kInvalidArgument) and starts opening.
   Status AddPlacementTargets(std::vector<PlacementTargetEntry> entries);
+  // The client is done with its destinations (its stream connection ended): no chunk is placed
+  // from now on, and `released` runs once (on any thread, maybe inside this call) when no
+  // placement of the session is in flight or waiting for its BO's destination, none is being
+  // opened, and the session has let go of every destination (a cuda one is then unmapped).
+  void ReleasePlacement(std::function<void()> released);
   bool HasPlacementTarget(uint32_t bo) const;
   size_t placement_targets() const;
 
@@ -170,6 +176,9 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   Status SubmitPlacement(const PlacementTargetRef& target, const PendingPlacement& placement);
   // On a disk thread, while BOs wait to be opened (one runs at a time per session).
   void OpenDestinations();
+  // Lets go of every destination and runs the release's callback once ReleasePlacement's
+  // conditions hold; nothing otherwise.
+  void FinishReleaseIfDone();
   enum class DestinationState : uint8_t { kNone, kOpening, kOpen, kFailed };
   struct Destination {
     DestinationState state = DestinationState::kNone;
@@ -184,6 +193,10 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   bool opener_running_ = false;
   std::vector<PlaceState> place_state_;  // by flat chunk index, once there are targets
   std::unordered_map<uint64_t, std::vector<PlacementDone>> place_waiting_;
+  uint64_t placements_in_flight_ = 0;  // kInFlight chunks (queued or waiting for an open)
+  bool opening_ = false;               // the opener is inside AcceptedTarget::Open
+  bool placement_released_ = false;
+  std::function<void()> on_released_;  // until the release is done
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -243,6 +256,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Opens the destinations a PlaceInto hands over (on a disk thread) and gives them to the
   // session, all or none.
   net::Awaitable<void> HandlePlaceInto(const wire::Header& frame);
+  // After the reader of a stream connection with placement destinations ended: waits for the
+  // session's placements to end (Session::ReleasePlacement) before the connection closes.
+  net::Awaitable<void> ReleasePlacement();
   // A demand connection whose Hello was accepted moves onto the demand network threads
   // (--demand-network-threads): its socket goes to a successor Connection with the same id,
   // which sends `reply` and serves the connection from then on; this one ends without a word.

@@ -3,10 +3,12 @@
 // every step is seen: PlaceInto is answered before any destination is open; a chunk whose BO is
 // not open yet waits for it, and the first BO a chunk waits for opens next; a destination that
 // fails to open leaves its BO's chunks to come as bytes; a session that closes while its
-// destinations open opens no more of them. Each restore ends byte-exact.
+// destinations open opens no more of them; a client that leaves while placements are in flight
+// returns only once the server let go of its destinations. Each restore ends byte-exact.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <filesystem>
 #include <map>
@@ -40,6 +42,10 @@ class GatedPlacement final : public PlacementBackend {
     std::set<uint32_t> failing;   // BOs whose opening fails
     std::vector<uint32_t> opens;  // BOs in the order their opening began
     uint32_t accepted = 0;
+    bool places_held = false;  // each placement waits here (on its disk thread) until let go
+    uint32_t places_waiting = 0;
+    uint32_t places_finished = 0;  // placements whose copy and `done` have run
+    std::vector<std::weak_ptr<const PlacementTarget>> opened;  // every destination opened
   };
 
   explicit GatedPlacement(std::shared_ptr<Gate> gate)
@@ -58,7 +64,20 @@ class GatedPlacement final : public PlacementBackend {
   Status Place(const image::DiskRange& from, std::string_view file_name,
                std::optional<uint64_t> checksum, const PlacementTargetRef& target,
                uint64_t target_offset, PlacementDone done) override {
-    return inner_->Place(from, file_name, checksum, target, target_offset, std::move(done));
+    {
+      std::unique_lock lock(gate_->mu);
+      ++gate_->places_waiting;
+      gate_->changed.notify_all();
+      gate_->changed.wait(lock, [&] { return !gate_->places_held; });
+      --gate_->places_waiting;
+    }
+    Status placed = inner_->Place(from, file_name, checksum, target, target_offset,
+                                  [this, done = std::move(done)](Status status) {
+                                    done(std::move(status));
+                                    std::lock_guard lock(gate_->mu);
+                                    ++gate_->places_finished;
+                                  });
+    return placed;
   }
   Status Prepare(int fd, std::string_view file_name) override {
     return inner_->Prepare(fd, file_name);
@@ -80,7 +99,12 @@ class GatedPlacement final : public PlacementBackend {
       gate_->changed.wait(lock, [&] { return !gate_->held; });
       if (gate_->failing.contains(bo_)) return Unavailable("the test fails BO {}'s opening", bo_);
       lock.unlock();
-      return inner_->Open();
+      Result<PlacementTargetRef> opened = inner_->Open();
+      if (opened.ok()) {
+        lock.lock();
+        gate_->opened.push_back(*opened);
+      }
+      return opened;
     }
 
    private:
@@ -124,6 +148,7 @@ class PlacementOpenTest : public ::testing::Test {
   }
   void TearDown() override {
     Release();  // a disk thread held at the gate would keep Stop waiting
+    LetPlacementsGo();
     server_->Stop();
     runner_.join();
     server_.reset();
@@ -147,6 +172,21 @@ class PlacementOpenTest : public ::testing::Test {
     gate_->held = false;
     gate_->changed.notify_all();
   }
+  void HoldPlacements() {
+    std::lock_guard lock(gate_->mu);
+    gate_->places_held = true;
+  }
+  void LetPlacementsGo() {
+    std::lock_guard lock(gate_->mu);
+    gate_->places_held = false;
+    gate_->changed.notify_all();
+  }
+  // Waits until a placement waits at the gate; false after 20 s.
+  bool PlacementHeld() {
+    std::unique_lock lock(gate_->mu);
+    return gate_->changed.wait_for(lock, 20s, [&] { return gate_->places_waiting > 0; });
+  }
+
   // Waits until `count` openings have begun; false after 20 s.
   bool OpensBegun(size_t count) {
     std::unique_lock lock(gate_->mu);
@@ -269,7 +309,7 @@ TEST_F(PlacementOpenTest, SessionClosedWhileItsDestinationsOpenOpensNoMore) {
     client::RestoreSession session(Options(), engine);
     ASSERT_TRUE(session.Start().ok());
     ASSERT_TRUE(OpensBegun(1));
-  }  // the client leaves with BO 0's opening held
+  }  // the client leaves with BO 0's opening held (and waits its grace for the server's close)
   EXPECT_EQ(ServerCounter("", "sessions_open", [](uint64_t n) { return n == 0; }), 0u);
   Release();
   // The server goes on serving: a restore after it is byte-exact, all placed.
@@ -282,6 +322,49 @@ TEST_F(PlacementOpenTest, SessionClosedWhileItsDestinationsOpenOpensNoMore) {
   const std::vector<uint32_t> opens = Opens();
   ASSERT_EQ(opens.size(), 1 + session.bos().size());
   EXPECT_EQ(opens.front(), 0u);
+}
+
+// A client that ends its restore while the server is still writing into its memory (a Cancel,
+// a failure, the session destroyed) may free that memory once the session is gone: the server
+// ends the session's placements and lets go of its destinations before it closes the stream
+// connection, and the client waits for that close (docs/protocol.md, "Placement", 5).
+TEST_F(PlacementOpenTest, DestroyingASessionWaitsUntilTheServerLetsGoOfItsDestinations) {
+  HoldPlacements();
+  auto engine = std::make_unique<client::HostCopyEngine>();
+  auto session = std::make_unique<client::RestoreSession>(Options(), *engine);
+  ASSERT_TRUE(session->Start().ok());
+  ASSERT_TRUE(PlacementHeld());
+  std::atomic<bool> destroyed{false};
+  uint32_t finished_when_destroyed = 0;
+  size_t live_destinations_when_destroyed = 0;
+  std::thread ending([&] {
+    session.reset();
+    std::lock_guard lock(gate_->mu);
+    finished_when_destroyed = gate_->places_finished;
+    live_destinations_when_destroyed =
+        static_cast<size_t>(std::count_if(gate_->opened.begin(), gate_->opened.end(),
+                                          [](const auto& weak) { return !weak.expired(); }));
+    destroyed.store(true);
+  });
+  // The placements on their disk threads hold the session's end.
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(destroyed.load()) << "the session ended with placements in flight";
+  uint32_t held = 0;
+  {
+    std::lock_guard lock(gate_->mu);
+    held = gate_->places_waiting;
+    EXPECT_FALSE(gate_->opened.empty());
+  }
+  EXPECT_GT(held, 0u);
+  LetPlacementsGo();
+  ending.join();
+  EXPECT_GE(finished_when_destroyed, held);  // each one held had finished
+  EXPECT_EQ(live_destinations_when_destroyed, 0u);
+  engine.reset();  // now the memory may go
+  // The server goes on serving: another restore is byte-exact.
+  client::HostCopyEngine next_engine;
+  client::RestoreSession next(Options(), next_engine);
+  ASSERT_NO_FATAL_FAILURE(RestoreWhole(next, next_engine));
 }
 
 }  // namespace
