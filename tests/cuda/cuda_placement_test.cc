@@ -126,5 +126,51 @@ TEST(CudaPlacementTest, WarmRegistersTheImageBeforeItsFirstRestore) {
   EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
 }
 
+// Restores ended while the server still copies into their device buffers, each engine freeing
+// its buffers right after: the server ends its copies and closes the IPC mappings before the
+// session is gone (docs/protocol.md, "Placement", 5), and goes on serving byte-exact.
+TEST(CudaPlacementTest, SessionsEndedMidStreamLetGoOfTheirBuffersFirst) {
+  if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(
+      MakeTestImage(root / "raw", {.bytes = 512ull << 20, .seed = 55, .processes = 2}).ok());
+  ServerProcess server(
+      dir.path(), root,
+      {"--raw-chunk-size", "2M", "--placement", "cuda", "--placement-pin-budget", "2G"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  client::SessionOptions options;
+  options.endpoint = server.unix_endpoint().ToString();
+  options.image = "raw";
+  options.reconnect.max_attempts = 0;
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE(round);
+    Result<std::unique_ptr<client::CudaCopyEngine>> engine = client::CudaCopyEngine::Create({});
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    auto session = std::make_unique<client::RestoreSession>(options, **engine);
+    ASSERT_TRUE(session->Start().ok());
+    for (int i = 0; i < 5000 && session->progress().placed_chunks == 0; ++i)
+      std::this_thread::sleep_for(1ms);
+    EXPECT_GT(session->progress().placed_chunks, 0u);
+    if (round % 2 == 0) session->Cancel();  // half the rounds cancel before they go
+    session.reset();                        // mid-stream
+    engine->reset();                        // frees the device buffers the server had open
+  }
+  auto expected = LoadCriuContents(root / "raw");
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  Result<std::unique_ptr<client::CudaCopyEngine>> engine = client::CudaCopyEngine::Create({});
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  client::RestoreSession session(options, **engine);
+  ASSERT_TRUE(session.Start().ok());
+  Status complete = session.WaitComplete(60s);
+  ASSERT_TRUE(complete.ok()) << complete.ToString() << server.Log().substr(0, 20000);
+  ExpectDeviceBytes(session, **engine, *expected);
+  EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
+  // No mapping failed to close.
+  const std::string log = server.Log();
+  EXPECT_EQ(log.find("closing a destination"), std::string::npos) << log.substr(0, 20000);
+}
+
 }  // namespace
 }  // namespace gpulazy::server::testing
