@@ -45,8 +45,9 @@ constexpr size_t kMaxSpareBuffers = 64;
 // A serialized ChunkLocations entry is at most about 30 bytes: images whose table could pass
 // the client's table limit do without one.
 constexpr uint64_t kChunkTableBytesPerChunk = 32;
-// How long a Cancel or a Fail waits for a placing server to end its placements and close: they
-// take milliseconds; the destructor waits 2 s for the stream thread in all.
+// How long the end of a placed restore (complete, cancelled, failed) waits for the server to end
+// its placements and close: they take milliseconds; the destructor waits 2 s for the stream
+// thread in all.
 constexpr std::chrono::milliseconds kPlacementReleaseGrace{1500};
 
 wire::ChunkRange ToRange(const ChunkRun& run) {
@@ -411,10 +412,10 @@ class RestoreSession::Impl {
   void KeepDemandTiming(DemandChunkTiming timing);
   Status HandleErrorFrame(const wire::Error& error, std::string_view connection);
   void Fail(const Status& status);
-  // On the stream thread, for a Cancel, a Fail or completion: ends the current connection
-  // generation, and where the server places chunks, only once it has let go of our memory (or
-  // after a grace).
-  void EndLink(const Status& why);
+  // On the stream thread, for a Cancel, a Fail or completion: ends `link`, and where the server
+  // places chunks, only once it has let go of our memory (or after a grace): the stream reader
+  // then drains to the server's close.
+  void EndLink(Link& link, const Status& why);
   bool Failed() const;
   std::string What(uint32_t bo, uint32_t chunk) const;
   std::shared_ptr<std::vector<uint8_t>> TakeBuffer();
@@ -632,7 +633,7 @@ void RestoreSession::Impl::Fail(const Status& status) {
   spdlog::error("restore of image {}: {}", options_.image, status.ToString());
   cv_.notify_all();
   asio::post(io_, [this, status] {
-    EndLink(status);
+    if (link_) EndLink(*link_, status);
     backoff_timer_.cancel();
   });
   if (options_.demand_connection) {
@@ -642,15 +643,14 @@ void RestoreSession::Impl::Fail(const Status& status) {
   }
 }
 
-void RestoreSession::Impl::EndLink(const Status& why) {
-  if (!link_) return;
-  if (link_->placing) {
+void RestoreSession::Impl::EndLink(Link& link, const Status& why) {
+  if (link.placing) {
     // The server writes into our memory: it closes the connection only once its placements have
     // ended and it let go of our destinations (docs/protocol.md, "Placement", 5). Until that
     // close the engine must not free them, so half-close and drain to it (bounded).
-    link_->Abort(why, std::min(options_.handshake_timeout, kPlacementReleaseGrace));
+    link.Abort(why, std::min(options_.handshake_timeout, kPlacementReleaseGrace));
   } else {
-    link_->Close();
+    link.Close();
   }
 }
 
@@ -666,7 +666,7 @@ void RestoreSession::Impl::Cancel() {
   cv_.notify_all();
   if (started) {
     asio::post(io_, [this] {
-      EndLink(Aborted("restore of image {} cancelled", options_.image));
+      if (link_) EndLink(*link_, Aborted("restore of image {} cancelled", options_.image));
       backoff_timer_.cancel();
     });
     if (options_.demand_connection) {
@@ -820,7 +820,7 @@ Status RestoreSession::Impl::Abandon(std::span<const uint32_t> bos) {
     if (!link_) return;
     if (complete) {
       link_->complete = true;
-      EndLink(Status::Ok());
+      EndLink(*link_, Status::Ok());
       return;
     }
     for (wire::Header& have : HaveFrames(runs))
@@ -1183,11 +1183,8 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
   // A Cancel or Fail while we connected closed link_, not this one.
   if (cancelled_ || Failed()) {
     const Status ended = Aborted("image {}: session ended while connecting", options_.image);
-    if (placing) {
-      // The server took our destinations: drain to its close as EndLink does.
-      link->Abort(ended, std::min(options_.handshake_timeout, kPlacementReleaseGrace));
-      (void)co_await ReadStream(link);
-    }
+    EndLink(*link, ended);  // where the server took our destinations, to its close
+    if (!link->closed) (void)co_await ReadStream(link);
     link->Close();
     co_return ended;
   }
@@ -1251,8 +1248,8 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
 
   asio::co_spawn(io_, RunWriter(link), asio::detached);
   // The demand connection joins while the stream's first chunks come: asked for first, they do
-  // not wait for its handshake (a round trip and a connection; docs/client.md, "Start-up"). An
-  // attempt ends only once its join did, so no join outlives the connection it belongs to.
+  // not wait for its handshake (a round trip and a connection; docs/client.md, "Reconnect
+  // semantics"). An attempt ends only once its join did, so no join outlives its connection.
   auto demand_joined =
       std::make_shared<asio::steady_timer>(io_, asio::steady_timer::time_point::max());
   // Expiring at once wakes a wait under way and lets a later one through.
@@ -2345,7 +2342,7 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
       ReturnCredit(link, link->credit_to_return.exchange(0, std::memory_order_acq_rel));
     if (complete && link_) {
       link_->complete = true;
-      EndLink(Status::Ok());
+      EndLink(*link_, Status::Ok());
     }
   });
 }
