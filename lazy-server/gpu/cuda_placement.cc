@@ -81,6 +81,8 @@ class CudaPlacement final : public PlacementBackend {
   }
 
   void Flush() override { placer_->Flush(); }
+  // A file it cannot register (over the pin budget) makes its chunks go as bytes, read then.
+  bool SourcesResident() const override { return true; }
 
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {
     const PlacerStats s = placer_->stats();

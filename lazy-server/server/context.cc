@@ -212,6 +212,7 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       {"bulk_reads", lanes.bulk_reads},
       {"demand_in_flight", lanes.demand_in_flight},
       {"bulk_in_flight", lanes.bulk_in_flight},
+      {"read_ahead_hints", lanes.read_ahead_hints},
       {"buffers",
        {{"allocated", buffers.allocated},
         {"reused", buffers.reused},

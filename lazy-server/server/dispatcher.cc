@@ -71,7 +71,13 @@ std::optional<Scheduler::SessionCounters> Dispatcher::Counters(SessionId id) con
 
 Dispatcher::LaneCounters Dispatcher::lanes() const {
   std::lock_guard lock(mu_);
-  return LaneCounters{demand_reads_, bulk_reads_, demand_reads_in_flight_, reads_in_flight_};
+  return LaneCounters{demand_reads_, bulk_reads_, demand_reads_in_flight_, reads_in_flight_,
+                      read_ahead_hints_.load(std::memory_order_relaxed)};
+}
+
+void Dispatcher::SetPlacedSourcesResident(bool resident) {
+  std::lock_guard lock(mu_);
+  placed_sources_resident_ = resident;
 }
 
 Dispatcher::Job Dispatcher::MakeJob(const WorkItem& item, Lane lane) {
@@ -82,8 +88,12 @@ Dispatcher::Job Dispatcher::MakeJob(const WorkItem& item, Lane lane) {
   if (sink != sinks_.end()) job.sink = sink->second;
   // Hints only ahead of bulk reads of ours: a demand read should start at once, and the chunks
   // the session reads next are bulk ones anyway. A client reading by reference does its own
-  // reads (and the kernel its read-ahead for them).
-  if (lane == Lane::kBulk && read_ahead_ > 0 && !item.by_reference)
+  // reads (and the kernel its read-ahead for them). A session placed from resident memory reads
+  // nothing: there a hint is a walk over cached pages for nothing, which took the cuda
+  // placement's disk threads from 0.026 to 0.15-0.16 CPU-s a 4 GiB stream (docs/benchmarks.md,
+  // "Session 45").
+  const bool reads_nothing = item.placed && placed_sources_resident_;
+  if (lane == Lane::kBulk && read_ahead_ > 0 && !item.by_reference && !reads_nothing)
     job.upcoming = scheduler_.Upcoming(item.session, read_ahead_);
   return job;
 }
@@ -171,9 +181,11 @@ void Dispatcher::Read(const Job& job) {
   // Hints are best effort: a failed fadvise costs nothing but the read-ahead.
   for (const manifest::ChunkRef& ref : job.upcoming) {
     Result<image::ImageSource::DiskRange> range = source.LocateChunk(ref.bo(), ref.chunk());
-    if (range.ok() && range->fd >= 0 && range->length > 0)
+    if (range.ok() && range->fd >= 0 && range->length > 0) {
       ::posix_fadvise(range->fd, static_cast<off_t>(range->offset),
                       static_cast<off_t>(range->length), POSIX_FADV_WILLNEED);
+      read_ahead_hints_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   if (job.item.placed && TryPlace(job, sink)) return;
   Result<LoadedChunk> chunk =

@@ -119,8 +119,13 @@ class Dispatcher {
     uint64_t bulk_reads = 0;    // reads done in the bulk lane
     uint32_t demand_in_flight = 0;
     uint32_t bulk_in_flight = 0;
+    uint64_t read_ahead_hints = 0;  // POSIX_FADV_WILLNEED calls made
   };
   LaneCounters lanes() const;
+  // A placed chunk is copied from memory the placement backend keeps resident (the cuda
+  // backend's registered page cache): no read-ahead hint serves it or the placed chunks after
+  // it. Set before serving.
+  void SetPlacedSourcesResident(bool resident);
   // Starts reads while slots and eligible work remain.
   void Pump();
   // No new reads; waits for the disk threads.
@@ -170,6 +175,8 @@ class Dispatcher {
   uint32_t demand_reads_in_flight_ = 0;
   uint64_t bulk_reads_ = 0;
   uint64_t demand_reads_ = 0;
+  std::atomic<uint64_t> read_ahead_hints_{0};
+  bool placed_sources_resident_ = false;
   bool stopped_ = false;
   boost::asio::thread_pool pool_;
   boost::asio::thread_pool demand_pool_;

@@ -80,6 +80,9 @@ class PlacementBackend {
   virtual Status Prepare(int fd, std::string_view file_name) = 0;
   // Returns once every queued placement's `done` has run.
   virtual void Flush() = 0;
+  // Whether Place copies from memory the backend keeps resident (cuda: the registered page
+  // cache), so that nothing is read from the file and no read-ahead serves it.
+  virtual bool SourcesResident() const { return false; }
   // For StatsReply: what the backend did, by name ("placed_bytes", ...).
   virtual std::vector<std::pair<std::string, uint64_t>> Counters() const = 0;
 };

@@ -149,6 +149,7 @@ Status Server::Listen() {
     spdlog::info("placement: {} (chunks go straight into the memory of clients that ask)",
                  config.placement);
   }
+  ctx_->dispatcher.SetPlacedSourcesResident(ctx_->placement && ctx_->placement->SourcesResident());
   if (config.tls.enabled()) {
     GPULAZY_ASSIGN_OR_RETURN(tls_, net::MakeServerTlsContext(config.tls));
     spdlog::info("TLS certificate {} ({})", config.tls.cert_file,

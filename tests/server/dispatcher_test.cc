@@ -370,6 +370,53 @@ TEST_F(DispatcherTest, ByReferenceChunksAreLocatedWhereTheyArePickedWithoutRecur
   EXPECT_EQ(dispatcher.buffers().counters().allocated, 0u);
 }
 
+// Bulk reads hint the chunks after them to the kernel; a session placed from memory the
+// backend keeps resident (SetPlacedSourcesResident: the cuda backend's registered page cache)
+// reads nothing, and its placed chunks get no hints. Without that promise they still do.
+TEST_F(DispatcherTest, PlacedChunksFromResidentSourcesAreNotHintedAhead) {
+  class PlacingSink : public SinkBase {
+   public:
+    using SinkBase::SinkBase;
+    Status PlaceChunk(const WorkItem&, const image::DiskRange& from, std::optional<uint64_t>,
+                      std::function<void(Status)> done) override {
+      EXPECT_EQ(from.length, kChunk);
+      done(Status::Ok());
+      return Status::Ok();
+    }
+    void OnChunkRead(const WorkItem& item, Result<LoadedChunk> chunk) override {
+      EXPECT_TRUE(chunk.ok() && chunk->placed) << "a chunk went as bytes";
+      std::lock_guard lock(mu_);
+      ++placed_;
+      cv_.notify_all();
+      dispatcher_->Done(item, 0);
+    }
+    bool AllPlaced() {
+      std::unique_lock lock(mu_);
+      return cv_.wait_for(lock, 10s, [&] { return placed_ == kChunks; });
+    }
+    std::mutex mu_;
+    std::condition_variable cv_;
+    uint32_t placed_ = 0;
+  };
+  for (const bool resident : {true, false}) {
+    SCOPED_TRACE(resident ? "resident" : "read from the file");
+    Dispatcher dispatcher(OneThreadALane(/*read_ahead=*/4));
+    dispatcher.SetPlacedSourcesResident(resident);
+    auto sink = std::make_shared<PlacingSink>(*source_, &dispatcher);
+    dispatcher.AddSession(1, layout_, sink);
+    dispatcher.Update([&](Scheduler& s) {
+      ASSERT_TRUE(s.StreamAll(1, Delivery::kPlaced).ok());
+      s.AddCredit(1, 1 << 30);
+    });
+    ASSERT_TRUE(sink->AllPlaced());
+    dispatcher.Stop();
+    if (resident)
+      EXPECT_EQ(dispatcher.lanes().read_ahead_hints, 0u);
+    else
+      EXPECT_GT(dispatcher.lanes().read_ahead_hints, 0u);
+  }
+}
+
 // A demand chunk that goes out from the page cache (cached, checksum known, a connection that
 // may sendfile) is served on the thread that picks it, not after a hop to the demand lane's
 // disk thread and back: a fault waits for no other thread. One that must be read still goes
