@@ -117,6 +117,7 @@ Result<std::unique_ptr<PlacementBackend>> CreateCudaPlacement(const PlacementOpt
   placer_options.device = options.device;
   placer_options.pin_budget_bytes = options.pin_budget_bytes;
   placer_options.slot_bytes = std::max<uint32_t>(options.largest_chunk, 4096);
+  placer_options.blocking_sync = options.blocking_sync;
   GPULAZY_ASSIGN_OR_RETURN(std::unique_ptr<DevicePlacer> placer,
                            DevicePlacer::Create(placer_options));
   std::string uuid(reinterpret_cast<const char*>(properties.uuid.bytes),

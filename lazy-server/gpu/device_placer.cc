@@ -167,7 +167,9 @@ class DevicePlacer::Impl {
       return CudaError(e, "mapping verdict words for the device");
     slots_.resize(slots);
     for (Slot& slot : slots_)
-      if (cudaError_t e = cudaEventCreateWithFlags(&slot.event, cudaEventDisableTiming);
+      if (cudaError_t e = cudaEventCreateWithFlags(
+              &slot.event,
+              cudaEventDisableTiming | (options_.blocking_sync ? cudaEventBlockingSync : 0u));
           e != cudaSuccess)
         return CudaError(e, "creating a placement event");
     for (uint32_t i = 0; i < slots; ++i)

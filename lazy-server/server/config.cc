@@ -155,6 +155,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--placement-pin-budget", pin_budget,
                  "--placement cuda: image page cache kept registered for DMA at once (e.g. 16G)")
       ->capture_default_str();
+  app.add_flag("--placement-blocking-sync,!--no-placement-blocking-sync",
+               config.placement_blocking_sync,
+               "--placement cuda: the placer's completion thread sleeps until each copy is done "
+               "instead of spinning on it (default off)");
   app.add_option("--warm", config.warm,
                  "IMAGE: once listening, read the image's files into the page cache and, with "
                  "--placement cuda, register them for DMA, so its first restore waits for "

@@ -118,6 +118,8 @@ struct ServerConfig {
   int placement_device = 0;
   // cuda: image page cache kept registered (pinned) for DMA at once.
   uint64_t placement_pin_budget = 16ull << 30;
+  // cuda: the placer's completion thread sleeps on each copy instead of spinning.
+  bool placement_blocking_sync = false;
   // Images (named as clients name them) made ready once the server listens, so their first
   // restore waits for neither: every file read into the page cache and, with placement,
   // prepared by the backend (cuda: registered for DMA within the pin budget).

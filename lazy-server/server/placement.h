@@ -93,6 +93,7 @@ struct PlacementOptions {
   // cuda: page cache the server may keep registered for DMA at once (PlacerOptions).
   uint64_t pin_budget_bytes = 16ull << 30;
   uint32_t largest_chunk = 2u << 20;  // cuda: staging slots this large; larger chunks go as bytes
+  bool blocking_sync = false;         // cuda: PlacerOptions::blocking_sync
 };
 
 // The backend `options.kind` names. "cuda" only in a build with GPULAZY_WITH_CUDA (kUnsupported

@@ -142,6 +142,7 @@ Status Server::Listen() {
     options.kind = config.placement;
     options.device = config.placement_device;
     options.pin_budget_bytes = config.placement_pin_budget;
+    options.blocking_sync = config.placement_blocking_sync;
     options.largest_chunk = std::min(config.max_frame, std::max(config.raw_chunk_size, 4u << 20));
     Result<std::unique_ptr<PlacementBackend>> placement = CreatePlacement(options);
     if (!placement.ok()) return placement.status().Context("--placement");

@@ -84,9 +84,10 @@ class DevicePlacerTest : public ::testing::Test {
     if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
   }
 
-  static std::unique_ptr<DevicePlacer> Placer(uint64_t pin_budget) {
+  static std::unique_ptr<DevicePlacer> Placer(uint64_t pin_budget, bool blocking_sync = false) {
     PlacerOptions options;
     options.pin_budget_bytes = pin_budget;
+    options.blocking_sync = blocking_sync;
     options.slot_bytes = kChunk;
     options.slots = kSlots;
     options.streams = 2;
@@ -107,6 +108,38 @@ struct Outcomes {
     };
   }
 };
+
+// With the completion thread sleeping on each copy (PlacerOptions::blocking_sync) every chunk
+// still lands, checked, and every `done` runs once.
+TEST_F(DevicePlacerTest, BlockingSyncPlacesEveryChunkByteExact) {
+  constexpr size_t kChunks = 40;
+  const std::vector<uint8_t> bytes = RandomBytes(kChunks * kChunk, 7);
+  TempFile file(bytes);
+  auto exporter = Exporter(bytes.size());
+  ASSERT_NE(exporter, nullptr);
+  auto placer = Placer(64u << 20, /*blocking_sync=*/true);
+  ASSERT_NE(placer, nullptr);
+  Result<SourceRef> source = placer->RegisterFile(file.fd(), file.path());
+  ASSERT_TRUE(source.ok()) << source.status().ToString();
+  Result<DestinationRef> destination = placer->OpenDestination(exporter->handle(), bytes.size());
+  ASSERT_TRUE(destination.ok()) << destination.status().ToString();
+  Outcomes outcomes;
+  for (size_t i = 0; i < kChunks; ++i) {
+    const uint64_t at = i * kChunk;
+    ASSERT_TRUE(placer
+                    ->Place(*source, at, kChunk, Checksum64({bytes.data() + at, kChunk}),
+                            *destination, at, outcomes.For(at))
+                    .ok());
+  }
+  placer->Flush();
+  ASSERT_EQ(outcomes.by_offset.size(), kChunks);
+  for (const auto& [at, status] : outcomes.by_offset)
+    EXPECT_TRUE(status.ok()) << at << ": " << status.ToString();
+  std::vector<uint8_t> landed(bytes.size());
+  ASSERT_TRUE(placer->ReadBack(*destination, 0, landed).ok());
+  EXPECT_EQ(landed, bytes);
+  EXPECT_EQ(placer->stats().placed_chunks, kChunks);
+}
 
 TEST_F(DevicePlacerTest, PlacesCheckedChunksByteExactAndNeverInstallsOneThatFailsItsCheck) {
   constexpr size_t kChunks = 24;  // more than the four slots: slots are reused

@@ -87,6 +87,14 @@ TEST(ServerCommandLine, RawChunksAreFourMiBWhenPlacingIntoDeviceMemoryUnlessSet)
   std::remove(file.c_str());
 }
 
+TEST(ServerCommandLine, PlacementBlockingSyncIsOffUnlessAsked) {
+  EXPECT_FALSE(Parse({}).config->placement_blocking_sync);
+  EXPECT_TRUE(
+      Parse({"--placement", "cuda", "--placement-blocking-sync"}).config->placement_blocking_sync);
+  EXPECT_FALSE(Parse({"--placement-blocking-sync", "--no-placement-blocking-sync"})
+                   .config->placement_blocking_sync);
+}
+
 TEST(ServerCommandLine, WarmTakesImageNamesAndRefusesOnesNoClientCouldUse) {
   ParsedCommandLine defaults = Parse({});
   ASSERT_TRUE(defaults.config.has_value());
