@@ -462,8 +462,20 @@ void Session::FinishPlacement(uint64_t flat, const Status& status, const Placeme
 void Session::ReleasePlacement(std::function<void()> released) {
   std::vector<PendingPlacement> abandoned;
   {
-    std::lock_guard lock(placement_mu_);
-    if (placement_released_) return;
+    std::unique_lock lock(placement_mu_);
+    if (placement_released_) {
+      // Asked again (nothing does today): answered with the first release, or at once after it.
+      if (on_released_) {
+        on_released_ = [first = std::move(on_released_), released = std::move(released)] {
+          first();
+          released();
+        };
+      } else {
+        lock.unlock();
+        released();
+      }
+      return;
+    }
     placement_released_ = true;
     on_released_ = std::move(released);
     to_open_.clear();  // nothing more opens
