@@ -478,6 +478,8 @@ class RestoreSession::Impl {
   asio::steady_timer backoff_timer_;
   std::shared_ptr<Link> link_;
   bool attempt_opened_ = false;
+  // The last session opened (stream thread): a reconnect's OpenImage names it.
+  std::optional<EarlierSession> earlier_session_;
   uint64_t window_ = 0;
 
   // Demand thread only (with a demand connection; otherwise the stream thread's).
@@ -1072,7 +1074,7 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
 
   Result<wire::OpenImageReply> reply =
       co_await OpenImage(stream->socket, options_.image, stream->reply.version(), limits,
-                         options_.handshake_timeout, &refused);
+                         options_.handshake_timeout, &refused, earlier_session_);
   if (!reply.ok()) {
     if (refused) Fail(reply.status());
     co_return reply.status();
@@ -1082,6 +1084,9 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
                  reply->session_secret().size()));
     co_return Status::Ok();
   }
+  // The next attempt's new session supersedes this one: its server-side copies into our memory
+  // end before that one begins, however this connection ends.
+  earlier_session_ = EarlierSession{reply->session(), reply->session_secret()};
   Status table = first ? AdoptImage(*reply, limits.max_payload) : CheckSameImage(*reply);
   if (!table.ok()) {
     Fail(table);

@@ -340,11 +340,10 @@ net::Awaitable<Result<std::shared_ptr<const ImageFileSet>>> FetchImageFiles(
   co_return std::shared_ptr<const ImageFileSet>(std::move(set));
 }
 
-net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
-                                                       const std::string& image, uint32_t version,
-                                                       const FrameLimits& limits,
-                                                       std::chrono::milliseconds timeout,
-                                                       bool* refused, uint64_t max_table_bytes) {
+net::Awaitable<Result<wire::OpenImageReply>> OpenImage(
+    net::Stream& socket, const std::string& image, uint32_t version, const FrameLimits& limits,
+    std::chrono::milliseconds timeout, bool* refused,
+    const std::optional<EarlierSession>& supersedes, uint64_t max_table_bytes) {
   *refused = false;
   if (!IsValidUtf8(image)) {
     *refused = true;  // no server could parse it: a protobuf string must be UTF-8
@@ -353,6 +352,10 @@ net::Awaitable<Result<wire::OpenImageReply>> OpenImage(net::Stream& socket,
   HandshakeDeadline deadline(co_await asio::this_coro::executor, &socket, timeout);
   wire::Header header;
   header.mutable_open_image()->set_image(image);
+  if (supersedes) {
+    header.mutable_open_image()->set_supersedes_session(supersedes->id);
+    header.mutable_open_image()->set_supersedes_secret(supersedes->secret);
+  }
   Status sent = co_await net::WriteFrame(socket, header, {}, limits);
   if (!sent.ok()) co_return sent.Context(fmt::format("opening image {}", image));
   std::vector<uint8_t> payload;

@@ -42,13 +42,21 @@ net::Awaitable<Result<Handshake>> ConnectAndHello(const net::Endpoint& endpoint,
                                                   const wire::Hello& hello,
                                                   std::chrono::milliseconds timeout, bool* refused);
 
+// A session the client had before it reconnected (OpenImageReply's session and secret).
+struct EarlierSession {
+  uint64_t id = 0;
+  std::string secret;
+};
+
 // Sends OpenImage and reads its reply within `timeout`; *refused as for ConnectAndHello. With
 // protocol `version` 2 the reply's BO table and hot set arrive as payload frames after it; they
 // are read (at most `max_table_bytes` of them) and returned in the reply's bos and profile, as
-// version 1 carries them.
+// version 1 carries them. With `supersedes` the server answers only once that session has let
+// go of the memory it was handed (docs/protocol.md, "Placement", 6).
 net::Awaitable<Result<wire::OpenImageReply>> OpenImage(
     net::Stream& socket, const std::string& image, uint32_t version, const FrameLimits& limits,
     std::chrono::milliseconds timeout, bool* refused,
+    const std::optional<EarlierSession>& supersedes = std::nullopt,
     uint64_t max_table_bytes = kDefaultMaxImageTableBytes);
 
 // Hands a session's destinations to the server (docs/protocol.md, "Placement"): sends each

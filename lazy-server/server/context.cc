@@ -63,6 +63,28 @@ void ServerContext::RemoveSession(SessionId id) {
   sessions_.erase(id);
 }
 
+void ServerContext::AddPlacingSession(const std::shared_ptr<Session>& session) {
+  std::lock_guard lock(mu_);
+  // A session that died without its release (a server shutting down) leaves an expired entry.
+  std::erase_if(placing_sessions_, [](const auto& entry) { return entry.second.expired(); });
+  placing_sessions_[session->id()] = session;
+}
+
+void ServerContext::RemovePlacingSession(SessionId id) {
+  std::lock_guard lock(mu_);
+  placing_sessions_.erase(id);
+}
+
+std::shared_ptr<Session> ServerContext::FindSessionToSupersede(SessionId id) const {
+  std::lock_guard lock(mu_);
+  for (const auto* registry : {&sessions_, &placing_sessions_}) {
+    auto it = registry->find(id);
+    if (it == registry->end()) continue;
+    if (auto session = it->second.lock()) return session;
+  }
+  return nullptr;
+}
+
 std::vector<std::shared_ptr<Session>> ServerContext::Sessions() const {
   std::vector<std::shared_ptr<Session>> out;
   std::lock_guard lock(mu_);

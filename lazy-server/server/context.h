@@ -95,6 +95,12 @@ struct ServerContext {
   bool AddSession(const std::shared_ptr<Session>& session);  // false past max_sessions
   void RemoveSession(SessionId id);
   std::vector<std::shared_ptr<Session>> Sessions() const;
+  // Sessions handed destinations (PlaceInto) that have not let go of them yet, open or closed:
+  // a reconnecting client's new session waits for its old one (OpenImage.supersedes_session).
+  void AddPlacingSession(const std::shared_ptr<Session>& session);
+  void RemovePlacingSession(SessionId id);
+  // The session `id` names while it is open or still placing; null once neither.
+  std::shared_ptr<Session> FindSessionToSupersede(SessionId id) const;
   void AddConnection(uint64_t id, const std::shared_ptr<Connection>& connection);
   void RemoveConnection(uint64_t id);
   std::vector<std::shared_ptr<Connection>> Connections() const;  // oldest first (by id)
@@ -122,6 +128,7 @@ struct ServerContext {
   mutable std::mutex mu_;
   std::mutex demand_loop_mu_;  // ClaimLeastBusyDemandLoop's pick and count, as one step
   std::map<SessionId, std::weak_ptr<Session>> sessions_;
+  std::map<SessionId, std::weak_ptr<Session>> placing_sessions_;
   std::map<uint64_t, std::weak_ptr<Connection>> connections_;
   std::atomic<uint64_t> next_connection_id_{0};
   std::atomic<uint64_t> next_session_id_{0};

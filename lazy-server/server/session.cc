@@ -191,6 +191,9 @@ void Session::Close(const Connection* by) {
   // Sessions do not outlive their stream connection, nor any lane (docs/protocol.md).
   for (const std::shared_ptr<Connection>& connection : others)
     if (connection.get() != by) connection->Shutdown(wire::ERROR_NONE, "session closed");
+  // However it ended (a reset, an error frame, a shutdown), nothing more is placed; a chunk
+  // read meanwhile goes nowhere. Whoever must wait for the end waits with a release of its own.
+  ReleasePlacement([] {});
 }
 
 void Session::RecordDemandLatency(Clock::duration queued, Clock::duration write) {
@@ -259,6 +262,7 @@ bool Session::SendsFromFiles(const WorkItem& item) const {
 
 Status Session::AddPlacementTargets(std::vector<PlacementTargetEntry> entries) {
   bool start_opener = false;
+  bool register_placing = false;
   {
     std::lock_guard lock(placement_mu_);
     const size_t bos = static_cast<size_t>(image_->layout->bo_count());
@@ -269,6 +273,8 @@ Status Session::AddPlacementTargets(std::vector<PlacementTargetEntry> entries) {
           destinations_[entry.bo].state != DestinationState::kNone)
         return InvalidArgument("BO {} has a destination already", entry.bo);
     }
+    if (placement_released_) return Aborted("the session has ended");
+    register_placing = destinations_.empty();
     if (destinations_.empty()) {
       destinations_.resize(bos);
       place_state_.assign(image_->layout->total_chunks(), PlaceState::kNone);
@@ -283,6 +289,7 @@ Status Session::AddPlacementTargets(std::vector<PlacementTargetEntry> entries) {
     start_opener = !opener_running_ && !to_open_.empty();
     if (start_opener) opener_running_ = true;
   }
+  if (register_placing) ctx_.AddPlacingSession(shared_from_this());
   if (start_opener)
     boost::asio::post(ctx_.dispatcher.pool(),
                       [self = shared_from_this()] { self->OpenDestinations(); });
@@ -464,7 +471,8 @@ void Session::ReleasePlacement(std::function<void()> released) {
   {
     std::unique_lock lock(placement_mu_);
     if (placement_released_) {
-      // Asked again (nothing does today): answered with the first release, or at once after it.
+      // Asked again (the session's end releases first; a stream connection or a superseding
+      // session then waits with a release of its own): answered with the first, or at once.
       if (on_released_) {
         on_released_ = [first = std::move(on_released_), released = std::move(released)] {
           first();
@@ -514,6 +522,7 @@ void Session::FinishReleaseIfDone() {
   // The last references (no placement holds one now): a backend closes each here.
   targets.clear();
   accepted.clear();
+  ctx_.RemovePlacingSession(id_);
   released();
 }
 
@@ -628,6 +637,42 @@ net::Awaitable<void> Connection::ReleasePlacement() {
   spdlog::debug(
       "{}: placement released after {} us", Tag(),
       std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - began).count());
+}
+
+net::Awaitable<Status> Connection::AwaitSuperseded(SessionId id, const std::string& secret) {
+  std::shared_ptr<Session> old = ctx_.FindSessionToSupersede(id);
+  if (!old) co_return Status::Ok();  // gone, and every placement of it with it
+  if (!net::ConstantTimeEqual(old->secret(), secret))
+    co_return PermissionDenied("the session {} to supersede: wrong secret", id);
+  // Its connections broke on the client's side; the server may not have noticed yet.
+  old->Close();
+  struct Pending {
+    explicit Pending(const asio::any_io_executor& executor) : wake(executor) {}
+    asio::steady_timer wake;
+    bool released = false;
+  };
+  auto pending = std::make_shared<Pending>(socket_.get_executor());
+  const auto began = Clock::now();
+  old->ReleasePlacement([pending] {
+    asio::post(pending->wake.get_executor(), [pending] {
+      pending->released = true;
+      pending->wake.cancel();
+    });
+  });
+  error_code ec;
+  const auto deadline = began + kSupersedeTimeout;
+  while (!pending->released && !closed_ && Clock::now() < deadline) {
+    pending->wake.expires_at(deadline);
+    co_await pending->wake.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  }
+  if (!pending->released && !closed_) {
+    co_return Unavailable(
+        "the session {} this one supersedes still writes into the client's memory after {} s", id,
+        std::chrono::duration_cast<std::chrono::seconds>(kSupersedeTimeout).count());
+  }
+  spdlog::info("{}: session {} superseded; its placements ended after {} us", Tag(), id,
+               std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - began).count());
+  co_return Status::Ok();
 }
 
 net::Awaitable<void> Connection::LingerBeforeClose(bool below_tls) {
@@ -962,6 +1007,19 @@ net::Awaitable<void> Connection::HandleOpenImage(const wire::Header& frame) {
   if (ctx_.shutting_down) {
     SendError(wire::ERROR_SHUTTING_DOWN, "server is shutting down", rid);
     co_return;
+  }
+  if (const wire::OpenImage& open = frame.open_image(); open.supersedes_session() != 0) {
+    Status superseded =
+        co_await AwaitSuperseded(open.supersedes_session(), open.supersedes_secret());
+    if (closed_ || draining_) co_return;
+    if (!superseded.ok()) {
+      spdlog::warn("{}: OpenImage '{}' refused: {}", Tag(), name.substr(0, 256),
+                   superseded.ToString());
+      SendError(superseded.code() == Code::kPermissionDenied ? wire::ERROR_UNAUTHENTICATED
+                                                             : ToWire(superseded.code()),
+                superseded.message(), rid);
+      co_return;
+    }
   }
   // Opening reads the manifest (or scans a CRIU directory): a disk thread does it.
   ImageStore& store = ctx_.store;

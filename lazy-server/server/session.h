@@ -259,6 +259,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // After the reader of a stream connection with placement destinations ended: waits for the
   // session's placements to end (Session::ReleasePlacement) before the connection closes.
   net::Awaitable<void> ReleasePlacement();
+  // OpenImage.supersedes_session: ends session `id` (when `secret` is its own) and waits until
+  // it has let go of its destinations, at most kSupersedeTimeout. Ok when there is no such
+  // session any more.
+  net::Awaitable<Status> AwaitSuperseded(SessionId id, const std::string& secret);
+  // Copies in flight take milliseconds; a session still placing after this is stuck (a hung
+  // device), and the new session is refused rather than run beside it. Under the client's
+  // OpenImage timeout (10 s by default), so that it reads why.
+  static constexpr std::chrono::seconds kSupersedeTimeout{5};
   // A demand connection whose Hello was accepted moves onto the demand network threads
   // (--demand-network-threads): its socket goes to a successor Connection with the same id,
   // which sends `reply` and serves the connection from then on; this one ends without a word.

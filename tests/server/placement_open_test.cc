@@ -25,11 +25,13 @@
 #include "page-client/restore_session.h"
 #include "tests/server/checkpoint_bytes.h"
 #include "tests/server/test_support.h"
+#include "tests/support/unix_relay.h"
 
 namespace gpulazy::server::testing {
 namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
+using ::gpulazy::testing::UnixRelay;
 
 // The memfd backend, with each destination's opening held at a gate or failed. The client
 // hands its BOs over in order in one frame, so the n-th accepted destination is BO n.
@@ -43,6 +45,7 @@ class GatedPlacement final : public PlacementBackend {
     std::vector<uint32_t> opens;  // BOs in the order their opening began
     uint32_t accepted = 0;
     bool places_held = false;  // each placement waits here (on its disk thread) until let go
+    uint32_t places_to_hold = UINT32_MAX;  // ... as long as this many more may be held
     uint32_t places_waiting = 0;
     uint32_t places_finished = 0;  // placements whose copy and `done` have run
     std::vector<std::weak_ptr<const PlacementTarget>> opened;  // every destination opened
@@ -66,10 +69,13 @@ class GatedPlacement final : public PlacementBackend {
                uint64_t target_offset, PlacementDone done) override {
     {
       std::unique_lock lock(gate_->mu);
-      ++gate_->places_waiting;
-      gate_->changed.notify_all();
-      gate_->changed.wait(lock, [&] { return !gate_->places_held; });
-      --gate_->places_waiting;
+      if (gate_->places_held && gate_->places_to_hold > 0) {
+        --gate_->places_to_hold;
+        ++gate_->places_waiting;
+        gate_->changed.notify_all();
+        gate_->changed.wait(lock, [&] { return !gate_->places_held; });
+        --gate_->places_waiting;
+      }
     }
     Status placed = inner_->Place(from, file_name, checksum, target, target_offset,
                                   [this, done = std::move(done)](Status status) {
@@ -365,6 +371,81 @@ TEST_F(PlacementOpenTest, DestroyingASessionWaitsUntilTheServerLetsGoOfItsDestin
   client::HostCopyEngine next_engine;
   client::RestoreSession next(Options(), next_engine);
   ASSERT_NO_FATAL_FAILURE(RestoreWhole(next, next_engine));
+}
+
+// A connection that breaks at once (no half-close, no drain to the server's close) gives the
+// client no word that the server's copies into its memory have ended. The session it opens when
+// it reconnects names the one before (OpenImage.supersedes_session), and the server opens it only
+// once that one has let go of its destinations: no copy of the broken session lands on a chunk
+// the new one has handed to the program (docs/protocol.md, "Placement", 6). Both when the server
+// saw the break and when it has not yet.
+class SupersedeTest : public PlacementOpenTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(SupersedeTest, AReconnectedSessionBeginsOnlyOnceTheBrokenOnesCopiesEnded) {
+  const bool server_notices = GetParam();
+  UnixRelay relay(dir_->path() / "relay.sock", dir_->path() / "s.sock");
+  {
+    std::lock_guard lock(gate_->mu);
+    gate_->places_held = true;
+    gate_->places_to_hold = 1;  // one copy in flight; the other disk thread stays free
+  }
+  client::HostCopyEngine engine;
+  client::SessionOptions options = Options();
+  options.endpoint = "unix:" + (dir_->path() / "relay.sock").string();
+  options.reconnect.max_attempts = 20;
+  options.reconnect.initial_backoff = 10ms;
+  options.reconnect.max_backoff = 50ms;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(PlacementHeld());
+  const size_t connections_before = relay.connections();
+  relay.Cut(server_notices);
+  // The client reconnects through the relay; its new session waits for the held copy.
+  for (auto deadline = std::chrono::steady_clock::now() + 20s;
+       relay.connections() == connections_before && std::chrono::steady_clock::now() < deadline;)
+    std::this_thread::sleep_for(5ms);
+  ASSERT_GT(relay.connections(), connections_before) << "the client did not reconnect";
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(ServerCounter("", "sessions_opened", [](uint64_t) { return true; }), 1u)
+      << "a new session opened while the broken one's copy was in flight";
+  LetPlacementsGo();
+  Status complete = session.WaitComplete(60s);
+  ASSERT_TRUE(complete.ok()) << complete.ToString();
+  ExpectRestoredBytes(session, engine, expected_);
+  EXPECT_GE(session.progress().reconnects, 1u);
+  EXPECT_EQ(ServerCounter("", "sessions_opened", [](uint64_t n) { return n >= 2; }), 2u);
+}
+
+INSTANTIATE_TEST_SUITE_P(ServerSawTheBreak, SupersedeTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "ServerSawIt" : "ServerDidNot";
+                         });
+
+// Only the client that had a session may end it: a wrong secret is refused and the session goes
+// on.
+TEST_F(PlacementOpenTest, SupersedingASessionNeedsItsSecret) {
+  TestClient owner(server_->bound().front());
+  ASSERT_TRUE(owner.Hello().ok());
+  Result<wire::OpenImageReply> opened = owner.Open("raw");
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+
+  TestClient intruder(server_->bound().front());
+  ASSERT_TRUE(intruder.Hello().ok());
+  wire::Header header;
+  header.set_request_id(1);
+  header.mutable_open_image()->set_image("raw");
+  header.mutable_open_image()->set_supersedes_session(opened->session());
+  header.mutable_open_image()->set_supersedes_secret("not the secret");
+  ASSERT_TRUE(intruder.Send(header).ok());
+  Result<wire::Error> refused = intruder.ReadError();
+  ASSERT_TRUE(refused.ok()) << refused.status().ToString();
+  EXPECT_EQ(refused->code(), wire::ERROR_UNAUTHENTICATED);
+  EXPECT_NE(refused->message().find("wrong secret"), std::string::npos) << refused->message();
+
+  // The owner's session still serves: its stream arrives whole.
+  Result<Received> received = ReceiveStream(owner, 64u << 20);
+  ASSERT_TRUE(received.ok()) << received.status().ToString();
+  EXPECT_TRUE(VerifyStream(*opened, received->chunks, expected_).ok());
 }
 
 }  // namespace
