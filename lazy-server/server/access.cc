@@ -21,6 +21,15 @@ std::string PeerIdentity::ToString() const {
   return text;
 }
 
+namespace {
+// Debian 12's headers predate it (Linux 6.5).
+#ifdef SO_PEERPIDFD
+constexpr int kSoPeerPidfd = SO_PEERPIDFD;
+#else
+constexpr int kSoPeerPidfd = 77;
+#endif
+}  // namespace
+
 Result<PeerIdentity> UnixPeerIdentity(int fd) {
   struct ucred credentials {};
   socklen_t length = sizeof(credentials);
@@ -30,6 +39,11 @@ Result<PeerIdentity> UnixPeerIdentity(int fd) {
   peer.uid = credentials.uid;
   peer.gid = credentials.gid;
   peer.pid = credentials.pid;
+  int pidfd = -1;
+  length = sizeof(pidfd);
+  if (::getsockopt(fd, SOL_SOCKET, kSoPeerPidfd, &pidfd, &length) == 0 && pidfd >= 0)
+    peer.pidfd = std::make_shared<const UniqueFd>(pidfd);
+  // Otherwise (ENOPROTOOPT before Linux 6.5; ESRCH once the peer exited) the pid alone.
   return peer;
 }
 

@@ -5,11 +5,13 @@
 
 #include <sys/types.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "lazy-server/image/io.h"
 #include "lazy-server/server/config.h"
 
 namespace gpulazy::server {
@@ -18,13 +20,17 @@ struct PeerIdentity {
   std::optional<uid_t> uid;  // Unix peers (SO_PEERCRED)
   std::optional<gid_t> gid;
   std::optional<pid_t> pid;
+  // The peer's process itself (SO_PEERPIDFD, Linux 6.5), taken as it connected. Unlike `pid`,
+  // which a new process may reuse once the peer exits, it never names another process: the
+  // descriptors a client hands over (placement) are taken through it. Null on older kernels.
+  std::shared_ptr<const UniqueFd> pidfd;
   std::string common_name;  // TCP peers with a verified TLS client certificate
 
   // "uid 1000 gid 1000 pid 42", "cn 'node7'", "anonymous": for logs.
   std::string ToString() const;
 };
 
-// Reads SO_PEERCRED of a connected Unix socket.
+// Reads SO_PEERCRED (and SO_PEERPIDFD, where the kernel has it) of a connected Unix socket.
 Result<PeerIdentity> UnixPeerIdentity(int fd);
 
 // Whether a Unix peer may connect: its uid is in allow_uid or its primary gid in allow_gid;

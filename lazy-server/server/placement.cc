@@ -61,15 +61,25 @@ class AcceptedMemfd final : public AcceptedTarget {
   uint64_t size_;
 };
 
-Result<UniqueFd> TakePeerDescriptor(pid_t pid, int fd) {
+Result<UniqueFd> TakePeerDescriptor(const PeerIdentity& peer, int fd) {
+  const pid_t pid = *peer.pid;
   // pidfd_open and pidfd_getfd (Linux 5.3 and 5.6) through syscall(): Debian 12's glibc has no
-  // wrappers for them.
-  const long pidfd = ::syscall(SYS_pidfd_open, pid, 0);
-  if (pidfd < 0) return ErrnoError(errno, "pidfd_open of the client's process {}", pid);
-  UniqueFd owned_pidfd(static_cast<int>(pidfd));
-  const long taken = ::syscall(SYS_pidfd_getfd, owned_pidfd.get(), fd, 0);
+  // wrappers for them. The pidfd taken as the client connected, where the kernel gave one: a pid
+  // opened now could be a new process's that reused the number of a client that exited.
+  UniqueFd opened_now;
+  int pidfd = peer.pidfd ? peer.pidfd->get() : -1;
+  if (pidfd < 0) {
+    const long opened = ::syscall(SYS_pidfd_open, pid, 0);
+    if (opened < 0) return ErrnoError(errno, "pidfd_open of the client's process {}", pid);
+    opened_now.reset(static_cast<int>(opened));
+    pidfd = opened_now.get();
+  }
+  const long taken = ::syscall(SYS_pidfd_getfd, pidfd, fd, 0);
   if (taken < 0) {
     const int error = errno;
+    if (error == ESRCH)
+      return Unavailable("taking descriptor {} of process {}: the client's process has exited", fd,
+                         pid);
     if (error == EPERM)
       return PermissionDenied(
           "taking descriptor {} of process {}: not allowed (the server needs ptrace access to "
@@ -94,7 +104,7 @@ class MemfdPlacement final : public PlacementBackend {
     const uint32_t number = LoadLe32(reinterpret_cast<const uint8_t*>(handle.data()));
     if (number > static_cast<uint32_t>(INT32_MAX))
       return InvalidArgument("descriptor number {} out of range", number);
-    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, TakePeerDescriptor(*peer.pid, static_cast<int>(number)));
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, TakePeerDescriptor(peer, static_cast<int>(number)));
     // Only a memfd answers F_GET_SEALS: no regular file, device or socket of the client's is
     // written through this. One sealed against writing is refused here rather than at mmap.
     const int seals = ::fcntl(fd.get(), F_GET_SEALS);

@@ -5,10 +5,18 @@
 // misuse of PlaceInto is refused with an error naming why.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/sched.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -19,6 +27,7 @@
 #include "lazy-server/image/image_source.h"
 #include "lazy-server/image/io.h"
 #include "page-client/host_engine.h"
+#include "page-client/net/fd_passing.h"
 #include "page-client/restore_session.h"
 #include "proto/endian.h"
 #include "tests/server/checkpoint_bytes.h"
@@ -389,6 +398,109 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
   }
   ::close(memfd);
   ::close(not_memfd);
+}
+
+// A memfd destination is taken from the process that connected, through the pidfd the kernel
+// gave for it then (SO_PEERPIDFD), not by its pid: once a client exits, a new process may get
+// its number, and the server (allowed to ptrace it) would take that process's descriptor. Here a
+// child connects, hands us the socket and exits; a second child is made with its pid (clone3's
+// set_tid, as CRIU restores pids) and holds a memfd at the number the PlaceInto names.
+TEST_F(PlacementTest, DestinationsComeOnlyFromTheProcessThatConnected) {
+  {
+    int pair[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+    int pidfd = -1;
+    socklen_t length = sizeof(pidfd);
+    const bool has_peer_pidfd =
+        ::getsockopt(pair[0], SOL_SOCKET, 77 /* SO_PEERPIDFD */, &pidfd, &length) == 0;
+    if (pidfd >= 0) ::close(pidfd);
+    ::close(pair[0]);
+    ::close(pair[1]);
+    if (!has_peer_pidfd) GTEST_SKIP() << "no SO_PEERPIDFD (Linux 6.5): the server uses the pid";
+  }
+  const int memfd = ::memfd_create("placement-victim", MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0);
+  ASSERT_EQ(::ftruncate(memfd, 1 << 20), 0);
+  int handoff[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, handoff), 0);
+  // Everything the first child needs is ready before the fork: it only makes system calls.
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  const std::string path = server_->unix_endpoint().path;
+  ASSERT_LT(path.size(), sizeof(address.sun_path));
+  std::memcpy(address.sun_path, path.data(), path.size());
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  char byte = 'x';
+  iovec iov{&byte, 1};
+  msghdr message{};
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  cmsghdr* header = CMSG_FIRSTHDR(&message);
+  header->cmsg_level = SOL_SOCKET;
+  header->cmsg_type = SCM_RIGHTS;
+  header->cmsg_len = CMSG_LEN(sizeof(int));
+  const pid_t client = ::fork();
+  ASSERT_GE(client, 0);
+  if (client == 0) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0)
+      ::_exit(1);
+    std::memcpy(CMSG_DATA(header), &fd, sizeof(fd));
+    ::_exit(::sendmsg(handoff[1], &message, 0) == 1 ? 0 : 2);
+  }
+  ::close(handoff[1]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(client, &status, 0), client);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::array<uint8_t, 1> got{};
+  std::vector<UniqueFd> received;
+  Result<std::optional<size_t>> handed =
+      net::ReceiveWithFds(handoff[0], got, 1, &received, net::Blocking::kYes);
+  ::close(handoff[0]);
+  ASSERT_TRUE(handed.ok()) << handed.status().ToString();
+  ASSERT_EQ(received.size(), 1u);
+  TestClient connected(std::move(received.front()));
+
+  // The exited client's pid, taken by a process that holds a memfd at the number named below.
+  int hold[2];
+  ASSERT_EQ(::pipe2(hold, O_CLOEXEC), 0);
+  pid_t reused_pid = client;
+  clone_args args{};
+  args.exit_signal = SIGCHLD;
+  args.set_tid = reinterpret_cast<uint64_t>(&reused_pid);
+  args.set_tid_size = 1;
+  const long reuser = ::syscall(SYS_clone3, &args, sizeof(args));
+  if (reuser == 0) {
+    ::close(hold[1]);
+    char wait_byte;
+    (void)::read(hold[0], &wait_byte, 1);  // until the test closes its end
+    ::_exit(0);
+  }
+  const int clone_error = errno;
+  ::close(hold[0]);
+  if (reuser < 0) {
+    ::close(hold[1]);
+    ::close(memfd);
+    GTEST_SKIP() << "cannot make a process with a chosen pid here (clone3 set_tid: "
+                 << std::strerror(clone_error) << ")";
+  }
+  ASSERT_EQ(reuser, client);
+
+  ASSERT_TRUE(connected.Hello().ok());
+  ASSERT_TRUE(connected.Open("raw").ok());
+  ASSERT_TRUE(connected.Send(PlaceIntoFrame(0, memfd, 1 << 20)).ok());
+  Result<Frame> answer = connected.Read();
+  ::close(hold[1]);
+  ASSERT_EQ(::waitpid(static_cast<pid_t>(reuser), &status, 0), reuser);
+  ::close(memfd);
+  ASSERT_TRUE(answer.ok()) << answer.status().ToString();
+  ASSERT_TRUE(answer->header.has_error())
+      << "the server took a destination from the process that reused the client's pid";
+  EXPECT_NE(answer->header.error().message().find("the client's process has exited"),
+            std::string::npos)
+      << answer->header.error().message();
 }
 
 }  // namespace

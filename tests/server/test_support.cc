@@ -86,6 +86,11 @@ TestClient::TestClient(const net::Endpoint& endpoint) : socket_(io_) {
   if (socket.ok()) socket_ = std::move(*socket);
 }
 
+TestClient::TestClient(UniqueFd connected_unix_socket) : socket_(io_) {
+  socket_.assign(boost::asio::generic::stream_protocol(AF_UNIX, SOCK_STREAM),
+                 connected_unix_socket.release());
+}
+
 Status TestClient::Send(const wire::Header& header) {
   return net::WriteFrameBlocking(socket_, header, {}, kClientLimits);
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "lazy-server/child/server_child.h"
+#include "lazy-server/image/io.h"
 #include "page-client/net/endpoint.h"
 #include "page-client/net/frame_stream.h"
 #include "proto/manifest.pb.h"
@@ -64,6 +65,8 @@ struct Frame {
 class TestClient {
  public:
   explicit TestClient(const net::Endpoint& endpoint);
+  // A Unix socket connected to the server already (by another process, say).
+  explicit TestClient(UniqueFd connected_unix_socket);
   bool connected() const { return socket_.is_open(); }
 
   Status Send(const wire::Header& header);
