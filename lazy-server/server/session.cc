@@ -1316,7 +1316,11 @@ net::Awaitable<void> Connection::HandlePlaceInto(const wire::Header& frame) {
   if (closed_ || draining_) co_return;
   if (!opened.ok()) {
     spdlog::info("{}: PlaceInto refused: {}", Tag(), opened.status().ToString());
-    SendError(ToWire(opened.status().code()), "PlaceInto: " + opened.status().message(), rid);
+    // The client's own memory is what was refused: nothing about images to keep quiet about
+    // (ToWire says ERROR_NOT_FOUND for a denial), and the message says why.
+    SendError(
+        opened.status().code() == Code::kInternal ? wire::ERROR_INTERNAL : wire::ERROR_BAD_REQUEST,
+        "PlaceInto: " + opened.status().message(), rid);
     co_return;
   }
   Status added = session_->AddPlacementTargets(std::move(*opened));

@@ -347,6 +347,10 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
   ASSERT_EQ(::ftruncate(memfd, 1 << 20), 0);
   const int not_memfd = ::open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
   ASSERT_GE(not_memfd, 0);
+  const int sealed = ::memfd_create("placement-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(sealed, 0);
+  ASSERT_EQ(::ftruncate(sealed, 1 << 20), 0);
+  ASSERT_EQ(::fcntl(sealed, F_ADD_SEALS, F_SEAL_WRITE), 0);
   struct Case {
     const char* what;
     wire::Header frame;
@@ -359,6 +363,7 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
       {"not a memfd", PlaceIntoFrame(0, not_memfd, 1ull << 30), "not a memfd"},
       {"claims more than it holds", PlaceIntoFrame(0, memfd, 1ull << 40), "not the"},
       {"no such descriptor", PlaceIntoFrame(0, 100000, 1ull << 20), "pidfd_getfd"},
+      {"sealed against writing", PlaceIntoFrame(0, sealed, 1ull << 20), "sealed against writing"},
   };
   // One more destination than a frame may carry: refused for its count, before the repeated BO.
   wire::Header too_many = PlaceIntoFrame(0, memfd, 1 << 20);
@@ -374,6 +379,7 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
     Result<wire::Error> error = client->ReadError();
     ASSERT_TRUE(error.ok()) << error.status().ToString();
     EXPECT_NE(error->message().find(c.reason), std::string::npos) << error->message();
+    EXPECT_EQ(error->code(), wire::ERROR_BAD_REQUEST) << error->message();
   }
   {
     SCOPED_TRACE("placed before PlaceInto");
@@ -398,6 +404,7 @@ TEST_F(PlacementTest, MisusedPlaceIntoIsRefusedWithItsReason) {
   }
   ::close(memfd);
   ::close(not_memfd);
+  ::close(sealed);
 }
 
 // A memfd destination is taken from the process that connected, through the pidfd the kernel
