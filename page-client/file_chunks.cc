@@ -102,13 +102,17 @@ class Stopwatch {
 
 }  // namespace
 
+bool EngineZeroesChunk(const CopyEngine& engine, const FileChunk& c) {
+  return c.codec == manifest::CODEC_ZERO && c.stored_length == 0 && engine.WritesZeros();
+}
+
 Status InstallFileChunk(CopyEngine& engine, EngineGate& gate, Urgency urgency, const FileChunk& c,
                         ChunkBufferPool& buffers, std::vector<uint8_t>& scratch,
                         const std::string& what, CopyDone done, uint64_t* bytes_read,
                         FileReadTimes* times) {
   Stopwatch stopwatch(times);
   EngineGate* const commit_gate = engine.ConcurrentCommits() ? nullptr : &gate;
-  if (c.codec == manifest::CODEC_ZERO && c.stored_length == 0 && engine.WritesZeros()) {
+  if (EngineZeroesChunk(engine, c)) {
     // Nothing to read: the checksum must be that of the zeros, and the engine zeroes the range.
     if (!c.checksum) return Corrupt("{}: an encoded chunk without a checksum", what);
     GPULAZY_RETURN_IF_ERROR(CheckZeroChunk(*c.checksum, c.raw_length, what));

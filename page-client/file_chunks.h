@@ -79,6 +79,10 @@ struct FileReadTimes {
   }
 };
 
+// A zero chunk with nothing stored, which the engine zeroes itself (CopyEngine::WritesZeros):
+// InstallFileChunk reads nothing for it and checks its checksum against the zeros.
+bool EngineZeroesChunk(const CopyEngine& engine, const FileChunk& c);
+
 // Reads, verifies and hands `c` to the engine; `done` then runs exactly once, as for
 // CopyEngine::Write. An error return means the engine never got the chunk (`done` will not
 // run) and no unverified byte is left in engine memory: kCorrupt for bytes that failed

@@ -454,6 +454,9 @@ class RestoreSession::Impl {
   FileReadTimes file_times_;
   // Chunks installed by reference with no checksum to verify (Progress::unchecked_chunks).
   std::atomic<uint64_t> unchecked_chunks_{0};
+  // Zero chunks read by reference that the engine zeroed (Progress::zero_filled_*).
+  std::atomic<uint64_t> file_zero_chunks_{0};
+  std::atomic<uint64_t> file_zero_bytes_{0};
   std::atomic<bool> cancelled_{false};
 
   // The latest demand timings (a ring of RestoreSession::kDemandTimings); a leaf lock.
@@ -865,6 +868,8 @@ Progress RestoreSession::Impl::progress() const {
   p.stream_wait_s = static_cast<double>(stream_wait_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.stream_chunk_s = static_cast<double>(stream_chunk_ns_.load(std::memory_order_relaxed)) / 1e9;
   p.unchecked_chunks = unchecked_chunks_.load(std::memory_order_relaxed);
+  p.zero_filled_chunks += file_zero_chunks_.load(std::memory_order_relaxed);
+  p.zero_filled_bytes += file_zero_bytes_.load(std::memory_order_relaxed);
   p.lanes = lanes_joined_.load(std::memory_order_relaxed);
   p.lane_bytes = lane_bytes_.load(std::memory_order_relaxed);
   p.file_read_s = file_times_.read_s();
@@ -2164,10 +2169,15 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
   const uint64_t credit = on_stream ? c.stored_length : 0;
   Status installed = InstallFileChunk(
       engine_, engine_gate_, urgency, c, file_buffers_, scratch, What(c.bo, c.chunk),
-      [this, link, id, credit, unchecked = !c.checksum](const Status& status) {
+      [this, link, id, credit, unchecked = !c.checksum,
+       zeroed = EngineZeroesChunk(engine_, c) ? c.raw_length : 0](const Status& status) {
         // Counted before OnWritten marks the chunk resident: whoever sees the restore complete
         // sees every unchecked install counted.
         if (status.ok() && unchecked) unchecked_chunks_.fetch_add(1, std::memory_order_relaxed);
+        if (status.ok() && zeroed > 0) {
+          file_zero_chunks_.fetch_add(1, std::memory_order_relaxed);
+          file_zero_bytes_.fetch_add(zeroed, std::memory_order_relaxed);
+        }
         OnWritten(status, link, id, nullptr, credit);
       },
       /*bytes_read=*/nullptr, &file_times_);

@@ -162,9 +162,9 @@ struct Progress {
   bool placing = false;          // the current connection's server places chunks (placement)
   uint64_t placed_chunks = 0;    // chunks the server placed in our destinations
   uint64_t placed_bytes = 0;     // their raw bytes
-  // Zero chunks (CODEC_ZERO) off the connections that the engine zeroed itself
-  // (CopyEngine::WritesZeros: on the GPU for the CUDA engine) instead of being handed their
-  // bytes; their checksums checked here. (File readers do the same, uncounted here.)
+  // Zero chunks (CODEC_ZERO) that the engine zeroed itself (CopyEngine::WritesZeros: on the GPU
+  // for the CUDA engine) instead of being handed their bytes, off the connections or read by
+  // reference; their checksums checked here.
   uint64_t zero_filled_chunks = 0;
   uint64_t zero_filled_bytes = 0;  // their raw bytes
   uint32_t lanes = 0;              // lanes joined to the current connection (besides the stream's)

@@ -766,6 +766,30 @@ TEST_F(ImageFilesTest, ProgressCountsChunksInstalledWithoutAChecksum) {
   EXPECT_EQ(fresh.Terminate(), 0) << fresh.Log();
 }
 
+// Zero chunks the engine zeroes itself are counted whichever way they came: a by-reference
+// restore reads nothing for them, as a socket one receives nothing.
+TEST_F(ImageFilesTest, ProgressCountsZeroChunksTheEngineZeroedEitherWay) {
+  std::map<bool, client::Progress> by_files;
+  for (const bool read_files : {true, false}) {
+    SCOPED_TRACE(read_files);
+    client::HostCopyEngine engine;
+    client::SessionOptions options;
+    options.endpoint = server_->unix_endpoint().ToString();
+    options.image = "lazy";
+    options.read_files = read_files;
+    client::RestoreSession session(options, engine);
+    ASSERT_TRUE(session.Start().ok());
+    const Status done = session.WaitComplete(30s);
+    ASSERT_TRUE(done.ok()) << done.ToString();
+    ASSERT_EQ(session.progress().reading_files, read_files);
+    ExpectCheckpointBytes(session, engine, "lazy");
+    by_files[read_files] = session.progress();
+  }
+  EXPECT_GT(by_files[false].zero_filled_chunks, 0u) << "the test image has no zero chunk";
+  EXPECT_EQ(by_files[true].zero_filled_chunks, by_files[false].zero_filled_chunks);
+  EXPECT_EQ(by_files[true].zero_filled_bytes, by_files[false].zero_filled_bytes);
+}
+
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
   // want_files without a session to join.
   {
