@@ -36,7 +36,8 @@ suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|UffdKernelFaults|Modes/UffdRestore|Modes/UffdHandover|Handover'
-suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest|Warm|ReadIntoPageCache'
+suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest|ServerSawTheBreak/SupersedeTest'
+suites+='|Warm|ReadIntoPageCache'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test
     plugin_unit_test client_fetch_cli_test server_security_test)
