@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,7 @@ void Dispatcher::RemoveSession(SessionId id) {
   std::lock_guard lock(mu_);
   scheduler_.RemoveSession(id);
   sinks_.erase(id);
+  hinted_.erase(id);
 }
 
 std::optional<StreamDoneInfo> Dispatcher::Done(const WorkItem& item,
@@ -93,8 +95,16 @@ Dispatcher::Job Dispatcher::MakeJob(const WorkItem& item, Lane lane) {
   // placement's disk threads from 0.026 to 0.15-0.16 CPU-s a 4 GiB stream (docs/benchmarks.md,
   // "Session 45").
   const bool reads_nothing = item.placed && placed_sources_resident_;
-  if (lane == Lane::kBulk && read_ahead_ > 0 && !item.by_reference && !reads_nothing)
-    job.upcoming = scheduler_.Upcoming(item.session, read_ahead_);
+  if (lane == Lane::kBulk && read_ahead_ > 0 && !item.by_reference && !reads_nothing) {
+    std::deque<uint64_t>& hinted = hinted_[item.session];
+    for (manifest::ChunkRef& ref : scheduler_.Upcoming(item.session, read_ahead_)) {
+      const uint64_t key = (uint64_t{ref.bo()} << 32) | ref.chunk();
+      if (std::find(hinted.begin(), hinted.end(), key) != hinted.end()) continue;
+      hinted.push_back(key);
+      if (hinted.size() > size_t{kHintMemory} * read_ahead_) hinted.pop_front();
+      job.upcoming.push_back(std::move(ref));
+    }
+  }
   return job;
 }
 

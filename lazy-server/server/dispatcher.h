@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -171,6 +172,13 @@ class Dispatcher {
   mutable std::mutex mu_;
   Scheduler scheduler_;
   std::map<SessionId, std::weak_ptr<ChunkSink>> sinks_;
+  // Per session, the chunks hinted last (oldest first, at most kHintMemory of them): each read
+  // hints the next read_ahead chunks, so without it every chunk would be hinted read_ahead
+  // times, each a walk over its pages in the page cache.
+  std::map<SessionId, std::deque<uint64_t>> hinted_;
+  // Chunks a hint is remembered for, in multiples of read_ahead: a demand read or a requeue can
+  // reorder the plan a little without a chunk's hint being repeated.
+  static constexpr uint32_t kHintMemory = 4;
   uint32_t reads_in_flight_ = 0;
   uint32_t demand_reads_in_flight_ = 0;
   uint64_t bulk_reads_ = 0;
