@@ -13,8 +13,8 @@
 namespace gpulazy::uffd {
 namespace {
 
-constexpr uint32_t kMagic = 0x46554c47;  // "GLUF"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kMagic = 0x46554c47;          // "GLUF"
+constexpr uint32_t kVersion = 2;                 // 2: Hello carries the fault scope
 constexpr uint32_t kCompleteMagic = 0x454e4f44;  // "DONE"
 
 struct HelloMsg {
@@ -22,7 +22,9 @@ struct HelloMsg {
   uint32_t version;
   uint32_t mode;
   uint32_t count;
+  uint32_t scope;  // kScopeUnknown or 1 + FaultScope
 };
+constexpr uint32_t kScopeUnknown = 0;
 struct RegionMsg {
   uint32_t bo;
   uint32_t reserved;
@@ -92,8 +94,9 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
   const bool minor = uffd.mode() == FillMode::kMinorContinue;
   if (minor && memfds.size() != regions.size())
     return InvalidArgument("handover: MINOR mode needs one memfd per region");
+  const uint32_t scope = uffd.scope() ? 1 + static_cast<uint32_t>(*uffd.scope()) : kScopeUnknown;
   HelloMsg hello{kMagic, kVersion, static_cast<uint32_t>(uffd.mode()),
-                 static_cast<uint32_t>(regions.size())};
+                 static_cast<uint32_t>(regions.size()), scope};
   GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &hello, sizeof hello, uffd.fd()));
   for (size_t i = 0; i < regions.size(); ++i) {
     RegionMsg region{regions[i].bo, 0, regions[i].addr, regions[i].size};
@@ -112,8 +115,12 @@ Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) 
     return Corrupt("handover: unknown mode {}", hello.mode);
   if (hello.count > kMaxHandoverRegions) return Corrupt("handover: {} regions", hello.count);
   if (!uffd_fd.valid()) return Corrupt("handover: hello without a userfaultfd");
+  if (hello.scope > 1 + static_cast<uint32_t>(FaultScope::kUserOnly))
+    return Corrupt("handover: unknown fault scope {}", hello.scope);
   const auto mode = static_cast<FillMode>(hello.mode);
-  Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode), {}, {}};
+  std::optional<FaultScope> scope;
+  if (hello.scope != kScopeUnknown) scope = static_cast<FaultScope>(hello.scope - 1);
+  Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode, scope), {}, {}};
   for (uint32_t i = 0; i < hello.count; ++i) {
     RegionMsg region{};
     UniqueFd memfd;

@@ -2,7 +2,7 @@
 // lazy-pages daemon receives it), over a SOCK_SEQPACKET Unix socket with SCM_RIGHTS.
 //
 //   pager    -> restored : Layout   {magic, version, count, sizes[count]}    (BO sizes)
-//   restored -> pager    : Hello    {magic, version, mode, count}  + fd: uffd
+//   restored -> pager    : Hello    {magic, version, mode, count, scope}  + fd: uffd
 //   restored -> pager    : Region   {bo, addr, size} x count       + fd: memfd (MINOR mode)
 //   pager    -> restored : Complete {magic}  when every BO is resident and unregistered
 //

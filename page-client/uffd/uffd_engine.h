@@ -66,8 +66,11 @@ class UffdCopyEngine : public client::CopyEngine {
   // the process is gone.
   Result<std::optional<InstallResult>> InstallDeferredZeros(uint32_t bo, uint64_t offset,
                                                             uint64_t length);
+  // Not where faults are user-mode only: there a system call on a deferred zero page fails
+  // with EFAULT until the restore completes, where an installed one just works.
   bool defers_zeros() const {
-    return options_.defer_zeros && uffd_.mode() == FillMode::kMissingCopy;
+    return options_.defer_zeros && uffd_.mode() == FillMode::kMissingCopy &&
+           uffd_.scope() != FaultScope::kUserOnly;
   }
   // Completes every held write with kAborted (the restored process will never bind); later
   // writes to unbound BOs fail at once instead of being held.

@@ -99,8 +99,8 @@ Result<Userfaultfd> Userfaultfd::Create(FillMode mode, std::optional<FaultScope>
   return Userfaultfd(std::move(fd), mode, got);
 }
 
-Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode) {
-  return Userfaultfd(std::move(fd), mode, std::nullopt);
+Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope) {
+  return Userfaultfd(std::move(fd), mode, scope);
 }
 
 Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {

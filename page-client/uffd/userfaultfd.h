@@ -65,13 +65,14 @@ class Userfaultfd {
   // where this process may catch them, else user-mode only (warned once); a `scope` given is
   // that or an error.
   static Result<Userfaultfd> Create(FillMode mode, std::optional<FaultScope> scope = std::nullopt);
-  // Wraps a descriptor received from another process (API already negotiated there; its scope
-  // is the creator's, not known here).
-  static Userfaultfd Adopt(UniqueFd fd, FillMode mode);
+  // Wraps a descriptor received from another process (API already negotiated there), with the
+  // scope its creator says it has (nullopt: not known).
+  static Userfaultfd Adopt(UniqueFd fd, FillMode mode,
+                           std::optional<FaultScope> scope = std::nullopt);
 
   int fd() const { return fd_.get(); }
   FillMode mode() const { return mode_; }
-  // The scope it was created with; nullopt for an adopted descriptor.
+  // The scope it was created with; for an adopted descriptor, its creator's if told.
   std::optional<FaultScope> scope() const { return scope_; }
 
   // Registers [addr, addr + length) (page aligned) for the mode's fault kinds.

@@ -880,6 +880,27 @@ TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
   EXPECT_TRUE(WIFEXITED(child_status) && WEXITSTATUS(child_status) == 0) << child_status;
 }
 
+// The pager learns the userfaultfd's fault scope: where faults are user-mode only, a system call
+// on a deferred zero page would fail with EFAULT, so that pager's engine installs zeros at once.
+TEST(Handover, CarriesTheFaultScope) {
+  for (const FaultScope scope : {FaultScope::kUserOnly, FaultScope::kUserAndKernel}) {
+    SCOPED_TRACE(FaultScopeName(scope));
+    auto uffd = Userfaultfd::Create(FillMode::kMissingCopy, scope);
+    if (!uffd.ok()) {
+      ASSERT_EQ(scope, FaultScope::kUserAndKernel) << uffd.status().ToString();
+      continue;  // not allowed to catch kernel-mode faults here
+    }
+    auto pair = HandoverSocketPair();
+    ASSERT_TRUE(pair.ok());
+    ASSERT_TRUE(SendHandover(pair->first.get(), *uffd, {}, {}).ok());
+    auto handover = ReceiveHandover(pair->second.get(), 1s);
+    ASSERT_TRUE(handover.ok()) << handover.status().ToString();
+    EXPECT_EQ(handover->uffd.scope(), scope);
+    UffdCopyEngine engine(handover->uffd);
+    EXPECT_EQ(engine.defers_zeros(), scope == FaultScope::kUserAndKernel);
+  }
+}
+
 TEST(Handover, RejectsGarbage) {
   auto pair = HandoverSocketPair();
   ASSERT_TRUE(pair.ok());
