@@ -540,7 +540,8 @@ Connection::Connection(ServerContext& ctx, net::Stream stream, uint64_t id, std:
       writer_exit_(socket_.get_executor()),
       watchdog_(socket_.get_executor()),
       deadline_(Clock::now() + ctx.config.hello_timeout),
-      reader_resume_(socket_.get_executor()) {}
+      reader_resume_(socket_.get_executor()),
+      release_wait_(socket_.get_executor()) {}
 
 Connection::~Connection() {
   if (demand_loop_ != nullptr) demand_loop_->connections.fetch_sub(1);
@@ -618,25 +619,31 @@ net::Awaitable<void> Connection::ReleasePlacement() {
   // session's placements end first: none in flight, every destination let go of
   // (docs/protocol.md, "Placement", 5). The session ends now: nothing new is scheduled for it.
   session_->Close(this);
+  const auto began = Clock::now();
+  co_await AwaitPlacementRelease(*session_, Clock::time_point::max());
+  spdlog::debug(
+      "{}: placement released after {} us", Tag(),
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - began).count());
+}
+
+net::Awaitable<bool> Connection::AwaitPlacementRelease(Session& session,
+                                                       Clock::time_point deadline) {
   auto released = std::make_shared<bool>(false);  // this connection's strand only
-  session_->ReleasePlacement([weak = weak_from_this(), released] {
+  session.ReleasePlacement([weak = weak_from_this(), released] {
     auto self = weak.lock();
     if (!self) return;
     asio::post(self->socket_.get_executor(), [self, released] {
       *released = true;
-      self->reader_resume_.cancel();
+      self->release_wait_.cancel();
     });
   });
-  const auto began = Clock::now();
   error_code ec;
-  // The reader has ended: its timer is free. Close (the watchdog's, a shutdown) cancels it too.
-  while (!*released && !closed_) {
-    reader_resume_.expires_at(Clock::time_point::max());
-    co_await reader_resume_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+  // Close (the watchdog's, a shutdown) cancels the timer too.
+  while (!*released && !closed_ && Clock::now() < deadline) {
+    release_wait_.expires_at(deadline);
+    co_await release_wait_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
   }
-  spdlog::debug(
-      "{}: placement released after {} us", Tag(),
-      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - began).count());
+  co_return *released;
 }
 
 net::Awaitable<Status> Connection::AwaitSuperseded(SessionId id, const std::string& secret) {
@@ -646,26 +653,11 @@ net::Awaitable<Status> Connection::AwaitSuperseded(SessionId id, const std::stri
     co_return PermissionDenied("the session {} to supersede: wrong secret", id);
   // Its connections broke on the client's side; the server may not have noticed yet.
   old->Close();
-  struct Pending {
-    explicit Pending(const asio::any_io_executor& executor) : wake(executor) {}
-    asio::steady_timer wake;
-    bool released = false;
-  };
-  auto pending = std::make_shared<Pending>(socket_.get_executor());
   const auto began = Clock::now();
-  old->ReleasePlacement([pending] {
-    asio::post(pending->wake.get_executor(), [pending] {
-      pending->released = true;
-      pending->wake.cancel();
-    });
-  });
-  error_code ec;
-  const auto deadline = began + kSupersedeTimeout;
-  while (!pending->released && !closed_ && Clock::now() < deadline) {
-    pending->wake.expires_at(deadline);
-    co_await pending->wake.async_wait(asio::redirect_error(asio::use_awaitable, ec));
-  }
-  if (!pending->released && !closed_) {
+  const bool released = co_await AwaitPlacementRelease(*old, began + kSupersedeTimeout);
+  // The caller answers nothing on a closed connection.
+  if (closed_) co_return Unavailable("the connection closed while session {} ended", id);
+  if (!released) {
     co_return Unavailable(
         "the session {} this one supersedes still writes into the client's memory after {} s", id,
         std::chrono::duration_cast<std::chrono::seconds>(kSupersedeTimeout).count());
@@ -835,7 +827,7 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   } else {
     role_ = Role::kStream;
   }
-  grant_ = GrantFor(ctx_.config.image_access, identity_);
+  grant_ = GrantFor(*ctx_.AccessPolicy(), identity_);
   // Past the administrator's socket-buffer caps only for a peer let in (docs/server.md).
   net::ForceSocketBuffers(socket_.socket());
   wire::Header reply;
@@ -1798,6 +1790,7 @@ void Connection::Close(std::string_view why) {
     wake_.cancel();
     watchdog_.cancel();
     reader_resume_.cancel();
+    release_wait_.cancel();
     return;
   }
   error_code ec;
@@ -1806,6 +1799,7 @@ void Connection::Close(std::string_view why) {
   wake_.cancel();
   watchdog_.cancel();
   reader_resume_.cancel();
+  release_wait_.cancel();
   for (ReadyChunk& ready : chunks_)
     ctx_.dispatcher.Done(ready.item, std::nullopt);
   chunks_.clear();

@@ -259,6 +259,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // After the reader of a stream connection with placement destinations ended: waits for the
   // session's placements to end (Session::ReleasePlacement) before the connection closes.
   net::Awaitable<void> ReleasePlacement();
+  // Asks `session` to end its placements and waits until it has let go of every destination, this
+  // connection closes, or `deadline` passes: true once released.
+  net::Awaitable<bool> AwaitPlacementRelease(Session& session, Clock::time_point deadline);
   // OpenImage.supersedes_session: ends session `id` (when `secret` is its own) and waits until
   // it has let go of its destinations, at most kSupersedeTimeout. Ok when there is no such
   // session any more.
@@ -359,6 +362,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<uint64_t> queued_reply_frames_{0};  // control_.size(), for other threads
   std::atomic<uint64_t> queued_reply_bytes_{0};   // control_bytes_, for other threads
   boost::asio::steady_timer reader_resume_;
+  boost::asio::steady_timer release_wait_;  // AwaitPlacementRelease waits on it
   bool reader_paused_ = false;
   bool transport_ready_ = false;  // TLS handshake done (at once for plain): the writer may write
   bool draining_ = false;         // no more requests: flush control frames, then close
