@@ -57,8 +57,18 @@ bool UnixPeerAllowed(const ServerConfig& config, const PeerIdentity& peer) {
   return contains(config.allow_uid, *peer.uid) || contains(config.allow_gid, *peer.gid);
 }
 
-ImageGrant GrantFor(const std::vector<ImageAccessRule>& rules, const PeerIdentity& peer) {
-  if (rules.empty()) return std::nullopt;
+ImageAccessPolicy ImageAccessPolicy::For(const ServerConfig& config,
+                                         const std::vector<ImageAccessRule>& file_rules) {
+  ImageAccessPolicy policy;
+  policy.rules = config.image_access;
+  policy.rules.insert(policy.rules.end(), file_rules.begin(), file_rules.end());
+  policy.restricted = !config.image_access.empty() || !config.image_access_file.empty();
+  return policy;
+}
+
+ImageGrant GrantFor(const ImageAccessPolicy& policy, const PeerIdentity& peer) {
+  if (!policy.restricted) return std::nullopt;
+  const std::vector<ImageAccessRule>& rules = policy.rules;
   std::vector<std::string> principals = {"*"};
   if (peer.uid) principals.push_back(fmt::format("uid:{}", *peer.uid));
   if (peer.gid) principals.push_back(fmt::format("gid:{}", *peer.gid));

@@ -37,10 +37,21 @@ Result<PeerIdentity> UnixPeerIdentity(int fd);
 // with both lists empty, our own uid and root.
 bool UnixPeerAllowed(const ServerConfig& config, const PeerIdentity& peer);
 
-// Image-name prefixes a peer may open; nullopt when no --image-access rule is configured
-// (everything is visible). An empty list sees nothing.
+// The image-access rules in force: --image-access's and --image-access-file's. `restricted` once
+// either is configured, so that a rules file emptied to take every grant away hides every image
+// rather than showing them all.
+struct ImageAccessPolicy {
+  std::vector<ImageAccessRule> rules;
+  bool restricted = false;
+  // The configuration's rules, with `file_rules` as the file's (as read at start or on SIGHUP).
+  static ImageAccessPolicy For(const ServerConfig& config,
+                               const std::vector<ImageAccessRule>& file_rules);
+};
+
+// Image-name prefixes a peer may open; nullopt when the policy is not restricted (everything is
+// visible). An empty list sees nothing.
 using ImageGrant = std::optional<std::vector<std::string>>;
-ImageGrant GrantFor(const std::vector<ImageAccessRule>& rules, const PeerIdentity& peer);
+ImageGrant GrantFor(const ImageAccessPolicy& policy, const PeerIdentity& peer);
 // `relative` is the image's resolved path below its root. A prefix matches itself and what lies
 // below it, component-wise ("a/b" matches "a/b" and "a/b/c", not "a/bc").
 bool MayOpen(const ImageGrant& grant, std::string_view relative);

@@ -1,6 +1,7 @@
 #include "lazy-server/server/config.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <iostream>
 #include <limits>
+#include <memory>
 
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/server/image_store.h"
@@ -78,6 +80,44 @@ Result<ImageAccessRule> ImageAccessRule::Parse(std::string_view text) {
   return rule;
 }
 
+Result<std::vector<ImageAccessRule>> ReadImageAccessFile(const std::string& path) {
+  constexpr size_t kMaxBytes = 1 << 20;
+  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rbe"), &std::fclose);
+  if (!file) return ErrnoError(errno, "image-access file {}", path);
+  struct stat st {};
+  if (::fstat(::fileno(file.get()), &st) != 0)
+    return ErrnoError(errno, "image-access file {}", path);
+  if (!S_ISREG(st.st_mode))
+    return InvalidArgument("image-access file {} is not a regular file", path);
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0)
+    return PermissionDenied(
+        "image-access file {} may be written by other users (mode {:04o}); chmod go-w it", path,
+        st.st_mode & 07777);
+  std::string text(kMaxBytes + 1, '\0');
+  const size_t got = std::fread(text.data(), 1, text.size(), file.get());
+  if (std::ferror(file.get())) return IoError("image-access file {}: read failed", path);
+  if (got > kMaxBytes)
+    return InvalidArgument("image-access file {} is larger than {} bytes", path, kMaxBytes);
+  text.resize(got);
+  std::vector<ImageAccessRule> rules;
+  size_t number = 0;
+  for (size_t start = 0; start < text.size();) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view line = std::string_view(text).substr(start, end - start);
+    start = end + 1;
+    ++number;
+    const size_t first = line.find_first_not_of(" \t\r");
+    if (first == std::string_view::npos || line[first] == '#') continue;
+    const size_t last = line.find_last_not_of(" \t\r");
+    Result<ImageAccessRule> rule = ImageAccessRule::Parse(line.substr(first, last - first + 1));
+    if (!rule.ok())
+      return rule.status().Context(fmt::format("image-access file {} line {}", path, number));
+    rules.push_back(std::move(*rule));
+  }
+  return rules;
+}
+
 ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   ServerConfig config;
   CLI::App app{"gpulazy-server: serves CRIU amdgpu checkpoints and lazy images to page clients"};
@@ -93,6 +133,7 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   std::string token_file;
   double write_timeout = 30;
   std::vector<std::string> image_access;
+  std::string image_access_file;
 
   app.add_option("--images", roots, "image root directory (repeatable)")->required();
   app.add_option("--listen", listen, "unix:PATH or tcp:HOST:PORT (repeatable)")->required();
@@ -127,9 +168,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--tls-client-ca", config.tls.client_ca_file,
                  "PEM CA certificates: clients must present a certificate it signed (mutual TLS)");
   bool check_only = false;
-  app.add_flag("--check", check_only,
-               "load the TLS, token and image-root files as the server would, print what it "
-               "would use, and exit (0: all load), without binding or serving");
+  app.add_flag(
+      "--check", check_only,
+      "load the TLS, token, image-access and image-root files as the server would, print what it "
+      "would use, and exit (0: all load), without binding or serving");
   app.add_flag("--insecure-tcp", config.insecure_tcp,
                "allow tcp: listeners without TLS (pages and tokens cross the network in clear)");
   app.add_option("--allow-uid", config.allow_uid,
@@ -139,6 +181,9 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
   app.add_option("--image-access", image_access,
                  "PRINCIPAL=PREFIX[,PREFIX...]: who may open which images (repeatable; principals "
                  "*, uid:N, gid:N, cn:NAME; none given: everyone sees every image)");
+  app.add_option("--image-access-file", image_access_file,
+                 "file of more --image-access rules, one a line (not writable by others; "
+                 "SIGHUP reads it again; given, a client no rule names sees no image)");
   app.add_flag("--pass-files,!--no-pass-files", config.pass_files,
                "hand image files to Unix-socket clients that ask, so they read chunks themselves "
                "(default on; --no-pass-files: every byte travels through the socket)");
@@ -246,6 +291,12 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv) {
     if (!rule.ok()) return fail(rule.status());
     config.image_access.push_back(std::move(*rule));
   }
+  if (!image_access_file.empty()) {
+    Result<std::vector<ImageAccessRule>> rules = ReadImageAccessFile(image_access_file);
+    if (!rules.ok()) return fail(rules.status().Context("--image-access-file"));
+    config.image_access_file_rules = std::move(*rules);
+    config.image_access_file = image_access_file;
+  }
   if (!token_file.empty()) {
     Result<std::vector<std::string>> tokens = net::ReadTokenListFile(token_file);
     if (!tokens.ok()) return fail(tokens.status().Context("--token-file"));
@@ -306,6 +357,11 @@ int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostre
   if (!config.token_file.empty())
     out << "token file " << config.token_file << ": " << config.tokens.size()
         << (config.tokens.size() == 1 ? " token" : " tokens") << "\n";
+  // So has the image-access file.
+  if (!config.image_access_file.empty())
+    out << "image-access file " << config.image_access_file << ": "
+        << config.image_access_file_rules.size()
+        << (config.image_access_file_rules.size() == 1 ? " rule" : " rules") << "\n";
   if (problems == 0) out << "configuration ok\n";
   return problems == 0 ? 0 : 2;
 }

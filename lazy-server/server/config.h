@@ -26,6 +26,11 @@ struct ImageAccessRule {
   static Result<ImageAccessRule> Parse(std::string_view text);
 };
 
+// --image-access-file: one rule a line in --image-access's syntax; blank lines and lines
+// starting with '#' are skipped. Refused when group or others may write it (they could grant
+// themselves any image) or when it is over 1 MiB. Errors name the file and the line.
+Result<std::vector<ImageAccessRule>> ReadImageAccessFile(const std::string& path);
+
 // The network threads for the CPUs this process may use: one per four, 2 to 4. On the lent
 // 16-core hosts 4 (instead of 2) made eight concurrent sessions 8-15 % faster over TCP and Unix,
 // and by reference into device memory no slower in three interleaved pairs, once demand
@@ -70,7 +75,11 @@ struct ServerConfig {
   bool insecure_tcp = false;        // tcp: listeners without TLS are allowed (and warned about)
   std::vector<uint32_t> allow_uid;  // Unix peers allowed by uid; both empty: ours and root
   std::vector<uint32_t> allow_gid;  // Unix peers allowed by primary gid
-  std::vector<ImageAccessRule> image_access;  // empty: every client sees every image
+  // --image-access rules, and the file with more (--image-access-file) and its rules as read at
+  // start: SIGHUP reads it again. Neither given: every client sees every image.
+  std::vector<ImageAccessRule> image_access;
+  std::string image_access_file;
+  std::vector<ImageAccessRule> image_access_file_rules;
 
   uint32_t max_sessions = 64;
   uint32_t max_connections = 256;
@@ -140,10 +149,10 @@ ParsedCommandLine ParseCommandLine(int argc, char** argv);
 const char* ListenerMode(const ServerConfig& config, const net::Endpoint& endpoint);
 
 // --check: loads every file the configuration names as the server would (the TLS certificate,
-// key and client CA, the token file, the image roots) without binding or serving, and writes
-// what it would use to `out`, one line each, or each problem to `errors`. 0 when everything
-// loads and the certificate has not expired, else 2. For an operator about to start the
-// server or send it SIGHUP.
+// key and client CA, the token file, the image-access file, the image roots) without binding or
+// serving, and writes what it would use to `out`, one line each, or each problem to `errors`. 0
+// when everything loads and the certificate has not expired, else 2. For an operator about to start
+// the server or send it SIGHUP.
 int CheckConfiguration(const ServerConfig& config, std::ostream& out, std::ostream& errors);
 
 // Checks ranges and consistency (threads >= 1, max_frame able to carry a chunk, ...).

@@ -22,7 +22,21 @@ ServerContext::ServerContext(const ServerConfig& config_in)
           // Every chunk the server may send fits a pooled buffer.
           .buffer_bytes = config_in.max_frame,
           .pooled_buffers = config_in.chunk_buffers}),
-      tokens_(std::make_shared<const std::vector<std::string>>(config_in.tokens)) {}
+      tokens_(std::make_shared<const std::vector<std::string>>(config_in.tokens)),
+      access_policy_(std::make_shared<const ImageAccessPolicy>(
+          ImageAccessPolicy::For(config_in, config_in.image_access_file_rules))) {}
+
+std::shared_ptr<const ImageAccessPolicy> ServerContext::AccessPolicy() const {
+  std::lock_guard lock(token_mu_);
+  return access_policy_;
+}
+
+void ServerContext::SetImageAccessFileRules(const std::vector<ImageAccessRule>& file_rules) {
+  auto replacement =
+      std::make_shared<const ImageAccessPolicy>(ImageAccessPolicy::For(config, file_rules));
+  std::lock_guard lock(token_mu_);
+  access_policy_ = std::move(replacement);
+}
 
 std::shared_ptr<const std::vector<std::string>> ServerContext::Tokens() const {
   std::lock_guard lock(token_mu_);

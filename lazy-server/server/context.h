@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "lazy-server/server/access.h"
 #include "lazy-server/server/config.h"
 #include "lazy-server/server/dispatcher.h"
 #include "lazy-server/server/image_store.h"
@@ -49,7 +50,8 @@ struct ServerTotals {
   std::atomic<uint64_t> reply_frames_queued_peak{0};
   std::atomic<uint64_t> reply_bytes_queued_peak{0};
   std::atomic<uint64_t> reply_cutoffs{0};
-  // SIGHUP: credentials read again and put in place, or refused (the old ones kept).
+  // SIGHUP: credentials and the image-access file read again and put in place, or refused (the
+  // old ones kept).
   std::atomic<uint64_t> credential_reloads{0};
   std::atomic<uint64_t> credential_reload_failures{0};
   // Placement: chunks that waited for their BO's destination to open, and destinations that
@@ -121,10 +123,16 @@ struct ServerContext {
   void SetTokens(std::vector<std::string> tokens);
   // Whether `token` is one of them (or none are needed), in time independent of which.
   bool TokenAccepted(std::string_view token) const;
+  // The image-access rules in force: the configuration's, with its --image-access-file's rules
+  // replaced when the server reads that file again (SIGHUP). A connection takes its grant from
+  // those in place when its Hello arrives.
+  std::shared_ptr<const ImageAccessPolicy> AccessPolicy() const;
+  void SetImageAccessFileRules(const std::vector<ImageAccessRule>& file_rules);
 
  private:
-  mutable std::mutex token_mu_;
+  mutable std::mutex token_mu_;  // tokens_ and access_policy_
   std::shared_ptr<const std::vector<std::string>> tokens_;
+  std::shared_ptr<const ImageAccessPolicy> access_policy_;
   mutable std::mutex mu_;
   std::mutex demand_loop_mu_;  // ClaimLeastBusyDemandLoop's pick and count, as one step
   std::map<SessionId, std::weak_ptr<Session>> sessions_;

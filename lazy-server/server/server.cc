@@ -288,11 +288,21 @@ Status Server::ReloadCredentials() {
     }
     tokens = std::move(*read);
   }
+  std::optional<std::vector<ImageAccessRule>> access_rules;
+  if (!config.image_access_file.empty()) {
+    Result<std::vector<ImageAccessRule>> read = ReadImageAccessFile(config.image_access_file);
+    if (!read.ok()) {
+      ctx_->totals.credential_reload_failures.fetch_add(1);
+      return read.status().Context("reloading --image-access-file");
+    }
+    access_rules = std::move(*read);
+  }
   tls_ = tls;
   for (Listener& listener : listeners_)
     if (listener.tls) listener.tls = tls;
   const size_t token_count = tokens ? tokens->size() : 0;
   if (tokens) ctx_->SetTokens(std::move(*tokens));
+  if (access_rules) ctx_->SetImageAccessFileRules(*access_rules);
   ctx_->totals.credential_reloads.fetch_add(1);
   std::string what;
   if (config.tls.enabled())
@@ -301,6 +311,10 @@ Status Server::ReloadCredentials() {
   if (token_count > 0)
     what += fmt::format("{}token file {} ({} token{})", what.empty() ? "" : ", ", config.token_file,
                         token_count, token_count == 1 ? "" : "s");
+  if (access_rules)
+    what += fmt::format("{}image-access file {} ({} rule{})", what.empty() ? "" : ", ",
+                        config.image_access_file, access_rules->size(),
+                        access_rules->size() == 1 ? "" : "s");
   spdlog::info("credentials reloaded: {}", what.empty() ? "none configured" : what);
   return Status::Ok();
 }
@@ -311,7 +325,8 @@ void Server::AwaitReloadSignal() {
     if (ec || ctx_->shutting_down) return;
     Status reloaded = ReloadCredentials();
     if (!reloaded.ok())
-      spdlog::error("SIGHUP: {}; the credentials in place stay", reloaded.message());
+      spdlog::error("SIGHUP: {}; the credentials and access rules in place stay",
+                    reloaded.message());
     AwaitReloadSignal();
   }));
 }

@@ -51,10 +51,11 @@ class Server {
   boost::asio::awaitable<void> StatsLoop();
   void BeginShutdown(std::string_view why);
   Status WriteReadyFile() const;
-  // SIGHUP (with config.handle_signals): reads the TLS certificate, key and client CA files and
-  // the token file again and puts them in place for connections accepted from then on; open
-  // connections keep what they were accepted with. All or nothing: when a file fails to load,
-  // the error names it and the credentials in place stay. On the strand.
+  // SIGHUP (with config.handle_signals): reads the TLS certificate, key and client CA files, the
+  // token file and the image-access file again and puts them in place for connections accepted
+  // from then on; open connections keep what they were accepted with. All or nothing: when a
+  // file fails to load, the error names it and the credentials and rules in place stay. On the
+  // strand.
   Status ReloadCredentials();
   void AwaitReloadSignal();
 

@@ -55,16 +55,36 @@ TEST(ImageGrantTest, GrantIsTheUnionOfTheRulesNamingThePeer) {
     ASSERT_TRUE(rule.ok()) << rule.status().ToString();
     rules.push_back(*rule);
   }
+  const ImageAccessPolicy policy{.rules = rules, .restricted = true};
   PeerIdentity unix_peer;
   unix_peer.uid = 1000;
   unix_peer.gid = 50;
-  EXPECT_EQ(*GrantFor(rules, unix_peer),
+  EXPECT_EQ(*GrantFor(policy, unix_peer),
             (std::vector<std::string>{"teamA", "teamB", "teamC", "public"}));
   PeerIdentity tls_peer;
   tls_peer.common_name = "node7";
-  EXPECT_EQ(*GrantFor(rules, tls_peer), (std::vector<std::string>{"shared", "public"}));
-  EXPECT_EQ(*GrantFor(rules, PeerIdentity{}), (std::vector<std::string>{"public"}));
-  EXPECT_FALSE(GrantFor({}, unix_peer).has_value());
+  EXPECT_EQ(*GrantFor(policy, tls_peer), (std::vector<std::string>{"shared", "public"}));
+  EXPECT_EQ(*GrantFor(policy, PeerIdentity{}), (std::vector<std::string>{"public"}));
+  EXPECT_FALSE(GrantFor(ImageAccessPolicy{}, unix_peer).has_value());
+}
+
+// No rule anywhere: everything is visible. A rules file, even an empty one, restricts: emptying
+// it takes every grant away instead of opening every image.
+TEST(ImageGrantTest, AnImageAccessFileRestrictsEvenWhenItHoldsNoRule) {
+  ServerConfig config;
+  PeerIdentity peer;
+  peer.uid = 1000;
+  EXPECT_FALSE(GrantFor(ImageAccessPolicy::For(config, {}), peer).has_value());
+  config.image_access_file = "/etc/gpulazy/image-access";
+  const ImageGrant emptied = GrantFor(ImageAccessPolicy::For(config, {}), peer);
+  ASSERT_TRUE(emptied.has_value());
+  EXPECT_TRUE(emptied->empty());
+  Result<ImageAccessRule> from_file = ImageAccessRule::Parse("uid:1000=teamA");
+  Result<ImageAccessRule> from_flag = ImageAccessRule::Parse("*=shared");
+  ASSERT_TRUE(from_file.ok() && from_flag.ok());
+  config.image_access = {*from_flag};
+  EXPECT_EQ(*GrantFor(ImageAccessPolicy::For(config, {*from_file}), peer),
+            (std::vector<std::string>{"shared", "teamA"}));
 }
 
 TEST(ImageGrantTest, RulesAreParsedStrictly) {
@@ -137,6 +157,47 @@ TEST_F(TokenFileTest, ConstantTimeEqualCompares) {
   EXPECT_FALSE(net::ConstantTimeEqual("s3cret", "s3cret2"));
   EXPECT_FALSE(net::ConstantTimeEqual("", "x"));
   EXPECT_TRUE(net::ConstantTimeEqual("", ""));
+}
+
+TEST(ImageAccessFileTest, ReadsOneRuleALineAndNamesTheLineThatIsWrong) {
+  gpulazy::testing::TempDir dir;
+  const auto write = [&](const std::string& name, const std::string& text, fs::perms perms) {
+    const fs::path path = dir.path() / name;
+    std::ofstream(path) << text;
+    fs::permissions(path, perms);
+    return path.string();
+  };
+  const fs::perms owner = fs::perms::owner_read | fs::perms::owner_write;
+  const fs::perms readable = owner | fs::perms::group_read | fs::perms::others_read;
+  Result<std::vector<ImageAccessRule>> rules = ReadImageAccessFile(
+      write("good", "# team A's jobs\n  uid:1000=teamA/jobs  \r\n\n\tcn:node7=shared,models\n",
+            readable));
+  ASSERT_TRUE(rules.ok()) << rules.status().ToString();
+  ASSERT_EQ(rules->size(), 2u);
+  EXPECT_EQ((*rules)[0].principal, "uid:1000");
+  EXPECT_EQ((*rules)[0].prefixes, (std::vector<std::string>{"teamA/jobs"}));
+  EXPECT_EQ((*rules)[1].prefixes, (std::vector<std::string>{"shared", "models"}));
+  Result<std::vector<ImageAccessRule>> none =
+      ReadImageAccessFile(write("empty", "# none\n", owner));
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+
+  Result<std::vector<ImageAccessRule>> bad =
+      ReadImageAccessFile(write("bad", "uid:1=a\n\nuid:2=../b\n", owner));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status().ToString();
+  for (const fs::perms writable :
+       {owner | fs::perms::group_write, owner | fs::perms::others_write}) {
+    Result<std::vector<ImageAccessRule>> open =
+        ReadImageAccessFile(write("open", "*=a\n", writable));
+    ASSERT_FALSE(open.ok());
+    EXPECT_EQ(open.status().code(), Code::kPermissionDenied) << open.status().ToString();
+    EXPECT_NE(open.status().message().find("chmod go-w"), std::string::npos);
+  }
+  EXPECT_FALSE(ReadImageAccessFile((dir.path() / "missing").string()).ok());
+  EXPECT_FALSE(ReadImageAccessFile(dir.path().string()).ok());  // a directory
+  const std::string huge(2u << 20, '#');
+  EXPECT_FALSE(ReadImageAccessFile(write("huge", huge, owner)).ok());
 }
 
 }  // namespace

@@ -385,7 +385,7 @@ TEST_F(SecurityTest, SighupReloadsTheCertificateAndTokensAndKeepsThemWhenAFileIs
   fs::copy_file(pki().key("elsewhere"), key, replace);
   WriteText(tokens, "third-token\n", owner_only);
   reload();
-  EXPECT_TRUE(server.LogShows({"the credentials in place stay"})) << server.Log();
+  EXPECT_TRUE(server.LogShows({"the credentials and access rules in place stay"})) << server.Log();
   ProcessRun kept = fetch_with(second);
   ASSERT_EQ(kept.exit_code, 0) << kept.out << server.Log();
   ExpectFetchedBytesMatch();
@@ -406,13 +406,15 @@ TEST_F(SecurityTest, SighupReloadsTheCertificateAndTokensAndKeepsThemWhenAFileIs
 TEST_F(SecurityTest, CheckLoadsEveryFileWithoutServingAndNamesWhatFails) {
   const fs::path tokens = run_.path() / "tokens";
   WriteText(tokens, "one\ntwo\n", fs::perms::owner_read | fs::perms::owner_write);
+  const fs::path access = run_.path() / "image-access";
+  WriteText(access, "uid:0=ckpt\n", fs::perms::owner_read | fs::perms::owner_write);
   const fs::path socket = run_.path() / "check.sock";
   auto check = [&](const std::string& cert, const std::string& key, const std::string& more) {
     return Shell(std::string(GPULAZY_BIN_DIR) + "/gpulazy-server --check --images " +
                  root().string() + " --listen unix:" + socket.string() +
                  " --listen tcp:127.0.0.1:0 --tls-cert " + cert + " --tls-key " + key +
-                 " --tls-client-ca " + pki().pem("ca") + " --token-file " + tokens.string() + " " +
-                 more);
+                 " --tls-client-ca " + pki().pem("ca") + " --token-file " + tokens.string() +
+                 " --image-access-file " + access.string() + " " + more);
   };
 
   ProcessRun good = check(pki().pem("server"), pki().key("server"), "");
@@ -420,7 +422,8 @@ TEST_F(SecurityTest, CheckLoadsEveryFileWithoutServingAndNamesWhatFails) {
   for (const std::string& line : std::vector<std::string>{
            "image root " + root().string(), "(TLS, client certificates required)",
            "TLS certificate " + pki().pem("server") + " (/CN=localhost, expires",
-           "token file " + tokens.string() + ": 2 tokens", "configuration ok"})
+           "token file " + tokens.string() + ": 2 tokens",
+           "image-access file " + access.string() + ": 1 rule", "configuration ok"})
     EXPECT_NE(good.out.find(line), std::string::npos) << line << " in\n" << good.out;
   EXPECT_FALSE(fs::exists(socket)) << "--check bound a listener";
 
@@ -549,6 +552,68 @@ TEST(ImageVisibilityTest, ClientsSeeOnlyTheirImagesAndCannotTellForbiddenFromMis
   ASSERT_TRUE(root_stats.ok());
   EXPECT_NE(root_stats->find("teamA/img"), std::string::npos) << *root_stats;
   EXPECT_NE(root_stats->find("shared/img"), std::string::npos) << *root_stats;
+  ::alarm(0);
+}
+
+// --image-access-file is read again on SIGHUP: connections accepted from then on get the new
+// grants, a connection accepted before keeps its own, a file others may write is refused whole
+// (the rules in place stay), and a file emptied of rules hides every image.
+TEST(ImageVisibilityTest, SighupReadsTheImageAccessFileAgain) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamA" / "img", 1ull << 20, 1));
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamB" / "img", 1ull << 20, 2));
+  ASSERT_EQ(::geteuid(), 0u) << "the rules below name uid 0";
+  const fs::path rules = dir.path() / "image-access";
+  const auto readable = fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                        fs::perms::others_read;
+  WriteText(rules, "# who sees what\nuid:0=teamA\n", readable);
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "64K", "--image-access-file", rules.string()});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  const auto opens = [&](TestClient& client, const std::string& image) {
+    return client.Open(image).ok();
+  };
+  const auto fresh_opens = [&](const std::string& image) {
+    TestClient client(server.unix_endpoint());
+    EXPECT_TRUE(client.Hello().ok());
+    return opens(client, image);
+  };
+  const auto reload = [&] { ASSERT_EQ(::kill(server.pid(), SIGHUP), 0); };
+  EXPECT_TRUE(fresh_opens("teamA/img"));
+  EXPECT_FALSE(fresh_opens("teamB/img"));
+
+  TestClient accepted_before(server.unix_endpoint());
+  ASSERT_TRUE(accepted_before.Hello().ok());
+  WriteText(rules, "uid:0=teamB\ncn:node7=teamA\n", readable);
+  reload();
+  ASSERT_TRUE(server.LogShows({"image-access file " + rules.string() + " (2 rules)"}))
+      << server.Log();
+  EXPECT_TRUE(fresh_opens("teamB/img"));
+  EXPECT_FALSE(fresh_opens("teamA/img"));
+  EXPECT_TRUE(opens(accepted_before, "teamA/img")) << "a connection keeps the grant of its Hello";
+
+  // Others could grant themselves images through it: refused, the rules in place stay.
+  WriteText(rules, "*=teamA,teamB\n", readable | fs::perms::others_write);
+  reload();
+  EXPECT_TRUE(server.LogShows({"may be written by other users", "access rules in place stay"}))
+      << server.Log();
+  EXPECT_TRUE(fresh_opens("teamB/img"));
+  EXPECT_FALSE(fresh_opens("teamA/img"));
+
+  // Emptied: nobody is granted anything (not: everyone sees everything).
+  WriteText(rules, "# all access withdrawn\n", readable);
+  reload();
+  ASSERT_TRUE(server.LogShows({"(0 rules)"})) << server.Log();
+  EXPECT_FALSE(fresh_opens("teamA/img"));
+  EXPECT_FALSE(fresh_opens("teamB/img"));
+  TestClient stats_client(server.unix_endpoint());
+  ASSERT_TRUE(stats_client.Hello().ok());
+  Result<std::string> stats = stats_client.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_NE(stats->find("\"credential_reloads\":2,"), std::string::npos) << *stats;
+  EXPECT_NE(stats->find("\"credential_reload_failures\":1,"), std::string::npos) << *stats;
   ::alarm(0);
 }
 
