@@ -47,6 +47,18 @@ Result<PeerIdentity> UnixPeerIdentity(int fd) {
   return peer;
 }
 
+bool KernelHasPeerPidfd() {
+  int pair[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) return false;
+  const UniqueFd first(pair[0]), second(pair[1]);
+  int pidfd = -1;
+  socklen_t length = sizeof(pidfd);
+  if (::getsockopt(first.get(), SOL_SOCKET, kSoPeerPidfd, &pidfd, &length) != 0 || pidfd < 0)
+    return false;
+  ::close(pidfd);
+  return true;
+}
+
 bool UnixPeerAllowed(const ServerConfig& config, const PeerIdentity& peer) {
   if (!peer.uid || !peer.gid) return false;
   auto contains = [](const std::vector<uint32_t>& list, uint32_t id) {

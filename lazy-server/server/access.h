@@ -32,6 +32,10 @@ struct PeerIdentity {
 
 // Reads SO_PEERCRED (and SO_PEERPIDFD, where the kernel has it) of a connected Unix socket.
 Result<PeerIdentity> UnixPeerIdentity(int fd);
+// Whether this kernel gives a Unix socket's peer as a pidfd (SO_PEERPIDFD, Linux 6.5). Without
+// it, memfd placement takes a client's destinations through its pid, which another process may
+// reuse once the client exits: the server warns at start.
+bool KernelHasPeerPidfd();
 
 // Whether a Unix peer may connect: its uid is in allow_uid or its primary gid in allow_gid;
 // with both lists empty, our own uid and root.

@@ -149,6 +149,11 @@ Status Server::Listen() {
     ctx_->placement = std::move(*placement);
     spdlog::info("placement: {} (chunks go straight into the memory of clients that ask)",
                  config.placement);
+    if (ctx_->placement->kind() == "memfd" && !KernelHasPeerPidfd())
+      spdlog::warn(
+          "placement: this kernel has no SO_PEERPIDFD (Linux 6.5+): a client's memfds are taken "
+          "through its pid, which another process may reuse once the client exits "
+          "(docs/security.md, \"Placement\")");
   }
   ctx_->dispatcher.SetPlacedSourcesResident(ctx_->placement && ctx_->placement->SourcesResident());
   if (config.tls.enabled()) {

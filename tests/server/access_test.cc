@@ -3,7 +3,9 @@
 #include "lazy-server/server/access.h"
 
 #include <gtest/gtest.h>
+#include <sys/utsname.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -198,6 +200,15 @@ TEST(ImageAccessFileTest, ReadsOneRuleALineAndNamesTheLineThatIsWrong) {
   EXPECT_FALSE(ReadImageAccessFile(dir.path().string()).ok());  // a directory
   const std::string huge(2u << 20, '#');
   EXPECT_FALSE(ReadImageAccessFile(write("huge", huge, owner)).ok());
+}
+
+// The startup warning of memfd placement depends on this: true exactly on Linux 6.5 and later.
+TEST(PeerPidfdTest, KnownExactlyWhereTheKernelHasIt) {
+  struct utsname names {};
+  ASSERT_EQ(::uname(&names), 0);
+  unsigned major = 0, minor = 0;
+  ASSERT_EQ(std::sscanf(names.release, "%u.%u", &major, &minor), 2) << names.release;
+  EXPECT_EQ(KernelHasPeerPidfd(), major > 6 || (major == 6 && minor >= 5)) << names.release;
 }
 
 }  // namespace
