@@ -145,6 +145,8 @@ class LocalRestore::Impl {
     p.hot_resident_chunks = hot_resident_;
     p.received_bytes = read_bytes_;
     p.demand_chunks = demand_chunks_;
+    p.zero_filled_chunks = zero_filled_chunks_;
+    p.zero_filled_bytes = zero_filled_bytes_;
     p.refetches = rereads_;
     p.file_read_s = file_times_.read_s();
     p.file_engine_s = file_times_.engine_s();
@@ -274,7 +276,8 @@ class LocalRestore::Impl {
     uint64_t read = 0;
     Status s = InstallFileChunk(
         engine_, engine_gate_, urgency, c, buffers_, scratch, what,
-        [this, id, length = c.raw_length](const Status& status) { OnWritten(id, length, status); },
+        [this, id, length = c.raw_length, zeroed = EngineZeroesChunk(engine_, c)](
+            const Status& status) { OnWritten(id, length, zeroed, status); },
         &read, &file_times_);
     Count(read);
     if (s.ok()) return s;
@@ -312,7 +315,8 @@ class LocalRestore::Impl {
     read_bytes_ += bytes;
   }
 
-  void OnWritten(ChunkId id, uint32_t length, const Status& status) {
+  // `zeroed`: the engine zeroed the chunk itself (EngineZeroesChunk), no bytes read for it.
+  void OnWritten(ChunkId id, uint32_t length, bool zeroed, const Status& status) {
     std::lock_guard lock(mu_);
     if (status.code() == Code::kCorrupt) {
       // The engine verified the bytes itself (CopyEngine::VerifiesChunks) and they did not match.
@@ -326,6 +330,10 @@ class LocalRestore::Impl {
       work_.notify_all();
     } else if (residency_.MarkResident(id.bo, id.chunk)) {
       if (hot_[first_chunk_[id.bo] + id.chunk]) ++hot_resident_;
+      if (zeroed) {
+        ++zero_filled_chunks_;
+        zero_filled_bytes_ += length;
+      }
     }
     changed_.notify_all();
   }
@@ -364,6 +372,8 @@ class LocalRestore::Impl {
   uint64_t read_bytes_ = 0;
   FileReadTimes file_times_;  // the readers' (Progress::file_read_s); Ensure only queues
   uint64_t demand_chunks_ = 0;
+  uint64_t zero_filled_chunks_ = 0;  // installed by the engine zeroing them (none read)
+  uint64_t zero_filled_bytes_ = 0;
   uint64_t rereads_ = 0;
   bool stopping_ = false;
   Status status_;

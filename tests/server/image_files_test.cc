@@ -27,6 +27,7 @@
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/image/synth.h"
 #include "page-client/host_engine.h"
+#include "page-client/local_restore.h"
 #include "page-client/net/fd_passing.h"
 #include "page-client/restore_session.h"
 #include "page-client/server_connection.h"
@@ -788,6 +789,13 @@ TEST_F(ImageFilesTest, ProgressCountsZeroChunksTheEngineZeroedEitherWay) {
   EXPECT_GT(by_files[false].zero_filled_chunks, 0u) << "the test image has no zero chunk";
   EXPECT_EQ(by_files[true].zero_filled_chunks, by_files[false].zero_filled_chunks);
   EXPECT_EQ(by_files[true].zero_filled_bytes, by_files[false].zero_filled_bytes);
+  // And with no server at all.
+  client::HostCopyEngine engine;
+  client::LocalRestore local({.image_dir = dir_->path() / "images" / "lazy"}, engine);
+  ASSERT_TRUE(local.Start().ok());
+  ASSERT_TRUE(local.WaitComplete(30s).ok()) << local.status().ToString();
+  EXPECT_EQ(local.progress().zero_filled_chunks, by_files[false].zero_filled_chunks);
+  EXPECT_EQ(local.progress().zero_filled_bytes, by_files[false].zero_filled_bytes);
 }
 
 TEST_F(ImageFilesTest, MisuseIsRefusedWithAReason) {
