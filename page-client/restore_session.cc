@@ -393,6 +393,11 @@ class RestoreSession::Impl {
   // the zero bytes' checksum, then zeroed by the engine (a bad checksum is a bad copy).
   Status InstallZeros(const std::shared_ptr<Link>& link, const wire::ChunkData& data,
                       bool on_stream, DemandChunkTiming* timing);
+  // Runs `call` (an engine write, given a copy of `timing` for its done) inside the engine gate
+  // at the chunk's urgency; an error names the chunk (`what`) and the engine.
+  template <typename EngineCall>
+  Status CallEngine(bool on_stream, DemandChunkTiming* timing, std::string_view what,
+                    EngineCall&& call);
   // A landing chunk whose copy failed verification: back to missing, counted, and marked
   // demanded, all under one lock. Returns the bad copies so far. Done in separate steps, the
   // stream's end could see the chunk missing and unrequested in between and demand it a second
@@ -2248,21 +2253,13 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
 
   std::span<const uint8_t> raw(*staging);
   // Credit goes back only once the engine has the bytes, so what we hold stays in the window.
-  Status written;
-  {
-    EngineHold engine_hold(commit_gate_, UrgencyOf(on_stream),
-                           timing ? &timing->gate_wait : nullptr);
-    std::optional<DemandChunkTiming> timed;
-    if (timing) timed = *timing;
-    written =
-        engine_.Write(bo, uint64_t{chunk} * chunk_size_, raw,
-                      [this, link, id = ChunkId{bo, chunk}, staging,
-                       credit = on_stream ? wire_bytes : 0, timed](const Status& status) {
-                        OnWritten(status, link, id, staging, credit, timed ? &*timed : nullptr);
-                      });
-  }
-  if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
-  return Status::Ok();
+  return CallEngine(on_stream, timing, what, [&](const std::optional<DemandChunkTiming>& timed) {
+    return engine_.Write(bo, uint64_t{chunk} * chunk_size_, raw,
+                         [this, link, id = ChunkId{bo, chunk}, staging,
+                          credit = on_stream ? wire_bytes : 0, timed](const Status& status) {
+                           OnWritten(status, link, id, staging, credit, timed ? &*timed : nullptr);
+                         });
+  });
 }
 
 Status RestoreSession::Impl::InstallZeros(const std::shared_ptr<Link>& link,
@@ -2282,20 +2279,29 @@ Status RestoreSession::Impl::InstallZeros(const std::shared_ptr<Link>& link,
     ++counters_.zero_filled_chunks;
     counters_.zero_filled_bytes += data.raw_length();
   }
+  return CallEngine(on_stream, timing, What(bo, chunk),
+                    [&](const std::optional<DemandChunkTiming>& timed) {
+                      return engine_.WriteZeros(
+                          bo, uint64_t{chunk} * chunk_size_, data.raw_length(),
+                          [this, link, id = ChunkId{bo, chunk}, timed](const Status& status) {
+                            OnWritten(status, link, id, nullptr, 0, timed ? &*timed : nullptr);
+                          });
+                    });
+}
+
+template <typename EngineCall>
+Status RestoreSession::Impl::CallEngine(bool on_stream, DemandChunkTiming* timing,
+                                        std::string_view what, EngineCall&& call) {
   Status written;
   {
     EngineHold engine_hold(commit_gate_, UrgencyOf(on_stream),
                            timing ? &timing->gate_wait : nullptr);
+    // Copied once the gate let it in, so that its wait is in the copy the engine's done gets.
     std::optional<DemandChunkTiming> timed;
     if (timing) timed = *timing;
-    written =
-        engine_.WriteZeros(bo, uint64_t{chunk} * chunk_size_, data.raw_length(),
-                           [this, link, id = ChunkId{bo, chunk}, timed](const Status& status) {
-                             OnWritten(status, link, id, nullptr, 0, timed ? &*timed : nullptr);
-                           });
+    written = call(timed);
   }
-  if (!written.ok())
-    return written.Context(fmt::format("{}: {} engine", What(bo, chunk), engine_.name()));
+  if (!written.ok()) return written.Context(fmt::format("{}: {} engine", what, engine_.name()));
   return Status::Ok();
 }
 
