@@ -145,6 +145,31 @@ Result<std::vector<uint8_t>> ReadWholeFileInDir(const std::filesystem::path& dir
   return ReadWholeFd(fd, dir / name, max_bytes);
 }
 
+Result<std::string> ReadGuardedFile(const std::string& path, const GuardedFileRules& rules) {
+  const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoError(errno, "{} {}", rules.kind, path);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, "{} {}", rules.kind, path);
+  if (!S_ISREG(st.st_mode)) return InvalidArgument("{} {} is not a regular file", rules.kind, path);
+  // Refused rather than warned about, so a deployment never runs with one by accident.
+  if ((st.st_mode & rules.refused_mode) != 0)
+    return PermissionDenied("{} {} {} (mode {:04o}); {}", rules.kind, path, rules.refused_because,
+                            st.st_mode & 07777, rules.fix);
+  std::string bytes(rules.max_bytes + 1, '\0');
+  size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd.get(), bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "{} {}: read", rules.kind, path);
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (got > rules.max_bytes)
+    return InvalidArgument("{} {} is larger than {} bytes", rules.kind, path, rules.max_bytes);
+  bytes.resize(got);
+  return bytes;
+}
+
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes) {
   // A unique temporary in the same directory, so the rename stays within one filesystem and
   // concurrent writers of the same target never share a temporary.

@@ -81,6 +81,18 @@ Result<std::vector<uint8_t>> ReadWholeFile(const std::filesystem::path& path, ui
 Result<std::vector<uint8_t>> ReadWholeFileInDir(const std::filesystem::path& dir,
                                                 const std::filesystem::path& name,
                                                 uint64_t max_bytes);
+// An operator's file that its mode guards (bearer tokens, image-access rules): read only when it
+// is a regular file with none of `refused_mode` set and at most `max_bytes` long. Errors name it
+// as "`kind` PATH"; a refused mode is kPermissionDenied: "`kind` PATH `refused_because` (mode
+// 0644); `fix`".
+struct GuardedFileRules {
+  std::string_view kind;             // "token file"
+  unsigned refused_mode = 0;         // S_IRWXO
+  std::string_view refused_because;  // "is accessible to other users"
+  std::string_view fix;              // "chmod o-rwx it"
+  size_t max_bytes = 0;
+};
+Result<std::string> ReadGuardedFile(const std::string& path, const GuardedFileRules& rules);
 // Writes to a temporary file beside `path`, fsyncs and renames, so readers never see half a file.
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes);
 

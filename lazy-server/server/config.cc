@@ -81,24 +81,13 @@ Result<ImageAccessRule> ImageAccessRule::Parse(std::string_view text) {
 }
 
 Result<std::vector<ImageAccessRule>> ReadImageAccessFile(const std::string& path) {
-  constexpr size_t kMaxBytes = 1 << 20;
-  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rbe"), &std::fclose);
-  if (!file) return ErrnoError(errno, "image-access file {}", path);
-  struct stat st {};
-  if (::fstat(::fileno(file.get()), &st) != 0)
-    return ErrnoError(errno, "image-access file {}", path);
-  if (!S_ISREG(st.st_mode))
-    return InvalidArgument("image-access file {} is not a regular file", path);
-  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0)
-    return PermissionDenied(
-        "image-access file {} may be written by other users (mode {:04o}); chmod go-w it", path,
-        st.st_mode & 07777);
-  std::string text(kMaxBytes + 1, '\0');
-  const size_t got = std::fread(text.data(), 1, text.size(), file.get());
-  if (std::ferror(file.get())) return IoError("image-access file {}: read failed", path);
-  if (got > kMaxBytes)
-    return InvalidArgument("image-access file {} is larger than {} bytes", path, kMaxBytes);
-  text.resize(got);
+  // Whoever may write it may grant themselves any image.
+  GPULAZY_ASSIGN_OR_RETURN(
+      std::string text, ReadGuardedFile(path, {.kind = "image-access file",
+                                               .refused_mode = S_IWGRP | S_IWOTH,
+                                               .refused_because = "may be written by other users",
+                                               .fix = "chmod go-w it",
+                                               .max_bytes = 1 << 20}));
   std::vector<ImageAccessRule> rules;
   size_t number = 0;
   for (size_t start = 0; start < text.size();) {

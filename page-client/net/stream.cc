@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <ctime>
 
+#include "lazy-server/image/io.h"
 #include "page-client/net/frame_stream.h"
 
 namespace gpulazy::net {
@@ -313,24 +314,12 @@ namespace {
 
 // A secret file's bytes, at most max_bytes, after the checks every token file gets.
 Result<std::string> ReadSecretFile(const std::string& path, size_t max_bytes) {
-  std::unique_ptr<FILE, int (*)(FILE*)> file(std::fopen(path.c_str(), "rbe"), &std::fclose);
-  if (!file) return ErrnoError(errno, "token file {}", path);
-  struct stat st {};
-  if (::fstat(::fileno(file.get()), &st) != 0) return ErrnoError(errno, "token file {}", path);
-  if (!S_ISREG(st.st_mode)) return InvalidArgument("token file {} is not a regular file", path);
-  // A token others can read is a token others have: refuse rather than warn, so a deployment
-  // never runs with one by accident.
-  if ((st.st_mode & S_IRWXO) != 0)
-    return PermissionDenied(
-        "token file {} is accessible to other users (mode {:04o}); chmod o-rwx it", path,
-        st.st_mode & 07777);
-  std::string bytes(max_bytes + 1, '\0');
-  const size_t got = std::fread(bytes.data(), 1, bytes.size(), file.get());
-  if (std::ferror(file.get())) return IoError("token file {}: read failed", path);
-  if (got > max_bytes)
-    return InvalidArgument("token file {} is larger than {} bytes", path, max_bytes);
-  bytes.resize(got);
-  return bytes;
+  // A token others can read is a token others have.
+  return ReadGuardedFile(path, {.kind = "token file",
+                                .refused_mode = S_IRWXO,
+                                .refused_because = "is accessible to other users",
+                                .fix = "chmod o-rwx it",
+                                .max_bytes = max_bytes});
 }
 
 }  // namespace
