@@ -238,6 +238,8 @@ std::string ServerContext::StatsJson(std::optional<SessionId> own, size_t max_by
       counters[name] = value;
     counters["placements_deferred"] = totals.placements_deferred.load();
     counters["destination_open_failures"] = totals.destination_open_failures.load();
+    counters["sessions_superseded"] = totals.sessions_superseded.load();
+    counters["supersede_refusals"] = totals.supersede_refusals.load();
     server["placement"] = counters;
   }
   // The disk lanes and the chunk buffer pool (docs/server.md "Disk reads").

@@ -58,6 +58,11 @@ struct ServerTotals {
   // did not open after PlaceInto accepted them (their BOs' chunks went as bytes).
   std::atomic<uint64_t> placements_deferred{0};
   std::atomic<uint64_t> destination_open_failures{0};
+  // Reconnected sessions' OpenImage naming an earlier session (protocol.md, Placement, 6): the
+  // earlier ones ended and let go of their destinations first, and those refused (a wrong secret,
+  // or still placing after kSupersedeTimeout).
+  std::atomic<uint64_t> sessions_superseded{0};
+  std::atomic<uint64_t> supersede_refusals{0};
   // --warm: images made ready, and those that could not be (not found, unreadable, refused by
   // the placement backend: their restores simply start cold); their files and bytes.
   std::atomic<uint64_t> warm_images{0};

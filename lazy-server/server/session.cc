@@ -649,8 +649,10 @@ net::Awaitable<bool> Connection::AwaitPlacementRelease(Session& session,
 net::Awaitable<Status> Connection::AwaitSuperseded(SessionId id, const std::string& secret) {
   std::shared_ptr<Session> old = ctx_.FindSessionToSupersede(id);
   if (!old) co_return Status::Ok();  // gone, and every placement of it with it
-  if (!net::ConstantTimeEqual(old->secret(), secret))
+  if (!net::ConstantTimeEqual(old->secret(), secret)) {
+    ctx_.totals.supersede_refusals.fetch_add(1);
     co_return PermissionDenied("the session {} to supersede: wrong secret", id);
+  }
   // Its connections broke on the client's side; the server may not have noticed yet.
   old->Close();
   const auto began = Clock::now();
@@ -658,10 +660,12 @@ net::Awaitable<Status> Connection::AwaitSuperseded(SessionId id, const std::stri
   // The caller answers nothing on a closed connection.
   if (closed_) co_return Unavailable("the connection closed while session {} ended", id);
   if (!released) {
+    ctx_.totals.supersede_refusals.fetch_add(1);
     co_return Unavailable(
         "the session {} this one supersedes still writes into the client's memory after {} s", id,
         std::chrono::duration_cast<std::chrono::seconds>(kSupersedeTimeout).count());
   }
+  ctx_.totals.sessions_superseded.fetch_add(1);
   spdlog::info("{}: session {} superseded; its placements ended after {} us", Tag(), id,
                std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - began).count());
   co_return Status::Ok();

@@ -414,6 +414,10 @@ TEST_P(SupersedeTest, AReconnectedSessionBeginsOnlyOnceTheBrokenOnesCopiesEnded)
   ExpectRestoredBytes(session, engine, expected_);
   EXPECT_GE(session.progress().reconnects, 1u);
   EXPECT_EQ(ServerCounter("", "sessions_opened", [](uint64_t n) { return n >= 2; }), 2u);
+  // The broken session still held a copy in flight, so the new one ended it, seen or not.
+  EXPECT_EQ(ServerCounter("placement", "sessions_superseded", [](uint64_t n) { return n >= 1; }),
+            1u);
+  EXPECT_EQ(ServerCounter("placement", "supersede_refusals", [](uint64_t) { return true; }), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(ServerSawTheBreak, SupersedeTest, ::testing::Values(true, false),
@@ -441,6 +445,9 @@ TEST_F(PlacementOpenTest, SupersedingASessionNeedsItsSecret) {
   ASSERT_TRUE(refused.ok()) << refused.status().ToString();
   EXPECT_EQ(refused->code(), wire::ERROR_UNAUTHENTICATED);
   EXPECT_NE(refused->message().find("wrong secret"), std::string::npos) << refused->message();
+  EXPECT_EQ(ServerCounter("placement", "supersede_refusals", [](uint64_t n) { return n >= 1; }),
+            1u);
+  EXPECT_EQ(ServerCounter("placement", "sessions_superseded", [](uint64_t) { return true; }), 0u);
 
   // The owner's session still serves: its stream arrives whole.
   Result<Received> received = ReceiveStream(owner, 64u << 20);
