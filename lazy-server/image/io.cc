@@ -155,18 +155,11 @@ Result<std::string> ReadGuardedFile(const std::string& path, const GuardedFileRu
   if ((st.st_mode & rules.refused_mode) != 0)
     return PermissionDenied("{} {} {} (mode {:04o}); {}", rules.kind, path, rules.refused_because,
                             st.st_mode & 07777, rules.fix);
-  std::string bytes(rules.max_bytes + 1, '\0');
-  size_t got = 0;
-  while (got < bytes.size()) {
-    const ssize_t n = ::read(fd.get(), bytes.data() + got, bytes.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return ErrnoError(errno, "{} {}: read", rules.kind, path);
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  if (got > rules.max_bytes)
+  if (static_cast<uint64_t>(st.st_size) > rules.max_bytes)
     return InvalidArgument("{} {} is larger than {} bytes", rules.kind, path, rules.max_bytes);
-  bytes.resize(got);
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  GPULAZY_RETURN_IF_ERROR(ReadExactAt(
+      fd.get(), 0, std::span(reinterpret_cast<uint8_t*>(bytes.data()), bytes.size()), path));
   return bytes;
 }
 

@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <iostream>
 #include <limits>
-#include <memory>
 
 #include "lazy-server/image/lazy_image.h"
 #include "lazy-server/server/image_store.h"
