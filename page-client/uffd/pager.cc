@@ -100,10 +100,15 @@ void Pager::Stop() {
 }
 
 Status Pager::UnregisterAll() {
+  unregistering_.store(true);
   for (const Region& region : regions_)
     GPULAZY_RETURN_IF_ERROR(
         uffd_.Unregister(region.addr, PageAlignUp(std::max<uint64_t>(region.size, 1))));
   return Status::Ok();
+}
+
+bool Pager::RangeReleased(const Status& install) const {
+  return install.code() == Code::kNotFound && unregistering_.load();
 }
 
 Status Pager::status() const {
@@ -200,7 +205,7 @@ void Pager::HandleFault(uint64_t address, Clock::time_point when) {
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
     RecordLatency(when, Clock::now());
-    if (!woken.ok() && status_.ok()) status_ = woken;
+    if (!woken.ok() && !RangeReleased(woken) && status_.ok()) status_ = woken;
     return;
   }
   std::lock_guard lock(mutex_);
@@ -269,6 +274,7 @@ void Pager::InstallHotZeros() {
     Result<std::optional<InstallResult>> zeroed = engine_.InstallDeferredZeros(
         ref.bo(), uint64_t{ref.chunk()} * chunk_size_, ChunkLength(region, ref.chunk()));
     if (zeroed.status().code() == Code::kAborted) return EndPeerGone("an install found it gone");
+    if (RangeReleased(zeroed.status())) return;
     if (!zeroed.ok()) return Fail(zeroed.status());
   }
 }
@@ -312,7 +318,7 @@ void Pager::Resolve(const Key& key, bool landed) {
   std::lock_guard lock(mutex_);
   for (const auto& when : pending.faulted)
     RecordLatency(when, now);
-  if (!served.ok() && status_.ok()) status_ = served;
+  if (!served.ok() && !RangeReleased(served) && status_.ok()) status_ = served;
   if (!woken.ok() && status_.ok() && landed) status_ = woken;
 }
 
