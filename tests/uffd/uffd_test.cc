@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -698,6 +700,10 @@ TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
 // The restored process in a forked child hands its userfaultfd (and memfds) to the pager in
 // this process over SCM_RIGHTS; it reads everything, or (`exit_early`) a little and exits.
 void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash) {
+  // A child blocked on a fault nobody serves would outlive its test and hold the test's output
+  // open until ctest's timeout: it dies with this process, or after a minute whatever happens.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  ::alarm(60);
   auto layout = ReceiveLayout(socket, 10s);
   if (!layout.ok()) _exit(10);
   auto uffd = Userfaultfd::Create(mode);
@@ -721,10 +727,42 @@ void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash
 }
 
 // A restored process forked to run RunChild, and this process's end of its handover socket.
-// Fork before this process has threads (a probe's are joined when it returns).
-struct RestoredChild {
-  pid_t pid = -1;
-  UniqueFd socket;
+// Fork before this process has threads (a probe's are joined when it returns). A test that ends
+// (or fails) with the child still running kills and reaps it.
+class RestoredChild {
+ public:
+  RestoredChild() = default;
+  RestoredChild(pid_t pid, UniqueFd socket) : pid_(pid), socket_(std::move(socket)) {}
+  RestoredChild(const RestoredChild&) = delete;
+  RestoredChild& operator=(const RestoredChild&) = delete;
+  ~RestoredChild() {
+    if (pid_ <= 0 || exit_status_.has_value()) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+
+  pid_t pid() const { return pid_; }
+  int socket() const { return socket_.get(); }
+
+  // The child's wait status once it has exited, waiting at most `timeout`; nullopt while it runs.
+  std::optional<int> WaitExit(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!exit_status_.has_value()) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_status_ = status;
+        break;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(10ms);
+    }
+    return exit_status_;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  UniqueFd socket_;
+  std::optional<int> exit_status_;
 };
 
 RestoredChild ForkRestoredChild(bool exit_early, FillMode mode, uint64_t expected_hash) {
@@ -737,7 +775,7 @@ RestoredChild ForkRestoredChild(bool exit_early, FillMode mode, uint64_t expecte
     RunChild(pair->second.get(), exit_early, mode, expected_hash);
   }
   pair->second.reset();
-  return {pid, std::move(pair->first)};
+  return RestoredChild(pid, std::move(pair->first));
 }
 
 class UffdHandover : public ::testing::TestWithParam<std::tuple<FillMode, bool>> {};
@@ -774,11 +812,10 @@ TEST_P(UffdHandover, PagerInAnotherProcess) {
   const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
   const auto [sizes, expected] = ProbeLayout(dir, image_dir, mode);
   ASSERT_FALSE(sizes.empty());
-  const RestoredChild restored = ForkRestoredChild(exit_early, mode, expected);
-  ASSERT_GE(restored.pid, 0);
-  ASSERT_TRUE(restored.socket.valid());
-  const pid_t child = restored.pid;
-  const int socket = restored.socket.get();
+  RestoredChild restored = ForkRestoredChild(exit_early, mode, expected);
+  ASSERT_GT(restored.pid(), 0);
+  const int socket = restored.socket();
+  ASSERT_GE(socket, 0);
   ServerProcess server(dir.path(), dir.path() / "images");
   ASSERT_TRUE(server.ready()) << server.Log();
 
@@ -812,11 +849,9 @@ TEST_P(UffdHandover, PagerInAnotherProcess) {
     pager.Stop();
     EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
   }
-  int status = 0;
-  for (int i = 0; i < 1000 && waitpid(child, &status, WNOHANG) == 0; ++i)
-    std::this_thread::sleep_for(10ms);
-  EXPECT_TRUE(WIFEXITED(status)) << status;
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  const std::optional<int> status = restored.WaitExit(10s);
+  ASSERT_TRUE(status.has_value()) << "the restored child is still running";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, UffdHandover,
@@ -838,11 +873,10 @@ TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
   const std::vector<uint64_t> sizes = ProbeLayout(dir, image_dir, mode).sizes;
   ASSERT_FALSE(sizes.empty());
   // The child touches BO 0's first byte and exits.
-  const RestoredChild restored = ForkRestoredChild(/*exit_early=*/true, mode, 0);
-  ASSERT_GE(restored.pid, 0);
-  ASSERT_TRUE(restored.socket.valid());
-  const pid_t child = restored.pid;
-  const int socket = restored.socket.get();
+  RestoredChild restored = ForkRestoredChild(/*exit_early=*/true, mode, 0);
+  ASSERT_GT(restored.pid(), 0);
+  const int socket = restored.socket();
+  ASSERT_GE(socket, 0);
   ServerProcess server(dir.path(), dir.path() / "images");
   ASSERT_TRUE(server.ready()) << server.Log();
   ASSERT_TRUE(SendLayout(socket, sizes).ok());
@@ -858,20 +892,16 @@ TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
   ASSERT_TRUE(session.Start().ok());
   for (size_t i = 0; i < handover->regions.size(); ++i)
     ASSERT_TRUE(engine.Bind(handover->regions[i], handover->memfds[i].get()).ok());
-  int child_status = 0;
-  bool child_exited = false;
+  std::optional<int> child_status;
   PagerOptions pager_options;
   pager_options.peer_fd = socket;
   pager_options.after_events_read = [&] {
-    if (child_exited) return;
+    if (child_status.has_value()) return;
     // Between the read and the handling: the faulting chunk lands (which wakes the child) and
     // the child exits.
     const uint64_t length = std::min<uint64_t>(sizes[0], session.chunk_size());
     EXPECT_TRUE(session.Ensure(0, 0, length, 10s).ok());
-    for (int i = 0; i < 1000 && !child_exited; ++i) {
-      child_exited = waitpid(child, &child_status, WNOHANG) == child;
-      if (!child_exited) std::this_thread::sleep_for(10ms);
-    }
+    child_status = restored.WaitExit(10s);
   };
   Pager pager(handover->uffd, session, engine, handover->regions, pager_options);
   ASSERT_TRUE(pager.Start().ok());
@@ -880,8 +910,8 @@ TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
   EXPECT_TRUE(pager.peer_gone());
   pager.Stop();
   EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
-  ASSERT_TRUE(child_exited);
-  EXPECT_TRUE(WIFEXITED(child_status) && WEXITSTATUS(child_status) == 0) << child_status;
+  ASSERT_TRUE(child_status.has_value()) << "the restored child is still running";
+  EXPECT_TRUE(WIFEXITED(*child_status) && WEXITSTATUS(*child_status) == 0) << *child_status;
 }
 
 // The pager learns the userfaultfd's fault scope: where faults are user-mode only, a system call
