@@ -790,12 +790,23 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
     Fail(wire::ERROR_UNAUTHENTICATED, "bad or missing token", rid);
     co_return;
   }
+  grant_ = GrantFor(*ctx_.AccessPolicy(), identity_);
   if (hello.join_session() != 0 || !hello.join_secret().empty()) {
     std::shared_ptr<Session> session = ctx_.FindSession(hello.join_session());
     if (!session || !net::ConstantTimeEqual(session->secret(), hello.join_secret())) {
       spdlog::warn("{}: demand connection for unknown session {} or wrong secret", Tag(),
                    hello.join_session());
       Fail(wire::ERROR_NOT_FOUND, "unknown session or wrong secret", rid);
+      co_return;
+    }
+    // Checked against the rules in place now, not those the session opened under: a reload that
+    // withdrew the image's grant lets the open connections finish but no new one join them.
+    if (!MayOpen(grant_, session->image().relative)) {
+      spdlog::info(
+          "{}: joining session {}, whose image ({} below its root) is outside the "
+          "client's --image-access grant",
+          Tag(), session->id(), session->image().relative);
+      Fail(wire::ERROR_NOT_FOUND, "unknown session or wrong secret", rid);  // as for a bad secret
       co_return;
     }
     session_ = std::move(session);
@@ -831,7 +842,6 @@ net::Awaitable<void> Connection::HandleHello(const wire::Header& frame) {
   } else {
     role_ = Role::kStream;
   }
-  grant_ = GrantFor(*ctx_.AccessPolicy(), identity_);
   // Past the administrator's socket-buffer caps only for a peer let in (docs/server.md).
   net::ForceSocketBuffers(socket_.socket());
   wire::Header reply;

@@ -24,11 +24,14 @@
 #include <vector>
 
 #include "lazy-server/image/synth.h"
+#include "page-client/host_engine.h"
 #include "page-client/net/stream.h"
+#include "page-client/restore_session.h"
 #include "tests/server/test_support.h"
 #include "tests/support/files.h"
 #include "tests/support/process.h"
 #include "tests/support/test_pki.h"
+#include "tests/support/unix_relay.h"
 
 namespace gpulazy::server::testing {
 namespace {
@@ -614,6 +617,115 @@ TEST(ImageVisibilityTest, SighupReadsTheImageAccessFileAgain) {
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_NE(stats->find("\"credential_reloads\":2,"), std::string::npos) << *stats;
   EXPECT_NE(stats->find("\"credential_reload_failures\":1,"), std::string::npos) << *stats;
+  ::alarm(0);
+}
+
+// A reload that withdraws an image's grant: the session opened before it keeps streaming, but no
+// new connection joins it (demand connection, lane, files connection), and a fresh open of it
+// is refused as for a missing image. A connection keeps its Hello's grant; joining is a new one.
+TEST(ImageVisibilityTest, AReloadThatWithdrawsAGrantStopsConnectionsJoiningOpenSessions) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamA" / "img", 4ull << 20, 1));
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamB" / "img", 1ull << 20, 2));
+  ASSERT_EQ(::geteuid(), 0u) << "the rules below name uid 0";
+  const fs::path rules = dir.path() / "image-access";
+  const auto readable = fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                        fs::perms::others_read;
+  WriteText(rules, "uid:0=teamA,teamB\n", readable);
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "64K", "--image-access-file", rules.string()});
+  ASSERT_TRUE(server.ready()) << server.Log();
+
+  TestClient stream(server.unix_endpoint());
+  ASSERT_TRUE(stream.Hello().ok());
+  Result<wire::OpenImageReply> opened = stream.Open("teamA/img");
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  TestClient other(server.unix_endpoint());
+  ASSERT_TRUE(other.Hello().ok());
+  Result<wire::OpenImageReply> other_opened = other.Open("teamB/img");
+  ASSERT_TRUE(other_opened.ok()) << other_opened.status().ToString();
+  {
+    TestClient demand(server.unix_endpoint());
+    EXPECT_TRUE(demand.Hello(opened->session(), opened->session_secret()).ok())
+        << "before the reload, joining works";
+  }
+
+  WriteText(rules, "uid:0=teamB\n", readable);
+  ASSERT_EQ(::kill(server.pid(), SIGHUP), 0);
+  ASSERT_TRUE(server.LogShows({"image-access file " + rules.string() + " (1 rule)"}))
+      << server.Log();
+
+  TestClient demand(server.unix_endpoint());
+  Result<wire::HelloReply> refused = demand.Hello(opened->session(), opened->session_secret());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("unknown session or wrong secret"), std::string::npos)
+      << refused.status().ToString();
+  TestClient lane(server.unix_endpoint());
+  EXPECT_FALSE(lane.JoinAsLane(opened->session(), opened->session_secret()).ok());
+  EXPECT_TRUE(server.LogShows({"outside the client's --image-access grant"})) << server.Log();
+  // A session whose image the new rules still grant is joined as before.
+  TestClient other_demand(server.unix_endpoint());
+  EXPECT_TRUE(other_demand.Hello(other_opened->session(), other_opened->session_secret()).ok());
+  // The open session itself goes on to the end of its stream, byte-exact.
+  Result<Received> received = ReceiveStream(stream, 1u << 20);
+  ASSERT_TRUE(received.ok()) << received.status().ToString();
+  Result<std::map<BoKey, std::vector<uint8_t>>> expected = LoadCriuContents(root / "teamA" / "img");
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  Status verified = VerifyStream(*opened, received->chunks, *expected);
+  EXPECT_TRUE(verified.ok()) << verified.ToString();
+  TestClient reopen(server.unix_endpoint());
+  ASSERT_TRUE(reopen.Hello().ok());
+  EXPECT_FALSE(reopen.Open("teamA/img").ok());
+  ::alarm(0);
+}
+
+// A restore that loses its connection after a reload withdrew its image's grant: its reconnection
+// opens the image afresh under the rules now in place and is refused, so the restore fails at
+// once with an error naming the image instead of retrying or finishing under the old grant.
+TEST(ImageVisibilityTest, ARestoreReconnectingAfterItsGrantWasWithdrawnFails) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  ASSERT_NO_FATAL_FAILURE(MakeCheckpoint(root / "teamA" / "img", 4ull << 20, 1));
+  ASSERT_EQ(::geteuid(), 0u) << "the rules below name uid 0";
+  const fs::path rules = dir.path() / "image-access";
+  const auto readable = fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                        fs::perms::others_read;
+  WriteText(rules, "uid:0=teamA\n", readable);
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "64K", "--image-access-file", rules.string()});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  ::gpulazy::testing::UnixRelay relay(dir.path() / "relay.sock", server.socket_path());
+  client::HostCopyEngine engine;
+  client::SessionOptions options;
+  options.endpoint = "unix:" + (dir.path() / "relay.sock").string();
+  options.image = "teamA/img";
+  options.stream_all = false;  // nothing lands unless asked for
+  options.read_files = false;  // every byte through the connections the relay cuts
+  options.reconnect.max_attempts = 20;
+  options.reconnect.initial_backoff = 10ms;
+  options.reconnect.max_backoff = 50ms;
+  client::RestoreSession session(options, engine);
+  ASSERT_TRUE(session.Start().ok());
+  ASSERT_TRUE(session.Ensure(0, 0, session.chunk_size(), 10s).ok()) << session.status().ToString();
+
+  WriteText(rules, "uid:0=teamB\n", readable);
+  ASSERT_EQ(::kill(server.pid(), SIGHUP), 0);
+  ASSERT_TRUE(server.LogShows({"image-access file " + rules.string() + " (1 rule)"}))
+      << server.Log();
+  relay.Cut(/*server_notices=*/true);
+  const client::BoEntry& last = session.bos().back();
+  const auto asked = std::chrono::steady_clock::now();
+  Status ensured =
+      session.Ensure(static_cast<uint32_t>(session.bos().size() - 1), last.size - 1, 1, 30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, 20s) << "failed only at its deadline";
+  ASSERT_FALSE(ensured.ok());
+  EXPECT_EQ(session.status().code(), Code::kNotFound) << session.status().ToString();
+  EXPECT_NE(session.status().message().find("teamA/img"), std::string::npos)
+      << session.status().ToString();
+  EXPECT_EQ(session.progress().reconnects, 0u);
   ::alarm(0);
 }
 
