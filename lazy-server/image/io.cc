@@ -163,6 +163,19 @@ Result<std::string> ReadGuardedFile(const std::string& path, const GuardedFileRu
   return bytes;
 }
 
+std::vector<NumberedLine> SplitLines(std::string_view text) {
+  std::vector<NumberedLine> lines;
+  for (size_t start = 0; start < text.size();) {
+    size_t end = text.find('\n', start);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(start, end - start);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    lines.push_back({lines.size() + 1, line});
+    start = end + 1;
+  }
+  return lines;
+}
+
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes) {
   // A unique temporary in the same directory, so the rename stays within one filesystem and
   // concurrent writers of the same target never share a temporary.

@@ -93,6 +93,13 @@ struct GuardedFileRules {
   size_t max_bytes = 0;
 };
 Result<std::string> ReadGuardedFile(const std::string& path, const GuardedFileRules& rules);
+// The lines of an operator's text file (a ReadGuardedFile's) with their numbers from 1, each
+// without its '\n' and a '\r' before it.
+struct NumberedLine {
+  size_t number = 0;
+  std::string_view text;
+};
+std::vector<NumberedLine> SplitLines(std::string_view text);
 // Writes to a temporary file beside `path`, fsyncs and renames, so readers never see half a file.
 Status WriteFileAtomically(const std::filesystem::path& path, std::span<const uint8_t> bytes);
 

@@ -88,19 +88,14 @@ Result<std::vector<ImageAccessRule>> ReadImageAccessFile(const std::string& path
                                                .fix = "chmod go-w it",
                                                .max_bytes = 1 << 20}));
   std::vector<ImageAccessRule> rules;
-  size_t number = 0;
-  for (size_t start = 0; start < text.size();) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    const std::string_view line = std::string_view(text).substr(start, end - start);
-    start = end + 1;
-    ++number;
-    const size_t first = line.find_first_not_of(" \t\r");
-    if (first == std::string_view::npos || line[first] == '#') continue;
-    const size_t last = line.find_last_not_of(" \t\r");
-    Result<ImageAccessRule> rule = ImageAccessRule::Parse(line.substr(first, last - first + 1));
+  for (const NumberedLine& line : SplitLines(text)) {
+    const size_t first = line.text.find_first_not_of(" \t");
+    if (first == std::string_view::npos || line.text[first] == '#') continue;
+    const size_t last = line.text.find_last_not_of(" \t");
+    Result<ImageAccessRule> rule =
+        ImageAccessRule::Parse(line.text.substr(first, last - first + 1));
     if (!rule.ok())
-      return rule.status().Context(fmt::format("image-access file {} line {}", path, number));
+      return rule.status().Context(fmt::format("image-access file {} line {}", path, line.number));
     rules.push_back(std::move(*rule));
   }
   return rules;

@@ -335,20 +335,13 @@ Result<std::string> ReadTokenFile(const std::string& path) {
 Result<std::vector<std::string>> ReadTokenListFile(const std::string& path) {
   GPULAZY_ASSIGN_OR_RETURN(std::string text, ReadSecretFile(path, kMaxTokenListBytes));
   std::vector<std::string> tokens;
-  size_t line = 0;
-  for (size_t start = 0; start < text.size();) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    std::string token = text.substr(start, end - start);
-    start = end + 1;
-    ++line;
-    if (!token.empty() && token.back() == '\r') token.pop_back();
-    if (token.empty() || token.front() == '#') continue;
+  for (const NumberedLine& line : SplitLines(text)) {
+    if (line.text.empty() || line.text.front() == '#') continue;
     // The message names the line, never the token.
-    if (token.size() > kMaxTokenBytes)
+    if (line.text.size() > kMaxTokenBytes)
       return InvalidArgument("token file {}: the token on line {} is longer than {} bytes", path,
-                             line, kMaxTokenBytes);
-    tokens.push_back(std::move(token));
+                             line.number, kMaxTokenBytes);
+    tokens.emplace_back(line.text);
   }
   if (tokens.empty()) return InvalidArgument("token file {} holds no token", path);
   return tokens;
