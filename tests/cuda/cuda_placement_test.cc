@@ -15,8 +15,8 @@
 
 #include "page-client/cuda/cuda_engine.h"
 #include "page-client/restore_session.h"
+#include "tests/server/placed_reconnect.h"
 #include "tests/server/test_support.h"
-#include "tests/support/unix_relay.h"
 
 namespace gpulazy::server::testing {
 namespace {
@@ -173,7 +173,7 @@ TEST(CudaPlacementTest, SessionsEndedMidStreamLetGoOfTheirBuffersFirst) {
   EXPECT_EQ(log.find("closing a destination"), std::string::npos) << log.substr(0, 20000);
 }
 
-// A connection that breaks at once, mid-stream, while the server copies into the engine's device
+// Every connection breaks at once, mid-stream, while the server copies into the engine's device
 // buffers: the client reconnects and its new session names the broken one, which the server ends
 // (closing every IPC mapping it opened) before it opens the new session's handles to the same
 // buffers again (docs/protocol.md, "Placement", 6). Whether the server noticed the break or not,
@@ -182,48 +182,24 @@ class CudaSupersedeTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(CudaSupersedeTest, AReconnectedSessionPlacesIntoTheSameBuffersByteExact) {
   if (!client::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device here";
-  const bool server_notices = GetParam();
   TempDir dir;
   const fs::path root = dir.path() / "images";
   fs::create_directories(root);
   ASSERT_TRUE(MakeTestImage(root / "raw", {.bytes = 1ull << 30, .seed = 56, .processes = 2}).ok());
+  auto expected = LoadCriuContents(root / "raw");
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
   ServerProcess server(
       dir.path(), root,
       {"--raw-chunk-size", "2M", "--placement", "cuda", "--placement-pin-budget", "4G"});
   ASSERT_TRUE(server.ready()) << server.Log();
   gpulazy::testing::UnixRelay relay(dir.path() / "relay.sock", server.socket_path());
-  auto expected = LoadCriuContents(root / "raw");
-  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
   Result<std::unique_ptr<client::CudaCopyEngine>> engine = client::CudaCopyEngine::Create({});
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  client::SessionOptions options;
-  options.endpoint = "unix:" + (dir.path() / "relay.sock").string();
-  options.image = "raw";
-  options.reconnect.max_attempts = 20;
-  options.reconnect.initial_backoff = 10ms;
-  options.reconnect.max_backoff = 50ms;
-  client::RestoreSession session(options, **engine);
+  client::RestoreSession session(CutSessionOptions(dir.path() / "relay.sock", "raw"), **engine);
   ASSERT_TRUE(session.Start().ok());
-  for (int i = 0; i < 5000 && session.progress().placed_chunks == 0; ++i)
-    std::this_thread::sleep_for(1ms);
-  relay.Cut(server_notices);
-  const client::Progress at_cut = session.progress();
-  ASSERT_GT(at_cut.placed_chunks, 0u);
-  // Cut mid-stream, or this test shows nothing about copies in flight.
-  ASSERT_LT(at_cut.placed_chunks, at_cut.total_chunks);
-  Status complete = session.WaitComplete(60s);
-  ASSERT_TRUE(complete.ok()) << complete.ToString() << server.Log().substr(0, 20000);
-  EXPECT_GE(session.progress().reconnects, 1u);
-  EXPECT_EQ(session.progress().placed_bytes, session.progress().total_bytes);
+  CutMidStreamAndFinish(session, relay, server, GetParam());
+  if (HasFatalFailure()) return;
   ExpectDeviceBytes(session, **engine, *expected);
-  EXPECT_EQ(server.Terminate(), 0) << server.Log().substr(0, 20000);
-  const std::string log = server.Log();
-  // A server that saw the break may have ended the session before the client came back.
-  if (!server_notices) {
-    EXPECT_NE(log.find("superseded; its placements ended"), std::string::npos)
-        << log.substr(0, 20000);
-  }
-  EXPECT_EQ(log.find("closing a destination"), std::string::npos) << log.substr(0, 20000);
 }
 
 INSTANTIATE_TEST_SUITE_P(ServerSawTheBreak, CudaSupersedeTest, ::testing::Values(true, false),

@@ -31,6 +31,7 @@
 #include "page-client/restore_session.h"
 #include "proto/endian.h"
 #include "tests/server/checkpoint_bytes.h"
+#include "tests/server/placed_reconnect.h"
 #include "tests/server/test_support.h"
 #include "tests/support/process.h"
 
@@ -509,6 +510,35 @@ TEST_F(PlacementTest, DestinationsComeOnlyFromTheProcessThatConnected) {
             std::string::npos)
       << answer->header.error().message();
 }
+
+// The host twin of CudaSupersedeTest: every connection cut mid-stream while the server places
+// into the client's memfds, whether the server sees the break or not. The client reconnects and
+// the restore ends byte-exact with every chunk placed.
+class PlacedReconnectTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PlacedReconnectTest, AReconnectedSessionPlacesIntoTheSameMemfdsByteExact) {
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  ASSERT_TRUE(
+      MakeTestImage(root / "raw", {.bytes = 256ull << 20, .seed = 57, .processes = 2}).ok());
+  auto expected = LoadCriuContents(root / "raw");
+  ASSERT_TRUE(expected.ok()) << expected.status().ToString();
+  ServerProcess server(dir.path(), root, {"--raw-chunk-size", "256K", "--placement", "memfd"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  gpulazy::testing::UnixRelay relay(dir.path() / "relay.sock", server.socket_path());
+  client::HostCopyEngine engine;
+  client::RestoreSession session(CutSessionOptions(dir.path() / "relay.sock", "raw"), engine);
+  ASSERT_TRUE(session.Start().ok());
+  CutMidStreamAndFinish(session, relay, server, GetParam());
+  if (HasFatalFailure()) return;
+  ExpectRestoredBytes(session, engine, *expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(ServerSawTheBreak, PlacedReconnectTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "ServerSawIt" : "ServerDidNot";
+                         });
 
 }  // namespace
 }  // namespace gpulazy::server::testing

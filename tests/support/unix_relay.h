@@ -59,9 +59,13 @@ class UnixRelay {
   // as when the server has not noticed the break yet.
   void Cut(bool server_notices) {
     std::lock_guard lock(mu_);
+    // Every pair is told first: the client closes its other connections as soon as it sees the
+    // first one end, and a pair not yet told would pass that close on to the server.
     for (const auto& pair : pairs_) {
       pair->keep_server_side.store(!server_notices);
       pair->cut.store(true);
+    }
+    for (const auto& pair : pairs_) {
       ::shutdown(pair->client, SHUT_RDWR);
       if (server_notices) ::shutdown(pair->server, SHUT_RDWR);
     }
