@@ -275,31 +275,26 @@ void Server::BeginShutdown(std::string_view why) {
 Status Server::ReloadCredentials() {
   const ServerConfig& config = ctx_->config;
   // Everything is read before anything changes, so a bad file leaves all as it was.
+  auto failed = [&](const Status& status, std::string_view reading) {
+    ctx_->totals.credential_reload_failures.fetch_add(1);
+    return status.Context(reading);
+  };
   std::shared_ptr<net::TlsContext> tls = tls_;
   if (config.tls.enabled()) {
     Result<std::shared_ptr<net::TlsContext>> loaded = net::MakeServerTlsContext(config.tls);
-    if (!loaded.ok()) {
-      ctx_->totals.credential_reload_failures.fetch_add(1);
-      return loaded.status().Context("reloading the TLS credentials");
-    }
+    if (!loaded.ok()) return failed(loaded.status(), "reloading the TLS credentials");
     tls = std::move(*loaded);
   }
   std::optional<std::vector<std::string>> tokens;
   if (!config.token_file.empty()) {
     Result<std::vector<std::string>> read = net::ReadTokenListFile(config.token_file);
-    if (!read.ok()) {
-      ctx_->totals.credential_reload_failures.fetch_add(1);
-      return read.status().Context("reloading --token-file");
-    }
+    if (!read.ok()) return failed(read.status(), "reloading --token-file");
     tokens = std::move(*read);
   }
   std::optional<std::vector<ImageAccessRule>> access_rules;
   if (!config.image_access_file.empty()) {
     Result<std::vector<ImageAccessRule>> read = ReadImageAccessFile(config.image_access_file);
-    if (!read.ok()) {
-      ctx_->totals.credential_reload_failures.fetch_add(1);
-      return read.status().Context("reloading --image-access-file");
-    }
+    if (!read.ok()) return failed(read.status(), "reloading --image-access-file");
     access_rules = std::move(*read);
   }
   tls_ = tls;
