@@ -273,6 +273,9 @@ Status AddPlacerReadings(const std::map<std::string, double>& before,
   into["placer_slots_busy_mean"] = active_s > 0 ? delta("slot_busy_ns") / 1e9 / active_s : 0;
   into["placer_slot_wait_s"] = delta("slot_wait_ns") / 1e9;
   into["placer_done_s"] = delta("done_ns") / 1e9;
+  // Chunks the server's placer checked against their checksum (on the GPU) before installing
+  // them: in a placed run the client's engine checks none itself (chunks_verified_on_device 0).
+  into["placer_verified_chunks"] = delta("verified_chunks");
   into["placer_registrations"] = delta("registrations");
   into["placer_budget_refusals"] = delta("budget_refusals");
   into["placer_opens"] = delta("opens");

@@ -88,6 +88,7 @@ class CudaPlacement final : public PlacementBackend {
     const PlacerStats s = placer_->stats();
     return {{"placed_chunks", s.placed_chunks},
             {"placed_bytes", s.placed_bytes},
+            {"verified_chunks", s.verified_chunks},
             {"mismatches", s.mismatches},
             {"registrations", s.registrations},
             {"evictions", s.evictions},

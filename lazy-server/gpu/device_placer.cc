@@ -343,6 +343,7 @@ class DevicePlacer::Impl {
     slot.offset = offset;
     slot.length = length;
     slot.verified = verify_on_device;
+    slot.checked = checksum.has_value();
     slot.done = std::move(done);
     {
       std::lock_guard lock(mu_);
@@ -391,7 +392,8 @@ class DevicePlacer::Impl {
     DestinationRef destination;
     uint64_t offset = 0;
     uint32_t length = 0;
-    bool verified = false;
+    bool verified = false;  // by the kernel, on the GPU
+    bool checked = false;   // against a checksum, on the GPU or (a short chunk) before the copy
     PlaceDone done;
   };
 
@@ -458,6 +460,7 @@ class DevicePlacer::Impl {
         if (result.ok()) {
           ++stats_.placed_chunks;
           stats_.placed_bytes += slot.length;
+          if (slot.checked) ++stats_.verified_chunks;
         } else if (result.code() == Code::kCorrupt) {
           ++stats_.mismatches;
         }

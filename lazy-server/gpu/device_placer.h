@@ -65,6 +65,10 @@ using PlaceDone = std::function<void(Status)>;
 struct PlacerStats {
   uint64_t placed_chunks = 0;
   uint64_t placed_bytes = 0;
+  // Of placed_chunks, those checked against their checksum before they counted as placed: on the
+  // GPU, or a chunk too short for the kernel on the CPU first. The others came with none (a plain
+  // checkpoint's chunks the server has not hashed).
+  uint64_t verified_chunks = 0;
   uint64_t mismatches = 0;
   uint64_t registrations = 0;  // files registered (a cached one counts once)
   uint64_t evictions = 0;      // registrations let go to make room

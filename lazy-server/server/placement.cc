@@ -139,6 +139,7 @@ class MemfdPlacement final : public PlacementBackend {
       std::memcpy(memfd->data() + target_offset, staging.data(), staging.size());
       placed_bytes_.fetch_add(from.length, std::memory_order_relaxed);
       placed_chunks_.fetch_add(1, std::memory_order_relaxed);
+      if (checksum) verified_chunks_.fetch_add(1, std::memory_order_relaxed);
     } else if (read.code() == Code::kCorrupt) {
       mismatches_.fetch_add(1, std::memory_order_relaxed);
     }
@@ -155,12 +156,14 @@ class MemfdPlacement final : public PlacementBackend {
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {
     return {{"placed_chunks", placed_chunks_.load()},
             {"placed_bytes", placed_bytes_.load()},
+            {"verified_chunks", verified_chunks_.load()},
             {"mismatches", mismatches_.load()}};
   }
 
  private:
   std::atomic<uint64_t> placed_chunks_{0};
   std::atomic<uint64_t> placed_bytes_{0};
+  std::atomic<uint64_t> verified_chunks_{0};
   std::atomic<uint64_t> mismatches_{0};
 };
 

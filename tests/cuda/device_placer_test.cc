@@ -185,6 +185,7 @@ TEST_F(DevicePlacerTest, PlacesCheckedChunksByteExactAndNeverInstallsOneThatFail
   }
   const PlacerStats stats = placer->stats();
   EXPECT_EQ(stats.placed_chunks, kChunks - 1);
+  EXPECT_EQ(stats.verified_chunks, kChunks - 1);  // every placed chunk had its checksum
   EXPECT_EQ(stats.mismatches, 1u);
   EXPECT_EQ(stats.placed_bytes, (kChunks - 1) * kChunk);
   // The time accounts hold together: some slot is busy whenever the placer is active, never more
@@ -227,6 +228,9 @@ TEST_F(DevicePlacerTest, ChunksWithoutChecksumAndShortChunksLand) {
   std::vector<uint8_t> landed(bytes.size());
   ASSERT_TRUE(placer->ReadBack(*destination, 0, landed).ok());
   EXPECT_EQ(landed, bytes);  // the refused tail did not overwrite the start
+  // Three placed; only the tail had a checksum to check (on the CPU).
+  EXPECT_EQ(placer->stats().placed_chunks, 3u);
+  EXPECT_EQ(placer->stats().verified_chunks, 1u);
 }
 
 TEST_F(DevicePlacerTest, RefusesRangesOutsideTheFileOrTheDestinationAndOversizedClaims) {

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -107,6 +108,21 @@ class PlacementTest : public ::testing::Test {
     FAIL() << "the lazy test image stores no chunk RAW";
   }
 
+  struct PlacementCounters {
+    uint64_t placed_chunks = 0;
+    uint64_t verified_chunks = 0;
+  };
+  // server.placement's counters, from a stats request of a connection of its own.
+  static std::optional<PlacementCounters> ServerPlacementCounters() {
+    TestClient client(server_->unix_endpoint());
+    if (!client.Hello().ok()) return std::nullopt;
+    Result<std::string> text = client.Stats();
+    if (!text.ok()) return std::nullopt;
+    const nlohmann::json placement = nlohmann::json::parse(*text)["server"]["placement"];
+    return PlacementCounters{placement.value("placed_chunks", uint64_t{0}),
+                             placement.value("verified_chunks", uint64_t{0})};
+  }
+
   static client::SessionOptions Options(const std::string& image) {
     client::SessionOptions options;
     options.endpoint = server_->unix_endpoint().ToString();
@@ -159,6 +175,8 @@ uint32_t PlacementTest::corrupt_chunk_ = 0;
 TEST_F(PlacementTest, PlacedRestoreIsTheCheckpointsBytes) {
   for (const std::string name : {"raw", "lazy"}) {
     SCOPED_TRACE(name);
+    const std::optional<PlacementCounters> before = ServerPlacementCounters();
+    ASSERT_TRUE(before.has_value());
     client::HostCopyEngine engine;
     client::RestoreSession session(Options(name), engine);
     const auto started = std::chrono::steady_clock::now();
@@ -187,6 +205,15 @@ TEST_F(PlacementTest, PlacedRestoreIsTheCheckpointsBytes) {
       EXPECT_EQ(progress.placed_bytes, progress.total_bytes);
       EXPECT_EQ(engine.bytes_written(), 0u);  // the engine never saw a byte
     }
+    // The server counts what it placed, and which of those it checked first: a lazy image records
+    // every chunk's checksum; a plain checkpoint's are known only once the server hashed a chunk.
+    const std::optional<PlacementCounters> after = ServerPlacementCounters();
+    ASSERT_TRUE(after.has_value());
+    EXPECT_EQ(after->placed_chunks - before->placed_chunks, progress.placed_chunks);
+    if (name == "lazy")
+      EXPECT_EQ(after->verified_chunks - before->verified_chunks, progress.placed_chunks);
+    else
+      EXPECT_LE(after->verified_chunks - before->verified_chunks, progress.placed_chunks);
   }
 }
 
