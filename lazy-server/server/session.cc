@@ -21,6 +21,9 @@ using boost::system::error_code;
 namespace {
 
 constexpr auto kLinger = std::chrono::seconds(1);
+// How long a peer on a TLS listener that sent less than a frame prefix has to send the rest
+// before it is judged on what it sent.
+constexpr auto kShortPrefixWait = std::chrono::milliseconds(200);
 
 // A TLS client opens with a handshake record (type 22, version 3.x, a 16-bit length) holding a
 // ClientHello (message type 1). A gpulazy Hello's prefix can start with 22 too (a 22-byte
@@ -688,15 +691,23 @@ net::Awaitable<void> Connection::LingerBeforeClose(bool below_tls) {
 }
 
 net::Awaitable<bool> Connection::RefusedAsNotTls() {
-  // Peeked, not read: a TLS client's bytes stay for OpenSSL. One peek is enough to tell: a
-  // ClientHello's record comes whole in one write, and so do a gpulazy Hello's prefix and
-  // header.
+  // Peeked, not read: a TLS client's bytes stay for OpenSSL. Both kinds of client write their
+  // first 8 bytes or more at once (a ClientHello's record, a Hello's prefix and header), but a
+  // path may cut them: fewer are given a moment to grow before they are judged.
   std::array<uint8_t, kFramePrefixSize> first{};
   error_code ec;
-  const size_t got =
-      co_await socket_.socket().async_receive(asio::buffer(first), asio::socket_base::message_peek,
-                                              asio::redirect_error(asio::use_awaitable, ec));
-  if (ec || got == 0) co_return false;  // closed or timed out: the handshake reports it
+  size_t got = 0;
+  const auto judge_by = Clock::now() + kShortPrefixWait;
+  for (;;) {
+    got = co_await socket_.socket().async_receive(asio::buffer(first),
+                                                  asio::socket_base::message_peek,
+                                                  asio::redirect_error(asio::use_awaitable, ec));
+    if (ec || got == 0) co_return false;  // closed or timed out: the handshake reports it
+    if (got == first.size() || Clock::now() >= judge_by) break;
+    asio::steady_timer pause(socket_.socket().get_executor(), std::chrono::milliseconds(5));
+    co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    if (closed_) co_return false;
+  }
   const std::span<const uint8_t> seen(first.data(), got);
   if (MayBeClientHello(seen)) co_return false;
 

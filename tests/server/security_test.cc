@@ -18,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "page-client/host_engine.h"
 #include "page-client/net/stream.h"
 #include "page-client/restore_session.h"
+#include "proto/frame.h"
 #include "tests/server/test_support.h"
 #include "tests/support/files.h"
 #include "tests/support/process.h"
@@ -214,6 +216,32 @@ TEST_F(SecurityTest, AClientOnTheOtherTransportIsToldWhichItReached) {
   ProcessRun plain = Fetch(plain_server.tcp_endpoint(), "--insecure");
   ASSERT_EQ(plain.exit_code, 0) << plain.out << plain_server.Log();
   ExpectFetchedBytesMatch();
+}
+
+// A plain gpulazy client whose first bytes reach the TLS listener in two pieces is still told, in
+// its own framing, that the listener speaks TLS: the server waits a moment for a whole frame
+// prefix before it judges the peer.
+TEST_F(SecurityTest, APlainHelloCutInTwoOnTheTlsListenerIsAnsweredInItsOwnFraming) {
+  auto server = TlsServer("server");
+  wire::Header header;
+  header.set_request_id(1);
+  header.mutable_hello()->set_min_version(1);
+  header.mutable_hello()->set_max_version(1);
+  header.mutable_hello()->set_client_name("cut-in-two");
+  Result<std::string> frame = EncodeFrameHead(header, 0, FrameLimits{});
+  ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+  const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(frame->data()),
+                                       frame->size());
+  TestClient client(server->tcp_endpoint());
+  ASSERT_TRUE(client.SendRaw(bytes.first(3)).ok());
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(client.SendRaw(bytes.subspan(3)).ok());
+  Result<wire::Error> error = client.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status().ToString() << server->Log();
+  EXPECT_EQ(error->code(), wire::ERROR_UNAUTHENTICATED);
+  EXPECT_NE(error->message().find("this listener speaks TLS"), std::string::npos)
+      << error->message();
+  EXPECT_TRUE(server->LogShows({"a plain-text gpulazy client on a TLS listener"})) << server->Log();
 }
 
 // A TLS connection to `server`, handshake done, trusting the test CA.
