@@ -398,14 +398,21 @@ class RestoreSession::Impl {
   template <typename EngineCall>
   Status CallEngine(bool on_stream, DemandChunkTiming* timing, std::string_view what,
                     EngineCall&& call);
+  // A chunk's bad copies so far, and the demand epoch read when it was marked demanded.
+  struct BadCopies {
+    uint32_t count = 0;
+    uint64_t demand_epoch = 0;
+  };
   // A landing chunk whose copy failed verification: back to missing, counted, and marked
-  // demanded, all under one lock. Returns the bad copies so far. Done in separate steps, the
+  // demanded, and the demand epoch read, all under one lock. Done in separate steps, the
   // stream's end could see the chunk missing and unrequested in between and demand it a second
-  // time, and that extra copy could land after a second bad one had failed the restore.
-  uint32_t UnclaimBadCopy(uint32_t bo, uint32_t chunk);
+  // time; and an epoch read later could be that of a demand connection whose restart already
+  // asked for the chunk. Either extra copy could land after a second bad one had failed the
+  // restore.
+  BadCopies UnclaimBadCopy(uint32_t bo, uint32_t chunk);
   // After UnclaimBadCopy: re-request once, or fail for good (returned).
   Status BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
-                 uint64_t wire_bytes, bool on_stream, const Status& why, uint32_t bad_copies);
+                 uint64_t wire_bytes, bool on_stream, const Status& why, BadCopies bad_copies);
   // Any thread (the engine decides where completions run). `timing`: a timed demand chunk's
   // record so far, completed and kept once the chunk is resident.
   void OnWritten(const Status& status, const std::shared_ptr<Link>& link, ChunkId id,
@@ -1967,7 +1974,7 @@ asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(
       Unclaim(bo, chunk);
       co_return status;
     }
-    const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
+    const BadCopies bad_copies = UnclaimBadCopy(bo, chunk);
     co_return BadCopy(link, bo, chunk, payload_length, on_stream,
                       Corrupt("{}: checksum mismatch (received in place)", What(bo, chunk)),
                       bad_copies);
@@ -2194,35 +2201,39 @@ void RestoreSession::Impl::ReadByReference(const std::shared_ptr<Link>& link, co
   }
   // Bad bytes in the file: ask the server again (a second bad copy fails the restore). Credit
   // is the stream thread's, so the rest runs there.
-  const uint32_t bad_copies = UnclaimBadCopy(c.bo, c.chunk);
+  const BadCopies bad_copies = UnclaimBadCopy(c.bo, c.chunk);
   asio::post(io_, [this, link, c, on_stream, installed, bad_copies] {
     Status bad = BadCopy(link, c.bo, c.chunk, c.stored_length, on_stream, installed, bad_copies);
     if (!bad.ok()) Fail(bad);
   });
 }
 
-uint32_t RestoreSession::Impl::UnclaimBadCopy(uint32_t bo, uint32_t chunk) {
+RestoreSession::Impl::BadCopies RestoreSession::Impl::UnclaimBadCopy(uint32_t bo, uint32_t chunk) {
   std::lock_guard lock(mutex_);
   residency_.ClearLanding(bo, chunk);
-  const uint32_t bad_copies = residency_.CountBadCopy(bo, chunk);
-  if (bad_copies < 2) ++counters_.refetches;
+  BadCopies bad;
+  bad.count = residency_.CountBadCopy(bo, chunk);
+  if (bad.count < 2) ++counters_.refetches;
   // Also after the second bad copy: nothing may ask for the chunk again once it failed the
   // restore.
   residency_.set_demanded(bo, chunk);
-  return bad_copies;
+  // With the marking, as QueueDemand needs: a demand connection's restart that snapshots the
+  // chunk also moves the epoch past this one, so the chunk is asked for once.
+  bad.demand_epoch = demand_epoch_;
+  return bad;
 }
 
 Status RestoreSession::Impl::BadCopy(const std::shared_ptr<Link>& link, uint32_t bo, uint32_t chunk,
                                      uint64_t wire_bytes, bool on_stream, const Status& why,
-                                     uint32_t bad_copies) {
+                                     BadCopies bad_copies) {
   if (on_stream) GiveBackCredit(link, wire_bytes);
-  if (bad_copies >= 2)
+  if (bad_copies.count >= 2)
     return Corrupt("{}: second copy is bad too, not installing it: {}", What(bo, chunk),
                    why.message());
   spdlog::warn("{}; fetching it again", why.message());
-  // Read after UnclaimBadCopy marked the chunk demanded, as QueueDemand needs.
-  OnDemandThread(
-      [this, id = ChunkId{bo, chunk}, epoch = DemandEpoch()] { QueueDemand({id}, epoch); });
+  OnDemandThread([this, id = ChunkId{bo, chunk}, epoch = bad_copies.demand_epoch] {
+    QueueDemand({id}, epoch);
+  });
   return Status::Ok();
 }
 
@@ -2247,7 +2258,7 @@ Status RestoreSession::Impl::InstallChunk(const std::shared_ptr<Link>& link,
   if (timing) timing->hashing += Clock::now() - decoding;
   if (!decoded.ok()) {
     ReturnBuffer(std::move(*staging));
-    const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
+    const BadCopies bad_copies = UnclaimBadCopy(bo, chunk);
     return BadCopy(link, bo, chunk, wire_bytes, on_stream, decoded, bad_copies);
   }
 
@@ -2271,7 +2282,7 @@ Status RestoreSession::Impl::InstallZeros(const std::shared_ptr<Link>& link,
   // zeros, as when the bytes are decoded (a zero chunk carries no payload, so no credit).
   if (Status zeros = CheckZeroChunk(data.checksum(), data.raw_length(), What(bo, chunk));
       !zeros.ok()) {
-    const uint32_t bad_copies = UnclaimBadCopy(bo, chunk);
+    const BadCopies bad_copies = UnclaimBadCopy(bo, chunk);
     return BadCopy(link, bo, chunk, 0, on_stream, zeros, bad_copies);
   }
   {
@@ -2313,7 +2324,7 @@ void RestoreSession::Impl::OnWritten(const Status& status, const std::shared_ptr
   if (status.code() == Code::kCorrupt) {
     // The engine verified the bytes itself (CommitUnverified) and they did not match: the same
     // as a mismatch found here, so ask again, and a second bad copy fails the restore.
-    const uint32_t bad_copies = UnclaimBadCopy(id.first, id.second);
+    const BadCopies bad_copies = UnclaimBadCopy(id.first, id.second);
     if (staging) ReturnBuffer(std::move(*staging));
     asio::post(io_, [this, link, id, credit, status, bad_copies] {
       Status bad =

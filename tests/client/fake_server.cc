@@ -164,6 +164,17 @@ void FakeServer::Resume() {
   cv_.notify_all();
 }
 
+void FakeServer::Pause() {
+  std::lock_guard lock(mutex_);
+  options_.paused = true;
+}
+
+void FakeServer::AdmitDemandJoins() {
+  std::lock_guard lock(mutex_);
+  options_.hold_demand_joins = false;
+  cv_.notify_all();
+}
+
 void FakeServer::AcceptLoop() {
   for (;;) {
     int listen_fd;
@@ -208,6 +219,10 @@ void FakeServer::Serve(int fd) {
       cv_.wait(lock, [&] {
         return stopping_ || stream_done_chunks_.contains(joins) || !live_sessions_.contains(joins);
       });
+    }
+    if (joins != 0 && !header.hello().join_as_lane() && !header.hello().want_files()) {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !options_.hold_demand_joins; });
     }
     if (joins != 0 && header.hello().join_as_lane()) {
       ServeLane(fd, header.hello(), reply);

@@ -71,6 +71,8 @@ struct FakeServerOptions {
   // The same for the demand connection's HelloReply: a client that waits for its demand
   // connection before asking for the stream never gets either.
   bool demand_joins_after_stream_done = false;
+  // Hold every demand connection's HelloReply until AdmitDemandJoins().
+  bool hold_demand_joins = false;
   // The highest protocol version spoken. 2 (when the client offers it) sends the image table as
   // payload after OpenImageReply, in pieces of at most table_piece bytes.
   uint32_t version = 1;
@@ -104,6 +106,10 @@ class FakeServer {
 
   std::string endpoint() const { return "unix:" + path_; }
   void Resume();
+  // paused again (with hold_demand: demand replies wait for Resume too).
+  void Pause();
+  // Lets held demand connections (hold_demand_joins) join, now and from now on.
+  void AdmitDemandJoins();
 
   // Observations (thread-safe).
   int sessions() const;
