@@ -125,7 +125,10 @@ Status Userfaultfd::Unregister(uint64_t addr, uint64_t length) const {
     if (errno == ESRCH) return Status::Ok();  // the process is gone, and its registration too
     return ErrnoError(errno, "UFFDIO_UNREGISTER [{:#x}, +{})", addr, length);
   }
-  return Status::Ok();
+  // A fault taken under the VMA's own lock can enter the queue after UFFDIO_UNREGISTER's wake
+  // and before the VMA is cleared; once the ioctl has returned, every such fault is queued and
+  // no new one can come, so one wake here reaches them all.
+  return Wake(addr, length);
 }
 
 Result<InstallResult> Userfaultfd::Copy(uint64_t dst, std::span<const uint8_t> src) const {

@@ -77,6 +77,9 @@ class Userfaultfd {
 
   // Registers [addr, addr + length) (page aligned) for the mode's fault kinds.
   Status Register(uint64_t addr, uint64_t length) const;
+  // Unregisters the range, then wakes every fault still asleep in it: such a thread retries and
+  // finds ordinary memory. The kernel's own wake at unregister misses a fault that queues itself
+  // just after it (see docs/uffd.md); without ours that thread would sleep for good.
   Status Unregister(uint64_t addr, uint64_t length) const;
 
   // UFFDIO_COPY of src to dst (page aligned; src.size() a multiple of the page size; the last

@@ -252,6 +252,68 @@ uint64_t MappingResidentBytes(const void* addr) {
 // Zero writes installed at once, in either mode: held until the BO is bound, within the BO only,
 // and in MISSING mode never over a page that is there (a chunk installed earlier keeps its
 // bytes); in private anonymous memory MISSING mode maps the zero page and allocates nothing.
+// Threads fault on registered pages nobody fills while the range is unregistered: each must
+// come back (reading zeros) however its fault lines up with the unregistration. The kernel's own
+// wake at UFFDIO_UNREGISTER misses a fault that queues itself just after it; before Unregister
+// woke the range itself, about one round in 3,000 left a thread asleep for good on the 6.18
+// development VM. A race, so many rounds: this fails on most runs without that wake.
+TEST(UffdRegistration, UnregisterLeavesNoFaultAsleep) {
+  constexpr int kThreads = 4;
+  constexpr int kPagesEach = 16;
+  constexpr int kRounds = 4000;
+  const uint64_t page = PageSize();
+  const uint64_t length = uint64_t{kThreads} * kPagesEach * page;
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+
+  std::atomic<int> round{0};     // the round the touchers may start
+  std::atomic<int> finished{0};  // touchers through this round's pages
+  std::atomic<uint8_t*> memory{nullptr};
+  std::vector<std::jthread> touchers;  // stopped and joined on every way out
+  for (int t = 0; t < kThreads; ++t)
+    touchers.emplace_back([&, t](std::stop_token stop) {
+      for (int seen = 0; !stop.stop_requested();) {
+        if (round.load() == seen) {
+          std::this_thread::yield();
+          continue;
+        }
+        seen = round.load();
+        const uint8_t* base = memory.load();
+        for (uint64_t p = 0; p < kPagesEach; ++p) {
+          volatile uint8_t byte = base[(static_cast<uint64_t>(t) * kPagesEach + p) * page];
+          (void)byte;
+        }
+        finished.fetch_add(1);
+      }
+    });
+
+  for (int r = 1; r <= kRounds && !HasFailure(); ++r) {
+    auto mapping = Mapping::Map(-1, length);
+    ASSERT_TRUE(mapping.ok()) << mapping.status().ToString();
+    const auto addr = reinterpret_cast<uint64_t>(mapping->data());
+    ASSERT_TRUE(uffd->Register(addr, length).ok());
+    finished.store(0);
+    memory.store(mapping->data());
+    round.store(r);
+    // Unregister at a different moment of the touchers' faults each round.
+    for (volatile int spin = 0; spin < (r % 64) * 64; spin = spin + 1) {
+    }
+    if (Status unregistered = uffd->Unregister(addr, length); !unregistered.ok()) {
+      ADD_FAILURE() << unregistered.ToString();
+      ASSERT_TRUE(uffd->ZeroPage(addr, length).ok());  // fill the pages, so the touchers end
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (finished.load() < kThreads && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::yield();
+    if (finished.load() < kThreads) {
+      ADD_FAILURE() << kThreads - finished.load() << " thread(s) still asleep in round " << r;
+      ASSERT_TRUE(uffd->Wake(addr, length).ok());  // let them go, so they can be joined
+    }
+    while (finished.load() < kThreads)
+      std::this_thread::yield();
+  }
+}
+
 class UffdZeros : public ::testing::TestWithParam<FillMode> {};
 
 TEST_P(UffdZeros, ZeroWritesInstallZerosAndNeverOverwriteAPresentPage) {
