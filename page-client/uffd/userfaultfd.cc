@@ -125,9 +125,10 @@ Status Userfaultfd::Unregister(uint64_t addr, uint64_t length) const {
     if (errno == ESRCH) return Status::Ok();  // the process is gone, and its registration too
     return ErrnoError(errno, "UFFDIO_UNREGISTER [{:#x}, +{})", addr, length);
   }
-  // A fault taken under the VMA's own lock can enter the queue after UFFDIO_UNREGISTER's wake
-  // and before the VMA is cleared; once the ioctl has returned, every such fault is queued and
-  // no new one can come, so one wake here reaches them all.
+  // A fault racing UFFDIO_UNREGISTER can miss its wake and sleep for good (seen on 6.18; taken
+  // to be a fault under the per-VMA lock queueing after the wake, before the VMA is cleared).
+  // Once the ioctl has returned such a fault is queued and no new one can come: one wake here
+  // reaches them all (docs/uffd.md).
   return Wake(addr, length);
 }
 
