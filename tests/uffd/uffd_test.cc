@@ -89,6 +89,17 @@ std::vector<uint64_t> Sizes(const std::vector<client::BoEntry>& bos) {
   return sizes;
 }
 
+// The restored process's memory for every BO of the session (memfd-backed, registered), each
+// region bound to the engine.
+Result<RestoredMemory> BoundMemory(const Userfaultfd& uffd, UffdCopyEngine& engine,
+                                   const client::RestoreSession& session) {
+  GPULAZY_ASSIGN_OR_RETURN(RestoredMemory memory,
+                           RestoredMemory::Create(uffd, Sizes(session.bos())));
+  for (const Region& region : memory.regions())
+    GPULAZY_RETURN_IF_ERROR(engine.Bind(region, memory.memfd(region.bo)));
+  return memory;
+}
+
 client::SessionOptions Options(const ServerProcess& server) {
   client::SessionOptions options;
   options.endpoint = "unix:" + server.socket_path().string();
@@ -151,10 +162,8 @@ TEST_P(UffdRestore, ByteExactWithRandomFaultsRacingTheFill) {
   client::RestoreSession session(options, engine);
   ASSERT_TRUE(session.Start().ok());
   auto source = SourceBytes(image_dir, session.bos());
-  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  auto memory = BoundMemory(*uffd, engine, session);
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
-  for (const Region& region : memory->regions())
-    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
   AccessRecorder recorder;
   recorder.Reset(session.bos());
   PagerOptions pager_options;
@@ -501,10 +510,8 @@ TEST(UffdPager, HotZeroChunksAreInstalledBeforeTheProgramTouchesThem) {
   client::RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
   ASSERT_EQ(session.profile().hot_count(), hot_zeros.size());
-  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  auto memory = BoundMemory(*uffd, engine, session);
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
-  for (const Region& region : memory->regions())
-    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
   Pager pager(*uffd, session, engine, memory->regions());
   ASSERT_TRUE(pager.Start().ok());
   ASSERT_TRUE(session.WaitComplete(20s).ok());
@@ -550,10 +557,8 @@ TEST(UffdPager, AZeroInstallAfterUnregisterAllIsNoFailure) {
   ASSERT_TRUE(engine.defers_zeros());
   client::RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
-  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  auto memory = BoundMemory(*uffd, engine, session);
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
-  for (const Region& region : memory->regions())
-    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
   ASSERT_TRUE(session.WaitComplete(20s).ok());
   ASSERT_GT(engine.bytes_zero_deferred(), 0u) << "the image has no zero chunk";
   // A zero chunk nobody installed: the first chunk of the manifest stored as zeros.
@@ -687,10 +692,8 @@ TEST(UffdKernelFaults, ASystemCallOnMemoryNotYetRestoredWaitsForItsChunks) {
   client::RestoreSession session(options, engine);
   ASSERT_TRUE(session.Start().ok());
   const auto source = SourceBytes(image_dir, session.bos());
-  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  auto memory = BoundMemory(*uffd, engine, session);
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
-  for (const Region& region : memory->regions())
-    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
   Pager pager(*uffd, session, engine, memory->regions());
   ASSERT_TRUE(pager.Start().ok());
 
@@ -775,10 +778,8 @@ TEST(UffdKernelFaults, ASystemCallOnADeferredZeroChunkGetsItsZeros) {
   client::RestoreSession session(Options(server), engine);
   ASSERT_TRUE(session.Start().ok());
   ASSERT_EQ(session.chunk_size(), 64u << 10);
-  auto memory = RestoredMemory::Create(*uffd, Sizes(session.bos()));
+  auto memory = BoundMemory(*uffd, engine, session);
   ASSERT_TRUE(memory.ok()) << memory.status().ToString();
-  for (const Region& region : memory->regions())
-    ASSERT_TRUE(engine.Bind(region, memory->memfd(region.bo)).ok());
   Pager pager(*uffd, session, engine, memory->regions());
   ASSERT_TRUE(pager.Start().ok());
   ASSERT_TRUE(session.WaitComplete(20s).ok()) << session.status().ToString();
