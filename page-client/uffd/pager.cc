@@ -100,15 +100,10 @@ void Pager::Stop() {
 }
 
 Status Pager::UnregisterAll() {
-  unregistering_.store(true);
   for (const Region& region : regions_)
     GPULAZY_RETURN_IF_ERROR(
         uffd_.Unregister(region.addr, PageAlignUp(std::max<uint64_t>(region.size, 1))));
   return Status::Ok();
-}
-
-bool Pager::RangeReleased(const Status& install) const {
-  return install.code() == Code::kNotFound && unregistering_.load();
 }
 
 Status Pager::status() const {
@@ -205,7 +200,7 @@ void Pager::HandleFault(uint64_t address, Clock::time_point when) {
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
     RecordLatency(when, Clock::now());
-    if (!woken.ok() && !RangeReleased(woken) && status_.ok()) status_ = woken;
+    if (!woken.ok() && status_.ok()) status_ = woken;
     return;
   }
   std::lock_guard lock(mutex_);
@@ -274,7 +269,6 @@ void Pager::InstallHotZeros() {
     Result<std::optional<InstallResult>> zeroed = engine_.InstallDeferredZeros(
         ref.bo(), uint64_t{ref.chunk()} * chunk_size_, ChunkLength(region, ref.chunk()));
     if (zeroed.status().code() == Code::kAborted) return EndPeerGone("an install found it gone");
-    if (RangeReleased(zeroed.status())) return;
     if (!zeroed.ok()) return Fail(zeroed.status());
   }
 }
@@ -287,8 +281,10 @@ Status Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page)
       region.bo, uint64_t{chunk} * chunk_size_, ChunkLength(region, chunk));
   if (!zeroed.ok()) return zeroed.status();
   // UFFDIO_ZEROPAGE woke the chunk's threads where it installed; a page found there was
-  // installed by someone else (or is being mapped now): wake it as for any resident page.
-  if (zeroed->has_value() && (*zeroed)->already_present == 0) return Status::Ok();
+  // installed by someone else (or is being mapped now), or one no longer registered: wake it
+  // as for any resident page.
+  if (zeroed->has_value() && (*zeroed)->already_present == 0 && (*zeroed)->unregistered == 0)
+    return Status::Ok();
   return uffd_.Wake(page, PageSize());
 }
 
@@ -318,7 +314,7 @@ void Pager::Resolve(const Key& key, bool landed) {
   std::lock_guard lock(mutex_);
   for (const auto& when : pending.faulted)
     RecordLatency(when, now);
-  if (!served.ok() && !RangeReleased(served) && status_.ok()) status_ = served;
+  if (!served.ok() && status_.ok()) status_ = served;
   if (!woken.ok() && status_.ok() && landed) status_ = woken;
 }
 

@@ -136,10 +136,6 @@ class Pager {
   Status status_;
   bool stopping_ = false;
   std::atomic<bool> peer_gone_{false};
-  // UnregisterAll began: an install that then finds its range unregistered (ENOENT) is no
-  // failure, as the kernel woke that range's faulting threads when it was unregistered.
-  std::atomic<bool> unregistering_{false};
-  bool RangeReleased(const Status& install) const;
   std::thread loop_;
   std::vector<std::thread> workers_;
   std::thread hot_zeros_;

@@ -1,5 +1,7 @@
 #include "page-client/uffd/uffd_engine.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cstring>
 #include <iterator>
@@ -48,8 +50,26 @@ Status UffdCopyEngine::Account(Result<InstallResult> result, bool zeros, uint32_
   }
   bytes_installed_ += result->installed;
   already_present_ += result->already_present;
+  unregistered_ += result->unregistered;
   if (zeros) zeroed_ += result->installed;
+  if (result->unregistered > 0) NoteUnregistered(bo, offset);
   return Status::Ok();
+}
+
+void UffdCopyEngine::NoteUnregistered(uint32_t bo, uint64_t offset) {
+  Destination* dest = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = destinations_.find(bo);
+    if (it == destinations_.end()) return;
+    dest = &it->second;
+  }
+  // Once per BO: a program that unmapped a BO would otherwise log every chunk of it.
+  if (dest->told_unregistered.exchange(true)) return;
+  spdlog::info(
+      "uffd engine: BO {} from offset {}: the restored process no longer has this memory "
+      "registered (unmapped, replaced or unregistered); its bytes there are skipped",
+      bo, offset);
 }
 
 void UffdCopyEngine::DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count) {
@@ -124,6 +144,7 @@ Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32
     GPULAZY_RETURN_IF_ERROR(Account(*result, /*zeros=*/true, bo, from));
     total.installed += result->installed;
     total.already_present += result->already_present;
+    total.unregistered += result->unregistered;
   }
   return std::optional<InstallResult>{total};
 }

@@ -82,6 +82,9 @@ class UffdCopyEngine : public client::CopyEngine {
   // Of bytes_installed, zero pages (by WriteZeros, or deferred and installed on a fault).
   uint64_t bytes_zeroed() const { return zeroed_.load(); }
   uint64_t bytes_zero_deferred() const { return deferred_.load(); }  // recorded, not installed
+  // Bytes not installed because the restored process no longer has them registered (unmapped,
+  // replaced, or unregistered): nobody can read them through a fault of ours, so they are skipped.
+  uint64_t bytes_unregistered() const { return unregistered_.load(); }
 
  private:
   struct Held {
@@ -99,6 +102,7 @@ class UffdCopyEngine : public client::CopyEngine {
     // Deferred zero ranges, start -> end, disjoint and merged where they touch. Guarded by
     // zeros_mutex_ (not mutex_: installs run without mutex_, and so does the fault path).
     std::map<uint64_t, uint64_t> deferred_zeros;
+    std::atomic<bool> told_unregistered{false};  // logged that installs here were skipped
   };
   // Checks the range and installs the write, or holds it while the BO is not bound.
   Status Submit(uint32_t bo, Held write);
@@ -108,6 +112,7 @@ class UffdCopyEngine : public client::CopyEngine {
   void DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count);
   // Counts an install's outcome, or turns kAborted into target_gone.
   Status Account(Result<InstallResult> result, bool zeros, uint32_t bo, uint64_t offset);
+  void NoteUnregistered(uint32_t bo, uint64_t offset);
 
   const Userfaultfd& uffd_;
   const UffdEngineOptions options_;
@@ -120,6 +125,7 @@ class UffdCopyEngine : public client::CopyEngine {
   std::atomic<uint64_t> already_present_{0};
   std::atomic<uint64_t> zeroed_{0};
   std::atomic<uint64_t> deferred_{0};
+  std::atomic<uint64_t> unregistered_{0};
 };
 
 }  // namespace gpulazy::uffd

@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -33,14 +34,20 @@ uint64_t FeaturesFor(FillMode mode) {
 
 // One ioctl that installs pages (COPY, CONTINUE or ZEROPAGE), repeated past pages that are already
 // there (EEXIST) and past interruptions (EAGAIN: the range changed under us, retry the rest).
+// ENOENT says the range is not wholly inside one VMA registered with us: the process split the
+// mapping (madvise, mprotect on part of it), or unmapped or replaced some of it. The rest is then
+// installed page by page, so the pages still registered get their bytes and only those that are
+// not are skipped.
 template <typename Step>
 Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* what, Step step) {
   InstallResult result;
   uint64_t done = 0;
   const uint64_t page = PageSize();
+  bool page_by_page = false;
   while (done < length) {
     int64_t progressed = 0;
-    int err = step(addr + done, length - done, &progressed);
+    const uint64_t ask = page_by_page ? std::min(page, length - done) : length - done;
+    int err = step(addr + done, ask, &progressed);
     if (progressed > 0) {
       done += static_cast<uint64_t>(progressed);
       result.installed += static_cast<uint64_t>(progressed);
@@ -52,6 +59,15 @@ Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* wh
       continue;
     }
     if (err == EAGAIN) continue;
+    if (err == ENOENT) {
+      if (!page_by_page && length - done > page) {
+        page_by_page = true;
+        continue;
+      }
+      done += std::min(page, length - done);
+      result.unregistered += page;
+      continue;
+    }
     if (err == ESRCH) return Aborted("{} at {:#x}: the registered process is gone", what, addr);
     return ErrnoError(err, "{} [{:#x}, +{})", what, addr + done, length - done);
   }
@@ -163,6 +179,7 @@ Result<InstallResult> Userfaultfd::Copy(uint64_t dst, std::span<const uint8_t> s
                              InstallLoop(dst + whole, page, "UFFDIO_COPY", tail));
     result.installed += last.installed;
     result.already_present += last.already_present;
+    result.unregistered += last.unregistered;
   }
   return result;
 }

@@ -40,11 +40,15 @@ struct FaultEvent {
   bool write = false;
 };
 
-// The outcome of installing a range: how much was installed now and how much was already there
-// (EEXIST: installed earlier by someone else, e.g. a fill that beat a fault).
+// The outcome of installing a range: how much was installed now, how much was already there
+// (EEXIST: installed earlier by someone else, e.g. a fill that beat a fault), and how much lies
+// in no range registered with this userfaultfd (ENOENT page by page: the process unmapped or
+// replaced that memory, or it was unregistered), where nothing is installed and no fault of
+// ours can wait.
 struct InstallResult {
   uint64_t installed = 0;
   uint64_t already_present = 0;
+  uint64_t unregistered = 0;
 };
 
 // Whose accesses to unfilled registered memory become faults for the pager.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -98,6 +99,19 @@ Result<RestoredMemory> BoundMemory(const Userfaultfd& uffd, UffdCopyEngine& engi
   for (const Region& region : memory.regions())
     GPULAZY_RETURN_IF_ERROR(engine.Bind(region, memory.memfd(region.bo)));
   return memory;
+}
+
+// The BO with the most nonzero bytes: a test that interferes with one BO picks this one so its
+// installs carry data, not only zeros.
+uint32_t MostDataBo(const std::vector<std::vector<uint8_t>>& source) {
+  auto data_bytes = [&](uint32_t bo) {
+    return std::count_if(source[bo].begin(), source[bo].end(), [](uint8_t b) { return b != 0; });
+  };
+  uint32_t most = 0;
+  for (uint32_t bo = 0; bo < source.size(); ++bo)
+    if (data_bytes(bo) > data_bytes(most)) most = bo;
+  EXPECT_GT(data_bytes(most), 0) << "the image has no data";
+  return most;
 }
 
 client::SessionOptions Options(const ServerProcess& server) {
@@ -799,6 +813,92 @@ TEST(UffdKernelFaults, ASystemCallOnADeferredZeroChunkGetsItsZeros) {
   ASSERT_TRUE(pager.UnregisterAll().ok());
   pager.Stop();
   EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+}
+
+// The restored program runs while its BOs stream in, and may change their memory before the
+// bytes arrive. Set up as far as the program's memory (not bound yet); `target_` is the BO with
+// the most data, so the installs a test interferes with carry data, not only zeros.
+class UffdProgramChangesItsMemory : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    image_dir_ = MakeImage(dir_.path() / "images", 8 << 20);
+    server_.emplace(dir_.path(), dir_.path() / "images");
+    ASSERT_TRUE(server_->ready()) << server_->Log();
+    auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+    ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+    uffd_.emplace(std::move(*uffd));
+    engine_.emplace(*uffd_);
+    session_.emplace(Options(*server_), *engine_);
+    ASSERT_TRUE(session_->Start().ok());
+    source_ = SourceBytes(image_dir_, session_->bos());
+    auto memory = RestoredMemory::Create(*uffd_, Sizes(session_->bos()));
+    ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+    memory_.emplace(std::move(*memory));
+    target_ = MostDataBo(source_);
+  }
+
+  // Binds every BO, pages until the session completes, and compares every BO but `skip` with
+  // its source.
+  void RestoreAndCompare(std::optional<uint32_t> skip) {
+    for (const Region& r : memory_->regions())
+      ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok());
+    Pager pager(*uffd_, *session_, *engine_, memory_->regions());
+    ASSERT_TRUE(pager.Start().ok());
+    ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+    for (uint32_t bo = 0; bo < source_.size(); ++bo) {
+      if (bo == skip) continue;
+      EXPECT_EQ(std::memcmp(memory_->bytes(bo).data(), source_[bo].data(), source_[bo].size()), 0)
+          << "BO " << bo;
+    }
+    ASSERT_TRUE(pager.UnregisterAll().ok());
+    pager.Stop();
+    EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  }
+
+  TempDir dir_;
+  fs::path image_dir_;
+  std::optional<ServerProcess> server_;
+  std::optional<Userfaultfd> uffd_;
+  std::optional<UffdCopyEngine> engine_;
+  std::optional<client::RestoreSession> session_;
+  std::vector<std::vector<uint8_t>> source_;
+  std::optional<RestoredMemory> memory_;
+  uint32_t target_ = 0;
+};
+
+// A mapping of the program's own where a BO was (munmap + mmap, as an allocator may). The new
+// memory is not registered: installs there find no registered range (ENOENT) and must neither
+// touch it nor fail the restore; every other BO comes back byte-exact.
+TEST_F(UffdProgramChangesItsMemory, AReplacedBoIsSkippedAndTheRestRestores) {
+  const Region& region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  void* fresh = ::mmap(reinterpret_cast<void*>(region.addr), length, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  ASSERT_EQ(fresh, reinterpret_cast<void*>(region.addr)) << std::strerror(errno);
+  std::memset(fresh, 0x77, length);
+  RestoreAndCompare(target_);
+  const std::span<const uint8_t> kept = memory_->bytes(target_);
+  EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](uint8_t b) { return b == 0x77; }))
+      << "the program's own memory was written";
+  EXPECT_GT(engine_->bytes_unregistered(), 0u) << "no install was counted as skipped";
+}
+
+// A BO's mapping split (madvise or mprotect on part of it): a chunk then spans two VMAs, which
+// one UFFDIO_COPY or ZEROPAGE refuses with ENOENT. Installs go on page by page and every byte
+// lands; nothing counts as skipped.
+TEST_F(UffdProgramChangesItsMemory, ASplitMappingStillRestoresWhole) {
+  // One page in the middle of every chunk gets its own VMA (a flag the other pages lack).
+  const Region& region = memory_->regions()[target_];
+  const uint64_t chunk = 64 << 10;  // MakeImage's chunk size
+  int splits = 0;
+  for (uint64_t at = chunk / 2; at + PageSize() <= PageAlignDown(region.size); at += chunk) {
+    ASSERT_EQ(::madvise(reinterpret_cast<void*>(region.addr + at), PageSize(), MADV_NOHUGEPAGE), 0)
+        << std::strerror(errno);
+    ++splits;
+  }
+  ASSERT_GT(splits, 0) << "the BO is smaller than half a chunk";
+  RestoreAndCompare(std::nullopt);
+  EXPECT_EQ(engine_->bytes_unregistered(), 0u);
 }
 
 TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
