@@ -194,13 +194,15 @@ void Pager::HandleFault(uint64_t address, Clock::time_point when) {
   if (session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
     // Installed before we read the fault (the install woke it, or raced with it), or a zero
     // chunk whose pages the engine left for the first touch.
-    Status woken = ServeResident(*region, chunk, page);
-    // A fault read just before its process exited: CONTINUE finds it gone (Wake ignores that).
-    if (woken.code() == Code::kAborted) return EndPeerGone("a wake found it gone");
+    Result<bool> served = ServeResident(*region, chunk, page);
+    // A fault read just before its process exited: CONTINUE or ZEROPAGE finds it gone (Wake
+    // ignores that).
+    if (served.status().code() == Code::kAborted) return EndPeerGone("a wake found it gone");
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
+    if (served.ok() && *served) ++stats_.dropped_pages_zeroed;
     RecordLatency(when, Clock::now());
-    if (!woken.ok() && status_.ok()) status_ = woken;
+    if (!served.ok() && status_.ok()) status_ = served.status();
     return;
   }
   std::lock_guard lock(mutex_);
@@ -273,8 +275,11 @@ void Pager::InstallHotZeros() {
   }
 }
 
-Status Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page) {
-  if (uffd_.mode() == FillMode::kMinorContinue) return uffd_.Continue(page, PageSize()).status();
+Result<bool> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page) {
+  if (uffd_.mode() == FillMode::kMinorContinue) {
+    GPULAZY_RETURN_IF_ERROR(uffd_.Continue(page, PageSize()).status());
+    return false;
+  }
   // The whole chunk's deferred zeros, as a data chunk comes whole: a workload touching a zero
   // pool page by page would otherwise fault on every page.
   Result<std::optional<InstallResult>> zeroed = engine_.InstallDeferredZeros(
@@ -284,8 +289,17 @@ Status Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page)
   // installed by someone else (or is being mapped now), or one no longer registered: wake it
   // as for any resident page.
   if (zeroed->has_value() && (*zeroed)->already_present == 0 && (*zeroed)->unregistered == 0)
-    return Status::Ok();
-  return uffd_.Wake(page, PageSize());
+    return false;
+  // The chunk landed whole before it was marked resident, so a missing page here is one the
+  // program dropped since (MADV_DONTNEED on private anonymous memory, a hole punched in a
+  // memfd): it reads zeros, as it would with no pager, where a wake alone would refault it
+  // for good. (Or a deferred zero page that another thread took from the record and is
+  // installing now: the same zeros, counted here as dropped.) A page that is there (the fault
+  // raced the install) is only woken: EEXIST.
+  GPULAZY_ASSIGN_OR_RETURN(InstallResult refilled, uffd_.ZeroPage(page, PageSize()));
+  if (refilled.installed > 0) return true;  // ZEROPAGE woke it
+  GPULAZY_RETURN_IF_ERROR(uffd_.Wake(page, PageSize()));
+  return false;
 }
 
 void Pager::Resolve(const Key& key, bool landed) {

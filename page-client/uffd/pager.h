@@ -69,8 +69,11 @@ struct PagerOptions {
 };
 
 struct PagerStats {
-  uint64_t faults = 0;              // page-fault events read
-  uint64_t resident_faults = 0;     // already resident when read (woken at once)
+  uint64_t faults = 0;           // page-fault events read
+  uint64_t resident_faults = 0;  // already resident when read (woken at once)
+  // Of resident_faults, pages the program dropped after they landed (MADV_DONTNEED on private
+  // anonymous memory, a hole punched in a memfd), filled with zeros as the kernel would.
+  uint64_t dropped_pages_zeroed = 0;
   uint64_t demand_chunks = 0;       // chunks sent to Ensure
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
@@ -110,8 +113,9 @@ class Pager {
   void InstallHotZeros();
   void Resolve(const Key& key, bool landed);
   // A fault at `page` of `chunk` of `region`, a chunk the session has: installs the chunk's
-  // deferred zeros if it has any, else wakes the page. kAborted when the process is gone.
-  Status ServeResident(const Region& region, uint32_t chunk, uint64_t page);
+  // deferred zeros if it has any, else a zero page where the program dropped the page, else
+  // wakes the page. True when it filled a dropped page. kAborted when the process is gone.
+  Result<bool> ServeResident(const Region& region, uint32_t chunk, uint64_t page);
   void Fail(Status status);
   // The restored process went away: cancels the session and stops, without an error.
   void EndPeerGone(const char* how);

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -815,11 +816,12 @@ TEST(UffdKernelFaults, ASystemCallOnADeferredZeroChunkGetsItsZeros) {
   EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
 }
 
-// The restored program runs while its BOs stream in, and may change their memory before the
-// bytes arrive. Set up as far as the program's memory (not bound yet); `target_` is the BO with
-// the most data, so the installs a test interferes with carry data, not only zeros.
+// The restored program runs while its BOs stream in, and may change their memory before or
+// after the bytes arrive. Set up as far as the session; a test then makes the program's memory
+// (CreateMemory), changes it, and restores. `target_` is the BO with the most data, so the
+// installs a test interferes with carry data, not only zeros.
 class UffdProgramChangesItsMemory : public ::testing::Test {
- protected:
+ public:
   void SetUp() override {
     image_dir_ = MakeImage(dir_.path() / "images", 8 << 20);
     server_.emplace(dir_.path(), dir_.path() / "images");
@@ -831,28 +833,43 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     session_.emplace(Options(*server_), *engine_);
     ASSERT_TRUE(session_->Start().ok());
     source_ = SourceBytes(image_dir_, session_->bos());
-    auto memory = RestoredMemory::Create(*uffd_, Sizes(session_->bos()));
-    ASSERT_TRUE(memory.ok()) << memory.status().ToString();
-    memory_.emplace(std::move(*memory));
     target_ = MostDataBo(source_);
   }
 
+  void TearDown() override {
+    if (!pager_) return;
+    if (!unregistered_) {
+      EXPECT_TRUE(pager_->UnregisterAll().ok());
+    }
+    pager_->Stop();
+    EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+  }
+
+  // Memfds shared, as the host engine maps BOs, or private anonymous memory.
+  void CreateMemory(bool anonymous = false) {
+    auto memory = RestoredMemory::Create(*uffd_, Sizes(session_->bos()), anonymous);
+    ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+    memory_.emplace(std::move(*memory));
+  }
+
   // Binds every BO, pages until the session completes, and compares every BO but `skip` with
-  // its source.
+  // its source. The pager runs on until TearDown (or Unregister).
   void RestoreAndCompare(std::optional<uint32_t> skip) {
     for (const Region& r : memory_->regions())
       ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok());
-    Pager pager(*uffd_, *session_, *engine_, memory_->regions());
-    ASSERT_TRUE(pager.Start().ok());
+    pager_.emplace(*uffd_, *session_, *engine_, memory_->regions());
+    ASSERT_TRUE(pager_->Start().ok());
     ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
     for (uint32_t bo = 0; bo < source_.size(); ++bo) {
       if (bo == skip) continue;
       EXPECT_EQ(std::memcmp(memory_->bytes(bo).data(), source_[bo].data(), source_[bo].size()), 0)
           << "BO " << bo;
     }
-    ASSERT_TRUE(pager.UnregisterAll().ok());
-    pager.Stop();
-    EXPECT_TRUE(pager.status().ok()) << pager.status().ToString();
+  }
+
+  void Unregister() {
+    unregistered_ = true;
+    ASSERT_TRUE(pager_->UnregisterAll().ok());
   }
 
   TempDir dir_;
@@ -863,6 +880,8 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
   std::optional<client::RestoreSession> session_;
   std::vector<std::vector<uint8_t>> source_;
   std::optional<RestoredMemory> memory_;
+  std::optional<Pager> pager_;
+  bool unregistered_ = false;
   uint32_t target_ = 0;
 };
 
@@ -870,6 +889,7 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
 // memory is not registered: installs there find no registered range (ENOENT) and must neither
 // touch it nor fail the restore; every other BO comes back byte-exact.
 TEST_F(UffdProgramChangesItsMemory, AReplacedBoIsSkippedAndTheRestRestores) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
   const Region& region = memory_->regions()[target_];
   const uint64_t length = PageAlignUp(region.size);
   void* fresh = ::mmap(reinterpret_cast<void*>(region.addr), length, PROT_READ | PROT_WRITE,
@@ -887,6 +907,7 @@ TEST_F(UffdProgramChangesItsMemory, AReplacedBoIsSkippedAndTheRestRestores) {
 // one UFFDIO_COPY or ZEROPAGE refuses with ENOENT. Installs go on page by page and every byte
 // lands; nothing counts as skipped.
 TEST_F(UffdProgramChangesItsMemory, ASplitMappingStillRestoresWhole) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
   // One page in the middle of every chunk gets its own VMA (a flag the other pages lack).
   const Region& region = memory_->regions()[target_];
   const uint64_t chunk = 64 << 10;  // MakeImage's chunk size
@@ -899,6 +920,54 @@ TEST_F(UffdProgramChangesItsMemory, ASplitMappingStillRestoresWhole) {
   ASSERT_GT(splits, 0) << "the BO is smaller than half a chunk";
   RestoreAndCompare(std::nullopt);
   EXPECT_EQ(engine_->bytes_unregistered(), 0u);
+}
+
+// A page dropped after its chunk landed faults again while the region is registered. It must
+// read zeros, as with no pager: the chunk is resident, so a pager that only woke the page would
+// refault it for good. `drop` drops the page of target_ at `offset` (page aligned).
+void ExpectADroppedPageReadsZeros(UffdProgramChangesItsMemory& test,
+                                  const std::function<void(uint64_t offset)>& drop) {
+  const std::vector<uint8_t>& bytes = test.source_[test.target_];
+  const auto data = std::find_if(bytes.begin(), bytes.end(), [](uint8_t b) { return b != 0; });
+  const auto offset = static_cast<uint64_t>(data - bytes.begin());
+  ASSERT_NO_FATAL_FAILURE(drop(PageAlignDown(offset)));
+  const PagerStats before = test.pager_->stats();
+
+  std::promise<uint8_t> read;
+  std::future<uint8_t> value = read.get_future();
+  std::thread reader([&] {
+    const volatile uint8_t* at = test.memory_->bytes(test.target_).data() + offset;
+    read.set_value(uint8_t{*at});
+  });
+  const bool in_time = value.wait_for(10s) == std::future_status::ready;
+  test.Unregister();  // wakes the reader if it is stuck, so it can be joined
+  reader.join();
+  ASSERT_TRUE(in_time) << "a read of the dropped page did not return within 10 s";
+  EXPECT_EQ(value.get(), 0);
+  EXPECT_EQ(test.pager_->stats().dropped_pages_zeroed, before.dropped_pages_zeroed + 1);
+}
+
+// MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
+TEST_F(UffdProgramChangesItsMemory, APageDroppedAfterItLandedReadsZeros) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
+  ASSERT_NO_FATAL_FAILURE(RestoreAndCompare(std::nullopt));
+  ExpectADroppedPageReadsZeros(*this, [&](uint64_t offset) {
+    ASSERT_EQ(::madvise(memory_->bytes(target_).data() + offset, PageSize(), MADV_DONTNEED), 0)
+        << std::strerror(errno);
+  });
+}
+
+// A hole punched in a BO's memfd: the page leaves the page cache, and its next touch is a
+// MISSING fault again.
+TEST_F(UffdProgramChangesItsMemory, AHolePunchedAfterItLandedReadsZeros) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(RestoreAndCompare(std::nullopt));
+  ExpectADroppedPageReadsZeros(*this, [&](uint64_t offset) {
+    ASSERT_EQ(::fallocate(memory_->memfd(target_), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                          static_cast<off_t>(offset), static_cast<off_t>(PageSize())),
+              0)
+        << std::strerror(errno);
+  });
 }
 
 TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
