@@ -35,7 +35,7 @@ suites='RestoreSession|RestoreSessionInPlace|RestoreSessionThreads|RestoreSessio
 suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
-suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|UffdRegistration|UffdKernelFaults|Modes/UffdRestore|Modes/UffdHandover|Handover'
+suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|UffdProgramChangesItsMemory|Modes/UffdProgramChangesItsMapping|UffdRegistration|UffdKernelFaults|Modes/UffdRestore|Modes/UffdHandover|Handover'
 suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest|ServerSawTheBreak/SupersedeTest'
 suites+='|Warm|ReadIntoPageCache'
 if $all; then

@@ -826,7 +826,7 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     image_dir_ = MakeImage(dir_.path() / "images", 8 << 20);
     server_.emplace(dir_.path(), dir_.path() / "images");
     ASSERT_TRUE(server_->ready()) << server_->Log();
-    auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+    auto uffd = Userfaultfd::Create(Mode());
     ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
     uffd_.emplace(std::move(*uffd));
     engine_.emplace(*uffd_);
@@ -844,6 +844,8 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     pager_->Stop();
     EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
   }
+
+  virtual FillMode Mode() const { return FillMode::kMissingCopy; }
 
   // Memfds shared, as the host engine maps BOs, or private anonymous memory.
   void CreateMemory(bool anonymous = false) {
@@ -885,10 +887,24 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
   uint32_t target_ = 0;
 };
 
+// The changes to a mapping, in both fill modes: UFFDIO_CONTINUE refuses a range across VMAs or
+// outside any registered one as UFFDIO_COPY does.
+class UffdProgramChangesItsMapping : public UffdProgramChangesItsMemory,
+                                     public ::testing::WithParamInterface<FillMode> {
+ public:
+  FillMode Mode() const override { return GetParam(); }
+};
+
+INSTANTIATE_TEST_SUITE_P(Modes, UffdProgramChangesItsMapping,
+                         ::testing::Values(FillMode::kMissingCopy, FillMode::kMinorContinue),
+                         [](const ::testing::TestParamInfo<FillMode>& info) {
+                           return ModeName(info.param);
+                         });
+
 // A mapping of the program's own where a BO was (munmap + mmap, as an allocator may). The new
 // memory is not registered: installs there find no registered range (ENOENT) and must neither
 // touch it nor fail the restore; every other BO comes back byte-exact.
-TEST_F(UffdProgramChangesItsMemory, AReplacedBoIsSkippedAndTheRestRestores) {
+TEST_P(UffdProgramChangesItsMapping, AReplacedBoIsSkippedAndTheRestRestores) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   const Region& region = memory_->regions()[target_];
   const uint64_t length = PageAlignUp(region.size);
@@ -906,7 +922,7 @@ TEST_F(UffdProgramChangesItsMemory, AReplacedBoIsSkippedAndTheRestRestores) {
 // A BO's mapping split (madvise or mprotect on part of it): a chunk then spans two VMAs, which
 // one UFFDIO_COPY or ZEROPAGE refuses with ENOENT. Installs go on page by page and every byte
 // lands; nothing counts as skipped.
-TEST_F(UffdProgramChangesItsMemory, ASplitMappingStillRestoresWhole) {
+TEST_P(UffdProgramChangesItsMapping, ASplitMappingStillRestoresWhole) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   // One page in the middle of every chunk gets its own VMA (a flag the other pages lack).
   const Region& region = memory_->regions()[target_];
