@@ -142,9 +142,7 @@ Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32
           fmt::format("installing deferred zeros of BO {} offset {}", bo, from));
     }
     GPULAZY_RETURN_IF_ERROR(Account(*result, /*zeros=*/true, bo, from));
-    total.installed += result->installed;
-    total.already_present += result->already_present;
-    total.unregistered += result->unregistered;
+    total += *result;
   }
   return std::optional<InstallResult>{total};
 }

@@ -64,8 +64,9 @@ Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* wh
         page_by_page = true;
         continue;
       }
-      done += std::min(page, length - done);
-      result.unregistered += page;
+      const uint64_t skipped = std::min(page, length - done);
+      done += skipped;
+      result.unregistered += skipped;
       continue;
     }
     if (err == ESRCH) return Aborted("{} at {:#x}: the registered process is gone", what, addr);
@@ -177,9 +178,7 @@ Result<InstallResult> Userfaultfd::Copy(uint64_t dst, std::span<const uint8_t> s
     };
     GPULAZY_ASSIGN_OR_RETURN(InstallResult last,
                              InstallLoop(dst + whole, page, "UFFDIO_COPY", tail));
-    result.installed += last.installed;
-    result.already_present += last.already_present;
-    result.unregistered += last.unregistered;
+    result += last;
   }
   return result;
 }

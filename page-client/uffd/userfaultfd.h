@@ -49,6 +49,13 @@ struct InstallResult {
   uint64_t installed = 0;
   uint64_t already_present = 0;
   uint64_t unregistered = 0;
+
+  InstallResult& operator+=(const InstallResult& more) {
+    installed += more.installed;
+    already_present += more.already_present;
+    unregistered += more.unregistered;
+    return *this;
+  }
 };
 
 // Whose accesses to unfilled registered memory become faults for the pager.

@@ -821,7 +821,7 @@ TEST(UffdKernelFaults, ASystemCallOnADeferredZeroChunkGetsItsZeros) {
 // (CreateMemory), changes it, and restores. `target_` is the BO with the most data, so the
 // installs a test interferes with carry data, not only zeros.
 class UffdProgramChangesItsMemory : public ::testing::Test {
- public:
+ protected:
   void SetUp() override {
     image_dir_ = MakeImage(dir_.path() / "images", 8 << 20);
     server_.emplace(dir_.path(), dir_.path() / "images");
@@ -867,6 +867,30 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
       EXPECT_EQ(std::memcmp(memory_->bytes(bo).data(), source_[bo].data(), source_[bo].size()), 0)
           << "BO " << bo;
     }
+  }
+
+  // A page dropped after its chunk landed faults again while the region is registered. It must
+  // read zeros, as with no pager: the chunk is resident, so a pager that only woke the page would
+  // refault it for good. `drop` drops the page of target_ at `offset` (page aligned).
+  void ExpectADroppedPageReadsZeros(const std::function<void(uint64_t offset)>& drop) {
+    const std::vector<uint8_t>& bytes = source_[target_];
+    const auto data = std::find_if(bytes.begin(), bytes.end(), [](uint8_t b) { return b != 0; });
+    const auto offset = static_cast<uint64_t>(data - bytes.begin());
+    ASSERT_NO_FATAL_FAILURE(drop(PageAlignDown(offset)));
+    const PagerStats before = pager_->stats();
+
+    std::promise<uint8_t> read;
+    std::future<uint8_t> value = read.get_future();
+    std::thread reader([&] {
+      const volatile uint8_t* at = memory_->bytes(target_).data() + offset;
+      read.set_value(uint8_t{*at});
+    });
+    const bool in_time = value.wait_for(10s) == std::future_status::ready;
+    Unregister();  // wakes the reader if it is stuck, so it can be joined
+    reader.join();
+    ASSERT_TRUE(in_time) << "a read of the dropped page did not return within 10 s";
+    EXPECT_EQ(value.get(), 0);
+    EXPECT_EQ(pager_->stats().dropped_pages_zeroed, before.dropped_pages_zeroed + 1);
   }
 
   void Unregister() {
@@ -938,36 +962,11 @@ TEST_P(UffdProgramChangesItsMapping, ASplitMappingStillRestoresWhole) {
   EXPECT_EQ(engine_->bytes_unregistered(), 0u);
 }
 
-// A page dropped after its chunk landed faults again while the region is registered. It must
-// read zeros, as with no pager: the chunk is resident, so a pager that only woke the page would
-// refault it for good. `drop` drops the page of target_ at `offset` (page aligned).
-void ExpectADroppedPageReadsZeros(UffdProgramChangesItsMemory& test,
-                                  const std::function<void(uint64_t offset)>& drop) {
-  const std::vector<uint8_t>& bytes = test.source_[test.target_];
-  const auto data = std::find_if(bytes.begin(), bytes.end(), [](uint8_t b) { return b != 0; });
-  const auto offset = static_cast<uint64_t>(data - bytes.begin());
-  ASSERT_NO_FATAL_FAILURE(drop(PageAlignDown(offset)));
-  const PagerStats before = test.pager_->stats();
-
-  std::promise<uint8_t> read;
-  std::future<uint8_t> value = read.get_future();
-  std::thread reader([&] {
-    const volatile uint8_t* at = test.memory_->bytes(test.target_).data() + offset;
-    read.set_value(uint8_t{*at});
-  });
-  const bool in_time = value.wait_for(10s) == std::future_status::ready;
-  test.Unregister();  // wakes the reader if it is stuck, so it can be joined
-  reader.join();
-  ASSERT_TRUE(in_time) << "a read of the dropped page did not return within 10 s";
-  EXPECT_EQ(value.get(), 0);
-  EXPECT_EQ(test.pager_->stats().dropped_pages_zeroed, before.dropped_pages_zeroed + 1);
-}
-
 // MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
 TEST_F(UffdProgramChangesItsMemory, APageDroppedAfterItLandedReadsZeros) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
   ASSERT_NO_FATAL_FAILURE(RestoreAndCompare(std::nullopt));
-  ExpectADroppedPageReadsZeros(*this, [&](uint64_t offset) {
+  ExpectADroppedPageReadsZeros([&](uint64_t offset) {
     ASSERT_EQ(::madvise(memory_->bytes(target_).data() + offset, PageSize(), MADV_DONTNEED), 0)
         << std::strerror(errno);
   });
@@ -978,7 +977,7 @@ TEST_F(UffdProgramChangesItsMemory, APageDroppedAfterItLandedReadsZeros) {
 TEST_F(UffdProgramChangesItsMemory, AHolePunchedAfterItLandedReadsZeros) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   ASSERT_NO_FATAL_FAILURE(RestoreAndCompare(std::nullopt));
-  ExpectADroppedPageReadsZeros(*this, [&](uint64_t offset) {
+  ExpectADroppedPageReadsZeros([&](uint64_t offset) {
     ASSERT_EQ(::fallocate(memory_->memfd(target_), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                           static_cast<off_t>(offset), static_cast<off_t>(PageSize())),
               0)
