@@ -962,6 +962,21 @@ TEST_P(UffdProgramChangesItsMapping, ASplitMappingStillRestoresWhole) {
   EXPECT_EQ(engine_->bytes_unregistered(), 0u);
 }
 
+// MADV_DONTNEED on a BO's shared memfd mapping before any of it has landed. On shared memory
+// the call only drops page-table entries and the page cache keeps the bytes, so with no pager
+// the memory would still hold the checkpoint's contents: they must all arrive. (This is why the
+// pager does not act on UFFD_EVENT_REMOVE, which this call and MADV_REMOVE send alike;
+// docs/uffd.md, "Limits".)
+TEST_P(UffdProgramChangesItsMapping, DontneedBeforeTheChunksLandKeepsTheCheckpointBytes) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const Region& region = memory_->regions()[target_];
+  ASSERT_EQ(
+      ::madvise(reinterpret_cast<void*>(region.addr), PageAlignUp(region.size), MADV_DONTNEED), 0)
+      << std::strerror(errno);
+  RestoreAndCompare(std::nullopt);
+  EXPECT_EQ(engine_->bytes_unregistered(), 0u);
+}
+
 // MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
 TEST_F(UffdProgramChangesItsMemory, APageDroppedAfterItLandedReadsZeros) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
