@@ -46,8 +46,8 @@ Result<RestoredMemory> RestoredMemory::Create(const Userfaultfd& uffd,
   for (uint32_t bo = 0; bo < sizes.size(); ++bo) {
     UniqueFd memfd;
     if (!anonymous) {
-      // No MFD_CLOEXEC: a pager in another process gets it by SCM_RIGHTS, not by inheritance,
-      // but the faulting process may exec a helper that must not hold it either.
+      // MFD_CLOEXEC: a pager in another process gets it by SCM_RIGHTS, not by inheritance, and a
+      // helper the faulting process execs must not hold it.
       int raw = memfd_create(("gpulazy-bo-" + std::to_string(bo)).c_str(), MFD_CLOEXEC);
       if (raw < 0) return ErrnoError(errno, "memfd_create for BO {}", bo);
       memfd = UniqueFd(raw);
@@ -55,6 +55,12 @@ Result<RestoredMemory> RestoredMemory::Create(const Userfaultfd& uffd,
         return ErrnoError(errno, "sizing the memfd of BO {} to {} bytes", bo, sizes[bo]);
     }
     GPULAZY_ASSIGN_OR_RETURN(Mapping mapping, Mapping::Map(memfd.get(), sizes[bo]));
+    // Not inherited by a child (as memory a device reads commonly is: RDMA registration does the
+    // same). A child's copy of the mapping would not be registered with us: in MISSING mode a
+    // page the child touched before its chunk landed would become zeros in the shared memfd,
+    // and our install would then find it there and skip it, leaving the parent those zeros.
+    if (madvise(mapping.data(), mapping.size(), MADV_DONTFORK) != 0)
+      return ErrnoError(errno, "MADV_DONTFORK on the memory of BO {}", bo);
     GPULAZY_RETURN_IF_ERROR(
         uffd.Register(reinterpret_cast<uint64_t>(mapping.data()), mapping.size()));
     memory.regions_.push_back({bo, reinterpret_cast<uint64_t>(mapping.data()), sizes[bo]});

@@ -46,6 +46,9 @@ class Mapping {
 
 // The restored process's side: creates one memfd + shared mapping per BO and registers every
 // mapping with `uffd`. The memory reads as "not there yet" (faults) until the pager fills it.
+// The mappings are MADV_DONTFORK, as GPU memory is: a child the process forks does not get them
+// (its touch faults with SIGSEGV). Memory registered by other means needs the same, else a
+// child touching a page before it lands corrupts the parent's copy (docs/uffd.md, "Limits").
 class RestoredMemory {
  public:
   // sizes[i] is BO i's size. anonymous: private anonymous mappings instead of memfds (MISSING

@@ -977,6 +977,39 @@ TEST_P(UffdProgramChangesItsMapping, DontneedBeforeTheChunksLandKeepsTheCheckpoi
   EXPECT_EQ(engine_->bytes_unregistered(), 0u);
 }
 
+// The restored program forks before its BOs have landed, and the child touches BO memory. A
+// child's copy of a registered mapping is not registered with our userfaultfd (we do not ask
+// for fork events), so a shared memfd page it touched would be allocated as zeros in the BO's
+// page cache for parent and child alike, and the install that comes later would find the page
+// there and skip it: the parent would read zeros for good. BO memory is not inherited
+// (MADV_DONTFORK, as memory a device reads commonly is): the child's touch faults, and the
+// parent's BOs come back byte-exact.
+TEST_P(UffdProgramChangesItsMapping, AForkedChildCannotTouchBoMemoryBeforeItLands) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const std::vector<uint8_t>& bytes = source_[target_];
+  const auto data = std::find_if(bytes.begin(), bytes.end(), [](uint8_t b) { return b != 0; });
+  ASSERT_NE(data, bytes.end()) << "the target BO holds no data";
+  const volatile uint8_t* at = memory_->bytes(target_).data() + (data - bytes.begin());
+  // Nothing has landed yet: the engine holds every write until the BO is bound.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    // Async-signal-safe only: the parent has threads. The kernel's SIGSEGV, not a sanitizer's
+    // report and exit.
+    struct sigaction default_action {};
+    default_action.sa_handler = SIG_DFL;
+    sigaction(SIGSEGV, &default_action, nullptr);
+    const uint8_t value = *at;
+    _exit(value == 0 ? 10 : 11);  // reached only if the mapping was inherited
+  }
+  int wait_status = 0;
+  ASSERT_EQ(::waitpid(child, &wait_status, 0), child) << std::strerror(errno);
+  EXPECT_TRUE(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGSEGV)
+      << "the child read BO memory (exit status "
+      << (WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : -1) << ")";
+  RestoreAndCompare(std::nullopt);
+}
+
 // MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
 TEST_F(UffdProgramChangesItsMemory, APageDroppedAfterItLandedReadsZeros) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
