@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace gpulazy::uffd {
 
@@ -77,13 +78,103 @@ std::vector<int> RestoredMemory::memfds() const {
   return fds;
 }
 
-const Region* FindRegion(std::span<const Region> regions, uint64_t addr) {
-  auto it = std::upper_bound(regions.begin(), regions.end(), addr,
-                             [](uint64_t a, const Region& r) { return a < r.addr; });
-  if (it == regions.begin()) return nullptr;
+void AddressMap::Insert(uint64_t addr, const Segment& segment) {
+  by_addr_[addr] = segment;
+  by_bo_[{segment.bo, segment.offset}] = addr;
+}
+
+void AddressMap::Add(const Region& region) {
+  std::unique_lock lock(mutex_);
+  if (sizes_.contains(region.bo)) return;
+  sizes_[region.bo] = region.size;
+  Insert(region.addr, {region.bo, 0, PageAlignUp(std::max<uint64_t>(region.size, 1))});
+}
+
+uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold) {
+  if (hold.mutex() != &mutex_ || !hold.owns_lock()) std::abort();  // a caller's bug
+  // Cut the segments overlapping [from, from + length) at its ends, then move the inside ones.
+  auto split_at = [&](uint64_t at) {
+    auto it = by_addr_.upper_bound(at);
+    if (it == by_addr_.begin()) return;
+    --it;
+    const uint64_t start = it->first;
+    Segment& segment = it->second;
+    if (at <= start || at >= start + segment.length) return;
+    const Segment tail{segment.bo, segment.offset + (at - start), start + segment.length - at};
+    segment.length = at - start;
+    Insert(at, tail);
+  };
+  split_at(from);
+  split_at(from + length);
+  std::vector<std::pair<uint64_t, Segment>> moved;
+  for (auto it = by_addr_.lower_bound(from); it != by_addr_.end() && it->first < from + length;) {
+    moved.emplace_back(it->first - from + to, it->second);
+    by_bo_.erase({it->second.bo, it->second.offset});
+    it = by_addr_.erase(it);
+  }
+  // MREMAP_FIXED onto BO memory unmapped what was there: those bytes are no longer anywhere.
+  split_at(to);
+  split_at(to + length);
+  for (auto it = by_addr_.lower_bound(to); it != by_addr_.end() && it->first < to + length;) {
+    by_bo_.erase({it->second.bo, it->second.offset});
+    it = by_addr_.erase(it);
+  }
+  uint64_t bytes = 0;
+  for (const auto& [addr, segment] : moved) {
+    Insert(addr, segment);
+    bytes += segment.length;
+  }
+  if (bytes > 0) ++generation_;
+  return bytes;
+}
+
+std::vector<AddressMap::Piece> AddressMap::Resolve(uint32_t bo, uint64_t offset,
+                                                   uint64_t length) const {
+  std::shared_lock lock(mutex_);
+  std::vector<Piece> pieces;
+  auto it = by_bo_.upper_bound({bo, offset});
+  if (it != by_bo_.begin() && std::prev(it)->first.first == bo) --it;
+  for (; it != by_bo_.end() && it->first.first == bo && it->first.second < offset + length; ++it) {
+    const Segment& segment = by_addr_.at(it->second);
+    const uint64_t from = std::max(offset, segment.offset);
+    const uint64_t to = std::min(offset + length, segment.offset + segment.length);
+    if (from < to) pieces.push_back({it->second + (from - segment.offset), from, to - from});
+  }
+  return pieces;
+}
+
+std::optional<AddressMap::Location> AddressMap::Find(uint64_t addr) const {
+  std::shared_lock lock(mutex_);
+  return FindUnlocked(addr);
+}
+
+std::optional<AddressMap::Location> AddressMap::Find(uint64_t addr, const EventHold& hold) const {
+  if (hold.mutex() != &mutex_ || !hold.owns_lock()) std::abort();  // a caller's bug
+  return FindUnlocked(addr);
+}
+
+std::optional<AddressMap::Location> AddressMap::FindUnlocked(uint64_t addr) const {
+  auto it = by_addr_.upper_bound(addr);
+  if (it == by_addr_.begin()) return std::nullopt;
   --it;
-  if (addr >= it->addr + PageAlignUp(std::max<uint64_t>(it->size, 1))) return nullptr;
-  return &*it;
+  const Segment& segment = it->second;
+  if (addr >= it->first + segment.length) return std::nullopt;
+  const uint64_t offset = segment.offset + (addr - it->first);
+  if (offset >= sizes_.at(segment.bo)) return std::nullopt;
+  return Location{segment.bo, offset};
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> AddressMap::Ranges() const {
+  std::shared_lock lock(mutex_);
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [addr, segment] : by_addr_)
+    ranges.emplace_back(addr, segment.length);
+  return ranges;
+}
+
+uint64_t AddressMap::generation() const {
+  std::shared_lock lock(mutex_);
+  return generation_;
 }
 
 }  // namespace gpulazy::uffd

@@ -7,8 +7,13 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "page-client/uffd/userfaultfd.h"
@@ -70,7 +75,60 @@ class RestoredMemory {
   std::vector<Region> regions_;
 };
 
-// The region that holds `addr`, or nullptr. regions sorted by addr.
-const Region* FindRegion(std::span<const Region> regions, uint64_t addr);
+// Where each BO's bytes are in the faulting process *now*. A BO starts as one range (its
+// Region); the program may move some or all of it (`mremap`, reported as UFFD_EVENT_REMAP), after
+// which its offsets map to several ranges. Shared by the engine (where to install) and the pager
+// (which BO a fault is in, what to wake and unregister).
+//
+// Thread-safety: every method locks. The pager holds hold_for_events() (exclusive) from before
+// it reads events until it has applied the moves among them. An installer that found a range
+// unregistered waits until the kernel has no move unread (Userfaultfd::MappingsChanging), then
+// compares generation() (the shared side, so after any move being applied): a move that took
+// the range was read by then, so it shows.
+class AddressMap {
+ public:
+  struct Piece {
+    uint64_t addr = 0;    // in the faulting process
+    uint64_t offset = 0;  // in the BO
+    uint64_t length = 0;
+  };
+  struct Location {
+    uint32_t bo = 0;
+    uint64_t offset = 0;
+  };
+
+  // Adds BO `region.bo` at its region's address, page-rounded; a BO already there is kept as it
+  // is (the engine and the pager both add what they are given).
+  void Add(const Region& region);
+  using EventHold = std::unique_lock<std::shared_mutex>;
+  // Held by the pager from before it reads events until it has applied the moves among them.
+  EventHold hold_for_events() { return EventHold(mutex_); }
+  // The program moved [from, from + length) to `to` (page aligned): BO bytes there now live at
+  // the new address. Returns how many bytes of BO memory moved. Under hold_for_events().
+  uint64_t Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold);
+  // The pieces of [offset, offset + length) of `bo`, in offset order (none for an unknown BO).
+  std::vector<Piece> Resolve(uint32_t bo, uint64_t offset, uint64_t length) const;
+  // The BO byte at `addr` (nullopt: none, or the page-rounded tail past a BO's size).
+  std::optional<Location> Find(uint64_t addr) const;
+  std::optional<Location> Find(uint64_t addr, const EventHold& hold) const;  // under the hold
+  // Every range holding BO memory now, page-rounded: what to unregister.
+  std::vector<std::pair<uint64_t, uint64_t>> Ranges() const;
+  // Changes with every Move that moved something.
+  uint64_t generation() const;
+
+ private:
+  struct Segment {
+    uint32_t bo = 0;
+    uint64_t offset = 0;  // of the BO at the segment's start
+    uint64_t length = 0;  // page multiple
+  };
+  void Insert(uint64_t addr, const Segment& segment);  // into both indexes
+  std::optional<Location> FindUnlocked(uint64_t addr) const;
+  mutable std::shared_mutex mutex_;
+  std::map<uint64_t, Segment> by_addr_;                      // start address -> segment; disjoint
+  std::map<std::pair<uint32_t, uint64_t>, uint64_t> by_bo_;  // (BO, offset) -> start address
+  std::map<uint32_t, uint64_t> sizes_;                       // BO -> size in bytes
+  uint64_t generation_ = 0;
+};
 
 }  // namespace gpulazy::uffd

@@ -60,6 +60,7 @@ Pager::Pager(const Userfaultfd& uffd, client::RestoreSession& session, UffdCopyE
   for (const Region& region : regions_) {
     if (region.bo >= by_bo_.size()) by_bo_.resize(region.bo + 1, nullptr);
     by_bo_[region.bo] = &region;
+    engine_.addresses().Add(region);
   }
 }
 
@@ -100,9 +101,8 @@ void Pager::Stop() {
 }
 
 Status Pager::UnregisterAll() {
-  for (const Region& region : regions_)
-    GPULAZY_RETURN_IF_ERROR(
-        uffd_.Unregister(region.addr, PageAlignUp(std::max<uint64_t>(region.size, 1))));
+  for (const auto& [addr, length] : engine_.addresses().Ranges())
+    GPULAZY_RETURN_IF_ERROR(uffd_.Unregister(addr, length));
   return Status::Ok();
 }
 
@@ -126,10 +126,42 @@ void Pager::Fail(Status status) {
   wake_workers_.notify_all();
 }
 
+Status Pager::ReadEvents(
+    std::vector<std::pair<uint64_t, std::optional<AddressMap::Location>>>* faults) {
+  FaultEvent events[64];
+  std::vector<FaultEvent> moves;
+  {
+    AddressMap& addresses = engine_.addresses();
+    // Held across the read: an install refused because of a move read here waits for the move
+    // to be applied before it looks again (AddressMap).
+    AddressMap::EventHold hold = addresses.hold_for_events();
+    GPULAZY_ASSIGN_OR_RETURN(size_t n, uffd_.Read(events));
+    for (size_t i = 0; i < n; ++i) {
+      const FaultEvent& event = events[i];
+      if (event.kind == FaultEvent::Kind::kPagefault) {
+        faults->emplace_back(event.address, addresses.Find(event.address, hold));
+      } else if (event.kind == FaultEvent::Kind::kRemap) {
+        const uint64_t moved =
+            addresses.Move(event.address, event.to, event.end - event.address, hold);
+        if (moved > 0) moves.push_back(event);
+        std::lock_guard lock(mutex_);
+        stats_.bytes_moved += moved;
+      }
+    }
+  }
+  for (const FaultEvent& move : moves) {
+    spdlog::info("uffd pager: the restored process moved BO memory [{:#x}, +{}) to {:#x}",
+                 move.address, move.end - move.address, move.to);
+    // A thread asleep on a fault in the old range retries, and finds the memory gone.
+    GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.address, move.end - move.address));
+  }
+  return Status::Ok();
+}
+
 // The core loop: wait for faults (or a hang-up, or Stop), read them, dispatch. Nothing here
 // blocks on the network.
 void Pager::Loop() {
-  FaultEvent events[64];
+  std::vector<std::pair<uint64_t, std::optional<AddressMap::Location>>> faults;
   while (true) {
     pollfd fds[3] = {{uffd_.fd(), POLLIN, 0},
                      {stop_event_.get(), POLLIN, 0},
@@ -143,12 +175,13 @@ void Pager::Loop() {
       return EndPeerGone(engine_.target_gone() ? "an install found it gone" : "its socket hung up");
     }
     if ((fds[0].revents & POLLIN) == 0) continue;
-    Result<size_t> n = uffd_.Read(events);
-    if (!n.ok()) return Fail(n.status());
-    if (*n > 0 && options_.after_events_read) options_.after_events_read();
+    faults.clear();
+    Status read = ReadEvents(&faults);
+    if (!read.ok()) return Fail(read);
+    if (!faults.empty() && options_.after_events_read) options_.after_events_read();
     const auto now = Clock::now();
-    for (size_t i = 0; i < *n; ++i)
-      if (events[i].kind == FaultEvent::Kind::kPagefault) HandleFault(events[i].address, now);
+    for (const auto& [address, at] : faults)
+      HandleFault(address, at, now);
     if (peer_gone_.load()) return;
   }
 }
@@ -168,23 +201,20 @@ void Pager::RecordLatency(Clock::time_point when, Clock::time_point woken) {
   stats_.fault_at_s.push_back(std::chrono::duration<double>(when - started_).count());
 }
 
-uint64_t Pager::ChunkAddr(const Region& region, uint32_t chunk) const {
-  return region.addr + uint64_t{chunk} * chunk_size_;
-}
-
 uint64_t Pager::ChunkLength(const Region& region, uint32_t chunk) const {
   return std::min<uint64_t>(chunk_size_, region.size - uint64_t{chunk} * chunk_size_);
 }
 
-void Pager::HandleFault(uint64_t address, Clock::time_point when) {
-  const Region* region = FindRegion(regions_, address);
+void Pager::HandleFault(uint64_t address, std::optional<AddressMap::Location> at,
+                        Clock::time_point when) {
   const uint64_t page = PageAlignDown(address);
-  if (region == nullptr || address - region->addr >= region->size) {
+  const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
+  if (region == nullptr) {
     // Not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
     Fail(Internal("fault at {:#x} outside every registered BO", address));
     return;
   }
-  const auto chunk = static_cast<uint32_t>((address - region->addr) / chunk_size_);
+  const auto chunk = static_cast<uint32_t>(at->offset / chunk_size_);
   if (options_.recorder != nullptr) options_.recorder->Note(region->bo, chunk);
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
   {
@@ -323,7 +353,10 @@ void Pager::Resolve(const Key& key, bool landed) {
   if (served.code() == Code::kAborted) return EndPeerGone("an install found it gone");
   // The install already woke the faulting threads; this wake covers pages that were present
   // before (EEXIST) and faults that arrived in between.
-  Status woken = uffd_.Wake(ChunkAddr(region, key.second), ChunkLength(region, key.second));
+  Status woken;
+  for (const AddressMap::Piece& piece : engine_.addresses().Resolve(
+           region.bo, uint64_t{key.second} * chunk_size_, ChunkLength(region, key.second)))
+    if (woken.ok()) woken = uffd_.Wake(piece.addr, piece.length);
   const auto now = Clock::now();
   std::lock_guard lock(mutex_);
   for (const auto& when : pending.faulted)

@@ -75,6 +75,7 @@ struct PagerStats {
   // anonymous memory, a hole punched in a memfd), filled with zeros as the kernel would.
   uint64_t dropped_pages_zeroed = 0;
   uint64_t demand_chunks = 0;       // chunks sent to Ensure
+  uint64_t bytes_moved = 0;         // BO memory the program moved (mremap) while registered
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
 };
@@ -108,7 +109,12 @@ class Pager {
   // Under mutex_: one fault read at `when` was woken at `woken`.
   void RecordLatency(std::chrono::steady_clock::time_point when,
                      std::chrono::steady_clock::time_point woken);
-  void HandleFault(uint64_t address, std::chrono::steady_clock::time_point when);
+  // A fault at `address`, in BO memory at `at` when it was read (nullopt: in none).
+  void HandleFault(uint64_t address, std::optional<AddressMap::Location> at,
+                   std::chrono::steady_clock::time_point when);
+  // Reads pending events; applies the program's moves among them to the engine's AddressMap
+  // (waking the old ranges) and locates each fault as of its place among them.
+  Status ReadEvents(std::vector<std::pair<uint64_t, std::optional<AddressMap::Location>>>* faults);
   void DemandWorker();
   void InstallHotZeros();
   void Resolve(const Key& key, bool landed);
@@ -119,7 +125,6 @@ class Pager {
   void Fail(Status status);
   // The restored process went away: cancels the session and stops, without an error.
   void EndPeerGone(const char* how);
-  uint64_t ChunkAddr(const Region& region, uint32_t chunk) const;
   uint64_t ChunkLength(const Region& region, uint32_t chunk) const;
 
   const Userfaultfd& uffd_;

@@ -3,8 +3,10 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <iterator>
+#include <thread>
 
 namespace gpulazy::uffd {
 
@@ -15,17 +17,61 @@ Status UffdCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
   return Status::Ok();
 }
 
+template <typename Step>
+Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offset, uint64_t length,
+                                                      Step step) {
+  auto install = [&]() -> Result<InstallResult> {
+    InstallResult total;
+    for (const AddressMap::Piece& piece : addresses_.Resolve(bo, offset, length)) {
+      GPULAZY_ASSIGN_OR_RETURN(InstallResult part, step(piece.addr, piece.offset, piece.length));
+      total += part;
+    }
+    return total;
+  };
+  uint64_t generation = addresses_.generation();
+  GPULAZY_ASSIGN_OR_RETURN(InstallResult result, install());
+  // A range found unregistered may have moved under us. Wait until no move is unread (an
+  // install can find a range gone before the event that moved it is read); then the pager has
+  // read it, and generation() waits until it has applied it (AddressMap).
+  while (result.unregistered > 0) {
+    WaitForUnreadMoves();
+    const uint64_t now = addresses_.generation();
+    if (now == generation) break;
+    generation = now;
+    GPULAZY_ASSIGN_OR_RETURN(InstallResult again, install());
+    // The second pass finds what the first one installed already there.
+    again.already_present -= std::min(again.already_present, result.installed);
+    result.unregistered = 0;
+    result += again;
+  }
+  return result;
+}
+
+void UffdCopyEngine::WaitForUnreadMoves() {
+  // The program's mremap waits for the pager to read its event, so this ends as soon as the
+  // pager's loop runs; a pager that stopped reading leaves the move (and the program) waiting,
+  // and the install is then counted as skipped.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (uffd_.MappingsChanging()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      spdlog::warn(
+          "uffd engine: the restored process is still moving memory after 5 s (is the "
+          "pager reading events?)");
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
   if (target_gone_.load()) return Status::Ok();
+  const uint32_t bo = dest.region->bo;
   const uint64_t offset = write.offset;
-  const uint64_t addr = dest.region->addr + offset;
   if (write.zeros && defers_zeros()) {
     DeferZeros(dest, offset, write.length, true);
     return Status::Ok();
   }
-  auto install = [&]() -> Result<InstallResult> {
-    if (uffd_.mode() == FillMode::kMissingCopy)
-      return write.zeros ? uffd_.ZeroPage(addr, write.length) : uffd_.Copy(addr, write.raw);
+  if (uffd_.mode() == FillMode::kMinorContinue) {
     // Bytes first through our own mapping (the faulting process cannot see them yet: its page
     // tables do not map these pages), then map them there.
     if (write.zeros) {
@@ -34,9 +80,13 @@ Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
       if (!write.raw.empty())
         std::memcpy(dest.filler.data() + offset, write.raw.data(), write.raw.size());
     }
-    return uffd_.Continue(addr, write.length);
+  }
+  auto step = [&](uint64_t addr, uint64_t at, uint64_t length) -> Result<InstallResult> {
+    if (uffd_.mode() == FillMode::kMinorContinue) return uffd_.Continue(addr, length);
+    if (write.zeros) return uffd_.ZeroPage(addr, length);
+    return uffd_.Copy(addr, write.raw.subspan(at - offset, length));
   };
-  return Account(install(), write.zeros, dest.region->bo, offset);
+  return Account(InstallResolved(bo, offset, write.length, step), write.zeros, bo, offset);
 }
 
 Status UffdCopyEngine::Account(Result<InstallResult> result, bool zeros, uint32_t bo,
@@ -129,7 +179,9 @@ Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32
   InstallResult total;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const auto [from, to] = pieces[i];
-    Result<InstallResult> result = uffd_.ZeroPage(dest->region->addr + from, to - from);
+    Result<InstallResult> result = InstallResolved(
+        bo, from, to - from,
+        [&](uint64_t addr, uint64_t, uint64_t length) { return uffd_.ZeroPage(addr, length); });
     if (!result.ok()) {
       if (result.status().code() == Code::kAborted) {
         target_gone_.store(true);
@@ -196,6 +248,7 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
       GPULAZY_ASSIGN_OR_RETURN(it->second.filler, Mapping::Map(memfd, region.size));
     }
     it->second.region = region;
+    addresses_.Add(region);
     held.swap(it->second.held);
     dest = &it->second;
   }

@@ -59,6 +59,9 @@ class UffdCopyEngine : public client::CopyEngine {
   // Where BO `region.bo` lives in the faulting process. In MINOR mode `memfd` is the BO's
   // memfd (the engine maps it to write); ignored in MISSING mode. Applies held writes.
   Status Bind(const Region& region, int memfd = -1);
+  // Where every bound BO's bytes are now; the pager applies the program's moves to it, and an
+  // install that a move raced is made again at the new address.
+  AddressMap& addresses() { return addresses_; }
   // The pager, on a fault at [offset, offset + length) of `bo` (page aligned) in a chunk the
   // session has: installs the deferred zero pages there (UFFDIO_ZEROPAGE, which wakes their
   // faulting threads) and drops them from the record. nullopt when no deferred zero overlaps the
@@ -110,6 +113,12 @@ class UffdCopyEngine : public client::CopyEngine {
   Status Install(Destination& dest, const Held& write);
   // Records [offset, offset + length) as zeros to install on a fault (counted when `count`).
   void DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count);
+  // Installs [offset, offset + length) of `bo` wherever it lives now, one `step(addr, offset,
+  // length)` per piece; again, where the program moved part of it under the install.
+  template <typename Step>
+  Result<InstallResult> InstallResolved(uint32_t bo, uint64_t offset, uint64_t length, Step step);
+  // Returns once the kernel has no move of the program's unread (bounded: 5 s).
+  void WaitForUnreadMoves();
   // Counts an install's outcome, or turns kAborted into target_gone.
   Status Account(Result<InstallResult> result, bool zeros, uint32_t bo, uint64_t offset);
   void NoteUnregistered(uint32_t bo, uint64_t offset);
@@ -119,6 +128,7 @@ class UffdCopyEngine : public client::CopyEngine {
   std::mutex mutex_;        // guards destinations_' shape, bindings and held writes
   std::mutex zeros_mutex_;  // guards every Destination::deferred_zeros
   std::map<uint32_t, Destination> destinations_;
+  AddressMap addresses_;
   bool abandoned_ = false;  // guarded by mutex_
   std::atomic<bool> target_gone_{false};
   std::atomic<uint64_t> bytes_installed_{0};

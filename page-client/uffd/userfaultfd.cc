@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
+#include <sched.h>
 #include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
@@ -27,9 +28,11 @@ uint64_t PageSize() {
 namespace {
 
 uint64_t FeaturesFor(FillMode mode) {
-  // Shmem support is asked for in both modes: the host engine's BO memory is a memfd.
-  return mode == FillMode::kMissingCopy ? UFFD_FEATURE_MISSING_SHMEM
-                                        : (UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM);
+  // Shmem support is asked for in both modes: the host engine's BO memory is a memfd. Remap
+  // events: without them the kernel unregisters a range the program moves, which then reads
+  // zeros where its chunks have not landed (docs/uffd.md, "Memory the program moved").
+  const uint64_t common = UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_EVENT_REMAP;
+  return mode == FillMode::kMissingCopy ? common : (common | UFFD_FEATURE_MINOR_SHMEM);
 }
 
 // One ioctl that installs pages (COPY, CONTINUE or ZEROPAGE), repeated past pages that are already
@@ -58,7 +61,10 @@ Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* wh
       result.already_present += page;
       continue;
     }
-    if (err == EAGAIN) continue;
+    if (err == EAGAIN) {  // the program is changing its mappings; let the event's reader run
+      sched_yield();
+      continue;
+    }
     if (err == ENOENT) {
       if (!page_by_page && length - done > page) {
         page_by_page = true;
@@ -216,6 +222,11 @@ Status Userfaultfd::Wake(uint64_t addr, uint64_t length) const {
   return Status::Ok();
 }
 
+bool Userfaultfd::MappingsChanging() const {
+  uffdio_zeropage nothing{};
+  return ioctl(fd_.get(), UFFDIO_ZEROPAGE, &nothing) != 0 && errno == EAGAIN;
+}
+
 Result<size_t> Userfaultfd::Read(std::span<FaultEvent> out) const {
   uffd_msg msgs[64];
   const size_t want = std::min(out.size(), std::size(msgs));
@@ -245,6 +256,12 @@ Result<size_t> Userfaultfd::Read(std::span<FaultEvent> out) const {
         event.kind = FaultEvent::Kind::kUnmap;
         event.address = msgs[i].arg.remove.start;
         event.end = msgs[i].arg.remove.end;
+        break;
+      case UFFD_EVENT_REMAP:
+        event.kind = FaultEvent::Kind::kRemap;
+        event.address = msgs[i].arg.remap.from;
+        event.end = msgs[i].arg.remap.from + msgs[i].arg.remap.len;
+        event.to = msgs[i].arg.remap.to;
         break;
       default:
         break;

@@ -32,10 +32,11 @@ enum class FillMode {
 const char* FillModeName(FillMode mode);
 
 struct FaultEvent {
-  enum class Kind { kPagefault, kRemove, kUnmap, kOther };
+  enum class Kind { kPagefault, kRemove, kUnmap, kRemap, kOther };
   Kind kind = Kind::kOther;
-  uint64_t address = 0;  // page fault: the faulting address; remove/unmap: range start
-  uint64_t end = 0;      // remove/unmap: range end
+  uint64_t address = 0;  // page fault: the faulting address; remove/unmap/remap: range start
+  uint64_t end = 0;      // remove/unmap/remap: range end
+  uint64_t to = 0;       // remap: where the range now starts
   bool minor = false;    // a MINOR fault (the page is in the page cache, not mapped)
   bool write = false;
 };
@@ -72,9 +73,10 @@ const char* FaultScopeName(FaultScope scope);
 class Userfaultfd {
  public:
   // Opens a userfaultfd (O_CLOEXEC | O_NONBLOCK) and negotiates the API with the features `mode`
-  // needs; kUnsupported when the kernel lacks them. Without a `scope`: kernel-mode faults too
-  // where this process may catch them, else user-mode only (warned once); a `scope` given is
-  // that or an error.
+  // needs, and remap events (a registered range the program moves stays registered, and its
+  // mremap waits for the reader to read the event); kUnsupported when the kernel lacks them.
+  // Without a `scope`: kernel-mode faults too where this process may catch them, else user-mode
+  // only (warned once); a `scope` given is that or an error.
   static Result<Userfaultfd> Create(FillMode mode, std::optional<FaultScope> scope = std::nullopt);
   // Wraps a descriptor received from another process (API already negotiated there), with the
   // scope its creator says it has (nullopt: not known).
@@ -105,6 +107,11 @@ class Userfaultfd {
   Result<InstallResult> ZeroPage(uint64_t addr, uint64_t length) const;
   // UFFDIO_WAKE: wakes threads blocked on faults in the range (after someone else installed).
   Status Wake(uint64_t addr, uint64_t length) const;
+  // Whether the program is changing its mappings under us and the event saying how (a move)
+  // is not read yet: installs then fail with EAGAIN, or with ENOENT where the range has already
+  // moved. Asked with an install of nothing, which the kernel refuses with EAGAIN in that state
+  // before it looks at the range (seen on 6.18).
+  bool MappingsChanging() const;
 
   // Non-blocking read of pending events; 0 when none. kAborted at EOF.
   Result<size_t> Read(std::span<FaultEvent> out) const;

@@ -273,6 +273,68 @@ uint64_t MappingResidentBytes(const void* addr) {
   return rss;
 }
 
+// AddressMap alone: where BO offsets live after the program moved some of them.
+TEST(AddressMap, AMoveOfPartOfABoSplitsItAndResolvesEachOffsetWhereItIs) {
+  const uint64_t page = PageSize();
+  AddressMap map;
+  map.Add({/*bo=*/0, /*addr=*/100 * page, /*size=*/10 * page});
+  map.Add({/*bo=*/1, /*addr=*/200 * page, /*size=*/4 * page - 1});
+  EXPECT_EQ(map.generation(), 0u);
+  {
+    AddressMap::EventHold hold = map.hold_for_events();
+    // Pages 3..6 of BO 0 to 500: the BO now lives in three ranges.
+    EXPECT_EQ(map.Move(103 * page, 500 * page, 4 * page, hold), 4 * page);
+    // Nothing of ours there: no change.
+    EXPECT_EQ(map.Move(900 * page, 950 * page, page, hold), 0u);
+  }
+  EXPECT_EQ(map.generation(), 1u);
+  const std::vector<AddressMap::Piece> pieces = map.Resolve(0, 2 * page, 6 * page);
+  ASSERT_EQ(pieces.size(), 3u);
+  EXPECT_EQ(pieces[0].addr, 102 * page);
+  EXPECT_EQ(pieces[0].offset, 2 * page);
+  EXPECT_EQ(pieces[0].length, page);
+  EXPECT_EQ(pieces[1].addr, 500 * page);
+  EXPECT_EQ(pieces[1].offset, 3 * page);
+  EXPECT_EQ(pieces[1].length, 4 * page);
+  EXPECT_EQ(pieces[2].addr, 107 * page);
+  EXPECT_EQ(pieces[2].offset, 7 * page);
+  EXPECT_EQ(pieces[2].length, page);
+  ASSERT_TRUE(map.Find(501 * page + 5).has_value());
+  EXPECT_EQ(map.Find(501 * page + 5)->bo, 0u);
+  EXPECT_EQ(map.Find(501 * page + 5)->offset, 4 * page + 5);
+  EXPECT_FALSE(map.Find(104 * page).has_value()) << "the range it left is not BO memory";
+  // BO 1's page-rounded tail past its size is no BO byte.
+  EXPECT_TRUE(map.Find(200 * page + 4 * page - 2).has_value());
+  EXPECT_FALSE(map.Find(200 * page + 4 * page - 1).has_value());
+  EXPECT_EQ(map.Ranges().size(), 4u);
+}
+
+// MREMAP_FIXED onto BO memory unmaps what was there: those offsets are nowhere afterwards, and
+// a BO added again keeps where it is.
+TEST(AddressMap, AMoveOntoAnotherBoReplacesIt) {
+  const uint64_t page = PageSize();
+  AddressMap map;
+  map.Add({0, 100 * page, 4 * page});
+  map.Add({1, 200 * page, 4 * page});
+  {
+    AddressMap::EventHold hold = map.hold_for_events();
+    EXPECT_EQ(map.Move(100 * page, 201 * page, 2 * page, hold), 2 * page);
+  }
+  map.Add(
+      {0, 100 * page, 4 * page});  // a second Add (the engine's Bind after the pager's) is ignored
+  const std::vector<AddressMap::Piece> one = map.Resolve(1, 0, 4 * page);
+  ASSERT_EQ(one.size(), 2u) << "pages 1 and 2 of BO 1 were replaced";
+  EXPECT_EQ(one[0].addr, 200 * page);
+  EXPECT_EQ(one[0].length, page);
+  EXPECT_EQ(one[1].addr, 203 * page);
+  EXPECT_EQ(one[1].offset, 3 * page);
+  ASSERT_TRUE(map.Find(202 * page).has_value());
+  EXPECT_EQ(map.Find(202 * page)->bo, 0u);
+  EXPECT_EQ(map.Find(202 * page)->offset, page);
+  EXPECT_EQ(map.Resolve(0, 0, 4 * page).front().addr, 201 * page);
+  EXPECT_TRUE(map.Resolve(7, 0, page).empty()) << "an unknown BO";
+}
+
 // Zero writes installed at once, in either mode: held until the BO is bound, within the BO only,
 // and in MISSING mode never over a page that is there (a chunk installed earlier keeps its
 // bytes); in private anonymous memory MISSING mode maps the zero page and allocates nothing.
@@ -898,6 +960,42 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     ASSERT_TRUE(pager_->UnregisterAll().ok());
   }
 
+  // Starts the pager before any BO is bound (so nothing lands yet) and binds them on Bind().
+  void StartPagerUnbound() {
+    pager_.emplace(*uffd_, *session_, *engine_, memory_->regions());
+    ASSERT_TRUE(pager_->Start().ok());
+  }
+  void Bind() {
+    for (const Region& r : memory_->regions())
+      ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok());
+  }
+
+  // Address space nobody else takes: a PROT_NONE placeholder that a move may land on.
+  static uint64_t Reserve(uint64_t length) {
+    void* at = ::mmap(nullptr, length, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(at, MAP_FAILED) << std::strerror(errno);
+    return reinterpret_cast<uint64_t>(at);
+  }
+  // The program moves [from, +length) onto a reservation at `to`. The pager must be running:
+  // the move waits for it to read the event.
+  static void Move(uint64_t from, uint64_t to, uint64_t length) {
+    void* moved = ::mremap(reinterpret_cast<void*>(from), length, length,
+                           MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(to));
+    ASSERT_EQ(moved, reinterpret_cast<void*>(to)) << std::strerror(errno);
+  }
+  // A placeholder where BO memory was, so RestoredMemory's unmapping at the end unmaps it and not
+  // someone else's mapping.
+  static void Hold(uint64_t at, uint64_t length) {
+    void* hold = ::mmap(reinterpret_cast<void*>(at), length, PROT_NONE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    ASSERT_EQ(hold, reinterpret_cast<void*>(at)) << std::strerror(errno);
+  }
+  // Unregisters what the map says is BO memory now, then unmaps moved memory at `at`.
+  void UnregisterAndUnmap(uint64_t at, uint64_t length) {
+    ASSERT_NO_FATAL_FAILURE(Unregister());
+    ASSERT_EQ(::munmap(reinterpret_cast<void*>(at), length), 0) << std::strerror(errno);
+  }
+
   TempDir dir_;
   fs::path image_dir_;
   std::optional<ServerProcess> server_;
@@ -1008,6 +1106,94 @@ TEST_P(UffdProgramChangesItsMapping, AForkedChildCannotTouchBoMemoryBeforeItLand
       << "the child read BO memory (exit status "
       << (WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : -1) << ")";
   RestoreAndCompare(std::nullopt);
+}
+
+// The program moves a whole BO (mremap) before any of it has landed. The registration moves
+// with it (remap events), the pager follows the move, and every byte lands at the new address.
+TEST_P(UffdProgramChangesItsMapping, AMovedBoGetsItsBytesAtItsNewAddress) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPagerUnbound());
+  const Region& region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  const uint64_t elsewhere = Reserve(length);
+  ASSERT_NO_FATAL_FAILURE(Move(region.addr, elsewhere, length));
+  ASSERT_NO_FATAL_FAILURE(Hold(region.addr, length));
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(elsewhere), source_[target_].data(),
+                        source_[target_].size()),
+            0);
+  for (uint32_t bo = 0; bo < source_.size(); ++bo) {
+    if (bo == target_) continue;
+    EXPECT_EQ(std::memcmp(memory_->bytes(bo).data(), source_[bo].data(), source_[bo].size()), 0)
+        << "BO " << bo;
+  }
+  EXPECT_EQ(engine_->bytes_unregistered(), 0u);
+  EXPECT_EQ(pager_->stats().bytes_moved, length);
+  UnregisterAndUnmap(elsewhere, length);
+}
+
+// Part of a BO moved (its middle chunks): the BO's offsets now live in three ranges, and each
+// byte lands in the one that holds it.
+TEST_P(UffdProgramChangesItsMapping, APartlyMovedBoRestoresWhole) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPagerUnbound());
+  const Region& region = memory_->regions()[target_];
+  const uint64_t chunk = 64 << 10;  // MakeImage's chunk size
+  ASSERT_GE(region.size, 4 * chunk) << "the BO is too small to move its middle";
+  // From the middle of chunk 1 to the middle of chunk 3: chunks cut in two by the move.
+  const uint64_t from = chunk + chunk / 2;
+  const uint64_t length = 2 * chunk;
+  const uint64_t elsewhere = Reserve(length);
+  ASSERT_NO_FATAL_FAILURE(Move(region.addr + from, elsewhere, length));
+  ASSERT_NO_FATAL_FAILURE(Hold(region.addr + from, length));
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  const std::vector<uint8_t>& source = source_[target_];
+  const uint8_t* stayed = memory_->bytes(target_).data();
+  EXPECT_EQ(std::memcmp(stayed, source.data(), from), 0) << "before the moved range";
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(elsewhere), source.data() + from, length), 0)
+      << "the moved range";
+  EXPECT_EQ(std::memcmp(stayed + from + length, source.data() + from + length,
+                        source.size() - from - length),
+            0)
+      << "after the moved range";
+  EXPECT_EQ(engine_->bytes_unregistered(), 0u);
+  UnregisterAndUnmap(elsewhere, length);
+}
+
+// A BO moved again and again while its chunks stream in: installs that
+// race a move are made again where the bytes went, and nothing is skipped.
+TEST_P(UffdProgramChangesItsMapping, ABoMovedAgainAndAgainWhileItStreamsRestoresWhole) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPagerUnbound());
+  const Region& region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  uint64_t now = Reserve(length);
+  ASSERT_NO_FATAL_FAILURE(Move(region.addr, now, length));
+  ASSERT_NO_FATAL_FAILURE(Hold(region.addr, length));
+  std::atomic<bool> done{false};
+  int moves = 1;
+  std::thread mover([&] {
+    // Each move to a fresh reservation: the range it leaves is not ours to reuse.
+    while (!done.load() && moves < 1000) {
+      const uint64_t next = Reserve(length);
+      Move(now, next, length);
+      now = next;
+      ++moves;
+    }
+  });
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  const bool complete = session_->WaitComplete(20s).ok();
+  done.store(true);
+  mover.join();
+  ASSERT_TRUE(complete) << session_->status().ToString();
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(now), source_[target_].data(),
+                        source_[target_].size()),
+            0)
+      << "after " << moves << " moves";
+  EXPECT_EQ(engine_->bytes_unregistered(), 0u) << "after " << moves << " moves";
+  UnregisterAndUnmap(now, length);
 }
 
 // MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
