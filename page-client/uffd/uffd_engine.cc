@@ -22,10 +22,14 @@ Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offs
                                                       Step step) {
   auto install = [&]() -> Result<InstallResult> {
     InstallResult total;
+    uint64_t placed = 0;
     for (const AddressMap::Piece& piece : addresses_.Resolve(bo, offset, length)) {
       GPULAZY_ASSIGN_OR_RETURN(InstallResult part, step(piece.addr, piece.offset, piece.length));
       total += part;
+      placed += piece.length;
     }
+    // Bytes at no address at all: the program mapped something else over them.
+    total.unregistered += length - std::min(length, placed);
     return total;
   };
   uint64_t generation = addresses_.generation();
@@ -39,8 +43,9 @@ Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offs
     if (now == generation) break;
     generation = now;
     GPULAZY_ASSIGN_OR_RETURN(InstallResult again, install());
-    // The second pass finds what the first one installed already there.
-    again.already_present -= std::min(again.already_present, result.installed);
+    // The second pass finds what the first one installed or found already there.
+    again.already_present -=
+        std::min(again.already_present, result.installed + result.already_present);
     result.unregistered = 0;
     result += again;
   }
