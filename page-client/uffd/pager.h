@@ -7,6 +7,9 @@
 // Policy kept outside the loop: which chunks were first needed, in what order (AccessRecorder,
 // the source of a recorded access profile), and when to stop.
 //
+// Follows BO memory the program moves (remap events) in the engine's AddressMap, so faults,
+// installs and wakes find it where it is now (docs/uffd.md, "Memory the program moved").
+//
 // Ends cleanly when the restored process goes away (its handover socket hangs up, or installs
 // fail with ESRCH): the session is cancelled and peer_gone() says why.
 //
