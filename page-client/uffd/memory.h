@@ -80,11 +80,12 @@ class RestoredMemory {
 // which its offsets map to several ranges. Shared by the engine (where to install) and the pager
 // (which BO a fault is in, what to wake and unregister).
 //
-// Thread-safety: every method locks. The pager holds hold_for_events() (exclusive) from before
-// it reads events until it has applied the moves among them. An installer that found a range
-// unregistered waits until the kernel has no move unread (Userfaultfd::MappingsChanging), then
-// compares generation() (the shared side, so after any move being applied): a move that took
-// the range was read by then, so it shows.
+// Thread-safety: every method locks, but Move and Find(addr, hold), which run under the hold
+// (a hold of another map, or none, aborts: a caller's bug). The pager holds hold_for_events()
+// (exclusive) from before it reads events until it has applied the moves among them. An installer
+// that found a range unregistered waits until the kernel has no move unread
+// (Userfaultfd::MappingsChanging), then compares generation() (the shared side, so after any move
+// being applied): a move that took the range was read by then, so it shows.
 class AddressMap {
  public:
   struct Piece {
