@@ -55,8 +55,6 @@ Pager::Pager(const Userfaultfd& uffd, client::RestoreSession& session, UffdCopyE
       engine_(engine),
       regions_(std::move(regions)),
       options_(std::move(options)) {
-  std::sort(regions_.begin(), regions_.end(),
-            [](const Region& a, const Region& b) { return a.addr < b.addr; });
   for (const Region& region : regions_) {
     if (region.bo >= by_bo_.size()) by_bo_.resize(region.bo + 1, nullptr);
     by_bo_[region.bo] = &region;
@@ -126,8 +124,7 @@ void Pager::Fail(Status status) {
   wake_workers_.notify_all();
 }
 
-Status Pager::ReadEvents(
-    std::vector<std::pair<uint64_t, std::optional<AddressMap::Location>>>* faults) {
+Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
   FaultEvent events[64];
   std::vector<FaultEvent> moves;
   {
@@ -139,7 +136,7 @@ Status Pager::ReadEvents(
     for (size_t i = 0; i < n; ++i) {
       const FaultEvent& event = events[i];
       if (event.kind == FaultEvent::Kind::kPagefault) {
-        faults->emplace_back(event.address, addresses.Find(event.address, hold));
+        faults->push_back({event.address, addresses.Find(event.address, hold)});
       } else if (event.kind == FaultEvent::Kind::kRemap) {
         const uint64_t moved =
             addresses.Move(event.address, event.to, event.end - event.address, hold);
@@ -161,7 +158,7 @@ Status Pager::ReadEvents(
 // The core loop: wait for faults (or a hang-up, or Stop), read them, dispatch. Nothing here
 // blocks on the network.
 void Pager::Loop() {
-  std::vector<std::pair<uint64_t, std::optional<AddressMap::Location>>> faults;
+  std::vector<ReadFault> faults;
   while (true) {
     pollfd fds[3] = {{uffd_.fd(), POLLIN, 0},
                      {stop_event_.get(), POLLIN, 0},
@@ -180,8 +177,8 @@ void Pager::Loop() {
     if (!read.ok()) return Fail(read);
     if (!faults.empty() && options_.after_events_read) options_.after_events_read();
     const auto now = Clock::now();
-    for (const auto& [address, at] : faults)
-      HandleFault(address, at, now);
+    for (const ReadFault& fault : faults)
+      HandleFault(fault, now);
     if (peer_gone_.load()) return;
   }
 }
@@ -205,8 +202,9 @@ uint64_t Pager::ChunkLength(const Region& region, uint32_t chunk) const {
   return std::min<uint64_t>(chunk_size_, region.size - uint64_t{chunk} * chunk_size_);
 }
 
-void Pager::HandleFault(uint64_t address, std::optional<AddressMap::Location> at,
-                        Clock::time_point when) {
+void Pager::HandleFault(const ReadFault& fault, Clock::time_point when) {
+  const uint64_t address = fault.address;
+  const std::optional<AddressMap::Location>& at = fault.at;
   const uint64_t page = PageAlignDown(address);
   const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
   if (region == nullptr) {
@@ -355,8 +353,10 @@ void Pager::Resolve(const Key& key, bool landed) {
   // before (EEXIST) and faults that arrived in between.
   Status woken;
   for (const AddressMap::Piece& piece : engine_.addresses().Resolve(
-           region.bo, uint64_t{key.second} * chunk_size_, ChunkLength(region, key.second)))
-    if (woken.ok()) woken = uffd_.Wake(piece.addr, piece.length);
+           region.bo, uint64_t{key.second} * chunk_size_, ChunkLength(region, key.second))) {
+    woken = uffd_.Wake(piece.addr, piece.length);
+    if (!woken.ok()) break;
+  }
   const auto now = Clock::now();
   std::lock_guard lock(mutex_);
   for (const auto& when : pending.faulted)

@@ -112,12 +112,16 @@ class Pager {
   // Under mutex_: one fault read at `when` was woken at `woken`.
   void RecordLatency(std::chrono::steady_clock::time_point when,
                      std::chrono::steady_clock::time_point woken);
-  // A fault at `address`, in BO memory at `at` when it was read (nullopt: in none).
-  void HandleFault(uint64_t address, std::optional<AddressMap::Location> at,
-                   std::chrono::steady_clock::time_point when);
+  // A fault read: its address, and the BO byte there as of its place among the events read
+  // with it (nullopt: in no BO).
+  struct ReadFault {
+    uint64_t address = 0;
+    std::optional<AddressMap::Location> at;
+  };
+  void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when);
   // Reads pending events; applies the program's moves among them to the engine's AddressMap
-  // (waking the old ranges) and locates each fault as of its place among them.
-  Status ReadEvents(std::vector<std::pair<uint64_t, std::optional<AddressMap::Location>>>* faults);
+  // (waking the old ranges) and appends the faults to `faults`.
+  Status ReadEvents(std::vector<ReadFault>* faults);
   void DemandWorker();
   void InstallHotZeros();
   void Resolve(const Key& key, bool landed);
@@ -133,7 +137,7 @@ class Pager {
   const Userfaultfd& uffd_;
   client::RestoreSession& session_;
   UffdCopyEngine& engine_;
-  std::vector<Region> regions_;       // sorted by address
+  std::vector<Region> regions_;       // as given; by_bo_ points into it
   std::vector<const Region*> by_bo_;  // index: BO
   PagerOptions options_;
   uint32_t chunk_size_ = 0;

@@ -919,10 +919,8 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
   // Binds every BO, pages until the session completes, and compares every BO but `skip` with
   // its source. The pager runs on until TearDown (or Unregister).
   void RestoreAndCompare(std::optional<uint32_t> skip) {
-    for (const Region& r : memory_->regions())
-      ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok());
-    pager_.emplace(*uffd_, *session_, *engine_, memory_->regions());
-    ASSERT_TRUE(pager_->Start().ok());
+    ASSERT_NO_FATAL_FAILURE(Bind());
+    ASSERT_NO_FATAL_FAILURE(StartPager());
     ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
     for (uint32_t bo = 0; bo < source_.size(); ++bo) {
       if (bo == skip) continue;
@@ -960,8 +958,8 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     ASSERT_TRUE(pager_->UnregisterAll().ok());
   }
 
-  // Starts the pager before any BO is bound (so nothing lands yet) and binds them on Bind().
-  void StartPagerUnbound() {
+  // Before Bind(), nothing lands: the engine holds every write until its BO is bound.
+  void StartPager() {
     pager_.emplace(*uffd_, *session_, *engine_, memory_->regions());
     ASSERT_TRUE(pager_->Start().ok());
   }
@@ -1112,7 +1110,7 @@ TEST_P(UffdProgramChangesItsMapping, AForkedChildCannotTouchBoMemoryBeforeItLand
 // with it (remap events), the pager follows the move, and every byte lands at the new address.
 TEST_P(UffdProgramChangesItsMapping, AMovedBoGetsItsBytesAtItsNewAddress) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
-  ASSERT_NO_FATAL_FAILURE(StartPagerUnbound());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
   const Region& region = memory_->regions()[target_];
   const uint64_t length = PageAlignUp(region.size);
   const uint64_t elsewhere = Reserve(length);
@@ -1137,7 +1135,7 @@ TEST_P(UffdProgramChangesItsMapping, AMovedBoGetsItsBytesAtItsNewAddress) {
 // byte lands in the one that holds it.
 TEST_P(UffdProgramChangesItsMapping, APartlyMovedBoRestoresWhole) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
-  ASSERT_NO_FATAL_FAILURE(StartPagerUnbound());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
   const Region& region = memory_->regions()[target_];
   const uint64_t chunk = 64 << 10;  // MakeImage's chunk size
   ASSERT_GE(region.size, 4 * chunk) << "the BO is too small to move its middle";
@@ -1166,7 +1164,7 @@ TEST_P(UffdProgramChangesItsMapping, APartlyMovedBoRestoresWhole) {
 // race a move are made again where the bytes went, and nothing is skipped.
 TEST_P(UffdProgramChangesItsMapping, ABoMovedAgainAndAgainWhileItStreamsRestoresWhole) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
-  ASSERT_NO_FATAL_FAILURE(StartPagerUnbound());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
   const Region& region = memory_->regions()[target_];
   const uint64_t length = PageAlignUp(region.size);
   uint64_t now = Reserve(length);
