@@ -14,7 +14,7 @@
 # The CI set also has placement's destinations opening on disk threads while the stream runs
 # (an embedded server), and replays the server fuzz harness's seed scripts
 # (tests/fuzz/fuzz_server.cc): the server's network, disk and demand threads under hostile
-# clients, in one process.
+# clients, in one process, with plain TCP and again with TLS.
 # Built RelWithDebInfo (TSan is fast enough optimized; Debug makes the image synthesis crawl)
 # into its own build dir; only the targets these tests need are built. Any race report fails
 # the run.
@@ -36,7 +36,8 @@ suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|UffdProgramChangesItsMemory|Modes/UffdProgramChangesItsMapping|UffdRegistration|UffdKernelFaults|Modes/UffdRestore|Modes/UffdHandover|Handover'
-suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|PlacementOpenTest|ServerSawTheBreak/SupersedeTest'
+suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|ServerTlsFuzzCorpus|PlacementOpenTest'
+suites+='|ServerSawTheBreak/SupersedeTest'
 suites+='|Warm|ReadIntoPageCache'
 if $all; then
   targets+=(server_abuse_test server_backpressure_test server_embedding_test plugin_host_test

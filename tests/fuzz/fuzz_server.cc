@@ -3,14 +3,18 @@
 //
 // One gpulazy-server runs in this process for the harness's life (Unix socket and loopback TCP,
 // two images of the tiny seed checkpoint: "raw" served from its CRIU pages files, "lazy"
-// converted). Each input is a script (server_script.h) of actions on up to four connections:
-// Hello with any versions, joins with right and wrong secrets (demand connections, lanes, the
-// files connection), OpenImage with good and bad names, requests with any ranges, priorities
-// and flags, Credit of any size, Have, stats, Goodbye, junk bytes, half-closes and resets, and
-// PlaceInto (the server places into memfds, as `--placement memfd`; the client is this process,
-// so the server takes the harness's own memfds with pidfd_getfd) with any kind, device, BOs,
-// sizes and handles: memfds the harness made of the right, a short or a larger size, sealed
-// ones, a pipe, any descriptor number, any bytes; and requests with `placed`.
+// converted). With GPULAZY_FUZZ_TLS=1 in the environment its TCP listener speaks TLS (a
+// certificate the harness makes at start): TCP connections do the handshake and carry the same
+// scripts inside TLS, may skip it (plain text to the TLS listener: the server's peek at the
+// first bytes), and may send junk under TLS (a corrupt record). Each input is a script
+// (server_script.h) of actions on up to four connections: Hello with any versions, joins with right
+// and wrong secrets (demand connections, lanes, the files connection), OpenImage with good and bad
+// names, requests with any ranges, priorities and flags, Credit of any size, Have, stats, Goodbye,
+// junk bytes, half-closes and resets, and PlaceInto (the server places into memfds, as `--placement
+// memfd`; the client is this process, so the server takes the harness's own memfds with
+// pidfd_getfd) with any kind, device, BOs, sizes and handles: memfds the harness made of the right,
+// a short or a larger size, sealed ones, a pipe, any descriptor number, any bytes; and requests
+// with `placed`.
 //
 // Checks, besides the sanitizers:
 //   - every frame the server sends decodes within the client's limits;
@@ -45,14 +49,21 @@
 //     (5 s when fuzzing); then the server lets go of every memfd it took, and each memfd holds,
 //     chunk by chunk, nothing or the checkpoint's bytes of the BO it was given for (nothing at
 //     all if it was never accepted, nothing past the BO);
-//   - after every input a fresh client still gets a correct chunk.
+//   - after every input a fresh client still gets a correct chunk (every second one over TCP,
+//     and so over TLS in TLS mode).
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <google/protobuf/stubs/logging.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <poll.h>
+#include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -253,9 +264,14 @@ uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
                                                       : a + b;
 }
 
+struct SslFree {
+  void operator()(SSL* ssl) const { SSL_free(ssl); }
+};
+
 struct Slot {
   enum class Role { kNone, kStream, kDemand, kLane, kFiles };
   UniqueFd fd;
+  std::unique_ptr<SSL, SslFree> ssl;  // a connection that did the TLS handshake (non-blocking)
   Role role = Role::kNone;
   bool tcp = false;
   bool hello_sent = false;
@@ -281,6 +297,33 @@ struct Slot {
   uint64_t bytes_received = 0;
 };
 
+// A self-signed certificate and its key, as PEM files, for the TLS listener. The harness's client
+// does not verify it: the server's handling of what comes over TLS is under test, not its
+// identity (tests/server/security_test.cc tests that).
+void MakeSelfSignedCertificate(const fs::path& cert_path, const fs::path& key_path) {
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(EVP_EC_gen("P-256"), EVP_PKEY_free);
+  std::unique_ptr<X509, decltype(&X509_free)> cert(X509_new(), X509_free);
+  if (!key || !cert) Die("making a TLS key failed");
+  X509_set_version(cert.get(), 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(cert.get()), 1);
+  X509_gmtime_adj(X509_getm_notBefore(cert.get()), -3600);
+  X509_gmtime_adj(X509_getm_notAfter(cert.get()), 365L * 24 * 3600);
+  X509_set_pubkey(cert.get(), key.get());
+  X509_NAME* name = X509_get_subject_name(cert.get());
+  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
+                             reinterpret_cast<const unsigned char*>("localhost"), -1, -1, 0);
+  X509_set_issuer_name(cert.get(), name);
+  if (X509_sign(cert.get(), key.get(), EVP_sha256()) == 0) Die("signing the certificate failed");
+  auto write = [](const fs::path& path, const std::function<bool(FILE*)>& writer) {
+    std::unique_ptr<FILE, decltype(&std::fclose)> file(std::fopen(path.c_str(), "w"), std::fclose);
+    if (!file || !writer(file.get())) Die("writing " + path.string() + " failed");
+  };
+  write(cert_path, [&](FILE* file) { return PEM_write_X509(file, cert.get()) == 1; });
+  write(key_path, [&](FILE* file) {
+    return PEM_write_PrivateKey(file, key.get(), nullptr, nullptr, 0, nullptr, nullptr) == 1;
+  });
+}
+
 class Harness {
  public:
   Harness() {
@@ -305,6 +348,17 @@ class Harness {
     config.listen = {*net::Endpoint::Parse("unix:" + (dir / "s.sock").string()),
                      *net::Endpoint::Parse("tcp:127.0.0.1:0")};
     config.insecure_tcp = true;
+    if (tls_) {
+      // SSL_write on a connection the server closed raises SIGPIPE (plain sends pass
+      // MSG_NOSIGNAL).
+      ::signal(SIGPIPE, SIG_IGN);
+      config.tls.cert_file = (dir / "cert.pem").string();
+      config.tls.key_file = (dir / "key.pem").string();
+      MakeSelfSignedCertificate(config.tls.cert_file, config.tls.key_file);
+      client_tls_.reset(SSL_CTX_new(TLS_client_method()));
+      if (!client_tls_) Die("SSL_CTX_new failed");
+      SSL_CTX_set_verify(client_tls_.get(), SSL_VERIFY_NONE, nullptr);
+    }
     config.io_threads = 2;
     config.demand_io_threads = 1;
     config.disk_threads = 2;
@@ -355,8 +409,10 @@ class Harness {
       Step(script, slots);
     for (Slot& slot : slots)
       Finish(slot);
-    for (Slot& slot : slots)
+    for (Slot& slot : slots) {
+      slot.ssl.reset();
       slot.fd.reset();
+    }
     if (!memfds_.empty()) {
       AwaitDestinationsReleased();
       if (!placement_uncertain_) CheckDestinationBytes();
@@ -371,11 +427,13 @@ class Harness {
       std::fprintf(stderr,
                    "fuzz_server: %zu sessions, %u chunks checked (%u by reference, %u in the "
                    "stream's order), %u errors, %u hello replies, %u image files, %u stream ends, "
-                   "PlaceInto %u accepted %u refused, %u chunks placed (%u checked in the memfd)\n",
+                   "PlaceInto %u accepted %u refused, %u chunks placed (%u checked in the memfd), "
+                   "%u TLS handshakes\n",
                    sessions_.size() - 1, script_seen.chunks, script_seen.by_reference,
                    script_seen.stream_ordered, script_seen.errors, script_seen.hello_replies,
                    script_seen.image_files, script_seen.stream_done, script_seen.places_accepted,
-                   script_seen.places_refused, script_seen.placed, script_seen.placed_checked);
+                   script_seen.places_refused, script_seen.placed, script_seen.placed_checked,
+                   script_seen.tls_handshakes);
   }
 
  private:
@@ -383,7 +441,7 @@ class Harness {
     ImageOracle oracle;
     Slot slot;
     slot.name = "set-up client of " + name;
-    Connect(slot, /*tcp=*/false);
+    Connect(slot, /*transport=*/0);
     SendHello(slot, 1, 1, 0, 0, {}, {});
     Frame reply = ReadUntil(slot, [](const wire::Header& h) { return h.has_hello_reply(); });
     wire::Header open;
@@ -413,7 +471,9 @@ class Harness {
 
   // --- sending ---
 
-  void Connect(Slot& slot, bool tcp) {
+  // `transport`: kConnect's byte (kConnectTcp, kConnectNoHandshake).
+  void Connect(Slot& slot, uint8_t transport) {
+    const bool tcp = transport & kConnectTcp;
     const std::string name = slot.name;
     slot = Slot{};
     slot.name = name;
@@ -448,18 +508,85 @@ class Harness {
     }
     if (rc != 0 && errno == EISCONN) rc = 0;
     if (rc != 0) Die(slot.name + ": connect failed: " + std::strerror(errno));
+    if (tls_ && tcp && !(transport & kConnectNoHandshake)) Handshake(slot);
   }
 
-  void SendBytes(Slot& slot, std::span<const uint8_t> bytes) {
-    if (!slot.fd.valid() || slot.write_closed) return;
+  // TLS mode: the client's handshake on a fresh TCP connection, which stays non-blocking after
+  // it (Receive and SendBytes poll). A server that ends the connection instead (a limit it
+  // reached, say) leaves the slot ended; the probe after the script catches a server that does
+  // not do handshakes at all.
+  void Handshake(Slot& slot) {
+    const int fd = slot.fd.get();
+    if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK) != 0) Die("fcntl failed");
+    slot.ssl.reset(SSL_new(client_tls_.get()));
+    if (!slot.ssl || SSL_set_fd(slot.ssl.get(), fd) != 1) Die("SSL_new failed");
+    const auto deadline = Clock::now() + kSilenceLimit;
+    while (true) {
+      ERR_clear_error();
+      const int rc = SSL_connect(slot.ssl.get());
+      if (rc == 1) {
+        ++seen_.tls_handshakes;
+        return;
+      }
+      const int error = SSL_get_error(slot.ssl.get(), rc);
+      if (error != SSL_ERROR_WANT_READ && error != SSL_ERROR_WANT_WRITE) {
+        slot.eof = true;
+        slot.write_closed = true;
+        return;
+      }
+      if (Clock::now() > deadline) Die(slot.name + ": no TLS handshake in time");
+      pollfd pfd{fd, static_cast<short>(error == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
+      ::poll(&pfd, 1, 50);
+    }
+  }
+
+  // Bytes straight onto the socket: under TLS, if the connection did a handshake.
+  void SendRaw(Slot& slot, std::span<const uint8_t> bytes) {
     while (!bytes.empty()) {
       ssize_t n = ::send(slot.fd.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL);
       if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {  // a TLS connection's socket
+        pollfd pfd{slot.fd.get(), POLLOUT, 0};
+        ::poll(&pfd, 1, 50);
+        continue;
+      }
       if (n <= 0) {  // the server closed or reset: nothing more reaches it
         slot.write_closed = true;
         return;
       }
       bytes = bytes.subspan(static_cast<size_t>(n));
+    }
+  }
+
+  // Ends the writing half: a TLS connection sends its close_notify first.
+  void ShutWrite(Slot& slot) {
+    if (slot.ssl && !slot.write_closed) {
+      ERR_clear_error();
+      SSL_shutdown(slot.ssl.get());
+    }
+    ::shutdown(slot.fd.get(), SHUT_WR);
+    slot.write_closed = true;
+  }
+
+  void SendBytes(Slot& slot, std::span<const uint8_t> bytes) {
+    if (!slot.fd.valid() || slot.write_closed) return;
+    if (!slot.ssl) return SendRaw(slot, bytes);
+    while (!bytes.empty()) {
+      ERR_clear_error();
+      const int n = SSL_write(slot.ssl.get(), bytes.data(),
+                              static_cast<int>(std::min<size_t>(bytes.size(), 1 << 20)));
+      if (n > 0) {
+        bytes = bytes.subspan(static_cast<size_t>(n));
+        continue;
+      }
+      const int error = SSL_get_error(slot.ssl.get(), n);
+      if (error != SSL_ERROR_WANT_READ && error != SSL_ERROR_WANT_WRITE) {
+        slot.write_closed = true;  // the server closed, reset or sent an alert
+        return;
+      }
+      pollfd pfd{slot.fd.get(), static_cast<short>(error == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT),
+                 0};
+      ::poll(&pfd, 1, 50);
     }
   }
 
@@ -514,7 +641,7 @@ class Harness {
     if (op != kConnect && !slot.fd.valid()) return;
     switch (op) {
       case kConnect:
-        Connect(slot, script.U8() & 1);
+        Connect(slot, script.U8());
         break;
       case kHello: {
         const uint32_t min_version = script.U8() % 4;
@@ -619,18 +746,23 @@ class Harness {
         Send(slot, header);
         break;
       case kJunk: {
-        std::vector<uint8_t> junk(script.U8() % 32 + 1);
+        const uint8_t length = script.U8();
+        std::vector<uint8_t> junk((length & kJunkLengthMask) + 1);
         for (uint8_t& b : junk)
           b = script.U8();
-        SendBytes(slot, junk);
+        if (slot.ssl && (length & kJunkBelowTls)) {
+          if (!slot.write_closed) SendRaw(slot, junk);
+        } else {
+          SendBytes(slot, junk);
+        }
         Garble(slot);
         break;
       }
       case kShutWrite:
-        ::shutdown(slot.fd.get(), SHUT_WR);
-        slot.write_closed = true;
+        ShutWrite(slot);
         break;
       case kClose:
+        slot.ssl.reset();
         slot.fd.reset();
         break;
       case kDrain: {
@@ -957,9 +1089,12 @@ class Harness {
     if (!slot.fd.valid() || slot.eof) return false;
     pollfd pfd{slot.fd.get(), POLLIN, 0};
     // Frames left behind by an earlier stop are checked without waiting.
-    const bool readable = ::poll(&pfd, 1, slot.inbox.empty() ? wait_ms : 0) > 0;
+    // (A TLS connection may hold decrypted bytes OpenSSL has not handed out yet.)
+    const bool readable = (slot.ssl && SSL_pending(slot.ssl.get()) > 0) ||
+                          ::poll(&pfd, 1, slot.inbox.empty() ? wait_ms : 0) > 0;
     std::array<uint8_t, 256 * 1024> buffer;
-    while (readable) {
+    if (readable && slot.ssl) ReceiveTls(slot, buffer);
+    while (readable && !slot.ssl) {
       ssize_t n = ::recv(slot.fd.get(), buffer.data(), buffer.size(), MSG_DONTWAIT);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
@@ -988,6 +1123,26 @@ class Harness {
     }
     slot.inbox.erase(slot.inbox.begin(), slot.inbox.begin() + static_cast<long>(used));
     return !slot.eof || (stopped != nullptr && *stopped);
+  }
+
+  // What a TLS connection has ready, up to one buffer's worth (TLS records are at most 16 KiB).
+  void ReceiveTls(Slot& slot, std::span<uint8_t> buffer) {
+    size_t received = 0;
+    while (received < buffer.size()) {
+      ERR_clear_error();
+      const int n = SSL_read(slot.ssl.get(), buffer.data(),
+                             static_cast<int>(std::min<size_t>(buffer.size() - received, 1 << 20)));
+      if (n > 0) {
+        slot.inbox.insert(slot.inbox.end(), buffer.begin(), buffer.begin() + n);
+        slot.bytes_received += static_cast<uint64_t>(n);
+        received += static_cast<size_t>(n);
+        continue;
+      }
+      const int error = SSL_get_error(slot.ssl.get(), n);
+      if (error == SSL_ERROR_WANT_READ || error == SSL_ERROR_WANT_WRITE) return;
+      slot.eof = true;  // close_notify, end of stream, reset, or an alert
+      return;
+    }
   }
 
   // Reads until a frame satisfies `stop` (returned) or dies after kSilenceLimit.
@@ -1201,7 +1356,7 @@ class Harness {
     if (!slot.write_closed && !slot.garbled) return Sync(slot);
     // A half frame (junk, a bare prefix) would swallow a request: end the stream instead, and
     // the server must close.
-    ::shutdown(slot.fd.get(), SHUT_WR);
+    ShutWrite(slot);
     const auto deadline = Clock::now() + kSilenceLimit;
     while (Receive(slot, 50)) {
       if (Clock::now() > deadline) Die(slot.name + ": still open long after its end of stream");
@@ -1212,7 +1367,7 @@ class Harness {
   void Probe() {
     Slot slot;
     slot.name = "probe after the script";
-    Connect(slot, /*tcp=*/probes_ % 2 == 1);
+    Connect(slot, probes_ % 2 == 1 ? kConnectTcp : 0);
     SendHello(slot, 1, 2, 0, 0, {}, {});
     ReadUntil(slot, [](const wire::Header& h) { return h.has_hello_reply(); });
     wire::Header open;
@@ -1238,6 +1393,12 @@ class Harness {
     });
   }
 
+  struct SslCtxFree {
+    void operator()(SSL_CTX* context) const { SSL_CTX_free(context); }
+  };
+  const bool tls_ = std::getenv("GPULAZY_FUZZ_TLS") != nullptr &&
+                    std::string(std::getenv("GPULAZY_FUZZ_TLS")) == "1";
+  std::unique_ptr<SSL_CTX, SslCtxFree> client_tls_;  // TLS mode: the harness's client side
   std::unique_ptr<server::Server> server_;
   std::thread runner_;
   std::string unix_path_;
@@ -1258,7 +1419,7 @@ class Harness {
   struct Seen {
     uint32_t chunks = 0, by_reference = 0, stream_ordered = 0, errors = 0, hello_replies = 0,
              image_files = 0, stream_done = 0, places_accepted = 0, places_refused = 0, placed = 0,
-             placed_checked = 0;
+             placed_checked = 0, tls_handshakes = 0;
   } seen_;
 };
 

@@ -361,6 +361,19 @@ void ServerCorpus(Corpus& corpus, const manifest::Manifest& m) {
     w.Connect(1, false).Op(kPrefix, 1).U32(0xFFFFFFF0).U32(16);
     corpus.Add("server", "junk-and-prefix", w.bytes());
   }
+  {
+    // For the TLS mode (GPULAZY_FUZZ_TLS=1; plain TCP otherwise): a Hello in plain text to the
+    // TLS listener, a whole restore inside TLS next to a session whose TLS records junk under TLS
+    // corrupts, and junk inside TLS.
+    ScriptWriter w;
+    w.ConnectWithoutHandshake(0).Hello(0, 2).Sync(0);
+    w.Connect(1, true).Hello(1, 2).Open(1, 0).Sync(1);
+    w.Connect(2, true).Hello(2, 2).Open(2, 1).Credit(2, 255).StreamAll(2, false);
+    w.Op(kJunk, 1).Byte(kJunkBelowTls | 7).U64(0x0123456789ABCDEF).Drain(1, 3);
+    w.Drain(2, 3).Sync(2);
+    w.Connect(3, true).Hello(3, 2).Op(kJunk, 3).Byte(7).U64(0xFEDCBA9876543210).Drain(3, 3);
+    corpus.Add("server", "tls-plain-text-junk-under-and-inside", w.bytes());
+  }
   // PlaceInto (the harness's server places into memfds): a good destination for each BO in
   // [first, end), kMaxPlaceTargets a frame.
   auto place_all = [](ScriptWriter& w, uint8_t slot, uint8_t first, uint8_t end) {

@@ -24,7 +24,7 @@ namespace gpulazy::fuzz::server_script {
 inline constexpr uint32_t kSlots = 4;
 
 enum Op : uint8_t {
-  kConnect = 0,     // slot, transport (bit 0: TCP, else the Unix socket)
+  kConnect = 0,     // slot, transport (kConnect*)
   kHello = 1,       // slot, min and max version, flags (kHello*), join source, name, and with
                     // kHelloJoin: a u64 id (kHelloRandomId), a secret string (no
                     // kHelloRightSecret); with kHelloToken a token string
@@ -34,7 +34,8 @@ enum Op : uint8_t {
   kHave = 5,        // slot, range count, ranges
   kStats = 6,       // slot
   kGoodbye = 7,     // slot
-  kJunk = 8,        // slot, length - 1, that many bytes sent as they are
+  kJunk = 8,        // slot, length - 1 (kJunkLengthMask; kJunkBelowTls), that many bytes sent as
+                    // they are
   kShutWrite = 9,   // slot: shutdown(SHUT_WR)
   kClose = 10,      // slot: close() with whatever is unread
   kDrain = 11,      // slot, wait in ms (0..3): read and check what has arrived
@@ -49,6 +50,20 @@ enum Op : uint8_t {
 };
 
 // kHello flags.
+// kConnect's transport byte. The harness runs its server in one of two modes (fuzz_server.cc):
+// plain, where TCP connections are plain TCP, or TLS (GPULAZY_FUZZ_TLS=1), where the TCP listener
+// speaks TLS and a TCP connection does the TLS handshake first.
+inline constexpr uint8_t kConnectTcp = 1;  // else the Unix socket
+// TLS mode: a TCP connection that skips the handshake, so its bytes reach the TLS listener as
+// plain text (ignored in plain mode, and on the Unix socket).
+inline constexpr uint8_t kConnectNoHandshake = 2;
+
+// kJunk's length byte: the low five bits are the length - 1. On a connection that did the TLS
+// handshake, kJunkBelowTls sends the bytes raw onto the socket, under TLS (a corrupt record);
+// without it junk goes as TLS application data, like every other frame of that connection.
+inline constexpr uint8_t kJunkLengthMask = 0x1F;
+inline constexpr uint8_t kJunkBelowTls = 0x80;
+
 inline constexpr uint8_t kHelloJoin = 1;  // join the session of the join-source slot
 inline constexpr uint8_t kHelloWantFiles = 2;
 inline constexpr uint8_t kHelloChunkTable = 4;
@@ -140,7 +155,13 @@ class ScriptWriter {
   ScriptWriter& Op(uint8_t op, uint8_t slot, uint8_t request_id = 1) {
     return Byte(op).Byte(slot).Byte(request_id);
   }
-  ScriptWriter& Connect(uint8_t slot, bool tcp) { return Op(kConnect, slot).Byte(tcp); }
+  ScriptWriter& Connect(uint8_t slot, bool tcp) {
+    return Op(kConnect, slot).Byte(tcp ? kConnectTcp : 0);
+  }
+  // TLS mode: plain text to the TLS listener; plain mode: a TCP connection.
+  ScriptWriter& ConnectWithoutHandshake(uint8_t slot) {
+    return Op(kConnect, slot).Byte(kConnectTcp | kConnectNoHandshake);
+  }
   // A plain stream-connection Hello offering versions 1..max_version.
   ScriptWriter& Hello(uint8_t slot, uint8_t max_version) {
     return Op(kHello, slot).Byte(1).Byte(max_version).Byte(0).Byte(0).String("seed");
