@@ -99,9 +99,28 @@ void Pager::Stop() {
 }
 
 Status Pager::UnregisterAll() {
-  for (const auto& [addr, length] : engine_.addresses().Ranges())
-    GPULAZY_RETURN_IF_ERROR(uffd_.Unregister(addr, length));
-  return Status::Ok();
+  // Every range, whatever one of them answers: a range left registered would make the program's
+  // later faults there (a zero page it first touches) wait on a pager that has stopped.
+  Status first;
+  for (const auto& [addr, length] : engine_.addresses().Ranges()) {
+    Status unregistered = UnregisterRange(addr, length);
+    if (!unregistered.ok() && first.ok()) first = std::move(unregistered);
+  }
+  return first;
+}
+
+Status Pager::UnregisterRange(uint64_t addr, uint64_t length) {
+  // The kernel refuses a whole range (EINVAL) that holds no mapping at all (the program
+  // unmapped the BO) or a mapping userfaultfd cannot track (one of the program's own files over
+  // part of it), and then unregisters none of it. Halve it until the refused pieces are single
+  // pages: nothing is registered there.
+  Status status = uffd_.Unregister(addr, length);
+  if (status.code() != Code::kInvalidArgument) return status;
+  if (length <= PageSize()) return Status::Ok();
+  const uint64_t half = std::max(PageSize(), PageAlignDown(length / 2));
+  Status low = UnregisterRange(addr, half);
+  Status high = UnregisterRange(addr + half, length - half);
+  return low.ok() ? high : low;
 }
 
 Status Pager::status() const {
@@ -133,10 +152,11 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
     // to be applied before it looks again (AddressMap).
     AddressMap::EventHold hold = addresses.hold_for_events();
     GPULAZY_ASSIGN_OR_RETURN(size_t n, uffd_.Read(events));
+    const size_t first = faults->size();
     for (size_t i = 0; i < n; ++i) {
       const FaultEvent& event = events[i];
       if (event.kind == FaultEvent::Kind::kPagefault) {
-        faults->push_back({event.address, addresses.Find(event.address, hold)});
+        faults->push_back({event.address, std::nullopt});
       } else if (event.kind == FaultEvent::Kind::kRemap) {
         const uint64_t moved =
             addresses.Move(event.address, event.to, event.end - event.address, hold);
@@ -145,12 +165,16 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
         stats_.bytes_moved += moved;
       }
     }
+    for (size_t i = first; i < faults->size(); ++i)
+      (*faults)[i].at = addresses.Find((*faults)[i].address, hold);
   }
   for (const FaultEvent& move : moves) {
     spdlog::info("uffd pager: the restored process moved BO memory [{:#x}, +{}) to {:#x}",
                  move.address, move.end - move.address, move.to);
-    // A thread asleep on a fault in the old range retries, and finds the memory gone.
+    // A thread asleep on a fault in the old range retries, and finds the memory gone; one asleep
+    // where the memory went (a move onto other BO memory) retries on what is there now.
     GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.address, move.end - move.address));
+    GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.to, move.end - move.address));
   }
   return Status::Ok();
 }
@@ -164,23 +188,37 @@ void Pager::Loop() {
                      {stop_event_.get(), POLLIN, 0},
                      {options_.peer_fd, POLLIN | POLLRDHUP, 0}};
     const nfds_t count = options_.peer_fd >= 0 ? 3 : 2;
-    int rc = poll(fds, count, static_cast<int>(options_.poll_interval.count()));
+    // Faults held up by a move are tried again soon even if its event is slow to come.
+    const int timeout_ms = deferred_.empty() ? static_cast<int>(options_.poll_interval.count()) : 1;
+    int rc = poll(fds, count, timeout_ms);
     if (rc < 0 && errno != EINTR) return Fail(ErrnoError(errno, "poll on userfaultfd"));
     if (fds[1].revents != 0) return;
     if ((count == 3 && (fds[2].revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) ||
         engine_.target_gone()) {
       return EndPeerGone(engine_.target_gone() ? "an install found it gone" : "its socket hung up");
     }
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    faults.clear();
-    Status read = ReadEvents(&faults);
-    if (!read.ok()) return Fail(read);
-    if (!faults.empty() && options_.after_events_read) options_.after_events_read();
-    const auto now = Clock::now();
-    for (const ReadFault& fault : faults)
-      HandleFault(fault, now);
+    if ((fds[0].revents & POLLIN) != 0) {
+      faults.clear();
+      Status read = ReadEvents(&faults);
+      if (!read.ok()) return Fail(read);
+      if (!faults.empty() && options_.after_events_read) options_.after_events_read();
+      const auto now = Clock::now();
+      for (const ReadFault& fault : faults)
+        HandleFault(fault, now);
+    }
+    // After the read: the move that held these up has been read and applied by now, or its
+    // event is still to come (the next poll wakes for it).
+    RetryDeferred();
     if (peer_gone_.load()) return;
   }
+}
+
+void Pager::RetryDeferred() {
+  if (deferred_.empty()) return;
+  std::vector<Deferred> again;
+  again.swap(deferred_);
+  for (const Deferred& fault : again)
+    HandleFault({fault.address, engine_.addresses().Find(fault.address)}, fault.when, &fault);
 }
 
 void Pager::EndPeerGone(const char* how) {
@@ -202,33 +240,50 @@ uint64_t Pager::ChunkLength(const Region& region, uint32_t chunk) const {
   return std::min<uint64_t>(chunk_size_, region.size - uint64_t{chunk} * chunk_size_);
 }
 
-void Pager::HandleFault(const ReadFault& fault, Clock::time_point when) {
+void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const Deferred* earlier) {
   const uint64_t address = fault.address;
   const std::optional<AddressMap::Location>& at = fault.at;
   const uint64_t page = PageAlignDown(address);
   const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
   if (region == nullptr) {
-    // Not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
+    // At no BO byte the map knows. While the program is moving memory (its event unread) the
+    // fault may be where BO memory is going: try again after the next read. Otherwise it is not
+    // ours (or the page-rounded tail of a BO): no chunk will ever fill it.
+    if (uffd_.MappingsChanging()) {
+      deferred_.push_back({address, when, earlier != nullptr && earlier->counted});
+      return;
+    }
+    if (earlier != nullptr) {
+      // It was held up by a move that took the memory away from under it: the thread retries
+      // and finds whatever is there now.
+      Status woken = uffd_.Wake(page, PageSize());
+      if (!woken.ok()) Fail(woken);
+      return;
+    }
     Fail(Internal("fault at {:#x} outside every registered BO", address));
     return;
   }
   const auto chunk = static_cast<uint32_t>(at->offset / chunk_size_);
-  if (options_.recorder != nullptr) options_.recorder->Note(region->bo, chunk);
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
-  {
+  if (earlier == nullptr || !earlier->counted) {
+    if (options_.recorder != nullptr) options_.recorder->Note(region->bo, chunk);
     std::lock_guard lock(mutex_);
     ++stats_.faults;
   }
   if (session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
     // Installed before we read the fault (the install woke it, or raced with it), or a zero
     // chunk whose pages the engine left for the first touch.
-    Result<bool> served = ServeResident(*region, chunk, page);
+    Result<Served> served = ServeResident(*region, chunk, page);
     // A fault read just before its process exited: CONTINUE or ZEROPAGE finds it gone (Wake
     // ignores that).
     if (served.status().code() == Code::kAborted) return EndPeerGone("a wake found it gone");
+    if (served.ok() && *served == Served::kAfterMoves) {
+      deferred_.push_back({address, when, true});
+      return;
+    }
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
-    if (served.ok() && *served) ++stats_.dropped_pages_zeroed;
+    if (served.ok() && *served == Served::kFilledDropped) ++stats_.dropped_pages_zeroed;
     RecordLatency(when, Clock::now());
     if (!served.ok() && status_.ok()) status_ = served.status();
     return;
@@ -303,21 +358,23 @@ void Pager::InstallHotZeros() {
   }
 }
 
-Result<bool> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page) {
+Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page) {
   if (uffd_.mode() == FillMode::kMinorContinue) {
-    GPULAZY_RETURN_IF_ERROR(uffd_.Continue(page, PageSize()).status());
-    return false;
+    GPULAZY_ASSIGN_OR_RETURN(InstallResult mapped, uffd_.Continue(page, PageSize()));
+    return mapped.interrupted > 0 ? Served::kAfterMoves : Served::kWoken;
   }
   // The whole chunk's deferred zeros, as a data chunk comes whole: a workload touching a zero
   // pool page by page would otherwise fault on every page.
   Result<std::optional<InstallResult>> zeroed = engine_.InstallDeferredZeros(
-      region.bo, uint64_t{chunk} * chunk_size_, ChunkLength(region, chunk));
+      region.bo, uint64_t{chunk} * chunk_size_, ChunkLength(region, chunk),
+      UffdCopyEngine::MovesPending::kNoWait);
   if (!zeroed.ok()) return zeroed.status();
+  if (zeroed->has_value() && (*zeroed)->interrupted > 0) return Served::kAfterMoves;
   // UFFDIO_ZEROPAGE woke the chunk's threads where it installed; a page found there was
   // installed by someone else (or is being mapped now), or one no longer registered: wake it
   // as for any resident page.
   if (zeroed->has_value() && (*zeroed)->already_present == 0 && (*zeroed)->unregistered == 0)
-    return false;
+    return Served::kWoken;
   // The chunk landed whole before it was marked resident, so a missing page here is one the
   // program dropped since (MADV_DONTNEED on private anonymous memory, a hole punched in a
   // memfd): it reads zeros, as it would with no pager, where a wake alone would refault it
@@ -325,9 +382,10 @@ Result<bool> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t
   // installing now: the same zeros, counted here as dropped.) A page that is there (the fault
   // raced the install) is only woken: EEXIST.
   GPULAZY_ASSIGN_OR_RETURN(InstallResult refilled, uffd_.ZeroPage(page, PageSize()));
-  if (refilled.installed > 0) return true;  // ZEROPAGE woke it
+  if (refilled.interrupted > 0) return Served::kAfterMoves;
+  if (refilled.installed > 0) return Served::kFilledDropped;  // ZEROPAGE woke it
   GPULAZY_RETURN_IF_ERROR(uffd_.Wake(page, PageSize()));
-  return false;
+  return Served::kWoken;
 }
 
 void Pager::Resolve(const Key& key, bool landed) {

@@ -94,7 +94,10 @@ class Pager {
   Status Start();
   // Stops the loop and the demand threads (faults still pending stay blocked).
   void Stop();
-  // After every chunk is resident: unregisters every region, so the memory is plain memory.
+  // After every chunk is resident: unregisters every range of BO memory (where the program
+  // moved it), so the memory is plain memory. Goes on past a range that fails and returns the
+  // first error; a range or part of one the program unmapped, or mapped a file of its own over,
+  // holds nothing registered and is no error.
   Status UnregisterAll();
 
   bool peer_gone() const { return peer_gone_.load(); }
@@ -112,23 +115,44 @@ class Pager {
   // Under mutex_: one fault read at `when` was woken at `woken`.
   void RecordLatency(std::chrono::steady_clock::time_point when,
                      std::chrono::steady_clock::time_point woken);
-  // A fault read: its address, and the BO byte there as of its place among the events read
-  // with it (nullopt: in no BO).
+  // A fault read: its address, and the BO byte there once the moves read with it are applied
+  // (nullopt: in no BO).
   struct ReadFault {
     uint64_t address = 0;
     std::optional<AddressMap::Location> at;
   };
-  void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when);
+  struct Deferred;
+  // `earlier`: the fault was deferred before (when, and whether it was counted then).
+  void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when,
+                   const Deferred* earlier = nullptr);
   // Reads pending events; applies the program's moves among them to the engine's AddressMap
-  // (waking the old ranges) and appends the faults to `faults`.
+  // (waking the ranges they left and took) and appends the faults to `faults`, located in the
+  // map as it is after those moves: the kernel hands out faults before other events, so a fault
+  // at a move's destination can come in the same read as the move.
   Status ReadEvents(std::vector<ReadFault>* faults);
   void DemandWorker();
   void InstallHotZeros();
   void Resolve(const Key& key, bool landed);
+  enum class Served {
+    kWoken,          // installed zeros, or woke a page someone else installed
+    kFilledDropped,  // filled a page the program had dropped (reads zeros)
+    kAfterMoves,     // the program is moving memory (an unread event): try after the next read
+  };
   // A fault at `page` of `chunk` of `region`, a chunk the session has: installs the chunk's
   // deferred zeros if it has any, else a zero page where the program dropped the page, else
-  // wakes the page. True when it filled a dropped page. kAborted when the process is gone.
-  Result<bool> ServeResident(const Region& region, uint32_t chunk, uint64_t page);
+  // wakes the page. kAborted when the process is gone. On the loop thread: never waits for
+  // moves (it is the one that reads them).
+  Result<Served> ServeResident(const Region& region, uint32_t chunk, uint64_t page);
+  // Faults the loop could not serve yet: a move the program is making (an unread event) stopped
+  // their install, or put them at an address the map does not know yet. Loop thread only.
+  struct Deferred {
+    uint64_t address = 0;
+    std::chrono::steady_clock::time_point when;
+    bool counted = false;  // in stats_.faults and the recorder
+  };
+  void RetryDeferred();
+  std::vector<Deferred> deferred_;
+  Status UnregisterRange(uint64_t addr, uint64_t length);
   void Fail(Status status);
   // The restored process went away: cancels the session and stops, without an error.
   void EndPeerGone(const char* how);

@@ -19,7 +19,7 @@ Status UffdCopyEngine::AddDestination(uint32_t bo, uint64_t size) {
 
 template <typename Step>
 Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offset, uint64_t length,
-                                                      Step step) {
+                                                      MovesPending moves, Step step) {
   auto install = [&]() -> Result<InstallResult> {
     InstallResult total;
     uint64_t placed = 0;
@@ -34,38 +34,48 @@ Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offs
   };
   uint64_t generation = addresses_.generation();
   GPULAZY_ASSIGN_OR_RETURN(InstallResult result, install());
-  // A range found unregistered may have moved under us. Wait until no move is unread (an
-  // install can find a range gone before the event that moved it is read); then the pager has
-  // read it, and generation() waits until it has applied it (AddressMap).
-  while (result.unregistered > 0) {
-    WaitForUnreadMoves();
+  // Interrupted: the program was moving memory, nothing installed past that point. Found
+  // unregistered: the range may have moved under us; the kernel can say so before the event
+  // that moved it is read. Either way wait until no move is unread; then the pager has read
+  // it, and generation() waits until it has applied it (AddressMap).
+  while (result.interrupted > 0 || result.unregistered > 0) {
+    if (moves == MovesPending::kNoWait) {
+      // The pager's event-reading thread: every move it has read is applied, so only an unread
+      // one can explain a range found gone; it tries again after its next read.
+      if (result.unregistered > 0 && uffd_.MappingsChanging()) {
+        result.interrupted += result.unregistered;
+        result.unregistered = 0;
+      }
+      break;
+    }
+    GPULAZY_RETURN_IF_ERROR(WaitForUnreadMoves());
     const uint64_t now = addresses_.generation();
-    if (now == generation) break;
+    if (result.interrupted == 0 && now == generation) break;
     generation = now;
     GPULAZY_ASSIGN_OR_RETURN(InstallResult again, install());
     // The second pass finds what the first one installed or found already there.
     again.already_present -=
         std::min(again.already_present, result.installed + result.already_present);
     result.unregistered = 0;
+    result.interrupted = 0;
     result += again;
   }
   return result;
 }
 
-void UffdCopyEngine::WaitForUnreadMoves() {
+Status UffdCopyEngine::WaitForUnreadMoves() {
   // The program's mremap waits for the pager to read its event, so this ends as soon as the
-  // pager's loop runs; a pager that stopped reading leaves the move (and the program) waiting,
-  // and the install is then counted as skipped.
+  // pager's loop runs. A pager that stopped reading leaves the move (and the program) waiting:
+  // the install fails rather than count bytes as installed that are not.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (uffd_.MappingsChanging()) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      spdlog::warn(
-          "uffd engine: the restored process is still moving memory after 5 s (is the "
-          "pager reading events?)");
-      return;
-    }
+    if (std::chrono::steady_clock::now() > deadline)
+      return Unavailable(
+          "the restored process has been moving its memory for 5 s and the pager has not read "
+          "the event (stopped?): the install cannot be made");
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+  return Status::Ok();
 }
 
 Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
@@ -91,7 +101,8 @@ Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
     if (write.zeros) return uffd_.ZeroPage(addr, length);
     return uffd_.Copy(addr, write.raw.subspan(at - offset, length));
   };
-  return Account(InstallResolved(bo, offset, write.length, step), write.zeros, bo, offset);
+  return Account(InstallResolved(bo, offset, write.length, MovesPending::kWait, step), write.zeros,
+                 bo, offset);
 }
 
 Status UffdCopyEngine::Account(Result<InstallResult> result, bool zeros, uint32_t bo,
@@ -147,7 +158,8 @@ void UffdCopyEngine::DeferZeros(Destination& dest, uint64_t offset, uint64_t len
 
 Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32_t bo,
                                                                           uint64_t offset,
-                                                                          uint64_t length) {
+                                                                          uint64_t length,
+                                                                          MovesPending moves) {
   Destination* dest = nullptr;
   {
     std::lock_guard lock(mutex_);
@@ -185,8 +197,17 @@ Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32
   for (size_t i = 0; i < pieces.size(); ++i) {
     const auto [from, to] = pieces[i];
     Result<InstallResult> result = InstallResolved(
-        bo, from, to - from,
+        bo, from, to - from, moves,
         [&](uint64_t addr, uint64_t, uint64_t length) { return uffd_.ZeroPage(addr, length); });
+    if (result.ok() && result->interrupted > 0) {
+      // A move stopped it: back into the record (pages installed meanwhile are found there
+      // next time), for the pager to install after it has read the move.
+      for (size_t j = i; j < pieces.size(); ++j)
+        DeferZeros(*dest, pieces[j].first, pieces[j].second - pieces[j].first, false);
+      GPULAZY_RETURN_IF_ERROR(Account(*result, /*zeros=*/true, bo, from));
+      total += *result;
+      return std::optional<InstallResult>{total};
+    }
     if (!result.ok()) {
       if (result.status().code() == Code::kAborted) {
         target_gone_.store(true);

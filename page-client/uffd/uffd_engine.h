@@ -66,9 +66,12 @@ class UffdCopyEngine : public client::CopyEngine {
   // session has: installs the deferred zero pages there (UFFDIO_ZEROPAGE, which wakes their
   // faulting threads) and drops them from the record. nullopt when no deferred zero overlaps the
   // range (the fault is for a page an install is mapping or has mapped: wake it); kAborted when
-  // the process is gone.
-  Result<std::optional<InstallResult>> InstallDeferredZeros(uint32_t bo, uint64_t offset,
-                                                            uint64_t length);
+  // the process is gone. The pager's event-reading thread passes kNoWait: a move the program is
+  // making then leaves the zeros in the record and counts them `interrupted` (try again after
+  // reading the event), where other threads wait for the pager to read it.
+  enum class MovesPending { kWait, kNoWait };
+  Result<std::optional<InstallResult>> InstallDeferredZeros(
+      uint32_t bo, uint64_t offset, uint64_t length, MovesPending moves = MovesPending::kWait);
   // Not where faults are user-mode only: there a system call on a deferred zero page fails
   // with EFAULT until the restore completes, where an installed one just works.
   bool defers_zeros() const {
@@ -114,11 +117,14 @@ class UffdCopyEngine : public client::CopyEngine {
   // Records [offset, offset + length) as zeros to install on a fault (counted when `count`).
   void DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count);
   // Installs [offset, offset + length) of `bo` wherever it lives now, one `step(addr, offset,
-  // length)` per piece; again, where the program moved part of it under the install.
+  // length)` per piece; again, where the program moved part of it under the install or was
+  // moving memory (kWait). With kNoWait what a move stopped is returned `interrupted`.
   template <typename Step>
-  Result<InstallResult> InstallResolved(uint32_t bo, uint64_t offset, uint64_t length, Step step);
-  // Returns once the kernel has no move of the program's unread (bounded: 5 s).
-  void WaitForUnreadMoves();
+  Result<InstallResult> InstallResolved(uint32_t bo, uint64_t offset, uint64_t length,
+                                        MovesPending moves, Step step);
+  // Returns once the kernel has no move of the program's unread; kUnavailable after 5 s (the
+  // pager is not reading events: the move and the install cannot finish).
+  Status WaitForUnreadMoves();
   // Counts an install's outcome, or turns kAborted into target_gone.
   Status Account(Result<InstallResult> result, bool zeros, uint32_t bo, uint64_t offset);
   void NoteUnregistered(uint32_t bo, uint64_t offset);

@@ -3,7 +3,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
-#include <sched.h>
 #include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
@@ -61,9 +60,12 @@ Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* wh
       result.already_present += page;
       continue;
     }
-    if (err == EAGAIN) {  // the program is changing its mappings; let the event's reader run
-      sched_yield();
-      continue;
+    if (err == EAGAIN) {
+      // The program is changing its mappings and the event is unread. Not retried here: the
+      // reader of events may be this very thread (the pager serving a fault), and the rest may
+      // have moved by the time the event is read.
+      result.interrupted += length - done;
+      return result;
     }
     if (err == ENOENT) {
       if (!page_by_page && length - done > page) {
@@ -145,7 +147,9 @@ Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {
 Status Userfaultfd::Unregister(uint64_t addr, uint64_t length) const {
   uffdio_range range{addr, length};
   if (ioctl(fd_.get(), UFFDIO_UNREGISTER, &range) != 0) {
-    if (errno == ESRCH) return Status::Ok();  // the process is gone, and its registration too
+    // The process is gone, and its registration too: ESRCH, or ENOMEM once its address space
+    // has been torn down (UFFDIO_UNREGISTER cannot pin it; seen on 6.18).
+    if (errno == ESRCH || errno == ENOMEM) return Status::Ok();
     return ErrnoError(errno, "UFFDIO_UNREGISTER [{:#x}, +{})", addr, length);
   }
   // A fault racing UFFDIO_UNREGISTER can miss its wake and sleep for good (seen on 6.18; taken

@@ -42,19 +42,23 @@ struct FaultEvent {
 };
 
 // The outcome of installing a range: how much was installed now, how much was already there
-// (EEXIST: installed earlier by someone else, e.g. a fill that beat a fault), and how much lies
+// (EEXIST: installed earlier by someone else, e.g. a fill that beat a fault), how much lies
 // in no range registered with this userfaultfd (ENOENT page by page: the process unmapped or
 // replaced that memory, or it was unregistered), where nothing is installed and no fault of
-// ours can wait.
+// ours can wait, and how much was not tried because the program is moving memory and the event
+// saying so is unread (EAGAIN: every install on this userfaultfd fails until the pager reads
+// it; the caller tries again after that, and the pager's own thread must not wait for it).
 struct InstallResult {
   uint64_t installed = 0;
   uint64_t already_present = 0;
   uint64_t unregistered = 0;
+  uint64_t interrupted = 0;
 
   InstallResult& operator+=(const InstallResult& more) {
     installed += more.installed;
     already_present += more.already_present;
     unregistered += more.unregistered;
+    interrupted += more.interrupted;
     return *this;
   }
 };

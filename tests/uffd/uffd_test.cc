@@ -17,11 +17,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -959,8 +961,8 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
   }
 
   // Before Bind(), nothing lands: the engine holds every write until its BO is bound.
-  void StartPager() {
-    pager_.emplace(*uffd_, *session_, *engine_, memory_->regions());
+  void StartPager(PagerOptions options = {}) {
+    pager_.emplace(*uffd_, *session_, *engine_, memory_->regions(), std::move(options));
     ASSERT_TRUE(pager_->Start().ok());
   }
   void Bind() {
@@ -1192,6 +1194,192 @@ TEST_P(UffdProgramChangesItsMapping, ABoMovedAgainAndAgainWhileItStreamsRestores
       << "after " << moves << " moves";
   EXPECT_EQ(engine_->bytes_unregistered(), 0u) << "after " << moves << " moves";
   UnregisterAndUnmap(now, length);
+}
+
+// Whether any page of [addr, addr + length) lies in a mapping userfaultfd tracks: its VmFlags
+// in /proc/self/smaps carry "um" (missing faults) or "ui" (minor faults).
+bool TrackedByUserfaultfd(uint64_t addr, uint64_t length) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool overlapping = false;
+  while (std::getline(smaps, line)) {
+    unsigned long start = 0, end = 0;  // NOLINT(google-runtime-int): sscanf's %lx
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &start, &end) == 2) {
+      overlapping = start < addr + length && addr < end;
+      continue;
+    }
+    if (!overlapping || line.rfind("VmFlags:", 0) != 0) continue;
+    std::istringstream flags(line.substr(8));
+    for (std::string flag; flags >> flag;)
+      if (flag == "um" || flag == "ui") return true;
+  }
+  return false;
+}
+
+// The first page of a BO's bytes holding data (not zero), and the offset of a data byte in it.
+std::pair<uint64_t, uint64_t> DataPage(const std::vector<uint8_t>& bytes) {
+  const auto data = std::find_if(bytes.begin(), bytes.end(), [](uint8_t b) { return b != 0; });
+  const auto offset = static_cast<uint64_t>(data - bytes.begin());
+  return {PageAlignDown(offset), offset};
+}
+
+// The bytes of BO memory a reader thread read at `at`, or abort() after 10 s: a read stuck on
+// a fault the pager will never serve cannot be joined, and a hung test binary says less.
+uint8_t ReadOrAbort(const volatile uint8_t* at, const char* what) {
+  std::promise<uint8_t> read;
+  std::future<uint8_t> value = read.get_future();
+  std::thread reader([&] { read.set_value(uint8_t{*at}); });
+  if (value.wait_for(10s) != std::future_status::ready) {
+    std::fprintf(stderr, "%s: the read did not return within 10 s\n", what);
+    std::abort();
+  }
+  reader.join();
+  return value.get();
+}
+
+// The pager serves a fault on a chunk that has landed (a page the program dropped) while another
+// thread of the program is moving a different BO. Until the pager reads that move's event every
+// install on the userfaultfd fails with EAGAIN, and the move waits for the read: the pager's own
+// thread, the reader, must not wait for the install. It reads the event, then serves the fault.
+TEST_P(UffdProgramChangesItsMapping, AFaultServedWhileAnotherBoMovesDoesNotStallThePager) {
+  const bool missing = GetParam() == FillMode::kMissingCopy;
+  // A dropped page faults again: private anonymous memory in MISSING mode (it then reads zeros),
+  // the memfd in MINOR mode (whose page cache keeps the bytes).
+  ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/missing));
+  ASSERT_GE(memory_->regions().size(), 2u);
+  const Region moving = memory_->regions()[target_ == 0 ? 1 : 0];
+  const uint64_t moving_length = PageAlignUp(moving.size);
+  const uint64_t elsewhere = Reserve(moving_length);
+  std::atomic<bool> armed{false}, moved{false};
+  std::thread mover;
+  PagerOptions options;
+  options.after_events_read = [&] {
+    if (!armed.exchange(false)) return;
+    mover = std::thread([&] {
+      Move(moving.addr, elsewhere, moving_length);
+      moved.store(true);
+    });
+    // Until the move is under way: its event now waits for this thread to read it.
+    for (int i = 0; i < 2000 && !uffd_->MappingsChanging(); ++i)
+      std::this_thread::sleep_for(1ms);
+  };
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_NO_FATAL_FAILURE(StartPager(std::move(options)));
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  const Region& region = memory_->regions()[target_];
+  const auto [page, offset] = DataPage(source_[target_]);
+  ASSERT_EQ(::madvise(reinterpret_cast<void*>(region.addr + page), PageSize(), MADV_DONTNEED), 0)
+      << std::strerror(errno);
+  armed.store(true);
+  const uint8_t value =
+      ReadOrAbort(memory_->bytes(target_).data() + offset, "a dropped page during a move");
+  for (int i = 0; i < 1000 && !moved.load(); ++i)
+    std::this_thread::sleep_for(10ms);
+  if (!moved.load()) {
+    std::fprintf(stderr, "the program's move did not return within 10 s\n");
+    std::abort();
+  }
+  mover.join();
+  ASSERT_NO_FATAL_FAILURE(Hold(moving.addr, moving_length));
+  EXPECT_EQ(value, missing ? 0 : source_[target_][offset]);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(elsewhere), source_[moving.bo].data(),
+                        source_[moving.bo].size()),
+            0)
+      << "the moved BO";
+  EXPECT_EQ(pager_->stats().bytes_moved, moving_length);
+  UnregisterAndUnmap(elsewhere, moving_length);
+}
+
+// Another thread touches a BO at its new address while the move's event is still unread: the
+// kernel hands the pager that fault before the move, in one read. The fault is the moved BO's
+// and is served there; taken for an address outside every BO it would stop the pager.
+TEST_P(UffdProgramChangesItsMapping, AFaultWhereABoHasJustMovedIsServedThere) {
+  const bool missing = GetParam() == FillMode::kMissingCopy;
+  ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/missing));
+  ASSERT_GE(memory_->regions().size(), 2u);
+  const Region moving = memory_->regions()[target_];
+  const uint64_t moving_length = PageAlignUp(moving.size);
+  const uint64_t elsewhere = Reserve(moving_length);
+  const auto [page, offset] = DataPage(source_[target_]);
+  const uint32_t other = target_ == 0 ? 1 : 0;
+  std::atomic<bool> armed{false}, moved{false};
+  std::atomic<int> moved_byte{-1};
+  std::thread mover, toucher;
+  PagerOptions options;
+  options.after_events_read = [&] {
+    if (!armed.exchange(false)) return;
+    mover = std::thread([&] {
+      Move(moving.addr, elsewhere, moving_length);
+      moved.store(true);
+    });
+    for (int i = 0; i < 2000 && !uffd_->MappingsChanging(); ++i)
+      std::this_thread::sleep_for(1ms);
+    // The page tables have moved by now; the toucher's fault queues behind the unread event.
+    std::this_thread::sleep_for(50ms);
+    toucher = std::thread(
+        [&] { moved_byte.store(*reinterpret_cast<const volatile uint8_t*>(elsewhere + offset)); });
+    std::this_thread::sleep_for(50ms);
+  };
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_NO_FATAL_FAILURE(StartPager(std::move(options)));
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  // Dropped pages fault again: the moved BO's where the toucher reads, and the other BO's, whose
+  // fault sets the scene.
+  ASSERT_EQ(::madvise(reinterpret_cast<void*>(moving.addr + page), PageSize(), MADV_DONTNEED), 0)
+      << std::strerror(errno);
+  const auto [other_page, other_offset] = DataPage(source_[other]);
+  ASSERT_EQ(::madvise(reinterpret_cast<void*>(memory_->regions()[other].addr + other_page),
+                      PageSize(), MADV_DONTNEED),
+            0)
+      << std::strerror(errno);
+  armed.store(true);
+  ReadOrAbort(memory_->bytes(other).data() + other_offset, "the other BO's dropped page");
+  for (int i = 0; i < 1000 && (!moved.load() || moved_byte.load() < 0); ++i)
+    std::this_thread::sleep_for(10ms);
+  if (!moved.load() || moved_byte.load() < 0) {
+    std::fprintf(stderr, "the move or the read at its destination did not return within 10 s\n");
+    std::abort();
+  }
+  mover.join();
+  toucher.join();
+  ASSERT_NO_FATAL_FAILURE(Hold(moving.addr, moving_length));
+  EXPECT_EQ(moved_byte.load(), missing ? 0 : source_[target_][offset]);
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+  UnregisterAndUnmap(elsewhere, moving_length);
+}
+
+// The program unmapped one BO and mapped a file of its own over a page of another (the pager
+// is not told: it asks for no unmap events). UFFDIO_UNREGISTER refuses a range with no mapping
+// at all, or with a mapping userfaultfd cannot track, and then unregisters none of it.
+// Unregistering at the end must still leave no BO memory registered: memory left so would make
+// the program's later first touch there wait for a pager that has stopped.
+TEST_P(UffdProgramChangesItsMapping, UnregisterAllLeavesNothingRegisteredAfterUnmapsAndFileMaps) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  RestoreAndCompare(std::nullopt);
+  std::vector<Region> by_address = memory_->regions();
+  std::sort(by_address.begin(), by_address.end(),
+            [](const Region& a, const Region& b) { return a.addr < b.addr; });
+  ASSERT_GE(by_address.size(), 2u);
+  // The BO lowest in memory (the first range unregistered) goes; the next gets a page of this
+  // test binary's file (a private file mapping: not shmem, not anonymous) in its middle.
+  const Region gone = by_address[0];
+  const Region filed = by_address[1];
+  ASSERT_GE(PageAlignUp(filed.size), 3 * PageSize());
+  const uint64_t file_page = filed.addr + PageAlignDown(PageAlignUp(filed.size) / 2);
+  UniqueFd exe(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(exe.valid()) << std::strerror(errno);
+  ASSERT_EQ(::mmap(reinterpret_cast<void*>(file_page), PageSize(), PROT_READ,
+                   MAP_PRIVATE | MAP_FIXED, exe.get(), 0),
+            reinterpret_cast<void*>(file_page))
+      << std::strerror(errno);
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(gone.addr), PageAlignUp(gone.size)), 0)
+      << std::strerror(errno);
+  unregistered_ = true;
+  const Status unregistered = pager_->UnregisterAll();
+  ASSERT_NO_FATAL_FAILURE(Hold(gone.addr, PageAlignUp(gone.size)));
+  EXPECT_TRUE(unregistered.ok()) << unregistered.ToString();
+  for (const Region& region : memory_->regions())
+    EXPECT_FALSE(TrackedByUserfaultfd(region.addr, PageAlignUp(region.size))) << "BO " << region.bo;
 }
 
 // MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
