@@ -90,8 +90,10 @@ void AddressMap::Add(const Region& region) {
   Insert(region.addr, {region.bo, 0, PageAlignUp(std::max<uint64_t>(region.size, 1))});
 }
 
-uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold) {
+uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold,
+                          const MoveHold& installs) {
   if (hold.mutex() != &mutex_ || !hold.owns_lock()) std::abort();  // a caller's bug
+  if (installs.mutex() != &installs_ || !installs.owns_lock()) std::abort();
   // Cut the segments overlapping [from, from + length) at its ends, then move the inside ones.
   auto split_at = [&](uint64_t at) {
     auto it = by_addr_.upper_bound(at);
@@ -124,13 +126,14 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
     Insert(addr, segment);
     bytes += segment.length;
   }
-  if (bytes > 0) ++generation_;
+  if (bytes > 0) generation_.fetch_add(1, std::memory_order_relaxed);
   return bytes;
 }
 
-std::vector<AddressMap::Piece> AddressMap::Resolve(uint32_t bo, uint64_t offset,
-                                                   uint64_t length) const {
+std::vector<AddressMap::Piece> AddressMap::Resolve(uint32_t bo, uint64_t offset, uint64_t length,
+                                                   uint64_t* generation) const {
   std::shared_lock lock(mutex_);
+  if (generation != nullptr) *generation = generation_.load(std::memory_order_relaxed);
   std::vector<Piece> pieces;
   auto it = by_bo_.upper_bound({bo, offset});
   if (it != by_bo_.begin() && std::prev(it)->first.first == bo) --it;
@@ -173,8 +176,14 @@ std::vector<std::pair<uint64_t, uint64_t>> AddressMap::Ranges() const {
 }
 
 uint64_t AddressMap::generation() const {
+  // Under the lock: waits for moves being applied (the pager holds it while it reads them).
   std::shared_lock lock(mutex_);
-  return generation_;
+  return generation_.load(std::memory_order_relaxed);
+}
+
+uint64_t AddressMap::generation(const InstallHold& hold) const {
+  if (hold.mutex() != &installs_ || !hold.owns_lock()) std::abort();  // a caller's bug
+  return generation_.load(std::memory_order_relaxed);
 }
 
 }  // namespace gpulazy::uffd

@@ -6,6 +6,7 @@
 // Thread-safety: immutable after creation.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -80,12 +81,16 @@ class RestoredMemory {
 // which its offsets map to several ranges. Shared by the engine (where to install) and the pager
 // (which BO a fault is in, what to wake and unregister).
 //
-// Thread-safety: every method locks, but Move and Find(addr, hold), which run under the hold
-// (a hold of another map, or none, aborts: a caller's bug). The pager holds hold_for_events()
-// (exclusive) from before it reads events until it has applied the moves among them. An installer
-// that found a range unregistered waits until the kernel has no move unread
-// (Userfaultfd::MappingsChanging), then compares generation() (the shared side, so after any move
-// being applied): a move that took the range was read by then, so it shows.
+// Thread-safety: every method locks, but Move, Find(addr, hold) and generation(hold), which run
+// under the holds they take (a hold of another map, or none, aborts: a caller's bug). The pager
+// holds hold_for_events() (exclusive) from before it reads events until it has applied the moves
+// among them, and hold_installs_for_moves() inside it while it applies them. An installer looks
+// its addresses up, then holds hold_for_install() until its ioctls return (looking up again if a
+// move was applied in between), so no move is applied under an install that predates it. One
+// that found a range unregistered or was refused (a move's event unread) waits until the kernel
+// has no move unread (Userfaultfd::MappingsChanging), then compares generation() (the shared
+// side, so after any move being applied): a move that took the range was read by then, so it
+// shows.
 class AddressMap {
  public:
   struct Piece {
@@ -104,11 +109,22 @@ class AddressMap {
   using EventHold = std::unique_lock<std::shared_mutex>;
   // Held by the pager from before it reads events until it has applied the moves among them.
   EventHold hold_for_events() { return EventHold(mutex_); }
+  // Held shared by an installer from just after its Resolve until its ioctls at those addresses
+  // have returned, and exclusively by the pager while it applies moves (inside
+  // hold_for_events()): no move is applied under an install that looked its addresses up
+  // before the move. Installers never take the map's own lock while holding it.
+  using InstallHold = std::shared_lock<std::shared_mutex>;
+  using MoveHold = std::unique_lock<std::shared_mutex>;
+  InstallHold hold_for_install() const { return InstallHold(installs_); }
+  MoveHold hold_installs_for_moves() { return MoveHold(installs_); }
   // The program moved [from, from + length) to `to` (page aligned): BO bytes there now live at
-  // the new address. Returns how many bytes of BO memory moved. Under hold_for_events().
-  uint64_t Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold);
-  // The pieces of [offset, offset + length) of `bo`, in offset order (none for an unknown BO).
-  std::vector<Piece> Resolve(uint32_t bo, uint64_t offset, uint64_t length) const;
+  // the new address. Returns how many bytes of BO memory moved. Under both holds.
+  uint64_t Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold,
+                const MoveHold& installs);
+  // The pieces of [offset, offset + length) of `bo`, in offset order (none for an unknown BO);
+  // `generation`, when given, is set to the generation they belong to.
+  std::vector<Piece> Resolve(uint32_t bo, uint64_t offset, uint64_t length,
+                             uint64_t* generation = nullptr) const;
   // The BO byte at `addr` (nullopt: none, or the page-rounded tail past a BO's size).
   std::optional<Location> Find(uint64_t addr) const;
   std::optional<Location> Find(uint64_t addr, const EventHold& hold) const;  // under the hold
@@ -116,6 +132,8 @@ class AddressMap {
   std::vector<std::pair<uint64_t, uint64_t>> Ranges() const;
   // Changes with every Move that moved something.
   uint64_t generation() const;
+  // The same, under an install hold: no move can be applied while it is held.
+  uint64_t generation(const InstallHold& hold) const;
 
  private:
   struct Segment {
@@ -126,10 +144,11 @@ class AddressMap {
   void Insert(uint64_t addr, const Segment& segment);  // into both indexes
   std::optional<Location> FindUnlocked(uint64_t addr) const;
   mutable std::shared_mutex mutex_;
+  mutable std::shared_mutex installs_;                       // see hold_for_install()
   std::map<uint64_t, Segment> by_addr_;                      // start address -> segment; disjoint
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> by_bo_;  // (BO, offset) -> start address
   std::map<uint32_t, uint64_t> sizes_;                       // BO -> size in bytes
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};                      // written under both locks
 };
 
 }  // namespace gpulazy::uffd

@@ -152,6 +152,14 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
     // to be applied before it looks again (AddressMap).
     AddressMap::EventHold hold = addresses.hold_for_events();
     GPULAZY_ASSIGN_OR_RETURN(size_t n, uffd_.Read(events));
+    // Moves are applied only once the installs in flight have returned: one that looked its
+    // addresses up before a move must not land there after it (where other BO memory may be by
+    // then). Those installs cannot be installing meanwhile: the kernel refuses them while a
+    // move's event is unread, and this read's moves count as unread until it returns.
+    AddressMap::MoveHold installs;
+    if (std::any_of(events, events + n,
+                    [](const FaultEvent& e) { return e.kind == FaultEvent::Kind::kRemap; }))
+      installs = addresses.hold_installs_for_moves();
     const size_t first = faults->size();
     for (size_t i = 0; i < n; ++i) {
       const FaultEvent& event = events[i];
@@ -159,7 +167,7 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
         faults->push_back({event.address, std::nullopt});
       } else if (event.kind == FaultEvent::Kind::kRemap) {
         const uint64_t moved =
-            addresses.Move(event.address, event.to, event.end - event.address, hold);
+            addresses.Move(event.address, event.to, event.end - event.address, hold, installs);
         if (moved > 0) moves.push_back(event);
         std::lock_guard lock(mutex_);
         stats_.bytes_moved += moved;

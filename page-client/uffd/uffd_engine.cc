@@ -23,7 +23,19 @@ Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offs
   auto install = [&]() -> Result<InstallResult> {
     InstallResult total;
     uint64_t placed = 0;
-    for (const AddressMap::Piece& piece : addresses_.Resolve(bo, offset, length)) {
+    // Looked up, then held until the ioctls have returned, so no move is applied under them; a
+    // move applied between the two shows as a new generation, and the lookup is made again.
+    std::vector<AddressMap::Piece> pieces;
+    AddressMap::InstallHold hold;
+    while (true) {
+      uint64_t resolved_at = 0;
+      pieces = addresses_.Resolve(bo, offset, length, &resolved_at);
+      hold = addresses_.hold_for_install();
+      if (addresses_.generation(hold) == resolved_at) break;
+      hold.unlock();
+    }
+    if (after_resolve_) after_resolve_(bo, offset);
+    for (const AddressMap::Piece& piece : pieces) {
       GPULAZY_ASSIGN_OR_RETURN(InstallResult part, step(piece.addr, piece.offset, piece.length));
       total += part;
       placed += piece.length;

@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -81,6 +82,12 @@ class UffdCopyEngine : public client::CopyEngine {
   // Completes every held write with kAborted (the restored process will never bind); later
   // writes to unbound BOs fail at once instead of being held.
   void Abandon();
+
+  // Tests only, before the first Bind: runs on the installing thread once an install has looked
+  // up where the bytes of [offset, ...) of `bo` go, before it installs them there.
+  void set_after_resolve_for_testing(std::function<void(uint32_t bo, uint64_t offset)> hook) {
+    after_resolve_ = std::move(hook);
+  }
 
   bool target_gone() const { return target_gone_.load(); }
   uint64_t bytes_installed() const { return bytes_installed_.load(); }
@@ -142,6 +149,7 @@ class UffdCopyEngine : public client::CopyEngine {
   std::atomic<uint64_t> zeroed_{0};
   std::atomic<uint64_t> deferred_{0};
   std::atomic<uint64_t> unregistered_{0};
+  std::function<void(uint32_t, uint64_t)> after_resolve_;  // tests only
 };
 
 }  // namespace gpulazy::uffd

@@ -284,10 +284,11 @@ TEST(AddressMap, AMoveOfPartOfABoSplitsItAndResolvesEachOffsetWhereItIs) {
   EXPECT_EQ(map.generation(), 0u);
   {
     AddressMap::EventHold hold = map.hold_for_events();
+    AddressMap::MoveHold installs = map.hold_installs_for_moves();
     // Pages 3..6 of BO 0 to 500: the BO now lives in three ranges.
-    EXPECT_EQ(map.Move(103 * page, 500 * page, 4 * page, hold), 4 * page);
+    EXPECT_EQ(map.Move(103 * page, 500 * page, 4 * page, hold, installs), 4 * page);
     // Nothing of ours there: no change.
-    EXPECT_EQ(map.Move(900 * page, 950 * page, page, hold), 0u);
+    EXPECT_EQ(map.Move(900 * page, 950 * page, page, hold, installs), 0u);
   }
   EXPECT_EQ(map.generation(), 1u);
   const std::vector<AddressMap::Piece> pieces = map.Resolve(0, 2 * page, 6 * page);
@@ -320,7 +321,8 @@ TEST(AddressMap, AMoveOntoAnotherBoReplacesIt) {
   map.Add({1, 200 * page, 4 * page});
   {
     AddressMap::EventHold hold = map.hold_for_events();
-    EXPECT_EQ(map.Move(100 * page, 201 * page, 2 * page, hold), 2 * page);
+    AddressMap::MoveHold installs = map.hold_installs_for_moves();
+    EXPECT_EQ(map.Move(100 * page, 201 * page, 2 * page, hold, installs), 2 * page);
   }
   map.Add(
       {0, 100 * page, 4 * page});  // a second Add (the engine's Bind after the pager's) is ignored
@@ -1346,6 +1348,88 @@ TEST_P(UffdProgramChangesItsMapping, AFaultWhereABoHasJustMovedIsServedThere) {
   EXPECT_EQ(moved_byte.load(), missing ? 0 : source_[target_][offset]);
   EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
   UnregisterAndUnmap(elsewhere, moving_length);
+}
+
+// An install looks up where its bytes go, then installs them there. If in between the program
+// swaps two BOs through a third range (the first BO moved away, the second moved onto the
+// first's old address) and the pager has read both moves, the install must not land in the
+// second BO: it would fill the second BO's missing pages with the first's bytes, and the second
+// BO's own bytes would then find those pages taken and be skipped.
+TEST_P(UffdProgramChangesItsMapping, AnInstallRacingASwapOfTwoBosLandsInItsOwnBo) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const Region first = memory_->regions()[target_];
+  std::optional<Region> second;  // the BO with the most data after the first
+  size_t second_data = 0;
+  for (const Region& r : memory_->regions()) {
+    if (r.bo == first.bo) continue;
+    const auto data = static_cast<size_t>(std::count_if(source_[r.bo].begin(), source_[r.bo].end(),
+                                                        [](uint8_t b) { return b != 0; }));
+    if (!second || data > second_data) second = r, second_data = data;
+  }
+  ASSERT_TRUE(second.has_value());
+  ASSERT_GT(second_data, 0u) << "no second BO with data";
+  const uint64_t first_length = PageAlignUp(first.size);
+  const uint64_t swapped = std::min(first_length, PageAlignUp(second->size));
+  const uint64_t parking = Reserve(first_length);
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool entered = false, swap_done = false;
+  engine_->set_after_resolve_for_testing([&](uint32_t bo, uint64_t offset) {
+    if (bo != first.bo || offset != 0) return;
+    std::unique_lock lock(mutex);
+    if (entered) return;
+    entered = true;
+    changed.notify_all();
+    // Until the program has swapped the BOs, or 1 s: an install that holds the swap up (it must
+    // not be applied under an install that looked its address up before it) goes on after that.
+    changed.wait_for(lock, 1s, [&] { return swap_done; });
+  });
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  // Only the first BO for now: the second's writes are held until it is bound, so its pages are
+  // missing when the swap puts them where the first BO was. (Bind installs the writes held so
+  // far on the calling thread: not this one, which makes the swap.)
+  Status bound;
+  std::thread binder([&] { bound = engine_->Bind(first, memory_->memfd(first.bo)); });
+  {
+    std::unique_lock lock(mutex);
+    if (!changed.wait_for(lock, 10s, [&] { return entered; })) {
+      lock.unlock();
+      binder.join();
+      FAIL() << "no install of the first BO's chunk 0";
+    }
+  }
+  std::thread swapper([&] {
+    Move(first.addr, parking, first_length);
+    Move(second->addr, first.addr, swapped);
+    std::lock_guard lock(mutex);
+    swap_done = true;
+    changed.notify_all();
+  });
+  swapper.join();
+  binder.join();
+  ASSERT_TRUE(bound.ok()) << bound.ToString();
+  ASSERT_NO_FATAL_FAILURE(Hold(second->addr, swapped));
+  for (const Region& r : memory_->regions()) {
+    if (r.bo != first.bo) {
+      ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok());
+    }
+  }
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(parking), source_[first.bo].data(),
+                        source_[first.bo].size()),
+            0)
+      << "the first BO, moved away";
+  const std::vector<uint8_t>& second_bytes = source_[second->bo];
+  const uint64_t at_first = std::min<uint64_t>(swapped, second_bytes.size());
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(first.addr), second_bytes.data(), at_first),
+            0)
+      << "the second BO's part moved onto the first's old address";
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(second->addr + at_first),
+                        second_bytes.data() + at_first, second_bytes.size() - at_first),
+            0)
+      << "the rest of the second BO";
+  EXPECT_EQ(engine_->bytes_unregistered(), 0u);
+  UnregisterAndUnmap(parking, first_length);
 }
 
 // The program unmapped one BO and mapped a file of its own over a page of another (the pager
