@@ -702,7 +702,15 @@ net::Awaitable<bool> Connection::RefusedAsNotTls() {
     got = co_await socket_.socket().async_receive(asio::buffer(first),
                                                   asio::socket_base::message_peek,
                                                   asio::redirect_error(asio::use_awaitable, ec));
-    if (ec || got == 0) co_return false;  // closed or timed out: the handshake reports it
+    if (ec == asio::error::eof || (!ec && got == 0)) {
+      // The peer ended its side before a single byte (a port probe, a health check). Closed here:
+      // a read after this peek would wait for readiness the socket has already reported (Asio's
+      // edge-triggered reactor takes an empty read as "exhausted"), until the Hello deadline.
+      spdlog::debug("{}: closed by the peer before any byte", Tag());
+      Close("closed by the peer before a TLS handshake");
+      co_return true;
+    }
+    if (ec) co_return false;  // reset or cancelled: the handshake reports it
     if (got == first.size() || Clock::now() >= judge_by) break;
     asio::steady_timer pause(socket_.socket().get_executor(), std::chrono::milliseconds(5));
     co_await pause.async_wait(asio::redirect_error(asio::use_awaitable, ec));

@@ -327,7 +327,9 @@ void MakeSelfSignedCertificate(const fs::path& cert_path, const fs::path& key_pa
 class Harness {
  public:
   Harness() {
-    spdlog::set_level(spdlog::level::off);
+    // GPULAZY_FUZZ_SERVER_LOG=1: the server's own log (debug), to see why it did what it did.
+    spdlog::set_level(std::getenv("GPULAZY_FUZZ_SERVER_LOG") != nullptr ? spdlog::level::debug
+                                                                        : spdlog::level::off);
     // Protobuf logs every invalid UTF-8 string it serializes or parses; scripts send many.
     google::protobuf::SetLogHandler(nullptr);
     const fs::path dir = fuzz::ScratchDir() / "server";
@@ -509,6 +511,9 @@ class Harness {
     if (rc != 0 && errno == EISCONN) rc = 0;
     if (rc != 0) Die(slot.name + ": connect failed: " + std::strerror(errno));
     if (tls_ && tcp && !(transport & kConnectNoHandshake)) Handshake(slot);
+    if (trace_ && checking_)
+      std::fprintf(stderr, "fuzz_server: %s: %s%s\n", slot.name.c_str(), tcp ? "TCP" : "Unix",
+                   slot.ssl ? ", TLS" : (tls_ && tcp ? ", plain text to TLS" : ""));
   }
 
   // TLS mode: the client's handshake on a fresh TCP connection, which stays non-blocking after
@@ -639,6 +644,12 @@ class Harness {
     wire::Header header;
     header.set_request_id(script.U8());
     if (op != kConnect && !slot.fd.valid()) return;
+    // Frames are traced as they are sent; the other actions here.
+    constexpr std::array<const char*, kOpCount> kNames = {
+        "connect",           "",      "",      "",       "", "", "", "", "junk",
+        "shutdown(SHUT_WR)", "close", "drain", "prefix", "", ""};
+    if (trace_ && checking_ && kNames[op][0] != '\0')
+      std::fprintf(stderr, "fuzz_server: %s: %s\n", slot.name.c_str(), kNames[op]);
     switch (op) {
       case kConnect:
         Connect(slot, script.U8());

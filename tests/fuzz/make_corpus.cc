@@ -374,6 +374,15 @@ void ServerCorpus(Corpus& corpus, const manifest::Manifest& m) {
     w.Connect(3, true).Hello(3, 2).Op(kJunk, 3).Byte(7).U64(0xFEDCBA9876543210).Drain(3, 3);
     corpus.Add("server", "tls-plain-text-junk-under-and-inside", w.bytes());
   }
+  {
+    // Found by the TLS mode (session 55): a TCP connection that ends its side without a byte
+    // once the server waits for its first bytes was held until the Hello deadline (the fuzzer's
+    // 5 s limit caught it; the replay waits longer). A restore on a second connection meanwhile.
+    ScriptWriter w;
+    w.ConnectWithoutHandshake(0).Connect(1, true).Hello(1, 2).Open(1, 0).Sync(1);
+    w.Op(kShutWrite, 0).Credit(1, 255).StreamAll(1, false).Drain(1, 3);
+    corpus.Add("server", "tls-a-connection-ends-before-its-first-byte", w.bytes());
+  }
   // PlaceInto (the harness's server places into memfds): a good destination for each BO in
   // [first, end), kMaxPlaceTargets a frame.
   auto place_all = [](ScriptWriter& w, uint8_t slot, uint8_t first, uint8_t end) {

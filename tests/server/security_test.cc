@@ -282,6 +282,17 @@ TEST_F(SecurityTest, HostilePeersOfTheTlsListenerAreClosedWhileOthersAreServed) 
   EXPECT_TRUE(http.WaitClosed(5s));
   EXPECT_TRUE(server->LogShows({"an HTTP request on a TLS listener"})) << server->Log();
 
+  // A connection that ends its side without a byte once the server waits for its first bytes
+  // (a port probe): closed at once, not held until the Hello deadline. (Asio's reactor took the
+  // empty peek as the socket read dry, so the handshake's read waited for readiness it had been
+  // told of already, until the deadline.)
+  TestClient probe(server->tcp_endpoint());
+  std::this_thread::sleep_for(200ms);  // the server's peek is waiting by now
+  const auto probe_ended = std::chrono::steady_clock::now();
+  ASSERT_TRUE(probe.CloseWrite().ok());
+  EXPECT_TRUE(probe.WaitClosed(5s));
+  EXPECT_LT(std::chrono::steady_clock::now() - probe_ended, 500ms);
+
   // A ClientHello's record header and then silence: the Hello deadline ends the handshake.
   TestClient stalled(server->tcp_endpoint());
   const uint8_t record_head[6] = {0x16, 0x03, 0x01, 0x02, 0x00, 0x01};
