@@ -985,6 +985,18 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
                            MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(to));
     ASSERT_EQ(moved, reinterpret_cast<void*>(to)) << std::strerror(errno);
   }
+  // On the pager's loop thread (a test's after_events_read): starts the program's move of all of
+  // `bo`'s memory to `to` on a thread of its own, and returns once the move is under way, its
+  // event waiting for this thread to read it. `moved` turns true when the move has returned.
+  std::thread MoveWhileThePagerWaits(const Region& bo, uint64_t to, std::atomic<bool>& moved) {
+    std::thread mover([&moved, from = bo.addr, to, length = PageAlignUp(bo.size)] {
+      Move(from, to, length);
+      moved.store(true);
+    });
+    for (int i = 0; i < 2000 && !uffd_->MappingsChanging(); ++i)
+      std::this_thread::sleep_for(1ms);
+    return mover;
+  }
   // A placeholder where BO memory was, so RestoredMemory's unmapping at the end unmaps it and not
   // someone else's mapping.
   static void Hold(uint64_t at, uint64_t length) {
@@ -1256,14 +1268,7 @@ TEST_P(UffdProgramChangesItsMapping, AFaultServedWhileAnotherBoMovesDoesNotStall
   std::thread mover;
   PagerOptions options;
   options.after_events_read = [&] {
-    if (!armed.exchange(false)) return;
-    mover = std::thread([&] {
-      Move(moving.addr, elsewhere, moving_length);
-      moved.store(true);
-    });
-    // Until the move is under way: its event now waits for this thread to read it.
-    for (int i = 0; i < 2000 && !uffd_->MappingsChanging(); ++i)
-      std::this_thread::sleep_for(1ms);
+    if (armed.exchange(false)) mover = MoveWhileThePagerWaits(moving, elsewhere, moved);
   };
   ASSERT_NO_FATAL_FAILURE(Bind());
   ASSERT_NO_FATAL_FAILURE(StartPager(std::move(options)));
@@ -1310,12 +1315,7 @@ TEST_P(UffdProgramChangesItsMapping, AFaultWhereABoHasJustMovedIsServedThere) {
   PagerOptions options;
   options.after_events_read = [&] {
     if (!armed.exchange(false)) return;
-    mover = std::thread([&] {
-      Move(moving.addr, elsewhere, moving_length);
-      moved.store(true);
-    });
-    for (int i = 0; i < 2000 && !uffd_->MappingsChanging(); ++i)
-      std::this_thread::sleep_for(1ms);
+    mover = MoveWhileThePagerWaits(moving, elsewhere, moved);
     // The page tables have moved by now; the toucher's fault queues behind the unread event.
     std::this_thread::sleep_for(50ms);
     toucher = std::thread(
