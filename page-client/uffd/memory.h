@@ -84,7 +84,7 @@ class RestoredMemory {
 // Thread-safety: every method locks, but Move, Find(addr, hold) and generation(hold), which run
 // under the holds they take (a hold of another map, or none, aborts: a caller's bug). The pager
 // holds hold_for_events() (exclusive) from before it reads events until it has applied the moves
-// among them, and hold_installs_for_moves() inside it while it applies them. An installer looks
+// among them, and hold_installs_for_moves() inside it for as long. An installer looks
 // its addresses up, then holds hold_for_install() until its ioctls return (looking up again if a
 // move was applied in between), so no move is applied under an install that predates it. One
 // that found a range unregistered or was refused (a move's event unread) waits until the kernel
@@ -110,9 +110,10 @@ class AddressMap {
   // Held by the pager from before it reads events until it has applied the moves among them.
   EventHold hold_for_events() { return EventHold(mutex_); }
   // Held shared by an installer from just after its Resolve until its ioctls at those addresses
-  // have returned, and exclusively by the pager while it applies moves (inside
-  // hold_for_events()): no move is applied under an install that looked its addresses up
-  // before the move. Installers never take the map's own lock while holding it.
+  // have returned, and exclusively by the pager across each read of events and the moves it
+  // applies (inside hold_for_events()): no install that looked its addresses up before a move
+  // is in flight once the kernel accepts installs at the new layout (after the read). Installers
+  // never take the map's own lock while holding it.
   using InstallHold = std::shared_lock<std::shared_mutex>;
   using MoveHold = std::unique_lock<std::shared_mutex>;
   InstallHold hold_for_install() const { return InstallHold(installs_); }

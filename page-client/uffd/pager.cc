@@ -151,15 +151,13 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
     // Held across the read: an install refused because of a move read here waits for the move
     // to be applied before it looks again (AddressMap).
     AddressMap::EventHold hold = addresses.hold_for_events();
+    // And no install in flight across the read: once a move's event is read the kernel accepts
+    // installs at the new layout again, so an install that looked its addresses up before the
+    // move must have returned by then (it would land where other BO memory may be now). New
+    // installs cannot look addresses up meanwhile (the hold above), so this waits for the
+    // ioctls under way at most.
+    AddressMap::MoveHold installs = addresses.hold_installs_for_moves();
     GPULAZY_ASSIGN_OR_RETURN(size_t n, uffd_.Read(events));
-    // Moves are applied only once the installs in flight have returned: one that looked its
-    // addresses up before a move must not land there after it (where other BO memory may be by
-    // then). Those installs cannot be installing meanwhile: the kernel refuses them while a
-    // move's event is unread, and this read's moves count as unread until it returns.
-    AddressMap::MoveHold installs;
-    if (std::any_of(events, events + n,
-                    [](const FaultEvent& e) { return e.kind == FaultEvent::Kind::kRemap; }))
-      installs = addresses.hold_installs_for_moves();
     const size_t first = faults->size();
     for (size_t i = 0; i < n; ++i) {
       const FaultEvent& event = events[i];
@@ -173,8 +171,16 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
         stats_.bytes_moved += moved;
       }
     }
-    for (size_t i = first; i < faults->size(); ++i)
-      (*faults)[i].at = addresses.Find((*faults)[i].address, hold);
+    for (size_t i = first; i < faults->size(); ++i) {
+      ReadFault& fault = (*faults)[i];
+      fault.at = addresses.Find(fault.address, hold);
+      // A fault in a range this read's moves left (queued before the move): woken below, the
+      // thread finds the memory gone; nothing to serve.
+      fault.left_behind =
+          !fault.at && std::any_of(moves.begin(), moves.end(), [&](const FaultEvent& move) {
+            return fault.address >= move.address && fault.address < move.end;
+          });
+    }
   }
   for (const FaultEvent& move : moves) {
     spdlog::info("uffd pager: the restored process moved BO memory [{:#x}, +{}) to {:#x}",
@@ -253,6 +259,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
   const std::optional<AddressMap::Location>& at = fault.at;
   const uint64_t page = PageAlignDown(address);
   const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
+  if (region == nullptr && fault.left_behind) return;
   if (region == nullptr) {
     // At no BO byte the map knows. While the program is moving memory (its event unread) the
     // fault may be where BO memory is going: try again after the next read. Otherwise it is not

@@ -120,6 +120,7 @@ class Pager {
   struct ReadFault {
     uint64_t address = 0;
     std::optional<AddressMap::Location> at;
+    bool left_behind = false;  // in no BO, in a range a move read with it left
   };
   struct Deferred;
   // `earlier`: the fault was deferred before (when, and whether it was counted then).

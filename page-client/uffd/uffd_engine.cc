@@ -39,6 +39,10 @@ Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offs
       GPULAZY_ASSIGN_OR_RETURN(InstallResult part, step(piece.addr, piece.offset, piece.length));
       total += part;
       placed += piece.length;
+      if (part.interrupted > 0) {  // a move is under way: nothing more lands until it is read
+        total.interrupted += length - std::min(length, placed);
+        return total;
+      }
     }
     // Bytes at no address at all: the program mapped something else over them.
     total.unregistered += length - std::min(length, placed);
@@ -78,10 +82,18 @@ Result<InstallResult> UffdCopyEngine::InstallResolved(uint32_t bo, uint64_t offs
 Status UffdCopyEngine::WaitForUnreadMoves() {
   // The program's mremap waits for the pager to read its event, so this ends as soon as the
   // pager's loop runs. A pager that stopped reading leaves the move (and the program) waiting:
-  // the install fails rather than count bytes as installed that are not.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  // after 5 s without a move applied the install fails, rather than count bytes as installed
+  // that are not. (A program that keeps moving memory keeps the pager applying moves.)
+  constexpr auto kPatience = std::chrono::seconds(5);
+  auto deadline = std::chrono::steady_clock::now() + kPatience;
+  uint64_t generation = addresses_.generation();
   while (uffd_.MappingsChanging()) {
-    if (std::chrono::steady_clock::now() > deadline)
+    const auto now = std::chrono::steady_clock::now();
+    if (const uint64_t applied = addresses_.generation(); applied != generation) {
+      generation = applied;
+      deadline = now + kPatience;
+    }
+    if (now > deadline)
       return Unavailable(
           "the restored process has been moving its memory for 5 s and the pager has not read "
           "the event (stopped?): the install cannot be made");

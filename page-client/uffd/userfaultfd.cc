@@ -60,10 +60,11 @@ Result<InstallResult> InstallLoop(uint64_t addr, uint64_t length, const char* wh
       result.already_present += page;
       continue;
     }
+    if (err == EAGAIN && progressed > 0) continue;  // partial progress (a page there already)
     if (err == EAGAIN) {
-      // The program is changing its mappings and the event is unread. Not retried here: the
-      // reader of events may be this very thread (the pager serving a fault), and the rest may
-      // have moved by the time the event is read.
+      // Nothing done: the program is changing its mappings and the event is unread. Not retried
+      // here: the reader of events may be this very thread (the pager serving a fault), and the
+      // rest may have moved by the time the event is read.
       result.interrupted += length - done;
       return result;
     }
@@ -147,9 +148,7 @@ Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {
 Status Userfaultfd::Unregister(uint64_t addr, uint64_t length) const {
   uffdio_range range{addr, length};
   if (ioctl(fd_.get(), UFFDIO_UNREGISTER, &range) != 0) {
-    // The process is gone, and its registration too: ESRCH, or ENOMEM once its address space
-    // has been torn down (UFFDIO_UNREGISTER cannot pin it; seen on 6.18).
-    if (errno == ESRCH || errno == ENOMEM) return Status::Ok();
+    if (errno == ESRCH) return Status::Ok();  // the process is gone, and its registration too
     return ErrnoError(errno, "UFFDIO_UNREGISTER [{:#x}, +{})", addr, length);
   }
   // A fault racing UFFDIO_UNREGISTER can miss its wake and sleep for good (seen on 6.18; taken

@@ -347,6 +347,36 @@ TEST(AddressMap, AMoveOntoAnotherBoReplacesIt) {
 // wake at UFFDIO_UNREGISTER misses a fault that queues itself just after it; before Unregister
 // woke the range itself, a thread stayed asleep for good within the first 15 rounds of every run
 // on the 6.18 development VM (none in 80,000 rounds with the wake). A race, so many rounds.
+// An install over a range with a page already in it stops at that page with EAGAIN and a count
+// of what it did: partial progress, which the install goes on from. Only EAGAIN with nothing done
+// means the program is moving memory (an unread event) and the rest is left `interrupted`.
+TEST(UffdRegistration, AnInstallStoppedByAPageAlreadyThereGoesOn) {
+  const uint64_t page = PageSize();
+  auto uffd = Userfaultfd::Create(FillMode::kMissingCopy);
+  ASSERT_TRUE(uffd.ok()) << uffd.status().ToString();
+  void* memory =
+      ::mmap(nullptr, 6 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(memory, MAP_FAILED) << std::strerror(errno);
+  const auto base = reinterpret_cast<uint64_t>(memory);
+  ASSERT_TRUE(uffd->Register(base, 6 * page).ok());
+  const std::vector<uint8_t> ones(page, 1);
+  ASSERT_EQ(uffd->Copy(base + 2 * page, ones)->installed, page);
+  auto zeroed = uffd->ZeroPage(base, 6 * page);
+  ASSERT_TRUE(zeroed.ok()) << zeroed.status().ToString();
+  EXPECT_EQ(zeroed->installed, 5 * page);
+  EXPECT_EQ(zeroed->already_present, page);
+  EXPECT_EQ(zeroed->interrupted, 0u);
+  const std::vector<uint8_t> twos(3 * page, 2);
+  auto copied = uffd->Copy(base, twos);  // every page there already
+  ASSERT_TRUE(copied.ok()) << copied.status().ToString();
+  EXPECT_EQ(copied->already_present, 3 * page);
+  EXPECT_EQ(copied->interrupted, 0u);
+  EXPECT_EQ(static_cast<const uint8_t*>(memory)[2 * page], 1);
+  EXPECT_EQ(static_cast<const uint8_t*>(memory)[0], 0);
+  ASSERT_TRUE(uffd->Unregister(base, 6 * page).ok());
+  ::munmap(memory, 6 * page);
+}
+
 TEST(UffdRegistration, UnregisterLeavesNoFaultAsleep) {
   constexpr int kThreads = 4;
   constexpr int kPagesEach = 16;
@@ -1430,6 +1460,73 @@ TEST_P(UffdProgramChangesItsMapping, AnInstallRacingASwapOfTwoBosLandsInItsOwnBo
       << "the rest of the second BO";
   EXPECT_EQ(engine_->bytes_unregistered(), 0u);
   UnregisterAndUnmap(parking, first_length);
+}
+
+// The same race with one move: the program moves one BO onto another's live range (`MREMAP_FIXED`)
+// while an install for that other BO, looked up before the move, is under way. Once the move's
+// event is read the kernel accepts installs at the new layout again, so the pager must not read
+// it while that install is in flight: it would fill the moved BO's missing pages with the other
+// BO's bytes.
+TEST_P(UffdProgramChangesItsMapping, AnInstallRacingAMoveOntoItsBoLandsNowhereElse) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const Region installing = memory_->regions()[target_];
+  std::optional<Region> moving;  // the BO with the most data after the first
+  size_t moving_data = 0;
+  for (const Region& r : memory_->regions()) {
+    if (r.bo == installing.bo) continue;
+    const auto data = static_cast<size_t>(std::count_if(source_[r.bo].begin(), source_[r.bo].end(),
+                                                        [](uint8_t b) { return b != 0; }));
+    if (!moving || data > moving_data) moving = r, moving_data = data;
+  }
+  ASSERT_TRUE(moving.has_value());
+  ASSERT_GT(moving_data, 0u) << "no second BO with data";
+  const uint64_t moved = std::min(PageAlignUp(installing.size), PageAlignUp(moving->size));
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool entered = false, move_done = false;
+  engine_->set_after_resolve_for_testing([&](uint32_t bo, uint64_t offset) {
+    if (bo != installing.bo || offset != 0) return;
+    std::unique_lock lock(mutex);
+    if (entered) return;
+    entered = true;
+    changed.notify_all();
+    changed.wait_for(lock, 1s, [&] { return move_done; });
+  });
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  Status bound;
+  std::thread binder([&] { bound = engine_->Bind(installing, memory_->memfd(installing.bo)); });
+  {
+    std::unique_lock lock(mutex);
+    if (!changed.wait_for(lock, 10s, [&] { return entered; })) {
+      lock.unlock();
+      binder.join();
+      FAIL() << "no install of the installing BO's chunk 0";
+    }
+  }
+  std::thread mover([&] {
+    Move(moving->addr, installing.addr, moved);
+    std::lock_guard lock(mutex);
+    move_done = true;
+    changed.notify_all();
+  });
+  mover.join();
+  binder.join();
+  ASSERT_TRUE(bound.ok()) << bound.ToString();
+  ASSERT_NO_FATAL_FAILURE(Hold(moving->addr, moved));
+  for (const Region& r : memory_->regions()) {
+    if (r.bo != installing.bo) {
+      ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok());
+    }
+  }
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  const std::vector<uint8_t>& bytes = source_[moving->bo];
+  const uint64_t at_new = std::min<uint64_t>(moved, bytes.size());
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(installing.addr), bytes.data(), at_new), 0)
+      << "the moved BO at its new address";
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(moving->addr + at_new), bytes.data() + at_new,
+                        bytes.size() - at_new),
+            0)
+      << "the rest of the moved BO";
 }
 
 // The program unmapped one BO and mapped a file of its own over a page of another (the pager
