@@ -374,6 +374,9 @@ class Harness {
     config.demand_window = 2;
     config.chunk_buffers = 4;
     config.shutdown_grace = std::chrono::milliseconds(200);
+    // Past every wait of the harness: a connection the server keeps until this deadline (one it
+    // should have closed at once) is a hang the harness reports, in the replay as in fuzzing.
+    config.hello_timeout = 2 * std::chrono::duration_cast<std::chrono::milliseconds>(kSilenceLimit);
     config.handle_signals = false;
     // The client is this process: the server takes the harness's memfds with pidfd_getfd.
     config.placement = "memfd";
