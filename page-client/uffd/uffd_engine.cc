@@ -217,17 +217,20 @@ Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32
     }
   }
   if (pieces.empty()) return std::optional<InstallResult>{};
+  // Pieces not installed go back into the record: a later fault, or the pager once it has read
+  // a move, installs them (pages installed meanwhile are found installed then).
+  auto put_back_from = [&](size_t first) {
+    for (size_t j = first; j < pieces.size(); ++j)
+      DeferZeros(*dest, pieces[j].first, pieces[j].second - pieces[j].first, false);
+  };
   InstallResult total;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const auto [from, to] = pieces[i];
     Result<InstallResult> result = InstallResolved(
         bo, from, to - from, moves,
         [&](uint64_t addr, uint64_t, uint64_t length) { return uffd_.ZeroPage(addr, length); });
-    if (result.ok() && result->interrupted > 0) {
-      // A move stopped it: back into the record (pages installed meanwhile are found there
-      // next time), for the pager to install after it has read the move.
-      for (size_t j = i; j < pieces.size(); ++j)
-        DeferZeros(*dest, pieces[j].first, pieces[j].second - pieces[j].first, false);
+    if (result.ok() && result->interrupted > 0) {  // a move stopped it
+      put_back_from(i);
       GPULAZY_RETURN_IF_ERROR(Account(*result, /*zeros=*/true, bo, from));
       total += *result;
       return std::optional<InstallResult>{total};
@@ -236,9 +239,7 @@ Result<std::optional<InstallResult>> UffdCopyEngine::InstallDeferredZeros(uint32
       if (result.status().code() == Code::kAborted) {
         target_gone_.store(true);
       } else {
-        // Back into the record, so a later fault tries again rather than waking a missing page.
-        for (size_t j = i; j < pieces.size(); ++j)
-          DeferZeros(*dest, pieces[j].first, pieces[j].second - pieces[j].first, false);
+        put_back_from(i);  // so a later fault tries again rather than waking a missing page
       }
       return result.status().Context(
           fmt::format("installing deferred zeros of BO {} offset {}", bo, from));
