@@ -1,6 +1,7 @@
 #include "page-client/net/fd_passing.h"
 
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -9,7 +10,7 @@ namespace gpulazy::net {
 namespace asio = boost::asio;
 
 Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds,
-                   Blocking blocking) {
+                   Blocking blocking, Credentials credentials) {
   if (bytes.empty()) return InvalidArgument("descriptors must travel with at least one byte");
   if (fds.size() > kMaxPassedFds)
     return OutOfRange("{} descriptors in one message (the kernel takes {})", fds.size(),
@@ -18,15 +19,27 @@ Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const i
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * fds.size()));
-  if (!fds.empty()) {
+  const bool attach = credentials == Credentials::kAttach;
+  std::vector<uint8_t> control((fds.empty() ? 0 : CMSG_SPACE(sizeof(int) * fds.size())) +
+                               (attach ? CMSG_SPACE(sizeof(ucred)) : 0));
+  if (!control.empty()) {
     msg.msg_control = control.data();
     msg.msg_controllen = control.size();
     cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+    if (!fds.empty()) {
+      cmsg->cmsg_level = SOL_SOCKET;
+      cmsg->cmsg_type = SCM_RIGHTS;
+      cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+      cmsg = CMSG_NXTHDR(&msg, cmsg);
+    }
+    if (attach) {
+      const ucred self{::getpid(), ::getuid(), ::getgid()};
+      cmsg->cmsg_level = SOL_SOCKET;
+      cmsg->cmsg_type = SCM_CREDENTIALS;
+      cmsg->cmsg_len = CMSG_LEN(sizeof self);
+      std::memcpy(CMSG_DATA(cmsg), &self, sizeof self);
+    }
   }
   ssize_t n;
   do {
@@ -47,12 +60,17 @@ Status SendFrameWithFds(int socket, const wire::Header& header, std::span<const 
 }
 
 Result<std::optional<size_t>> ReceiveWithFds(int socket, std::span<uint8_t> into, size_t max_fds,
-                                             std::vector<UniqueFd>* fds, Blocking blocking) {
+                                             std::vector<UniqueFd>* fds, Blocking blocking,
+                                             std::optional<pid_t>* sender_pid) {
   iovec iov{into.data(), into.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(max_fds, 1)));
+  // Room for credentials whoever asked for them: a socket with SO_PASSCRED on gets them with
+  // every message, and without the room the descriptors' control data would be cut.
+  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(max_fds, 1)) +
+                               CMSG_SPACE(sizeof(ucred)));
+  if (sender_pid != nullptr) sender_pid->reset();
   msg.msg_control = control.data();
   msg.msg_controllen = control.size();
   ssize_t n;
@@ -62,6 +80,13 @@ Result<std::optional<size_t>> ReceiveWithFds(int socket, std::span<uint8_t> into
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return std::optional<size_t>();
   if (n < 0) return ErrnoError(errno, "recvmsg");
   for (cmsghdr* cmsg = CMSG_FIRSTHDR(&msg); cmsg != nullptr; cmsg = CMSG_NXTHDR(&msg, cmsg)) {
+    if (cmsg->cmsg_level == SOL_SOCKET && cmsg->cmsg_type == SCM_CREDENTIALS &&
+        cmsg->cmsg_len >= CMSG_LEN(sizeof(ucred))) {
+      ucred sender{};
+      std::memcpy(&sender, CMSG_DATA(cmsg), sizeof sender);
+      if (sender_pid != nullptr && sender.pid > 0) *sender_pid = sender.pid;
+      continue;
+    }
     if (cmsg->cmsg_level != SOL_SOCKET || cmsg->cmsg_type != SCM_RIGHTS) continue;
     const size_t count = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t i = 0; i < count; ++i) {

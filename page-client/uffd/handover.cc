@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -32,18 +33,20 @@ struct RegionMsg {
   uint64_t size;
 };
 
-Status SendMsg(int socket, const void* data, size_t length, int fd) {
+Status SendMsg(int socket, const void* data, size_t length, int fd,
+               net::Credentials credentials = net::Credentials::kNone) {
   const std::span<const uint8_t> bytes(static_cast<const uint8_t*>(data), length);
   std::span<const int> fds;
   if (fd >= 0) fds = std::span<const int>(&fd, 1);
-  Status sent = net::SendWithFds(socket, bytes, fds, net::Blocking::kYes);
+  Status sent = net::SendWithFds(socket, bytes, fds, net::Blocking::kYes, credentials);
   if (!sent.ok()) return sent.Context("handover");
   return Status::Ok();
 }
 
 // Receives one message of at most `capacity` bytes and at most one fd, with a deadline.
 Result<size_t> RecvMsg(int socket, void* data, size_t capacity, UniqueFd* fd,
-                       std::chrono::milliseconds timeout) {
+                       std::chrono::milliseconds timeout,
+                       std::optional<pid_t>* sender_pid = nullptr) {
   pollfd pfd{socket, POLLIN, 0};
   int rc;
   do {
@@ -54,7 +57,7 @@ Result<size_t> RecvMsg(int socket, void* data, size_t capacity, UniqueFd* fd,
   std::vector<UniqueFd> fds;
   Result<std::optional<size_t>> received =
       net::ReceiveWithFds(socket, std::span(static_cast<uint8_t*>(data), capacity),
-                          /*max_fds=*/1, &fds, net::Blocking::kYes);
+                          /*max_fds=*/1, &fds, net::Blocking::kYes, sender_pid);
   if (!received.ok()) return received.status().Context("handover");
   if (!received->has_value() || **received == 0) return Unavailable("handover: peer hung up");
   if (fd != nullptr && !fds.empty()) *fd = UniqueFd(fds[0].release());
@@ -97,7 +100,10 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
   const uint32_t scope = uffd.scope() ? 1 + static_cast<uint32_t>(*uffd.scope()) : kScopeUnknown;
   HelloMsg hello{kMagic, kVersion, static_cast<uint32_t>(uffd.mode()),
                  static_cast<uint32_t>(regions.size()), scope};
-  GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &hello, sizeof hello, uffd.fd()));
+  // With this process's pid, vouched for by the kernel: the pager reads this process's
+  // mappings where it cannot unregister a range (Pager::UnregisterAll).
+  GPULAZY_RETURN_IF_ERROR(
+      SendMsg(socket, &hello, sizeof hello, uffd.fd(), net::Credentials::kAttach));
   for (size_t i = 0; i < regions.size(); ++i) {
     RegionMsg region{regions[i].bo, 0, regions[i].addr, regions[i].size};
     GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &region, sizeof region, minor ? memfds[i] : -1));
@@ -108,7 +114,15 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
 Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) {
   HelloMsg hello{};
   UniqueFd uffd_fd;
-  GPULAZY_ASSIGN_OR_RETURN(size_t n, RecvMsg(socket, &hello, sizeof hello, &uffd_fd, timeout));
+  // The sender's credentials, as the kernel checked them when it sent (an older sender sends
+  // none: its pid is then not known).
+  const int on = 1, off = 0;
+  if (setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) != 0)
+    return ErrnoError(errno, "handover: SO_PASSCRED");
+  std::optional<pid_t> sender;
+  Result<size_t> received = RecvMsg(socket, &hello, sizeof hello, &uffd_fd, timeout, &sender);
+  (void)setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &off, sizeof off);
+  GPULAZY_ASSIGN_OR_RETURN(size_t n, std::move(received));
   if (n != sizeof hello || hello.magic != kMagic || hello.version != kVersion)
     return Corrupt("handover: bad hello ({} bytes)", n);
   if (hello.mode > static_cast<uint32_t>(FillMode::kMinorContinue))
@@ -120,7 +134,7 @@ Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) 
   const auto mode = static_cast<FillMode>(hello.mode);
   std::optional<FaultScope> scope;
   if (hello.scope != kScopeUnknown) scope = static_cast<FaultScope>(hello.scope - 1);
-  Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode, scope), {}, {}};
+  Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode, scope, sender), {}, {}};
   for (uint32_t i = 0; i < hello.count; ++i) {
     RegionMsg region{};
     UniqueFd memfd;

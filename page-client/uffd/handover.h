@@ -3,6 +3,7 @@
 //
 //   pager    -> restored : Layout   {magic, version, count, sizes[count]}    (BO sizes)
 //   restored -> pager    : Hello    {magic, version, mode, count, scope}  + fd: uffd
+//                                    + SCM_CREDENTIALS: its pid (Userfaultfd::owner)
 //   restored -> pager    : Region   {bo, addr, size} x count       + fd: memfd (MINOR mode)
 //   pager    -> restored : Complete {magic}  when every BO is resident and unregistered
 //

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include "page-client/uffd/mappings.h"
+
 namespace gpulazy::uffd {
 
 using Clock = std::chrono::steady_clock;
@@ -102,25 +104,67 @@ Status Pager::UnregisterAll() {
   // Every range, whatever one of them answers: a range left registered would make the program's
   // later faults there (a zero page it first touches) wait on a pager that has stopped.
   Status first;
+  uint64_t calls = 0;
   for (const auto& [addr, length] : engine_.addresses().Ranges()) {
-    Status unregistered = UnregisterRange(addr, length);
+    Status unregistered = UnregisterRange(addr, length, &calls);
     if (!unregistered.ok() && first.ok()) first = std::move(unregistered);
+  }
+  std::lock_guard lock(mutex_);
+  stats_.unregister_calls += calls;
+  return first;
+}
+
+Status Pager::UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls) {
+  // The kernel refuses a whole range (EINVAL) that holds no mapping at all (the program
+  // unmapped the BO) or a mapping userfaultfd cannot track (one of the program's own files over
+  // part of it), and then unregisters none of it. Then each mapping there is unregistered on its
+  // own; one the kernel still refuses is one it cannot track, where nothing is registered. A
+  // mapping made or moved between the read of the maps and the ioctls is none of ours: a new
+  // mapping is not registered, and a move of BO memory is an event the loop applies.
+  ++*calls;
+  Status status = uffd_.Unregister(addr, length);
+  if (status.code() == Code::kResourceExhausted && uffd_.owner() &&
+      MappingsIn(*uffd_.owner(), addr, addr + length).status().code() == Code::kNotFound) {
+    // ENOMEM is also what the kernel answers once the process has exited (its memory is being
+    // torn down): its registrations went with it.
+    spdlog::debug("uffd pager: process {} has exited: nothing left to unregister at [{:#x}, +{})",
+                  *uffd_.owner(), addr, length);
+    return Status::Ok();
+  }
+  if (status.code() != Code::kInvalidArgument) return status;
+  if (!uffd_.owner()) return UnregisterByHalves(addr, length, calls);
+  Result<std::vector<MappedRange>> mappings = MappingsIn(*uffd_.owner(), addr, addr + length);
+  if (!mappings.ok()) {
+    spdlog::warn(
+        "uffd pager: cannot read the mappings of process {} ({}): unregistering "
+        "[{:#x}, +{}) page by page where refused",
+        *uffd_.owner(), mappings.status().ToString(), addr, length);
+    return UnregisterByHalves(addr, length, calls);
+  }
+  Status first;
+  for (const MappedRange& mapping : *mappings) {
+    ++*calls;
+    Status piece = uffd_.Unregister(mapping.start, mapping.end - mapping.start);
+    if (!piece.ok() && piece.code() != Code::kInvalidArgument && first.ok())
+      first = std::move(piece);
   }
   return first;
 }
 
-Status Pager::UnregisterRange(uint64_t addr, uint64_t length) {
-  // The kernel refuses a whole range (EINVAL) that holds no mapping at all (the program
-  // unmapped the BO) or a mapping userfaultfd cannot track (one of the program's own files over
-  // part of it), and then unregisters none of it. Halve it until the refused pieces are single
-  // pages: nothing is registered there.
-  Status status = uffd_.Unregister(addr, length);
-  if (status.code() != Code::kInvalidArgument) return status;
+Status Pager::UnregisterByHalves(uint64_t addr, uint64_t length, uint64_t* calls) {
+  // Without the owner's maps: [addr, +length) was refused; halve it until the refused pieces
+  // are single pages, where nothing is registered. About two calls per page of a range with no
+  // mapping at all.
   if (length <= PageSize()) return Status::Ok();
   const uint64_t half = std::max(PageSize(), PageAlignDown(length / 2));
-  Status low = UnregisterRange(addr, half);
-  Status high = UnregisterRange(addr + half, length - half);
-  return low.ok() ? high : low;
+  Status first;
+  for (const auto& [at, size] : {std::pair{addr, half}, std::pair{addr + half, length - half}}) {
+    ++*calls;
+    Status status = uffd_.Unregister(at, size);
+    if (status.code() == Code::kInvalidArgument) status = UnregisterByHalves(at, size, calls);
+    if (!status.ok() && first.ok()) first = std::move(status);
+  }
+  return first;
 }
 
 Status Pager::status() const {

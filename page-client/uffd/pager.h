@@ -81,6 +81,7 @@ struct PagerStats {
   uint64_t bytes_moved = 0;         // BO memory the program moved (mremap) while registered
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
+  uint64_t unregister_calls = 0;    // UFFDIO_UNREGISTER calls made by UnregisterAll
 };
 
 class Pager {
@@ -153,7 +154,10 @@ class Pager {
   };
   void RetryDeferred();
   std::vector<Deferred> deferred_;
-  Status UnregisterRange(uint64_t addr, uint64_t length);
+  // Unregisters [addr, addr + length); where the kernel refuses it, what is mapped there, found
+  // in the owner's maps or, failing those, by halving. Owner thread; counts into *calls.
+  Status UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls);
+  Status UnregisterByHalves(uint64_t addr, uint64_t length, uint64_t* calls);
   void Fail(Status status);
   // The restored process went away: cancels the session and stops, without an error.
   void EndPeerGone(const char* how);

@@ -122,11 +122,12 @@ Result<Userfaultfd> Userfaultfd::Create(FillMode mode, std::optional<FaultScope>
       return Unsupported("userfaultfd lacks features for {}", FillModeName(mode));
     return ErrnoError(errno, "UFFDIO_API");
   }
-  return Userfaultfd(std::move(fd), mode, got);
+  return Userfaultfd(std::move(fd), mode, got, ::getpid());
 }
 
-Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope) {
-  return Userfaultfd(std::move(fd), mode, scope);
+Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope,
+                               std::optional<pid_t> owner) {
+  return Userfaultfd(std::move(fd), mode, scope, owner);
 }
 
 Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {

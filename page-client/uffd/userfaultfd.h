@@ -10,6 +10,8 @@
 // serializes per page); Read is meant for one reader thread.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -83,14 +85,20 @@ class Userfaultfd {
   // only (warned once); a `scope` given is that or an error.
   static Result<Userfaultfd> Create(FillMode mode, std::optional<FaultScope> scope = std::nullopt);
   // Wraps a descriptor received from another process (API already negotiated there), with the
-  // scope its creator says it has (nullopt: not known).
+  // scope its creator says it has and the process whose memory it registers (nullopt: not
+  // known).
   static Userfaultfd Adopt(UniqueFd fd, FillMode mode,
-                           std::optional<FaultScope> scope = std::nullopt);
+                           std::optional<FaultScope> scope = std::nullopt,
+                           std::optional<pid_t> owner = std::nullopt);
 
   int fd() const { return fd_.get(); }
   FillMode mode() const { return mode_; }
   // The scope it was created with; for an adopted descriptor, its creator's if told.
   std::optional<FaultScope> scope() const { return scope_; }
+  // The process whose memory it registers (the one that created it), in this process's pid
+  // namespace: this process for Create; for an adopted descriptor, the sender the kernel vouched
+  // for, if known.
+  std::optional<pid_t> owner() const { return owner_; }
 
   // Registers [addr, addr + length) (page aligned) for the mode's fault kinds.
   Status Register(uint64_t addr, uint64_t length) const;
@@ -121,11 +129,13 @@ class Userfaultfd {
   Result<size_t> Read(std::span<FaultEvent> out) const;
 
  private:
-  Userfaultfd(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope)
-      : fd_(std::move(fd)), mode_(mode), scope_(scope) {}
+  Userfaultfd(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope,
+              std::optional<pid_t> owner)
+      : fd_(std::move(fd)), mode_(mode), scope_(scope), owner_(owner) {}
   UniqueFd fd_;
   FillMode mode_ = FillMode::kMissingCopy;
   std::optional<FaultScope> scope_;
+  std::optional<pid_t> owner_;
 };
 
 uint64_t PageSize();

@@ -1,0 +1,31 @@
+// The mappings of a process's address space, as /proc/PID/maps lists them. Pager::UnregisterAll
+// reads them where the kernel refuses to unregister a range (a BO the program unmapped, or a file
+// of its own mapped over part of one), so it unregisters what is mapped there instead of probing
+// the range page by page.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "proto/status.h"
+
+namespace gpulazy::uffd {
+
+struct MappedRange {
+  uint64_t start = 0;
+  uint64_t end = 0;  // exclusive
+};
+
+// The mappings listed in `maps` (the text of a /proc/PID/maps) that overlap [from, to), clipped
+// to it, in address order. A line that does not parse is kCorrupt: the caller must not act on a
+// partial view.
+Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t from, uint64_t to);
+
+// The same for the live process `pid`. kNotFound when it has no maps to read (it exited), an
+// errno error when they cannot be read (another user's process, /proc not mounted).
+Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to);
+
+}  // namespace gpulazy::uffd
