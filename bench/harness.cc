@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -161,6 +162,55 @@ Result<fs::path> MakeWarmImage(const fs::path& root, const std::string& name, ui
     }
   }
   return synth.out;
+}
+
+namespace {
+
+// Regular files under `dir`, every level.
+Result<std::vector<fs::path>> FilesUnder(const fs::path& dir) {
+  std::error_code error;
+  std::vector<fs::path> files;
+  for (fs::recursive_directory_iterator it(dir, error), end; !error && it != end;
+       it.increment(error))
+    if (it->is_regular_file(error)) files.push_back(it->path());
+  if (error) return IoError("listing {}: {}", dir.string(), error.message());
+  return files;
+}
+
+}  // namespace
+
+Status EvictFromPageCache(const fs::path& dir) {
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, FilesUnder(dir));
+  for (const fs::path& file : files) {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file));
+    // Dirty pages are not dropped: write them back first (fdatasync works on a read-only fd).
+    if (fdatasync(fd.get()) != 0) return ErrnoError(errno, "fdatasync {}", file.string());
+    if (const int rc = posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED); rc != 0)
+      return ErrnoError(rc, "posix_fadvise(DONTNEED) {}", file.string());
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> CachedBytes(const fs::path& dir) {
+  GPULAZY_ASSIGN_OR_RETURN(std::vector<fs::path> files, FilesUnder(dir));
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t cached = 0;
+  std::vector<unsigned char> resident;
+  for (const fs::path& file : files) {
+    GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenForRead(file));
+    GPULAZY_ASSIGN_OR_RETURN(uint64_t size, FileSize(fd.get(), file));
+    if (size == 0) continue;
+    void* mapped = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (mapped == MAP_FAILED) return ErrnoError(errno, "mmap {}", file.string());
+    resident.assign((size + page - 1) / page, 0);
+    const int rc = mincore(mapped, size, resident.data());
+    const int error = errno;
+    munmap(mapped, size);
+    if (rc != 0) return ErrnoError(error, "mincore {}", file.string());
+    for (const unsigned char r : resident)
+      if ((r & 1) != 0) cached += page;
+  }
+  return cached;
 }
 
 Result<ServerChild> StartServer(const fs::path& bin_dir, const fs::path& root,

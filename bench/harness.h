@@ -85,6 +85,13 @@ Result<std::filesystem::path> MakeWarmImage(const std::filesystem::path& root,
 // Paths of the checkpoint's pages files.
 Result<std::vector<std::filesystem::path>> PagesFiles(const std::filesystem::path& image_dir);
 
+// Writes back every file under `dir` and drops its pages from the page cache
+// (POSIX_FADV_DONTNEED), so the next reader reads from the disk: a cold start.
+Status EvictFromPageCache(const std::filesystem::path& dir);
+// Bytes of the files under `dir` in the page cache now (mincore over a mapping of each; the
+// mapping faults nothing in).
+Result<uint64_t> CachedBytes(const std::filesystem::path& dir);
+
 using server::ServerChild;
 // bin_dir/gpulazy-server as a child process (server::ServerChild), serving `root` on a Unix
 // socket and on tcp 127.0.0.1:0, logging warnings and errors into run_dir/server.log.

@@ -1,6 +1,7 @@
 #include "bench/restore_bench.h"
 
 #include <poll.h>
+#include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <xxhash.h>
 
@@ -333,7 +334,21 @@ Status RunRestoreBench(const CommonOptions& common, const RestoreOptions& option
   std::vector<nlohmann::json> rows;
   auto run_mode = [&](const std::string& mode, bool record) -> Result<nlohmann::json> {
     ModeRun run{mode, server.unix_endpoint(), image_dir, &options, record};
-    return RunInChild([&] { return MeasureMode(run); });
+    uint64_t cached = 0;
+    if (options.cold) {
+      GPULAZY_RETURN_IF_ERROR(EvictFromPageCache(image_dir));
+      GPULAZY_ASSIGN_OR_RETURN(cached, CachedBytes(image_dir));
+      if (cached > options.size / 4)
+        spdlog::warn(
+            "--cold: {} bytes of the image stay in the page cache after eviction (a "
+            "tmpfs, or pages in use): not a cold start",
+            cached);
+    }
+    GPULAZY_ASSIGN_OR_RETURN(nlohmann::json row, RunInChild([&] { return MeasureMode(run); }));
+    row["cold"] = options.cold;
+    // What was in the page cache anyway: a cold run shows how cold it was.
+    if (options.cold) row["image_cached_bytes_at_start"] = cached;
+    return row;
   };
   for (const std::string& mode : modes) {
     if (mode == "lazy-profiled" && !profile_written) {
@@ -527,6 +542,9 @@ CLI::App* AddRestoreCommand(CLI::App& app, RestoreOptions& options, std::string&
                 "lazy modes, missing fill: zero chunks installed when first touched, not streamed "
                 "into memory")
       ->capture_default_str();
+  cmd->add_flag("--cold", options.cold,
+                "drop the image's files from the page cache before each mode: every mode reads "
+                "from the disk (a cold start)");
   cmd->add_option("--svg", options.svg, "write a timeline plot (SVG) here");
   cmd->add_flag("--mechanisms", options.mechanisms,
                 "compare MISSING+COPY and MINOR+CONTINUE (no server)");

@@ -41,6 +41,7 @@ struct RestoreOptions {
   // plugin's default in parallel and lazy modes); 0 = everything at one priority.
   int background_nice = 10;
   std::optional<uint64_t> file_window;  // by reference; unset: the client library's default
+  bool cold = false;  // drop the image's files from the page cache before each mode
   uint64_t seed = 1;
 };
 

@@ -2,8 +2,10 @@
 // are read from, with values that can be true (a benchmark that reports nonsense fails here
 // instead of in a results table).
 #include <gtest/gtest.h>
+#include <linux/magic.h>
 #include <pthread.h>
 #include <spdlog/spdlog.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -173,6 +175,48 @@ TEST(BenchSmoke, DemandReportsTheServersShare) {
   }
   // The lone Ensure drew chunks of its own (a tenth of 256 here, so fewer than 50).
   EXPECT_GT(line.at("lone_samples").get<uint64_t>(), 0u);
+}
+
+// The page-cache helpers behind `restore --cold`: a file read is cached, and after eviction its
+// pages are gone from the cache (the next reader goes to the disk).
+TEST(BenchSmoke, EvictionDropsAnImagesFilesFromThePageCache) {
+  testing::TempDir work;
+  struct statfs fs {};
+  ASSERT_EQ(statfs(work.path().c_str(), &fs), 0);
+  if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "a tmpfs: its files are the page cache";
+  const std::filesystem::path dir = work.path() / "image";
+  std::filesystem::create_directories(dir / "sub");
+  for (const char* name : {"a", "sub/b"}) {
+    std::ofstream out(dir / name, std::ios::binary);
+    const std::string bytes(1 << 20, 'x');
+    out << bytes;
+  }
+  auto cached = bench::CachedBytes(dir);
+  ASSERT_TRUE(cached.ok()) << cached.status().ToString();
+  EXPECT_GE(*cached, uint64_t{1} << 20) << "just written, so cached";
+  ASSERT_TRUE(bench::EvictFromPageCache(dir).ok());
+  cached = bench::CachedBytes(dir);
+  ASSERT_TRUE(cached.ok());
+  EXPECT_LT(*cached, uint64_t{256} << 10) << "after eviction, of 2 MiB";
+}
+
+// `restore --cold`: each mode starts with the image out of the page cache, says so, and still
+// restores byte-exact.
+TEST(BenchSmoke, RestoreColdSaysHowColdEachModeStarted) {
+  testing::TempDir work;
+  struct statfs fs {};
+  ASSERT_EQ(statfs(work.path().c_str(), &fs), 0);
+  if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "a tmpfs: its files are the page cache";
+  const std::vector<nlohmann::json> lines =
+      RunBench("--work-dir " + work.path().string() +
+               " restore --size 16M --modes eager,lazy-profiled --tokens 1 --startup-ms 0 --cold");
+  ASSERT_EQ(lines.size(), 2u);
+  for (const nlohmann::json& line : lines) {
+    SCOPED_TRACE(line.dump());
+    EXPECT_TRUE(line.at("cold").get<bool>());
+    EXPECT_TRUE(line.at("checksum_ok").get<bool>());
+    EXPECT_LT(line.at("image_cached_bytes_at_start").get<uint64_t>(), uint64_t{4} << 20);
+  }
 }
 
 // Several sessions at once, each on its own image: their samples pooled, each listed with its own.
