@@ -1,7 +1,6 @@
 #include "page-client/net/fd_passing.h"
 
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -10,7 +9,7 @@ namespace gpulazy::net {
 namespace asio = boost::asio;
 
 Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds,
-                   Blocking blocking, Credentials credentials) {
+                   Blocking blocking) {
   if (bytes.empty()) return InvalidArgument("descriptors must travel with at least one byte");
   if (fds.size() > kMaxPassedFds)
     return OutOfRange("{} descriptors in one message (the kernel takes {})", fds.size(),
@@ -19,27 +18,15 @@ Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const i
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  const bool attach = credentials == Credentials::kAttach;
-  std::vector<uint8_t> control((fds.empty() ? 0 : CMSG_SPACE(sizeof(int) * fds.size())) +
-                               (attach ? CMSG_SPACE(sizeof(ucred)) : 0));
-  if (!control.empty()) {
+  std::vector<uint8_t> control(CMSG_SPACE(sizeof(int) * fds.size()));
+  if (!fds.empty()) {
     msg.msg_control = control.data();
     msg.msg_controllen = control.size();
     cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    if (!fds.empty()) {
-      cmsg->cmsg_level = SOL_SOCKET;
-      cmsg->cmsg_type = SCM_RIGHTS;
-      cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-      std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
-      cmsg = CMSG_NXTHDR(&msg, cmsg);
-    }
-    if (attach) {
-      const ucred self{::getpid(), ::getuid(), ::getgid()};
-      cmsg->cmsg_level = SOL_SOCKET;
-      cmsg->cmsg_type = SCM_CREDENTIALS;
-      cmsg->cmsg_len = CMSG_LEN(sizeof self);
-      std::memcpy(CMSG_DATA(cmsg), &self, sizeof self);
-    }
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
   }
   ssize_t n;
   do {

@@ -29,24 +29,20 @@ inline constexpr size_t kMaxPassedFds = 253;
 // Whether a send or receive may block on the socket.
 enum class Blocking { kNo, kYes };
 
-// Whether a message carries the sender's pid, uid and gid (SCM_CREDENTIALS). The kernel checks
-// them at the send, so a receiver that asks for them (SO_PASSCRED) learns who sent the message
-// and cannot be lied to.
-enum class Credentials { kNone, kAttach };
-
 // Sends `bytes` in one sendmsg with `fds` attached to the first byte (none: a plain send). With
 // Blocking::kNo the socket must have room for all of `bytes` (a small frame on a connection that
 // has nothing else queued). A short or refused send is an error.
 Status SendWithFds(int socket, std::span<const uint8_t> bytes, std::span<const int> fds,
-                   Blocking blocking = Blocking::kNo, Credentials credentials = Credentials::kNone);
+                   Blocking blocking = Blocking::kNo);
 
 // One recvmsg of at most into.size() bytes, owning every descriptor that came with it
 // (appended to *fds). Returns the bytes received: 0 when the peer closed, nullopt when
 // Blocking::kNo and nothing is pending. More than max_fds descriptors, or truncated data or
 // control data (a message longer than `into` on a datagram or seqpacket socket), is kCorrupt.
 // `sender_pid`, when given, gets the sender's pid in this process's pid namespace where the
-// message carried credentials and the socket has SO_PASSCRED on (else nullopt; 0, a sender
-// outside that namespace, is nullopt too).
+// message carried credentials (SCM_CREDENTIALS: the kernel stamps them when either end has
+// SO_PASSCRED on at the send) and this socket has SO_PASSCRED on (else nullopt; 0, a sender
+// outside this pid namespace, is nullopt too).
 Result<std::optional<size_t>> ReceiveWithFds(int socket, std::span<uint8_t> into, size_t max_fds,
                                              std::vector<UniqueFd>* fds,
                                              Blocking blocking = Blocking::kNo,

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <optional>
@@ -14,8 +15,9 @@
 namespace gpulazy::uffd {
 namespace {
 
-constexpr uint32_t kMagic = 0x46554c47;          // "GLUF"
-constexpr uint32_t kVersion = 2;                 // 2: Hello carries the fault scope
+constexpr uint32_t kMagic = 0x46554c47;  // "GLUF"
+// 2: Hello carries the fault scope. 3: and flags (kOwnerIsSender).
+constexpr uint32_t kVersion = 3;
 constexpr uint32_t kCompleteMagic = 0x454e4f44;  // "DONE"
 
 struct HelloMsg {
@@ -24,7 +26,11 @@ struct HelloMsg {
   uint32_t mode;
   uint32_t count;
   uint32_t scope;  // kScopeUnknown or 1 + FaultScope
+  uint32_t flags;
 };
+// The sender made the userfaultfd and registered its own memory with it (it forwards none made
+// elsewhere): the pid the kernel stamps on the Hello is the process whose memory it covers.
+constexpr uint32_t kOwnerIsSender = 1;
 constexpr uint32_t kScopeUnknown = 0;
 struct RegionMsg {
   uint32_t bo;
@@ -33,12 +39,11 @@ struct RegionMsg {
   uint64_t size;
 };
 
-Status SendMsg(int socket, const void* data, size_t length, int fd,
-               net::Credentials credentials = net::Credentials::kNone) {
+Status SendMsg(int socket, const void* data, size_t length, int fd) {
   const std::span<const uint8_t> bytes(static_cast<const uint8_t*>(data), length);
   std::span<const int> fds;
   if (fd >= 0) fds = std::span<const int>(&fd, 1);
-  Status sent = net::SendWithFds(socket, bytes, fds, net::Blocking::kYes, credentials);
+  Status sent = net::SendWithFds(socket, bytes, fds, net::Blocking::kYes);
   if (!sent.ok()) return sent.Context("handover");
   return Status::Ok();
 }
@@ -98,12 +103,23 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
   if (minor && memfds.size() != regions.size())
     return InvalidArgument("handover: MINOR mode needs one memfd per region");
   const uint32_t scope = uffd.scope() ? 1 + static_cast<uint32_t>(*uffd.scope()) : kScopeUnknown;
-  HelloMsg hello{kMagic, kVersion, static_cast<uint32_t>(uffd.mode()),
-                 static_cast<uint32_t>(regions.size()), scope};
-  // With this process's pid, vouched for by the kernel: the pager reads this process's
-  // mappings where it cannot unregister a range (Pager::UnregisterAll).
-  GPULAZY_RETURN_IF_ERROR(
-      SendMsg(socket, &hello, sizeof hello, uffd.fd(), net::Credentials::kAttach));
+  const bool own = uffd.owner() == ::getpid();
+  HelloMsg hello{kMagic,
+                 kVersion,
+                 static_cast<uint32_t>(uffd.mode()),
+                 static_cast<uint32_t>(regions.size()),
+                 scope,
+                 own ? kOwnerIsSender : 0};
+  // With SO_PASSCRED on, the kernel stamps this process's pid on what it sends (explicit
+  // SCM_CREDENTIALS would be refused where our uid or gid is not mapped in a user namespace):
+  // the pager reads this process's mappings where it cannot unregister a range, and watches it
+  // exit (Pager::UnregisterAll).
+  const int on = 1, off = 0;
+  if (own && setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) != 0)
+    return ErrnoError(errno, "handover: SO_PASSCRED");
+  Status sent = SendMsg(socket, &hello, sizeof hello, uffd.fd());
+  if (own) (void)setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &off, sizeof off);
+  GPULAZY_RETURN_IF_ERROR(sent);
   for (size_t i = 0; i < regions.size(); ++i) {
     RegionMsg region{regions[i].bo, 0, regions[i].addr, regions[i].size};
     GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &region, sizeof region, minor ? memfds[i] : -1));
@@ -114,8 +130,8 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
 Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) {
   HelloMsg hello{};
   UniqueFd uffd_fd;
-  // The sender's credentials, as the kernel checked them when it sent (an older sender sends
-  // none: its pid is then not known).
+  // The sender's pid as the kernel stamped it on the Hello; it names the process whose memory
+  // the userfaultfd covers only where the sender says it made the userfaultfd itself.
   const int on = 1, off = 0;
   if (setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) != 0)
     return ErrnoError(errno, "handover: SO_PASSCRED");
@@ -134,7 +150,19 @@ Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout) 
   const auto mode = static_cast<FillMode>(hello.mode);
   std::optional<FaultScope> scope;
   if (hello.scope != kScopeUnknown) scope = static_cast<FaultScope>(hello.scope - 1);
-  Handover handover{Userfaultfd::Adopt(std::move(uffd_fd), mode, scope, sender), {}, {}};
+  if ((hello.flags & ~kOwnerIsSender) != 0)
+    return Corrupt("handover: unknown flags {:#x}", hello.flags);
+  std::optional<pid_t> owner;
+  UniqueFd owner_pidfd;
+  if ((hello.flags & kOwnerIsSender) != 0 && sender) {
+    owner = sender;
+    // Opened while the sender still holds its end: its exit shows on this descriptor, with no
+    // pid reused since in between (Userfaultfd::OwnerExited). glibc 2.36 declares pidfd_open
+    // without C linkage for C++: the syscall.
+    owner_pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, *sender, 0)));
+  }
+  Handover handover{
+      Userfaultfd::Adopt(std::move(uffd_fd), mode, scope, owner, std::move(owner_pidfd)), {}, {}};
   for (uint32_t i = 0; i < hello.count; ++i) {
     RegionMsg region{};
     UniqueFd memfd;

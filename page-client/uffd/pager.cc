@@ -114,23 +114,27 @@ Status Pager::UnregisterAll() {
   return first;
 }
 
+Status Pager::UnregisterOne(uint64_t addr, uint64_t length, uint64_t* calls) {
+  ++*calls;
+  Status status = uffd_.Unregister(addr, length);
+  // ENOMEM is also what the kernel answers once the process has exited (its memory is being
+  // torn down): its registrations went with it.
+  if (status.code() == Code::kResourceExhausted && uffd_.OwnerExited()) {
+    spdlog::debug("uffd pager: process {} has exited: nothing left to unregister at [{:#x}, +{})",
+                  uffd_.owner().value_or(0), addr, length);
+    return Status::Ok();
+  }
+  return status;
+}
+
 Status Pager::UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls) {
   // The kernel refuses a whole range (EINVAL) that holds no mapping at all (the program
   // unmapped the BO) or a mapping userfaultfd cannot track (one of the program's own files over
   // part of it), and then unregisters none of it. Then each mapping there is unregistered on its
-  // own; one the kernel still refuses is one it cannot track, where nothing is registered. A
-  // mapping made or moved between the read of the maps and the ioctls is none of ours: a new
-  // mapping is not registered, and a move of BO memory is an event the loop applies.
-  ++*calls;
-  Status status = uffd_.Unregister(addr, length);
-  if (status.code() == Code::kResourceExhausted && uffd_.owner() &&
-      MappingsIn(*uffd_.owner(), addr, addr + length).status().code() == Code::kNotFound) {
-    // ENOMEM is also what the kernel answers once the process has exited (its memory is being
-    // torn down): its registrations went with it.
-    spdlog::debug("uffd pager: process {} has exited: nothing left to unregister at [{:#x}, +{})",
-                  *uffd_.owner(), addr, length);
-    return Status::Ok();
-  }
+  // own. A mapping the program makes after the maps were read is not registered itself, but it
+  // may split one that is: a refused mapping counts as one the kernel cannot track only if the
+  // maps still show it whole, else it is halved.
+  Status status = UnregisterOne(addr, length, calls);
   if (status.code() != Code::kInvalidArgument) return status;
   if (!uffd_.owner()) return UnregisterByHalves(addr, length, calls);
   Result<std::vector<MappedRange>> mappings = MappingsIn(*uffd_.owner(), addr, addr + length);
@@ -143,24 +147,28 @@ Status Pager::UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls) {
   }
   Status first;
   for (const MappedRange& mapping : *mappings) {
-    ++*calls;
-    Status piece = uffd_.Unregister(mapping.start, mapping.end - mapping.start);
-    if (!piece.ok() && piece.code() != Code::kInvalidArgument && first.ok())
-      first = std::move(piece);
+    const uint64_t size = mapping.end - mapping.start;
+    Status piece = UnregisterOne(mapping.start, size, calls);
+    if (piece.code() == Code::kInvalidArgument) {
+      Result<std::vector<MappedRange>> now = MappingsIn(*uffd_.owner(), mapping.start, mapping.end);
+      const bool unchanged = now.ok() && now->size() == 1 && (*now)[0].start == mapping.start &&
+                             (*now)[0].end == mapping.end;
+      piece = unchanged ? Status::Ok() : UnregisterByHalves(mapping.start, size, calls);
+    }
+    if (!piece.ok() && first.ok()) first = std::move(piece);
   }
   return first;
 }
 
 Status Pager::UnregisterByHalves(uint64_t addr, uint64_t length, uint64_t* calls) {
-  // Without the owner's maps: [addr, +length) was refused; halve it until the refused pieces
-  // are single pages, where nothing is registered. About two calls per page of a range with no
-  // mapping at all.
+  // [addr, +length) was refused, and the maps cannot say what is there: halve it until the
+  // refused pieces are single pages, where nothing is registered. About two calls per page of a
+  // range with no mapping at all.
   if (length <= PageSize()) return Status::Ok();
   const uint64_t half = std::max(PageSize(), PageAlignDown(length / 2));
   Status first;
   for (const auto& [at, size] : {std::pair{addr, half}, std::pair{addr + half, length - half}}) {
-    ++*calls;
-    Status status = uffd_.Unregister(at, size);
+    Status status = UnregisterOne(at, size, calls);
     if (status.code() == Code::kInvalidArgument) status = UnregisterByHalves(at, size, calls);
     if (!status.ok() && first.ok()) first = std::move(status);
   }

@@ -157,6 +157,8 @@ class Pager {
   // Unregisters [addr, addr + length); where the kernel refuses it, what is mapped there, found
   // in the owner's maps or, failing those, by halving. Owner thread; counts into *calls.
   Status UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls);
+  // One UFFDIO_UNREGISTER; ENOMEM from an owner that has exited is no error.
+  Status UnregisterOne(uint64_t addr, uint64_t length, uint64_t* calls);
   Status UnregisterByHalves(uint64_t addr, uint64_t length, uint64_t* calls);
   void Fail(Status status);
   // The restored process went away: cancels the session and stops, without an error.

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
+#include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
@@ -122,12 +123,22 @@ Result<Userfaultfd> Userfaultfd::Create(FillMode mode, std::optional<FaultScope>
       return Unsupported("userfaultfd lacks features for {}", FillModeName(mode));
     return ErrnoError(errno, "UFFDIO_API");
   }
-  return Userfaultfd(std::move(fd), mode, got, ::getpid());
+  return Userfaultfd(std::move(fd), mode, got, ::getpid(), UniqueFd());
 }
 
 Userfaultfd Userfaultfd::Adopt(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope,
-                               std::optional<pid_t> owner) {
-  return Userfaultfd(std::move(fd), mode, scope, owner);
+                               std::optional<pid_t> owner, UniqueFd owner_pidfd) {
+  return Userfaultfd(std::move(fd), mode, scope, owner, std::move(owner_pidfd));
+}
+
+bool Userfaultfd::OwnerExited() const {
+  if (!owner_pidfd_.valid()) return false;
+  pollfd exited{owner_pidfd_.get(), POLLIN, 0};
+  int rc;
+  do {
+    rc = poll(&exited, 1, 0);
+  } while (rc < 0 && errno == EINTR);
+  return rc == 1 && (exited.revents & POLLIN) != 0;
 }
 
 Status Userfaultfd::Register(uint64_t addr, uint64_t length) const {

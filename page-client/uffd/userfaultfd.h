@@ -87,9 +87,10 @@ class Userfaultfd {
   // Wraps a descriptor received from another process (API already negotiated there), with the
   // scope its creator says it has and the process whose memory it registers (nullopt: not
   // known).
+  // `owner_pidfd`: a pidfd of the owner, when one could be opened, to tell when it has exited.
   static Userfaultfd Adopt(UniqueFd fd, FillMode mode,
                            std::optional<FaultScope> scope = std::nullopt,
-                           std::optional<pid_t> owner = std::nullopt);
+                           std::optional<pid_t> owner = std::nullopt, UniqueFd owner_pidfd = {});
 
   int fd() const { return fd_.get(); }
   FillMode mode() const { return mode_; }
@@ -99,6 +100,9 @@ class Userfaultfd {
   // namespace: this process for Create; for an adopted descriptor, the sender the kernel vouched
   // for, if known.
   std::optional<pid_t> owner() const { return owner_; }
+  // Whether the owner is known to have exited, every thread of it (its pidfd reads readable).
+  // False for this process, and where the owner or its pidfd is not known.
+  bool OwnerExited() const;
 
   // Registers [addr, addr + length) (page aligned) for the mode's fault kinds.
   Status Register(uint64_t addr, uint64_t length) const;
@@ -130,12 +134,17 @@ class Userfaultfd {
 
  private:
   Userfaultfd(UniqueFd fd, FillMode mode, std::optional<FaultScope> scope,
-              std::optional<pid_t> owner)
-      : fd_(std::move(fd)), mode_(mode), scope_(scope), owner_(owner) {}
+              std::optional<pid_t> owner, UniqueFd owner_pidfd)
+      : fd_(std::move(fd)),
+        mode_(mode),
+        scope_(scope),
+        owner_(owner),
+        owner_pidfd_(std::move(owner_pidfd)) {}
   UniqueFd fd_;
   FillMode mode_ = FillMode::kMissingCopy;
   std::optional<FaultScope> scope_;
   std::optional<pid_t> owner_;
+  UniqueFd owner_pidfd_;
 };
 
 uint64_t PageSize();

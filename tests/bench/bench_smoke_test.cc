@@ -183,7 +183,8 @@ TEST(BenchSmoke, EvictionDropsAnImagesFilesFromThePageCache) {
   testing::TempDir work;
   struct statfs fs {};
   ASSERT_EQ(statfs(work.path().c_str(), &fs), 0);
-  if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "a tmpfs: its files are the page cache";
+  if (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)
+    GTEST_SKIP() << "a tmpfs or ramfs: its files are the page cache";
   const std::filesystem::path dir = work.path() / "image";
   std::filesystem::create_directories(dir / "sub");
   for (const char* name : {"a", "sub/b"}) {
@@ -206,7 +207,8 @@ TEST(BenchSmoke, RestoreColdSaysHowColdEachModeStarted) {
   testing::TempDir work;
   struct statfs fs {};
   ASSERT_EQ(statfs(work.path().c_str(), &fs), 0);
-  if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "a tmpfs: its files are the page cache";
+  if (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)
+    GTEST_SKIP() << "a tmpfs or ramfs: its files are the page cache";
   const std::vector<nlohmann::json> lines =
       RunBench("--work-dir " + work.path().string() +
                " restore --size 16M --modes eager,lazy-profiled --tokens 1 --startup-ms 0 --cold");
