@@ -1164,8 +1164,10 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
   };
   // Binds every BO but `bound` (already bound by the test).
   void BindTheRest(uint32_t bound) {
-    for (const Region& r : memory_->regions())
-      if (r.bo != bound) ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok()) << "BO " << r.bo;
+    for (const Region& r : memory_->regions()) {
+      if (r.bo == bound) continue;
+      ASSERT_TRUE(engine_->Bind(r, memory_->memfd(r.bo)).ok()) << "BO " << r.bo;
+    }
   }
   // The program unmapped one BO and mapped a file of its own over a page of another (the pager
   // is not told: it asks for no unmap events). UFFDIO_UNREGISTER refuses a range with no mapping
