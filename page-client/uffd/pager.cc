@@ -102,12 +102,34 @@ void Pager::Stop() {
 
 Status Pager::UnregisterAll() {
   // Every range, whatever one of them answers: a range left registered would make the program's
-  // later faults there (a zero page it first touches) wait on a pager that has stopped.
+  // later faults there (a zero page it first touches) wait on a pager that has stopped. A BO the
+  // program moves while this walks is applied to the map by the loop after the walk took its
+  // ranges: walk again until a walk saw the map as it stays (no move unread, none applied since
+  // the walk began). Ranges already unregistered answer as plain memory again.
+  constexpr int kMaxWalks = 8;
   Status first;
   uint64_t calls = 0;
-  for (const auto& [addr, length] : engine_.addresses().Ranges()) {
-    Status unregistered = UnregisterRange(addr, length, &calls);
-    if (!unregistered.ok() && first.ok()) first = std::move(unregistered);
+  for (int walk = 1;; ++walk) {
+    const uint64_t generation = engine_.addresses().generation();
+    const std::vector<std::pair<uint64_t, uint64_t>> ranges = engine_.addresses().Ranges();
+    if (options_.after_unregister_snapshot) options_.after_unregister_snapshot();
+    first = Status::Ok();
+    for (const auto& [addr, length] : ranges) {
+      Status unregistered = UnregisterRange(addr, length, &calls);
+      if (!unregistered.ok() && first.ok()) first = std::move(unregistered);
+    }
+    // An unread move is read by the loop within a poll; generation() then waits until it is
+    // applied. A loop that has stopped reads nothing: give up on it after a while.
+    for (int i = 0; i < 100 && uffd_.MappingsChanging(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (engine_.addresses().generation() == generation) break;
+    if (walk == kMaxWalks) {
+      spdlog::warn(
+          "uffd pager: the program kept moving BO memory through {} walks of "
+          "unregistration; what it moved last may still be registered",
+          kMaxWalks);
+      break;
+    }
   }
   std::lock_guard lock(mutex_);
   stats_.unregister_calls += calls;

@@ -69,6 +69,9 @@ struct PagerOptions {
   // Tests only: runs on the loop thread after each read that returned fault events, before they
   // are handled, so a test can change the world in between (e.g. let the process exit).
   std::function<void()> after_events_read;
+  // Tests only: runs in UnregisterAll after each walk has taken the map's ranges, before it
+  // unregisters them (e.g. to move a BO then).
+  std::function<void()> after_unregister_snapshot;
 };
 
 struct PagerStats {

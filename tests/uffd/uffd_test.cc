@@ -1643,6 +1643,40 @@ TEST_P(UffdProgramChangesItsMapping, UnregisterAllWithoutTheProgramsMapsStillLea
   EXPECT_GE(calls, gone_pages) << "the refused range probed by halves, down to its pages";
 }
 
+// The program moves a BO while the pager unregisters, after the walk has taken the map's
+// ranges: the BO must not stay registered at its new address, where a later first touch would
+// wait for a pager that has stopped.
+TEST_P(UffdProgramChangesItsMapping, ABoMovedWhileUnregisteringEndsUnregisteredWhereItIs) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const Region moving = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(moving.size);
+  const uint64_t elsewhere = Reserve(length);
+  bool moved = false;
+  PagerOptions options;
+  options.after_unregister_snapshot = [&] {
+    if (moved) return;
+    moved = true;
+    Move(moving.addr, elsewhere, length);  // the pager's loop reads the event meanwhile
+  };
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_NO_FATAL_FAILURE(StartPager(std::move(options)));
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  unregistered_ = true;
+  const Status unregistered = pager_->UnregisterAll();
+  ASSERT_TRUE(moved);
+  ASSERT_NO_FATAL_FAILURE(Hold(moving.addr, length));
+  EXPECT_TRUE(unregistered.ok()) << unregistered.ToString();
+  EXPECT_FALSE(TrackedByUserfaultfd(elsewhere, length)) << "the BO moved while unregistering";
+  for (const Region& region : memory_->regions()) {
+    if (region.bo == moving.bo) continue;
+    EXPECT_FALSE(TrackedByUserfaultfd(region.addr, PageAlignUp(region.size))) << "BO " << region.bo;
+  }
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(elsewhere), source_[moving.bo].data(),
+                        source_[moving.bo].size()),
+            0);
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(elsewhere), length), 0) << std::strerror(errno);
+}
+
 // MADV_DONTNEED on private anonymous memory, as an allocator returning memory does.
 TEST_F(UffdProgramChangesItsMemory, APageDroppedAfterItLandedReadsZeros) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
