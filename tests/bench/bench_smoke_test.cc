@@ -177,13 +177,18 @@ TEST(BenchSmoke, DemandReportsTheServersShare) {
   EXPECT_GT(line.at("lone_samples").get<uint64_t>(), 0u);
 }
 
+// Whether `path` lies on a filesystem whose files live in memory (nothing to evict them to).
+bool InMemoryFilesystem(const std::filesystem::path& path) {
+  struct statfs fs {};
+  EXPECT_EQ(statfs(path.c_str(), &fs), 0) << path;
+  return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
+}
+
 // The page-cache helpers behind `restore --cold`: a file read is cached, and after eviction its
 // pages are gone from the cache (the next reader goes to the disk).
 TEST(BenchSmoke, EvictionDropsAnImagesFilesFromThePageCache) {
   testing::TempDir work;
-  struct statfs fs {};
-  ASSERT_EQ(statfs(work.path().c_str(), &fs), 0);
-  if (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)
+  if (InMemoryFilesystem(work.path()))
     GTEST_SKIP() << "a tmpfs or ramfs: its files are the page cache";
   const std::filesystem::path dir = work.path() / "image";
   std::filesystem::create_directories(dir / "sub");
@@ -205,9 +210,7 @@ TEST(BenchSmoke, EvictionDropsAnImagesFilesFromThePageCache) {
 // restores byte-exact.
 TEST(BenchSmoke, RestoreColdSaysHowColdEachModeStarted) {
   testing::TempDir work;
-  struct statfs fs {};
-  ASSERT_EQ(statfs(work.path().c_str(), &fs), 0);
-  if (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)
+  if (InMemoryFilesystem(work.path()))
     GTEST_SKIP() << "a tmpfs or ramfs: its files are the page cache";
   const std::vector<nlohmann::json> lines =
       RunBench("--work-dir " + work.path().string() +
