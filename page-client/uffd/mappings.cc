@@ -71,12 +71,23 @@ Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t t
       return OutOfRange("{}: longer than {} bytes", path, kMaxMapsBytes);
     text.append(buffer, static_cast<size_t>(n));
   }
-  // An exited process's maps read empty: nothing would be found anywhere, which is not the
-  // same as "nothing mapped here".
-  if (text.empty()) return NotFound("{}: empty (the process has exited)", path);
+  // An exited process's maps read empty, and so do those of one whose main thread has exited
+  // while others run on: nothing would be found anywhere, which is not the same as "nothing
+  // mapped here".
+  if (text.empty()) return NotFound("{}: empty (the process or its main thread has exited)", path);
   Result<std::vector<MappedRange>> mappings = ParseMappingsIn(text, from, to);
   if (!mappings.ok()) return mappings.status().Context(path);
   return mappings;
+}
+
+std::vector<MappedRange> ClipMappings(const std::vector<MappedRange>& mappings, uint64_t from,
+                                      uint64_t to) {
+  std::vector<MappedRange> found;
+  auto it = std::upper_bound(mappings.begin(), mappings.end(), from,
+                             [](uint64_t at, const MappedRange& m) { return at < m.end; });
+  for (; it != mappings.end() && it->start < to; ++it)
+    found.push_back({std::max(it->start, from), std::min(it->end, to)});
+  return found;
 }
 
 }  // namespace gpulazy::uffd

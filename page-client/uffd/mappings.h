@@ -24,8 +24,14 @@ struct MappedRange {
 // partial view.
 Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t from, uint64_t to);
 
-// The same for the live process `pid`. kNotFound when it has no maps to read (it exited), an
-// errno error when they cannot be read (another user's process, /proc not mounted).
+// The same for the live process `pid`. kNotFound when it has no maps to read (it exited, or
+// only its main thread has), an errno error when they cannot be read (another user's process,
+// /proc not mounted).
 Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to);
+
+// The mappings of `mappings` (in address order, as the two above return them) that overlap
+// [from, to), clipped to it.
+std::vector<MappedRange> ClipMappings(const std::vector<MappedRange>& mappings, uint64_t from,
+                                      uint64_t to);
 
 }  // namespace gpulazy::uffd

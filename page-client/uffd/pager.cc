@@ -109,15 +109,19 @@ Status Pager::UnregisterAll() {
   constexpr int kMaxWalks = 8;
   Status first;
   uint64_t calls = 0;
+  uint64_t maps_reads = 0;
   for (int walk = 1;; ++walk) {
     const uint64_t generation = engine_.addresses().generation();
     const std::vector<std::pair<uint64_t, uint64_t>> ranges = engine_.addresses().Ranges();
     if (options_.after_unregister_snapshot) options_.after_unregister_snapshot();
     first = Status::Ok();
+    UnregisterWalk this_walk;
     for (const auto& [addr, length] : ranges) {
-      Status unregistered = UnregisterRange(addr, length, &calls);
+      Status unregistered = UnregisterRange(addr, length, this_walk);
       if (!unregistered.ok() && first.ok()) first = std::move(unregistered);
     }
+    calls += this_walk.calls;
+    maps_reads += this_walk.maps_reads;
     // An unread move is read by the loop within a poll; generation() then waits until it is
     // applied. A loop that has stopped reads nothing: give up on it after a while.
     for (int i = 0; i < 100 && uffd_.MappingsChanging(); ++i)
@@ -133,6 +137,7 @@ Status Pager::UnregisterAll() {
   }
   std::lock_guard lock(mutex_);
   stats_.unregister_calls += calls;
+  stats_.maps_reads += maps_reads;
   return first;
 }
 
@@ -149,35 +154,50 @@ Status Pager::UnregisterOne(uint64_t addr, uint64_t length, uint64_t* calls) {
   return status;
 }
 
-Status Pager::UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls) {
+Status Pager::UnregisterRange(uint64_t addr, uint64_t length, UnregisterWalk& walk, int depth) {
   // The kernel refuses a whole range (EINVAL) that holds no mapping at all (the program
   // unmapped the BO) or a mapping userfaultfd cannot track (one of the program's own files over
-  // part of it), and then unregisters none of it. Then each mapping there is unregistered on its
-  // own. A mapping the program makes after the maps were read is not registered itself, but it
-  // may split one that is: a refused mapping counts as one the kernel cannot track only if the
-  // maps still show it whole, else it is halved.
-  Status status = UnregisterOne(addr, length, calls);
+  // part of it), and then unregisters none of it. Then each mapping the owner's maps show there
+  // is unregistered on its own. The walk reads the maps once and keeps them for its other
+  // refused ranges: a registered mapping cannot appear after a reading except by a move, which
+  // the walk after this one finds. So "nothing mapped here" holds in a reading older than the
+  // refusal, and a split reading names pieces to try. Only "one mapping, the whole range" needs
+  // a reading taken after the refusal: the program may have split a registered mapping since
+  // (the kernel then refuses the whole of it), or the mapping is one the kernel cannot track.
+  constexpr int kMaxMapsDepth = 3;
+  Status status = UnregisterOne(addr, length, &walk.calls);
   if (status.code() != Code::kInvalidArgument) return status;
-  if (!uffd_.owner()) return UnregisterByHalves(addr, length, calls);
-  Result<std::vector<MappedRange>> mappings = MappingsIn(*uffd_.owner(), addr, addr + length);
-  if (!mappings.ok()) {
-    spdlog::warn(
-        "uffd pager: cannot read the mappings of process {} ({}): unregistering "
-        "[{:#x}, +{}) page by page where refused",
-        *uffd_.owner(), mappings.status().ToString(), addr, length);
-    return UnregisterByHalves(addr, length, calls);
-  }
-  Status first;
-  for (const MappedRange& mapping : *mappings) {
-    const uint64_t size = mapping.end - mapping.start;
-    Status piece = UnregisterOne(mapping.start, size, calls);
-    if (piece.code() == Code::kInvalidArgument) {
-      Result<std::vector<MappedRange>> now = MappingsIn(*uffd_.owner(), mapping.start, mapping.end);
-      const bool unchanged = now.ok() && now->size() == 1 && (*now)[0].start == mapping.start &&
-                             (*now)[0].end == mapping.end;
-      piece = unchanged ? Status::Ok() : UnregisterByHalves(mapping.start, size, calls);
+  if (!uffd_.owner() || walk.maps_unreadable) return UnregisterByHalves(addr, length, &walk.calls);
+  bool read_since_refusal = false;
+  std::vector<MappedRange> here;
+  while (true) {
+    if (!walk.mappings) {
+      Result<std::vector<MappedRange>> read = MappingsIn(*uffd_.owner(), 0, ~uint64_t{0});
+      ++walk.maps_reads;
+      if (options_.after_maps_read) options_.after_maps_read();
+      if (!read.ok()) {
+        spdlog::warn(
+            "uffd pager: cannot read the mappings of process {} ({}): unregistering "
+            "page by page where refused",
+            *uffd_.owner(), read.status().ToString());
+        walk.maps_unreadable = true;
+        return UnregisterByHalves(addr, length, &walk.calls);
+      }
+      walk.mappings = std::move(*read);
+      read_since_refusal = true;
     }
-    if (!piece.ok() && first.ok()) first = std::move(piece);
+    here = ClipMappings(*walk.mappings, addr, addr + length);
+    if (here.empty()) return Status::Ok();
+    const bool whole = here.size() == 1 && here[0].start == addr && here[0].end == addr + length;
+    if (!whole) break;
+    if (read_since_refusal) return Status::Ok();  // a mapping the kernel cannot track
+    walk.mappings.reset();
+  }
+  if (depth == kMaxMapsDepth) return UnregisterByHalves(addr, length, &walk.calls);
+  Status first;
+  for (const MappedRange& piece : here) {
+    Status unregistered = UnregisterRange(piece.start, piece.end - piece.start, walk, depth + 1);
+    if (!unregistered.ok() && first.ok()) first = std::move(unregistered);
   }
   return first;
 }

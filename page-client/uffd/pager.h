@@ -24,10 +24,12 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "page-client/restore_session.h"
+#include "page-client/uffd/mappings.h"
 #include "page-client/uffd/memory.h"
 #include "page-client/uffd/uffd_engine.h"
 #include "page-client/uffd/userfaultfd.h"
@@ -72,6 +74,9 @@ struct PagerOptions {
   // Tests only: runs in UnregisterAll after each walk has taken the map's ranges, before it
   // unregisters them (e.g. to move a BO then).
   std::function<void()> after_unregister_snapshot;
+  // Tests only: runs in UnregisterAll after each read of the program's maps (e.g. to split one of
+  // the mappings read).
+  std::function<void()> after_maps_read;
 };
 
 struct PagerStats {
@@ -85,6 +90,7 @@ struct PagerStats {
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
   uint64_t unregister_calls = 0;    // UFFDIO_UNREGISTER calls made by UnregisterAll
+  uint64_t maps_reads = 0;          // reads of the program's /proc/PID/maps by UnregisterAll
 };
 
 class Pager {
@@ -157,9 +163,18 @@ class Pager {
   };
   void RetryDeferred();
   std::vector<Deferred> deferred_;
+  // One walk of UnregisterAll: its calls, and the owner's maps as last read, read at the walk's
+  // first refusal and again only where a conclusion needs a reading taken after a refusal.
+  struct UnregisterWalk {
+    uint64_t calls = 0;
+    uint64_t maps_reads = 0;
+    std::optional<std::vector<MappedRange>> mappings;
+    bool maps_unreadable = false;  // warned once; the walk halves what is refused
+  };
   // Unregisters [addr, addr + length); where the kernel refuses it, what is mapped there, found
-  // in the owner's maps or, failing those, by halving. Owner thread; counts into *calls.
-  Status UnregisterRange(uint64_t addr, uint64_t length, uint64_t* calls);
+  // in the owner's maps (down to `depth` kMaxMapsDepth) or, failing those, by halving. Owner
+  // thread.
+  Status UnregisterRange(uint64_t addr, uint64_t length, UnregisterWalk& walk, int depth = 0);
   // One UFFDIO_UNREGISTER; ENOMEM from an owner that has exited is no error.
   Status UnregisterOne(uint64_t addr, uint64_t length, uint64_t* calls);
   Status UnregisterByHalves(uint64_t addr, uint64_t length, uint64_t* calls);

@@ -378,6 +378,23 @@ TEST(ProcessMappings, ParsedClippedToTheRangeAskedAbout) {
   }
 }
 
+// A walk of UnregisterAll reads the whole map once and clips it per refused range.
+TEST(ProcessMappings, ClippedFromAWholeReading) {
+  const std::vector<MappedRange> all = {{0x1000, 0x3000}, {0x5000, 0x6000}, {0x6000, 0x9000}};
+  const std::vector<MappedRange> found = ClipMappings(all, 0x2000, 0x8000);
+  ASSERT_EQ(found.size(), 3u);
+  EXPECT_EQ(found[0].start, 0x2000u);
+  EXPECT_EQ(found[0].end, 0x3000u);
+  EXPECT_EQ(found[1].start, 0x5000u);
+  EXPECT_EQ(found[2].end, 0x8000u);
+  EXPECT_TRUE(ClipMappings(all, 0x3000, 0x5000).empty()) << "a hole between two mappings";
+  EXPECT_TRUE(ClipMappings(all, 0x9000, 0xa000).empty()) << "past the last mapping";
+  const std::vector<MappedRange> inside = ClipMappings(all, 0x6800, 0x7000);
+  ASSERT_EQ(inside.size(), 1u);
+  EXPECT_EQ(inside[0].start, 0x6800u);
+  EXPECT_EQ(inside[0].end, 0x7000u);
+}
+
 // The live process: a mapping with a hole punched in its middle reads as two.
 TEST(ProcessMappings, ALiveProcessListsItsMappings) {
   const uint64_t page = PageSize();
@@ -1641,6 +1658,67 @@ TEST_P(UffdProgramChangesItsMapping, UnregisterAllWithoutTheProgramsMapsStillLea
   RestoreAndCompare(std::nullopt);
   const auto [calls, gone_pages] = UnregisterAfterAnUnmapAndAFileMap();
   EXPECT_GE(calls, gone_pages) << "the refused range probed by halves, down to its pages";
+}
+
+// The program unmapped every BO: each range is refused, and one reading of its maps says for all
+// of them that nothing is mapped there.
+TEST_P(UffdProgramChangesItsMapping, UnregisterAllReadsTheProgramsMapsOncePerWalk) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  RestoreAndCompare(std::nullopt);
+  ASSERT_GE(memory_->regions().size(), 2u) << "one range tells nothing about a reading kept";
+  unregistered_ = true;
+  for (const Region& region : memory_->regions())
+    ASSERT_EQ(::munmap(reinterpret_cast<void*>(region.addr), PageAlignUp(region.size)), 0)
+        << std::strerror(errno);
+  const Status unregistered = pager_->UnregisterAll();
+  for (const Region& region : memory_->regions())
+    ASSERT_NO_FATAL_FAILURE(Hold(region.addr, PageAlignUp(region.size)));
+  EXPECT_TRUE(unregistered.ok()) << unregistered.ToString();
+  EXPECT_EQ(pager_->stats().maps_reads, 1u);
+  EXPECT_LE(pager_->stats().unregister_calls, memory_->regions().size()) << "one per range";
+}
+
+// The program splits a registered mapping after the pager has read its maps (a file mapped over
+// part of it, as the first was): the kernel refuses the whole mapping the reading named, and the
+// reading, taken before, still shows it whole. Taking that as "a mapping the kernel cannot track"
+// would leave the rest of it registered; a second reading shows the split.
+TEST_P(UffdProgramChangesItsMapping, AMappingSplitAfterTheMapsWereReadEndsUnregistered) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  std::vector<Region> by_size = memory_->regions();
+  std::sort(by_size.begin(), by_size.end(),
+            [](const Region& a, const Region& b) { return a.size > b.size; });
+  const Region split = by_size[0];
+  const uint64_t length = PageAlignUp(split.size);
+  ASSERT_GE(length, 8 * PageSize());
+  UniqueFd exe(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(exe.valid()) << std::strerror(errno);
+  auto map_file_page = [&](uint64_t at) {
+    return ::mmap(reinterpret_cast<void*>(at), PageSize(), PROT_READ, MAP_PRIVATE | MAP_FIXED,
+                  exe.get(), 0) == reinterpret_cast<void*>(at);
+  };
+  // The first file page splits the BO in two at its middle; the second, mapped once the pager
+  // has read the maps, splits the first half again.
+  const uint64_t middle = split.addr + PageAlignDown(length / 2);
+  const uint64_t quarter = split.addr + PageAlignDown(length / 4);
+  int reads = 0;
+  bool second_mapped = false;
+  PagerOptions options;
+  options.after_maps_read = [&] {
+    if (++reads == 1) second_mapped = map_file_page(quarter);
+  };
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_NO_FATAL_FAILURE(StartPager(std::move(options)));
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  ASSERT_TRUE(map_file_page(middle)) << std::strerror(errno);
+  unregistered_ = true;
+  const Status unregistered = pager_->UnregisterAll();
+  ASSERT_TRUE(second_mapped) << std::strerror(errno);
+  EXPECT_TRUE(unregistered.ok()) << unregistered.ToString();
+  for (const Region& region : memory_->regions())
+    EXPECT_FALSE(TrackedByUserfaultfd(region.addr, PageAlignUp(region.size))) << "BO " << region.bo;
+  EXPECT_GE(pager_->stats().maps_reads, 2u);
+  EXPECT_LT(pager_->stats().unregister_calls, length / PageSize() / 2)
+      << "split pieces found in the maps, not by halving";
 }
 
 // The program moves a BO while the pager unregisters, after the walk has taken the map's
