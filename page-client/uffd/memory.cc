@@ -87,7 +87,9 @@ void AddressMap::Add(const Region& region) {
   std::unique_lock lock(mutex_);
   if (sizes_.contains(region.bo)) return;
   sizes_[region.bo] = region.size;
-  Insert(region.addr, {region.bo, 0, PageAlignUp(std::max<uint64_t>(region.size, 1))});
+  const uint64_t length = PageAlignUp(std::max<uint64_t>(region.size, 1));
+  Insert(region.addr, {region.bo, 0, length});
+  EraseLeft(region.addr, region.addr + length);
 }
 
 uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const EventHold& hold,
@@ -108,11 +110,23 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
   };
   split_at(from);
   split_at(from + length);
+  // What moves: BO memory, and what earlier moves left in the range (still registered if they
+  // did not unmap it: it goes on being an alias where it goes). What stays behind: a record of
+  // the BO memory that was here.
+  std::vector<std::pair<uint64_t, Segment>> carried = LeftIn(from, from + length);
+  for (auto& [addr, segment] : carried)
+    addr = addr - from + to;
   std::vector<std::pair<uint64_t, Segment>> moved;
+  std::vector<std::pair<uint64_t, Segment>> left;
   for (auto it = by_addr_.lower_bound(from); it != by_addr_.end() && it->first < from + length;) {
     moved.emplace_back(it->first - from + to, it->second);
+    left.emplace_back(it->first, it->second);
     by_bo_.erase({it->second.bo, it->second.offset});
     it = by_addr_.erase(it);
+  }
+  for (const auto& [addr, segment] : left) {
+    EraseLeft(addr, addr + segment.length);
+    left_[addr] = segment;
   }
   // MREMAP_FIXED onto BO memory unmapped what was there: those bytes are no longer anywhere.
   split_at(to);
@@ -121,12 +135,16 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
     by_bo_.erase({it->second.bo, it->second.offset});
     it = by_addr_.erase(it);
   }
+  EraseLeft(to, to + length);
+  for (const auto& [addr, segment] : carried)
+    left_[addr] = segment;
   uint64_t bytes = 0;
   for (const auto& [addr, segment] : moved) {
+    EraseLeft(addr, addr + segment.length);
     Insert(addr, segment);
     bytes += segment.length;
   }
-  if (bytes > 0) generation_.fetch_add(1, std::memory_order_relaxed);
+  if (bytes > 0 || !carried.empty()) generation_.fetch_add(1, std::memory_order_relaxed);
   return bytes;
 }
 
@@ -157,14 +175,68 @@ std::optional<AddressMap::Location> AddressMap::Find(uint64_t addr, const EventH
 }
 
 std::optional<AddressMap::Location> AddressMap::FindUnlocked(uint64_t addr) const {
-  auto it = by_addr_.upper_bound(addr);
-  if (it == by_addr_.begin()) return std::nullopt;
+  return FindIn(by_addr_, addr);
+}
+
+std::optional<AddressMap::Location> AddressMap::FindIn(const std::map<uint64_t, Segment>& segments,
+                                                       uint64_t addr) const {
+  auto it = segments.upper_bound(addr);
+  if (it == segments.begin()) return std::nullopt;
   --it;
   const Segment& segment = it->second;
   if (addr >= it->first + segment.length) return std::nullopt;
   const uint64_t offset = segment.offset + (addr - it->first);
   if (offset >= sizes_.at(segment.bo)) return std::nullopt;
   return Location{segment.bo, offset};
+}
+
+std::optional<AddressMap::Location> AddressMap::FindLeftBehind(uint64_t addr) const {
+  std::shared_lock lock(mutex_);
+  return FindIn(left_, addr);
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> AddressMap::LeftBehindRanges() const {
+  std::shared_lock lock(mutex_);
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [addr, segment] : left_)
+    ranges.emplace_back(addr, segment.length);
+  return ranges;
+}
+
+std::vector<std::pair<uint64_t, AddressMap::Segment>> AddressMap::LeftIn(uint64_t from,
+                                                                         uint64_t to) const {
+  std::vector<std::pair<uint64_t, Segment>> found;
+  auto it = left_.upper_bound(from);
+  if (it != left_.begin()) --it;
+  for (; it != left_.end() && it->first < to; ++it) {
+    const uint64_t start = std::max(it->first, from);
+    const uint64_t end = std::min(it->first + it->second.length, to);
+    if (start >= end) continue;
+    found.emplace_back(
+        start, Segment{it->second.bo, it->second.offset + (start - it->first), end - start});
+  }
+  return found;
+}
+
+void AddressMap::EraseLeft(uint64_t from, uint64_t to) {
+  std::vector<std::pair<uint64_t, Segment>> kept;  // the parts outside [from, to)
+  auto it = left_.upper_bound(from);
+  if (it != left_.begin()) --it;
+  while (it != left_.end() && it->first < to) {
+    const uint64_t start = it->first;
+    const Segment segment = it->second;
+    const uint64_t end = start + segment.length;
+    if (end <= from) {
+      ++it;
+      continue;
+    }
+    if (start < from) kept.emplace_back(start, Segment{segment.bo, segment.offset, from - start});
+    if (end > to)
+      kept.emplace_back(to, Segment{segment.bo, segment.offset + (to - start), end - to});
+    it = left_.erase(it);
+  }
+  for (const auto& [addr, segment] : kept)
+    left_[addr] = segment;
 }
 
 std::vector<std::pair<uint64_t, uint64_t>> AddressMap::Ranges() const {

@@ -131,7 +131,14 @@ class AddressMap {
   std::optional<Location> Find(uint64_t addr, const EventHold& hold) const;  // under the hold
   // Every range holding BO memory now, page-rounded: what to unregister.
   std::vector<std::pair<uint64_t, uint64_t>> Ranges() const;
-  // Changes with every Move that moved something.
+  // A range a move took BO memory from, and the BO byte that was there. A move with
+  // MREMAP_DONTUNMAP leaves that range mapped and registered: private anonymous memory reads
+  // zeros there, and a shared mapping shows the BO's memfd pages (an alias of the BO). Ranges
+  // that hold BO memory again are not listed (Find answers there); nullopt where no move left.
+  std::optional<Location> FindLeftBehind(uint64_t addr) const;
+  // Every range a move left, page-rounded: unregistered too, in case it is still registered.
+  std::vector<std::pair<uint64_t, uint64_t>> LeftBehindRanges() const;
+  // Changes with every Move that moved something (BO memory, or a range a move left).
   uint64_t generation() const;
   // The same, under an install hold: no move can be applied while it is held.
   uint64_t generation(const InstallHold& hold) const;
@@ -144,12 +151,18 @@ class AddressMap {
   };
   void Insert(uint64_t addr, const Segment& segment);  // into both indexes
   std::optional<Location> FindUnlocked(uint64_t addr) const;
+  // The BO byte at `addr` in `segments` (by_addr_ or left_), past no BO's size.
+  std::optional<Location> FindIn(const std::map<uint64_t, Segment>& segments, uint64_t addr) const;
+  // The records of left_ overlapping [from, to), clipped to it.
+  std::vector<std::pair<uint64_t, Segment>> LeftIn(uint64_t from, uint64_t to) const;
+  void EraseLeft(uint64_t from, uint64_t to);
   mutable std::shared_mutex mutex_;
   mutable std::shared_mutex installs_;                       // see hold_for_install()
   std::map<uint64_t, Segment> by_addr_;                      // start address -> segment; disjoint
   std::map<std::pair<uint32_t, uint64_t>, uint64_t> by_bo_;  // (BO, offset) -> start address
   std::map<uint32_t, uint64_t> sizes_;                       // BO -> size in bytes
-  std::atomic<uint64_t> generation_{0};                      // written under both locks
+  std::map<uint64_t, Segment> left_;     // ranges moves left -> what was there; disjoint, not BO
+  std::atomic<uint64_t> generation_{0};  // written under both locks
 };
 
 }  // namespace gpulazy::uffd

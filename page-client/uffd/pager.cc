@@ -112,7 +112,11 @@ Status Pager::UnregisterAll() {
   uint64_t maps_reads = 0;
   for (int walk = 1;; ++walk) {
     const uint64_t generation = engine_.addresses().generation();
-    const std::vector<std::pair<uint64_t, uint64_t>> ranges = engine_.addresses().Ranges();
+    std::vector<std::pair<uint64_t, uint64_t>> ranges = engine_.addresses().Ranges();
+    // A range a move left stays registered if the move kept it mapped (MREMAP_DONTUNMAP); one
+    // it unmapped is refused, and the walk's reading of the maps shows nothing there.
+    for (const auto& range : engine_.addresses().LeftBehindRanges())
+      ranges.push_back(range);
     if (options_.after_unregister_snapshot) options_.after_unregister_snapshot();
     first = Status::Ok();
     UnregisterWalk this_walk;
@@ -350,18 +354,26 @@ uint64_t Pager::ChunkLength(const Region& region, uint32_t chunk) const {
 
 void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const Deferred* earlier) {
   const uint64_t address = fault.address;
-  const std::optional<AddressMap::Location>& at = fault.at;
+  std::optional<AddressMap::Location> at = fault.at;
   const uint64_t page = PageAlignDown(address);
   const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
   if (region == nullptr && fault.left_behind) return;
+  bool left_behind = false;
   if (region == nullptr) {
     // At no BO byte the map knows. While the program is moving memory (its event unread) the
-    // fault may be where BO memory is going: try again after the next read. Otherwise it is not
-    // ours (or the page-rounded tail of a BO): no chunk will ever fill it.
+    // fault may be where BO memory is going: try again after the next read.
     if (uffd_.MappingsChanging()) {
       deferred_.push_back({address, when, earlier != nullptr && earlier->counted});
       return;
     }
+    // Where a move took BO memory from and left the range mapped (MREMAP_DONTUNMAP): served as
+    // the BO's chunk there, once it is resident (below).
+    at = engine_.addresses().FindLeftBehind(address);
+    region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
+    left_behind = region != nullptr;
+  }
+  if (region == nullptr) {
+    // Otherwise it is not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
     if (earlier != nullptr) {
       // It was held up by a move that took the memory away from under it: the thread retries
       // and finds whatever is there now.
@@ -378,11 +390,12 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     if (options_.recorder != nullptr) options_.recorder->Note(region->bo, chunk);
     std::lock_guard lock(mutex_);
     ++stats_.faults;
+    if (left_behind) ++stats_.left_behind_faults;
   }
   if (session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
     // Installed before we read the fault (the install woke it, or raced with it), or a zero
     // chunk whose pages the engine left for the first touch.
-    Result<Served> served = ServeResident(*region, chunk, page);
+    Result<Served> served = ServeResident(*region, chunk, page, left_behind);
     // A fault read just before its process exited: CONTINUE or ZEROPAGE finds it gone (Wake
     // ignores that).
     if (served.status().code() == Code::kAborted) return EndPeerGone("a wake found it gone");
@@ -392,7 +405,8 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     }
     std::lock_guard lock(mutex_);
     ++stats_.resident_faults;
-    if (served.ok() && *served == Served::kFilledDropped) ++stats_.dropped_pages_zeroed;
+    if (served.ok() && *served == Served::kFilledDropped && !left_behind)
+      ++stats_.dropped_pages_zeroed;
     RecordLatency(when, Clock::now());
     if (!served.ok() && status_.ok()) status_ = served.status();
     return;
@@ -401,6 +415,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
   const Key key{region->bo, chunk};
   auto [it, inserted] = pending_.try_emplace(key);
   it->second.faulted.push_back(when);
+  if (left_behind) it->second.left_behind_pages.push_back(page);
   if (inserted) {
     queue_.push_back(key);
     ++stats_.demand_chunks;
@@ -467,7 +482,12 @@ void Pager::InstallHotZeros() {
   }
 }
 
-Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page) {
+Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page,
+                                           bool left_behind) {
+  // A page a move left: in MINOR mode the chunk's bytes are in the memfd's page cache whatever
+  // the program maps, and mapping them here shows them; in MISSING mode the same zero page fills
+  // it in private memory (which the move emptied, as the kernel leaves it), and in a shared
+  // mapping finds the BO's page in the page cache (EEXIST) unless the program dropped that page.
   if (uffd_.mode() == FillMode::kMinorContinue) {
     GPULAZY_ASSIGN_OR_RETURN(InstallResult mapped, uffd_.Continue(page, PageSize()));
     return mapped.interrupted > 0 ? Served::kAfterMoves : Served::kWoken;
@@ -482,7 +502,8 @@ Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk,
   // UFFDIO_ZEROPAGE woke the chunk's threads where it installed; a page found there was
   // installed by someone else (or is being mapped now), or one no longer registered: wake it
   // as for any resident page.
-  if (zeroed->has_value() && (*zeroed)->already_present == 0 && (*zeroed)->unregistered == 0)
+  if (!left_behind && zeroed->has_value() && (*zeroed)->already_present == 0 &&
+      (*zeroed)->unregistered == 0)
     return Served::kWoken;
   // The chunk landed whole before it was marked resident, so a missing page here is one the
   // program dropped since (MADV_DONTNEED on private anonymous memory, a hole punched in a
@@ -523,6 +544,10 @@ void Pager::Resolve(const Key& key, bool landed) {
            region.bo, uint64_t{key.second} * chunk_size_, ChunkLength(region, key.second))) {
     woken = uffd_.Wake(piece.addr, piece.length);
     if (!woken.ok()) break;
+  }
+  for (const uint64_t page : pending.left_behind_pages) {
+    if (!woken.ok()) break;
+    woken = uffd_.Wake(page, PageSize());
   }
   const auto now = Clock::now();
   std::lock_guard lock(mutex_);

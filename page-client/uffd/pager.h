@@ -85,8 +85,11 @@ struct PagerStats {
   // Of resident_faults, pages the program dropped after they landed (MADV_DONTNEED on private
   // anonymous memory, a hole punched in a memfd), filled with zeros as the kernel would.
   uint64_t dropped_pages_zeroed = 0;
-  uint64_t demand_chunks = 0;       // chunks sent to Ensure
-  uint64_t bytes_moved = 0;         // BO memory the program moved (mremap) while registered
+  uint64_t demand_chunks = 0;  // chunks sent to Ensure
+  uint64_t bytes_moved = 0;    // BO memory the program moved (mremap) while registered
+  // Faults in a range a move left registered (MREMAP_DONTUNMAP), served as what the kernel
+  // leaves there: zeros in private memory, the BO's pages in a shared mapping of its memfd.
+  uint64_t left_behind_faults = 0;
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
   uint64_t unregister_calls = 0;    // UFFDIO_UNREGISTER calls made by UnregisterAll
@@ -118,6 +121,9 @@ class Pager {
  private:
   struct Pending {
     std::vector<std::chrono::steady_clock::time_point> faulted;  // one per fault waiting
+    // Pages of ranges a move left (AddressMap::FindLeftBehind) whose threads wait for the chunk:
+    // woken when it lands, they fault again there and are served as resident.
+    std::vector<uint64_t> left_behind_pages;
   };
   using Key = std::pair<uint32_t, uint32_t>;  // (bo, chunk)
 
@@ -152,8 +158,11 @@ class Pager {
   // A fault at `page` of `chunk` of `region`, a chunk the session has: installs the chunk's
   // deferred zeros if it has any, else a zero page where the program dropped the page, else
   // wakes the page. kAborted when the process is gone. On the loop thread: never waits for
-  // moves (it is the one that reads them).
-  Result<Served> ServeResident(const Region& region, uint32_t chunk, uint64_t page);
+  // moves (it is the one that reads them). `left_behind`: `page` is in a range a move left
+  // (not where the chunk's installs go): it is served after the chunk's deferred zeros, as a
+  // page of its own.
+  Result<Served> ServeResident(const Region& region, uint32_t chunk, uint64_t page,
+                               bool left_behind = false);
   // Faults the loop could not serve yet: a move the program is making (an unread event) stopped
   // their install, or put them at an address the map does not know yet. Loop thread only.
   struct Deferred {

@@ -317,6 +317,45 @@ TEST(AddressMap, AMoveOfPartOfABoSplitsItAndResolvesEachOffsetWhereItIs) {
 
 // MREMAP_FIXED onto BO memory unmaps what was there: those offsets are nowhere afterwards, and
 // a BO added again keeps where it is.
+// A move leaves a record of the BO bytes that were in the range it took them from (a move with
+// MREMAP_DONTUNMAP leaves that range mapped); the record goes where the range goes, and lapses
+// where BO memory comes back.
+TEST(AddressMap, ARangeAMoveLeftNamesWhatWasThereUntilBoMemoryReturns) {
+  const uint64_t page = PageSize();
+  AddressMap map;
+  map.Add({0, 100 * page, 4 * page});
+  auto move = [&](uint64_t from, uint64_t to, uint64_t length) {
+    AddressMap::EventHold hold = map.hold_for_events();
+    AddressMap::MoveHold installs = map.hold_installs_for_moves();
+    return map.Move(from, to, length, hold, installs);
+  };
+  EXPECT_EQ(move(101 * page, 300 * page, 2 * page), 2 * page);
+  const auto left = map.FindLeftBehind(102 * page + 5);
+  ASSERT_TRUE(left.has_value());
+  EXPECT_EQ(left->bo, 0u);
+  EXPECT_EQ(left->offset, 2 * page + 5);
+  EXPECT_FALSE(map.FindLeftBehind(100 * page).has_value()) << "BO memory stayed there";
+  EXPECT_FALSE(map.FindLeftBehind(103 * page).has_value());
+  EXPECT_FALSE(map.FindLeftBehind(300 * page).has_value()) << "where it went";
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+  EXPECT_EQ(map.LeftBehindRanges(), (Ranges{{101 * page, 2 * page}}));
+  // The range left behind moves on (it was kept mapped): no BO memory moves, the record goes
+  // with it, and the generation changes (UnregisterAll walks again).
+  const uint64_t generation = map.generation();
+  EXPECT_EQ(move(102 * page, 400 * page, page), 0u);
+  EXPECT_GT(map.generation(), generation);
+  ASSERT_TRUE(map.FindLeftBehind(400 * page).has_value());
+  EXPECT_EQ(map.FindLeftBehind(400 * page)->offset, 2 * page);
+  // BO memory moved back onto the range it left: found as BO memory there, and the range the
+  // move back left is recorded instead.
+  EXPECT_EQ(move(300 * page, 101 * page, 2 * page), 2 * page);
+  EXPECT_FALSE(map.FindLeftBehind(101 * page).has_value());
+  ASSERT_TRUE(map.Find(101 * page).has_value());
+  ASSERT_TRUE(map.FindLeftBehind(301 * page).has_value());
+  EXPECT_EQ(map.FindLeftBehind(301 * page)->offset, 2 * page);
+  EXPECT_EQ(map.LeftBehindRanges(), (Ranges{{300 * page, 2 * page}, {400 * page, page}}));
+}
+
 TEST(AddressMap, AMoveOntoAnotherBoReplacesIt) {
   const uint64_t page = PageSize();
   AddressMap map;
@@ -1225,6 +1264,7 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
           << "BO " << region.bo;
     return {pager.stats().unregister_calls - calls_before, PageAlignUp(gone.size) / PageSize()};
   }
+  void ExpectARangeLeftByADontUnmapMoveReads(bool expect_alias);
   // A placeholder where BO memory was, so RestoredMemory's unmapping at the end unmaps it and not
   // someone else's mapping.
   static void Hold(uint64_t at, uint64_t length) {
@@ -1631,6 +1671,68 @@ TEST_P(UffdProgramChangesItsMapping, AnInstallRacingAMoveOntoItsBoLandsNowhereEl
                         bytes.size() - at_new),
             0)
       << "the rest of the moved BO";
+}
+
+// The program moves a whole BO with MREMAP_DONTUNMAP before any of it has landed, and reads at
+// the old address from another thread while the chunk is still to come. The old range stays
+// mapped and registered (seen on 6.18): in a shared mapping of the BO's memfd it shows the BO's
+// pages, in private memory it holds zeros, as it would with no pager. `expect_alias`: whether
+// the old range must read the BO's bytes (else zeros). The pager failed on such a fault
+// ("outside every registered BO") before it kept the ranges moves left.
+void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool expect_alias) {
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  const Region region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  const std::vector<uint8_t>& bytes = source_[target_];
+  const auto [page, offset] = DataPage(bytes);
+  const uint64_t elsewhere = Reserve(length);
+  void* moved = ::mremap(reinterpret_cast<void*>(region.addr), length, length,
+                         MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                         reinterpret_cast<void*>(elsewhere));
+  ASSERT_EQ(moved, reinterpret_cast<void*>(elsewhere)) << std::strerror(errno);
+  // Nothing lands before Bind: the reader's fault waits for the chunk.
+  std::promise<uint8_t> read;
+  std::future<uint8_t> value = read.get_future();
+  std::thread reader([&read, at = region.addr + offset] {
+    read.set_value(uint8_t{*reinterpret_cast<const volatile uint8_t*>(at)});
+  });
+  std::this_thread::sleep_for(100ms);
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  if (value.wait_for(10s) != std::future_status::ready) {
+    std::fprintf(stderr, "a read where the BO was did not return within 10 s: %s\n",
+                 pager_->status().ToString().c_str());
+    std::abort();
+  }
+  reader.join();
+  EXPECT_EQ(value.get(), expect_alias ? bytes[offset] : 0);
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(elsewhere), bytes.data(), bytes.size()), 0)
+      << "the BO where it went";
+  // Every page of the old range now, the chunks resident: the zero chunks' pages, deferred or
+  // not, and the data pages.
+  const auto* old_range = reinterpret_cast<const uint8_t*>(region.addr);
+  if (expect_alias) {
+    EXPECT_EQ(std::memcmp(old_range, bytes.data(), bytes.size()), 0) << "the range it left";
+  } else {
+    EXPECT_TRUE(std::all_of(old_range, old_range + bytes.size(), [](uint8_t b) { return b == 0; }))
+        << "the range it left";
+  }
+  EXPECT_GE(pager_->stats().left_behind_faults, 1u);
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+  ASSERT_NO_FATAL_FAILURE(Unregister());
+  EXPECT_FALSE(TrackedByUserfaultfd(region.addr, length)) << "the range the move left";
+  EXPECT_FALSE(TrackedByUserfaultfd(elsewhere, length)) << "the BO where it went";
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(elsewhere), length), 0) << std::strerror(errno);
+}
+
+TEST_P(UffdProgramChangesItsMapping, ARangeLeftByADontUnmapMoveShowsTheBoInASharedMapping) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/true);
+}
+
+TEST_F(UffdProgramChangesItsMemory, ARangeLeftByADontUnmapMoveReadsZerosInPrivateMemory) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
+  ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/false);
 }
 
 // The pager knows the program (here, itself): where the kernel refuses a range it unregisters
