@@ -131,9 +131,11 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
   // MREMAP_FIXED onto BO memory unmapped what was there: those bytes are no longer anywhere.
   split_at(to);
   split_at(to + length);
+  bool replaced = false;
   for (auto it = by_addr_.lower_bound(to); it != by_addr_.end() && it->first < to + length;) {
     by_bo_.erase({it->second.bo, it->second.offset});
     it = by_addr_.erase(it);
+    replaced = true;
   }
   EraseLeft(to, to + length);
   for (const auto& [addr, segment] : carried)
@@ -144,7 +146,10 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
     Insert(addr, segment);
     bytes += segment.length;
   }
-  if (bytes > 0 || !carried.empty()) generation_.fetch_add(1, std::memory_order_relaxed);
+  // Any change of where BO bytes are (or were) makes an installer that looked its addresses up
+  // before it look again, and UnregisterAll walk again.
+  if (bytes > 0 || replaced || !carried.empty())
+    generation_.fetch_add(1, std::memory_order_relaxed);
   return bytes;
 }
 

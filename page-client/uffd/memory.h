@@ -138,7 +138,8 @@ class AddressMap {
   std::optional<Location> FindLeftBehind(uint64_t addr) const;
   // Every range a move left, page-rounded: unregistered too, in case it is still registered.
   std::vector<std::pair<uint64_t, uint64_t>> LeftBehindRanges() const;
-  // Changes with every Move that moved something (BO memory, or a range a move left).
+  // Changes with every Move that changed the map: BO memory moved or replaced, or a range a
+  // move left moved on.
   uint64_t generation() const;
   // The same, under an install hold: no move can be applied while it is held.
   uint64_t generation(const InstallHold& hold) const;

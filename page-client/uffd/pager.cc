@@ -164,10 +164,11 @@ Status Pager::UnregisterRange(uint64_t addr, uint64_t length, UnregisterWalk& wa
   // part of it), and then unregisters none of it. Then each mapping the owner's maps show there
   // is unregistered on its own. The walk reads the maps once and keeps them for its other
   // refused ranges: a registered mapping cannot appear after a reading except by a move, which
-  // the walk after this one finds. So "nothing mapped here" holds in a reading older than the
-  // refusal, and a split reading names pieces to try. Only "one mapping, the whole range" needs
-  // a reading taken after the refusal: the program may have split a registered mapping since
-  // (the kernel then refuses the whole of it), or the mapping is one the kernel cannot track.
+  // the walk after this one finds (or by growing in place, which nothing here follows). So "nothing
+  // mapped here" holds in a reading older than the refusal, and a split reading names pieces to
+  // try. Only "one mapping, the whole range" needs a reading taken after the refusal: the program
+  // may have split a registered mapping since (the kernel then refuses the whole of it), or the
+  // mapping is one the kernel cannot track.
   constexpr int kMaxMapsDepth = 3;
   Status status = UnregisterOne(addr, length, &walk.calls);
   if (status.code() != Code::kInvalidArgument) return status;
@@ -243,7 +244,11 @@ void Pager::Fail(Status status) {
 
 Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
   FaultEvent events[64];
-  std::vector<FaultEvent> moves;
+  struct ReadMove {
+    FaultEvent event;
+    uint64_t bo_bytes = 0;  // BO memory it moved
+  };
+  std::vector<ReadMove> moves;
   {
     AddressMap& addresses = engine_.addresses();
     // Held across the read: an install refused because of a move read here waits for the move
@@ -264,7 +269,9 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
       } else if (event.kind == FaultEvent::Kind::kRemap) {
         const uint64_t moved =
             addresses.Move(event.address, event.to, event.end - event.address, hold, installs);
-        if (moved > 0) moves.push_back(event);
+        // Every move of registered memory is woken, whatever it held: a range a move left
+        // mapped (MREMAP_DONTUNMAP) may move onto BO memory a thread is waiting on.
+        if (event.end > event.address) moves.push_back({event, moved});
         std::lock_guard lock(mutex_);
         stats_.bytes_moved += moved;
       }
@@ -273,18 +280,22 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
       ReadFault& fault = (*faults)[i];
       fault.at = addresses.Find(fault.address, hold);
       // A fault in a range this read's moves left (queued before the move): woken below, the
-      // thread finds the memory gone; nothing to serve.
+      // thread finds the memory gone, or faults again where the move left it mapped
+      // (MREMAP_DONTUNMAP) and is served then; nothing to serve now.
       fault.left_behind =
-          !fault.at && std::any_of(moves.begin(), moves.end(), [&](const FaultEvent& move) {
-            return fault.address >= move.address && fault.address < move.end;
+          !fault.at && std::any_of(moves.begin(), moves.end(), [&](const ReadMove& move) {
+            return fault.address >= move.event.address && fault.address < move.event.end;
           });
     }
   }
-  for (const FaultEvent& move : moves) {
-    spdlog::info("uffd pager: the restored process moved BO memory [{:#x}, +{}) to {:#x}",
-                 move.address, move.end - move.address, move.to);
-    // A thread asleep on a fault in the old range retries, and finds the memory gone; one asleep
-    // where the memory went (a move onto other BO memory) retries on what is there now.
+  for (const ReadMove& read : moves) {
+    const FaultEvent& move = read.event;
+    if (read.bo_bytes > 0)
+      spdlog::info("uffd pager: the restored process moved BO memory [{:#x}, +{}) to {:#x}",
+                   move.address, move.end - move.address, move.to);
+    // A thread asleep on a fault in the old range retries, and finds the memory gone (or faults
+    // again); one asleep where the memory went (a move onto other BO memory) retries on what is
+    // there now.
     GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.address, move.end - move.address));
     GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.to, move.end - move.address));
   }
@@ -366,6 +377,14 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
       deferred_.push_back({address, when, earlier != nullptr && earlier->counted});
       return;
     }
+    if (earlier != nullptr) {
+      // It was held up by a move that took the memory away from under it: the thread retries
+      // and finds whatever is there now (it faults again where the move left the range mapped,
+      // and is served below then).
+      Status woken = uffd_.Wake(page, PageSize());
+      if (!woken.ok()) Fail(woken);
+      return;
+    }
     // Where a move took BO memory from and left the range mapped (MREMAP_DONTUNMAP): served as
     // the BO's chunk there, once it is resident (below).
     at = engine_.addresses().FindLeftBehind(address);
@@ -374,13 +393,6 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
   }
   if (region == nullptr) {
     // Otherwise it is not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
-    if (earlier != nullptr) {
-      // It was held up by a move that took the memory away from under it: the thread retries
-      // and finds whatever is there now.
-      Status woken = uffd_.Wake(page, PageSize());
-      if (!woken.ok()) Fail(woken);
-      return;
-    }
     Fail(Internal("fault at {:#x} outside every registered BO", address));
     return;
   }

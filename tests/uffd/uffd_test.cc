@@ -1490,16 +1490,40 @@ std::pair<uint64_t, uint64_t> DataPage(const std::vector<uint8_t>& bytes) {
 
 // The bytes of BO memory a reader thread read at `at`, or abort() after 10 s: a read stuck on
 // a fault the pager will never serve cannot be joined, and a hung test binary says less.
-uint8_t ReadOrAbort(const volatile uint8_t* at, const char* what) {
-  std::promise<uint8_t> read;
-  std::future<uint8_t> value = read.get_future();
-  std::thread reader([&] { read.set_value(uint8_t{*at}); });
-  if (value.wait_for(10s) != std::future_status::ready) {
-    std::fprintf(stderr, "%s: the read did not return within 10 s\n", what);
-    std::abort();
+// A read of BO memory on a thread of its own, waited for later: its fault may wait for a chunk
+// that lands only after the test has done more.
+class BackgroundRead {
+ public:
+  explicit BackgroundRead(uint64_t at)
+      : reader_([this, at] {
+          read_.set_value(uint8_t{*reinterpret_cast<const volatile uint8_t*>(at)});
+        }) {}
+  ~BackgroundRead() {
+    if (reader_.joinable()) Get("a read the test did not wait for");
   }
-  reader.join();
-  return value.get();
+  BackgroundRead(const BackgroundRead&) = delete;
+  BackgroundRead& operator=(const BackgroundRead&) = delete;
+  uint8_t Get(const char* what) {
+    if (!got_) {
+      if (value_.wait_for(10s) != std::future_status::ready) {
+        std::fprintf(stderr, "%s: the read did not return within 10 s\n", what);
+        std::abort();
+      }
+      reader_.join();
+      got_ = value_.get();
+    }
+    return *got_;
+  }
+
+ private:
+  std::promise<uint8_t> read_;
+  std::future<uint8_t> value_ = read_.get_future();
+  std::thread reader_;
+  std::optional<uint8_t> got_;
+};
+
+uint8_t ReadOrAbort(const volatile uint8_t* at, const char* what) {
+  return BackgroundRead(reinterpret_cast<uint64_t>(at)).Get(what);
 }
 
 // The pager serves a fault on a chunk that has landed (a page the program dropped) while another
@@ -1691,20 +1715,21 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
                          reinterpret_cast<void*>(elsewhere));
   ASSERT_EQ(moved, reinterpret_cast<void*>(elsewhere)) << std::strerror(errno);
   // Nothing lands before Bind: the reader's fault waits for the chunk.
-  std::promise<uint8_t> read;
-  std::future<uint8_t> value = read.get_future();
-  std::thread reader([&read, at = region.addr + offset] {
-    read.set_value(uint8_t{*reinterpret_cast<const volatile uint8_t*>(at)});
-  });
-  std::this_thread::sleep_for(100ms);
-  ASSERT_NO_FATAL_FAILURE(Bind());
-  if (value.wait_for(10s) != std::future_status::ready) {
-    std::fprintf(stderr, "a read where the BO was did not return within 10 s: %s\n",
+  BackgroundRead reader(region.addr + offset);
+  // Its fault read before Bind (in a shared mapping a read after the chunk landed would find
+  // the page in the page cache and not fault at all).
+  for (int i = 0; i < 1000 && pager_->stats().left_behind_faults == 0; ++i)
+    std::this_thread::sleep_for(10ms);
+  if (pager_->stats().left_behind_faults != 1) {
+    // The reader cannot be joined while its fault waits: say why, and stop here.
+    std::fprintf(stderr, "%lu faults where the BO was, not one, within 10 s: %s\n",
+                 static_cast<unsigned long>(pager_->stats().left_behind_faults),  // NOLINT
                  pager_->status().ToString().c_str());
     std::abort();
   }
-  reader.join();
-  EXPECT_EQ(value.get(), expect_alias ? bytes[offset] : 0);
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  const uint8_t value = reader.Get("a read where the BO was");
+  EXPECT_EQ(value, expect_alias ? bytes[offset] : 0);
   ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
   EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(elsewhere), bytes.data(), bytes.size()), 0)
       << "the BO where it went";
@@ -1733,6 +1758,38 @@ TEST_P(UffdProgramChangesItsMapping, ARangeLeftByADontUnmapMoveShowsTheBoInAShar
 TEST_F(UffdProgramChangesItsMemory, ARangeLeftByADontUnmapMoveReadsZerosInPrivateMemory) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory(/*anonymous=*/true));
   ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/false);
+}
+
+// A range a DONTUNMAP move left moves on, onto a page of another BO that a thread waits on:
+// the move carries no BO bytes, yet the waiting thread must be woken (it faults again there and
+// reads what the range shows, the first BO's page), not left asleep on the page that went.
+TEST_P(UffdProgramChangesItsMapping, ALeftRangeMovedOntoAWaitedPageWakesTheWaiter) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  const Region first = memory_->regions()[target_];
+  const Region second = memory_->regions()[MostDataBo(source_, first.bo)];
+  const uint64_t first_length = PageAlignUp(first.size);
+  const auto [first_page, first_offset] = DataPage(source_[first.bo]);
+  const auto [second_page, second_offset] = DataPage(source_[second.bo]);
+  const uint64_t elsewhere = Reserve(first_length);
+  ASSERT_EQ(::mremap(reinterpret_cast<void*>(first.addr), first_length, first_length,
+                     MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                     reinterpret_cast<void*>(elsewhere)),
+            reinterpret_cast<void*>(elsewhere))
+      << std::strerror(errno);
+  BackgroundRead reader(second.addr + second_offset);
+  for (int i = 0; i < 1000 && pager_->stats().demand_chunks == 0; ++i)
+    std::this_thread::sleep_for(10ms);
+  ASSERT_GE(pager_->stats().demand_chunks, 1u) << "the reader's fault was not read";
+  // The page of the first BO's old range onto the page the reader waits on.
+  ASSERT_NO_FATAL_FAILURE(Move(first.addr + first_page, second.addr + second_page, PageSize()));
+  ASSERT_NO_FATAL_FAILURE(Hold(first.addr + first_page, PageSize()));
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  const uint8_t value = reader.Get("the reader of the page the range moved onto");
+  EXPECT_EQ(value, source_[first.bo][first_page + (second_offset - second_page)]);
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+  UnregisterAndUnmap(elsewhere, first_length);
 }
 
 // The pager knows the program (here, itself): where the kernel refuses a range it unregisters
