@@ -324,6 +324,7 @@ void Session::OpenDestinations() {
     accepted.reset();
     std::vector<PendingPlacement> waiting;
     PlacementTargetRef released;  // opened after the client let its destinations go
+    std::optional<PlaceCall> call;
     {
       std::lock_guard lock(placement_mu_);
       opening_ = false;
@@ -334,11 +335,14 @@ void Session::OpenDestinations() {
       }
       Destination& destination = destinations_[bo];
       destination.state = opened.ok() ? DestinationState::kOpen : DestinationState::kFailed;
-      if (opened.ok()) destination.target = *opened;
+      if (opened.ok()) {
+        destination.target = *opened;
+        call.emplace(*this, std::move(*opened));  // this thread's reference, counted
+      }
       waiting.swap(destination.waiting);
     }
     released.reset();
-    if (!opened.ok()) {
+    if (!call) {
       if (!closed) {
         ctx_.totals.destination_open_failures.fetch_add(1);
         spdlog::warn(
@@ -354,10 +358,25 @@ void Session::OpenDestinations() {
     }
     for (const PendingPlacement& placement : waiting) {
       // Queued or not, each one's `done` runs: nobody else would send it as bytes.
-      if (Status queued = SubmitPlacement(*opened, placement); !queued.ok() && placement.done)
+      if (Status queued = SubmitPlacement(call->target(), placement);
+          !queued.ok() && placement.done)
         placement.done(queued);
     }
   }
+}
+
+Session::PlaceCall::PlaceCall(Session& session, PlacementTargetRef target)
+    : session_(session), target_(std::move(target)) {
+  ++session_.place_calls_;  // under placement_mu_
+}
+
+Session::PlaceCall::~PlaceCall() {
+  target_.reset();
+  {
+    std::lock_guard lock(session_.placement_mu_);
+    --session_.place_calls_;
+  }
+  session_.FinishReleaseIfDone();
 }
 
 bool Session::HasPlacementTarget(uint32_t bo) const {
@@ -380,7 +399,7 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
     return OutOfRange("BO {} chunk {} is not in the image", item.bo, item.chunk);
   const uint64_t flat = layout.FlatIndex(item.bo, item.chunk);
   const uint64_t offset = uint64_t{item.chunk} * image_->source->chunk_size();
-  PlacementTargetRef target;
+  std::optional<PlaceCall> call;
   {
     std::lock_guard lock(placement_mu_);
     if (placement_released_) return Aborted("the client released its destinations");
@@ -419,14 +438,14 @@ Status Session::PlaceChunk(const WorkItem& item, const image::DiskRange& from,
         ctx_.totals.placements_deferred.fetch_add(1);
         return Status::Ok();
       }
-      target = destination.target;
+      call.emplace(*this, destination.target);
     }
   }
-  if (!target) {
+  if (!call) {
     done(Status::Ok());  // placed before: the client is told again and ignores it
     return Status::Ok();
   }
-  return SubmitPlacement(target, {flat, from, checksum, offset, std::move(done)});
+  return SubmitPlacement(call->target(), {flat, from, checksum, offset, std::move(done)});
 }
 
 Status Session::SubmitPlacement(const PlacementTargetRef& target,
@@ -512,7 +531,9 @@ void Session::FinishReleaseIfDone() {
   std::vector<std::unique_ptr<AcceptedTarget>> accepted;
   {
     std::lock_guard lock(placement_mu_);
-    if (!placement_released_ || !on_released_ || placements_in_flight_ > 0 || opening_) return;
+    if (!placement_released_ || !on_released_ || placements_in_flight_ > 0 || opening_ ||
+        place_calls_ > 0)
+      return;
     for (Destination& destination : destinations_) {
       if (destination.target) targets.push_back(std::move(destination.target));
       if (destination.accepted) accepted.push_back(std::move(destination.accepted));
@@ -522,7 +543,8 @@ void Session::FinishReleaseIfDone() {
     released = std::move(on_released_);
     on_released_ = nullptr;
   }
-  // The last references (no placement holds one now): a backend closes each here.
+  // The last references (no placement, and no thread calling one, holds one now): a backend
+  // closes each here.
   targets.clear();
   accepted.clear();
   ctx_.RemovePlacingSession(id_);

@@ -172,6 +172,24 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
     uint64_t offset = 0;  // in the BO
     PlacementDone done;
   };
+  // A destination held by a thread that is calling the backend's Place with it. A backend may
+  // finish inside Place and run `done` there, which can complete the release (the last
+  // placement in flight): the release must also wait until these references are gone, or the
+  // client would see the connection close while a disk thread still holds its destination.
+  // Made under placement_mu_ (counted in place_calls_); destroyed outside it, where it drops
+  // the reference, then uncounts and finishes a release that waited for it.
+  class PlaceCall {
+   public:
+    PlaceCall(Session& session, PlacementTargetRef target);
+    ~PlaceCall();
+    PlaceCall(const PlaceCall&) = delete;
+    PlaceCall& operator=(const PlaceCall&) = delete;
+    const PlacementTargetRef& target() const { return target_; }
+
+   private:
+    Session& session_;
+    PlacementTargetRef target_;
+  };
   // Queues it with the backend; when that fails, it (and whoever waits on it) goes as bytes.
   Status SubmitPlacement(const PlacementTargetRef& target, const PendingPlacement& placement);
   // On a disk thread, while BOs wait to be opened (one runs at a time per session).
@@ -195,6 +213,7 @@ class Session : public ChunkSink, public std::enable_shared_from_this<Session> {
   std::unordered_map<uint64_t, std::vector<PlacementDone>> place_waiting_;
   uint64_t placements_in_flight_ = 0;  // kInFlight chunks (queued or waiting for an open)
   bool opening_ = false;               // the opener is inside AcceptedTarget::Open
+  uint64_t place_calls_ = 0;           // PlaceCalls alive
   bool placement_released_ = false;
   std::function<void()> on_released_;  // until the release is done
 };
