@@ -116,17 +116,13 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
   std::vector<std::pair<uint64_t, Segment>> carried = LeftIn(from, from + length);
   for (auto& [addr, segment] : carried)
     addr = addr - from + to;
-  std::vector<std::pair<uint64_t, Segment>> moved;
-  std::vector<std::pair<uint64_t, Segment>> left;
+  // (left_ never overlaps BO memory, so the records need no room made for them.)
+  std::vector<std::pair<uint64_t, Segment>> moved;  // at the addresses they left
   for (auto it = by_addr_.lower_bound(from); it != by_addr_.end() && it->first < from + length;) {
-    moved.emplace_back(it->first - from + to, it->second);
-    left.emplace_back(it->first, it->second);
+    moved.emplace_back(it->first, it->second);
+    left_[it->first] = it->second;
     by_bo_.erase({it->second.bo, it->second.offset});
     it = by_addr_.erase(it);
-  }
-  for (const auto& [addr, segment] : left) {
-    EraseLeft(addr, addr + segment.length);
-    left_[addr] = segment;
   }
   // MREMAP_FIXED onto BO memory unmapped what was there: those bytes are no longer anywhere.
   split_at(to);
@@ -142,8 +138,7 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
     left_[addr] = segment;
   uint64_t bytes = 0;
   for (const auto& [addr, segment] : moved) {
-    EraseLeft(addr, addr + segment.length);
-    Insert(addr, segment);
+    Insert(addr - from + to, segment);  // inside [to, +length): no record left there
     bytes += segment.length;
   }
   // Any change of where BO bytes are (or were) makes an installer that looked its addresses up
@@ -202,10 +197,7 @@ std::optional<AddressMap::Location> AddressMap::FindLeftBehind(uint64_t addr) co
 
 std::vector<std::pair<uint64_t, uint64_t>> AddressMap::LeftBehindRanges() const {
   std::shared_lock lock(mutex_);
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [addr, segment] : left_)
-    ranges.emplace_back(addr, segment.length);
-  return ranges;
+  return RangesOf(left_);
 }
 
 std::vector<std::pair<uint64_t, AddressMap::Segment>> AddressMap::LeftIn(uint64_t from,
@@ -246,8 +238,13 @@ void AddressMap::EraseLeft(uint64_t from, uint64_t to) {
 
 std::vector<std::pair<uint64_t, uint64_t>> AddressMap::Ranges() const {
   std::shared_lock lock(mutex_);
+  return RangesOf(by_addr_);
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> AddressMap::RangesOf(
+    const std::map<uint64_t, Segment>& segments) {
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [addr, segment] : by_addr_)
+  for (const auto& [addr, segment] : segments)
     ranges.emplace_back(addr, segment.length);
   return ranges;
 }

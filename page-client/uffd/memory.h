@@ -154,6 +154,8 @@ class AddressMap {
   std::optional<Location> FindUnlocked(uint64_t addr) const;
   // The BO byte at `addr` in `segments` (by_addr_ or left_), past no BO's size.
   std::optional<Location> FindIn(const std::map<uint64_t, Segment>& segments, uint64_t addr) const;
+  static std::vector<std::pair<uint64_t, uint64_t>> RangesOf(
+      const std::map<uint64_t, Segment>& segments);
   // The records of left_ overlapping [from, to), clipped to it.
   std::vector<std::pair<uint64_t, Segment>> LeftIn(uint64_t from, uint64_t to) const;
   void EraseLeft(uint64_t from, uint64_t to);
