@@ -244,6 +244,7 @@ std::vector<std::pair<uint64_t, uint64_t>> AddressMap::Ranges() const {
 std::vector<std::pair<uint64_t, uint64_t>> AddressMap::RangesOf(
     const std::map<uint64_t, Segment>& segments) {
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  ranges.reserve(segments.size());
   for (const auto& [addr, segment] : segments)
     ranges.emplace_back(addr, segment.length);
   return ranges;
