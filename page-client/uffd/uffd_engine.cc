@@ -1,11 +1,14 @@
 #include "page-client/uffd/uffd_engine.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iterator>
+#include <string>
 #include <thread>
 
 namespace gpulazy::uffd {
@@ -125,8 +128,46 @@ Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
     if (write.zeros) return uffd_.ZeroPage(addr, length);
     return uffd_.Copy(addr, write.raw.subspan(at - offset, length));
   };
-  return Account(InstallResolved(bo, offset, write.length, MovesPending::kWait, step), write.zeros,
-                 bo, offset);
+  Result<InstallResult> result =
+      InstallResolved(bo, offset, write.length, MovesPending::kWait, step);
+  // Zeros need nothing kept: a memfd page never written reads zeros.
+  if (result.ok() && result->unregistered > 0 && !write.zeros)
+    KeepUnregistered(dest, write, result->unregistered);
+  return Account(std::move(result), write.zeros, bo, offset);
+}
+
+void UffdCopyEngine::KeepUnregistered(const Destination& dest, const Held& write,
+                                      uint64_t unregistered) {
+  if (uffd_.mode() == FillMode::kMinorContinue) {
+    kept_ += unregistered;  // written through the filler before the CONTINUE
+    return;
+  }
+  if (!dest.keeper.valid()) return;
+  // Only into the memfd's holes: the pages the program's registered ranges took are there (and
+  // may have been written since), as is any page the program wrote through another mapping.
+  // A page the program writes between the SEEK_HOLE and the pwrite is overwritten: it would
+  // have to write the BO's memory through a mapping that is not registered, in that window.
+  const int fd = dest.keeper.get();
+  const uint64_t end = write.offset + write.raw.size();
+  uint64_t at = write.offset;
+  uint64_t kept = 0;
+  while (at < end) {
+    const off_t hole = ::lseek(fd, static_cast<off_t>(at), SEEK_HOLE);
+    if (hole < 0 || static_cast<uint64_t>(hole) >= end) break;  // ENXIO: past the memfd's end
+    const off_t data = ::lseek(fd, hole, SEEK_DATA);
+    const uint64_t until = data < 0 ? end : std::min<uint64_t>(static_cast<uint64_t>(data), end);
+    const auto from = static_cast<uint64_t>(hole);
+    const ssize_t n = ::pwrite(fd, write.raw.data() + (from - write.offset), until - from, hole);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      spdlog::warn("uffd engine: BO {} offset {}: keeping unmapped bytes in its memfd: {}",
+                   dest.region->bo, from, n < 0 ? std::strerror(errno) : "nothing written");
+      break;
+    }
+    kept += static_cast<uint64_t>(n);
+    at = from + static_cast<uint64_t>(n);
+  }
+  kept_ += kept;
 }
 
 Status UffdCopyEngine::Account(Result<InstallResult> result, bool zeros, uint32_t bo,
@@ -156,10 +197,11 @@ void UffdCopyEngine::NoteUnregistered(uint32_t bo, uint64_t offset) {
   }
   // Once per BO: a program that unmapped a BO would otherwise log every chunk of it.
   if (dest->told_unregistered.exchange(true)) return;
+  const bool kept = uffd_.mode() == FillMode::kMinorContinue || dest->keeper.valid();
   spdlog::info(
       "uffd engine: BO {} from offset {}: the restored process no longer has this memory "
-      "registered (unmapped, replaced or unregistered); its bytes there are skipped",
-      bo, offset);
+      "registered (unmapped, replaced or unregistered); its bytes there are {}",
+      bo, offset, kept ? "kept in the BO's memfd only" : "skipped");
 }
 
 void UffdCopyEngine::DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count) {
@@ -297,6 +339,15 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
       if (memfd < 0)
         return InvalidArgument("uffd engine: MINOR mode needs BO {}'s memfd", region.bo);
       GPULAZY_ASSIGN_OR_RETURN(it->second.filler, Mapping::Map(memfd, region.size));
+    } else if (memfd >= 0) {
+      // A file description of our own: SEEK_HOLE moves its offset, not the program's.
+      const std::string path = fmt::format("/proc/self/fd/{}", memfd);
+      it->second.keeper = UniqueFd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+      if (!it->second.keeper.valid())
+        spdlog::warn(
+            "uffd engine: BO {}: cannot open its memfd again ({}: {}); bytes the program unmaps "
+            "before they arrive will be skipped, not kept in the memfd",
+            region.bo, path, std::strerror(errno));
     }
     it->second.region = region;
     addresses_.Add(region);

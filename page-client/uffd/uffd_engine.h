@@ -11,6 +11,15 @@
 // When the restored process is gone (ESRCH), writes complete with Ok and change nothing, and
 // target_gone() turns true: there is no memory left to fill, and the pager ends the session.
 //
+// A BO's bytes outlive its mappings, as a GPU BO's do: the program may unmap (part of) a shared
+// BO, or map something else over it, and still see the BO through another mapping of its memfd
+// (a range a MREMAP_DONTUNMAP move left, a mapping it makes afresh). Bytes that find no
+// registered range of the program's (bytes_unregistered) therefore still go into the BO's
+// memfd: in MINOR mode they are there already (written through the engine's own mapping); in
+// MISSING mode, for a BO bound with its memfd, they are written into the memfd's holes only
+// (SEEK_HOLE), so a page the program has written through another mapping stays as it is
+// (bytes_kept_in_memfd). Private anonymous memory unmapped is gone: its bytes are skipped.
+//
 // Deferred zeros (MISSING mode, the default there): a zero chunk is recorded, not installed, and
 // completes at once; the pager installs a page of it (UFFDIO_ZEROPAGE) when the program first
 // touches that page (InstallDeferredZeros). In shmem, where UFFDIO_ZEROPAGE allocates a cleared
@@ -57,8 +66,10 @@ class UffdCopyEngine : public client::CopyEngine {
   Status WriteZeros(uint32_t bo, uint64_t offset, uint64_t length, client::CopyDone done) override;
   Status Flush() override;
 
-  // Where BO `region.bo` lives in the faulting process. In MINOR mode `memfd` is the BO's
-  // memfd (the engine maps it to write); ignored in MISSING mode. Applies held writes.
+  // Where BO `region.bo` lives in the faulting process. `memfd` is the BO's memfd (-1: private
+  // anonymous memory, or not known): MINOR mode needs it (the engine maps it to write); in
+  // MISSING mode it keeps bytes the program has no registered range for (above). Applies held
+  // writes.
   Status Bind(const Region& region, int memfd = -1);
   // Where every bound BO's bytes are now; the pager applies the program's moves to it, and an
   // install that a move raced is made again at the new address.
@@ -98,6 +109,8 @@ class UffdCopyEngine : public client::CopyEngine {
   // Bytes not installed because the restored process no longer has them registered (unmapped,
   // replaced, or unregistered): nobody can read them through a fault of ours, so they are skipped.
   uint64_t bytes_unregistered() const { return unregistered_.load(); }
+  // Of bytes_unregistered, those that are in the BO's memfd all the same (see above).
+  uint64_t bytes_kept_in_memfd() const { return kept_.load(); }
 
  private:
   struct Held {
@@ -111,6 +124,9 @@ class UffdCopyEngine : public client::CopyEngine {
     uint64_t size = 0;
     std::optional<Region> region;
     Mapping filler;  // MINOR mode: our own mapping of the memfd
+    // MISSING mode, a BO bound with its memfd: the memfd opened afresh (an offset of our own
+    // for SEEK_HOLE), to keep bytes the program has no registered range for.
+    UniqueFd keeper;
     std::vector<Held> held;
     // Deferred zero ranges, start -> end, disjoint and merged where they touch. Guarded by
     // zeros_mutex_ (not mutex_: installs run without mutex_, and so does the fault path).
@@ -135,6 +151,8 @@ class UffdCopyEngine : public client::CopyEngine {
   // Counts an install's outcome, or turns kAborted into target_gone.
   Status Account(Result<InstallResult> result, bool zeros, uint32_t bo, uint64_t offset);
   void NoteUnregistered(uint32_t bo, uint64_t offset);
+  // Puts into the BO's memfd the bytes of `write` an install found no registered range for.
+  void KeepUnregistered(const Destination& dest, const Held& write, uint64_t unregistered);
 
   const Userfaultfd& uffd_;
   const UffdEngineOptions options_;
@@ -149,6 +167,7 @@ class UffdCopyEngine : public client::CopyEngine {
   std::atomic<uint64_t> zeroed_{0};
   std::atomic<uint64_t> deferred_{0};
   std::atomic<uint64_t> unregistered_{0};
+  std::atomic<uint64_t> kept_{0};
   std::function<void(uint32_t, uint64_t)> after_resolve_;  // tests only
 };
 

@@ -1265,6 +1265,13 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     return {pager.stats().unregister_calls - calls_before, PageAlignUp(gone.size) / PageSize()};
   }
   void ExpectARangeLeftByADontUnmapMoveReads(bool expect_alias);
+  // BO `bo`'s bytes as its memfd holds them (holes read zeros), whatever the program maps.
+  std::vector<uint8_t> MemfdBytes(uint32_t bo) const {
+    std::vector<uint8_t> bytes(source_[bo].size());
+    const ssize_t n = ::pread(memory_->memfd(bo), bytes.data(), bytes.size(), 0);
+    EXPECT_EQ(n, static_cast<ssize_t>(bytes.size())) << std::strerror(errno);
+    return bytes;
+  }
   // A placeholder where BO memory was, so RestoredMemory's unmapping at the end unmaps it and not
   // someone else's mapping.
   static void Hold(uint64_t at, uint64_t length) {
@@ -1310,8 +1317,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, UffdProgramChangesItsMapping,
 
 // A mapping of the program's own where a BO was (munmap + mmap, as an allocator may). The new
 // memory is not registered: installs there find no registered range (ENOENT) and must neither
-// touch it nor fail the restore; every other BO comes back byte-exact.
-TEST_P(UffdProgramChangesItsMapping, AReplacedBoIsSkippedAndTheRestRestores) {
+// touch it nor fail the restore; every other BO comes back byte-exact. The BO itself (its memfd,
+// which another mapping may show) still gets its bytes.
+TEST_P(UffdProgramChangesItsMapping, AReplacedMappingIsLeftAloneAndTheBoKeepsItsBytes) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   const Region& region = memory_->regions()[target_];
   const uint64_t length = PageAlignUp(region.size);
@@ -1324,6 +1332,8 @@ TEST_P(UffdProgramChangesItsMapping, AReplacedBoIsSkippedAndTheRestRestores) {
   EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](uint8_t b) { return b == 0x77; }))
       << "the program's own memory was written";
   EXPECT_GT(engine_->bytes_unregistered(), 0u) << "no install was counted as skipped";
+  EXPECT_EQ(MemfdBytes(target_), source_[target_]) << "the BO's memfd";
+  EXPECT_GT(engine_->bytes_kept_in_memfd(), 0u);
 }
 
 // A BO's mapping split (madvise or mprotect on part of it): a chunk then spans two VMAs, which
@@ -1753,6 +1763,64 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
 TEST_P(UffdProgramChangesItsMapping, ARangeLeftByADontUnmapMoveShowsTheBoInASharedMapping) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/true);
+}
+
+// A shared BO moved with MREMAP_DONTUNMAP, then unmapped where it went, before its bytes came:
+// the range the move left still maps the BO's memfd, and must show the BO's bytes there, not
+// zeros (in MISSING mode the installs find no registered range of the BO and, before the engine
+// kept such bytes in the memfd, were skipped; the pager then served the range's faults with
+// zero pages).
+TEST_P(UffdProgramChangesItsMapping, ABoUnmappedAfterADontUnmapMoveShowsItsBytesWhereItWas) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  const Region region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  const std::vector<uint8_t>& bytes = source_[target_];
+  const uint64_t elsewhere = Reserve(length);
+  ASSERT_EQ(::mremap(reinterpret_cast<void*>(region.addr), length, length,
+                     MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                     reinterpret_cast<void*>(elsewhere)),
+            reinterpret_cast<void*>(elsewhere))
+      << std::strerror(errno);
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(elsewhere), length), 0) << std::strerror(errno);
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_GT(engine_->bytes_unregistered(), 0u) << "the BO's installs found it mapped";
+  EXPECT_EQ(MemfdBytes(target_), bytes) << "the BO's memfd";
+  // Every page of the range the move left, each read faulting (or finding the page cache's).
+  const auto* old_range = reinterpret_cast<const uint8_t*>(region.addr);
+  EXPECT_EQ(std::memcmp(old_range, bytes.data(), bytes.size()), 0) << "the range the move left";
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+}
+
+// The program wrote a page of a BO through a mapping of the BO's memfd that is not registered
+// (it mapped the memfd afresh) before that page's chunk came: the chunk's other pages go into
+// the memfd, that page keeps what the program wrote. MISSING mode (the engine's own
+// userfaultfd installs only where no page is); MINOR mode writes a chunk whole through its own
+// mapping before mapping it, as docs/uffd.md says.
+TEST_F(UffdProgramChangesItsMemory, ABoPageTheProgramWroteThroughAnotherMappingKeepsItsBytes) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  const Region region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  const std::vector<uint8_t>& bytes = source_[target_];
+  const auto [page, offset] = DataPage(bytes);
+  // The BO's registered range gone, the memfd mapped again where nothing is registered.
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(region.addr), length), 0) << std::strerror(errno);
+  ASSERT_NO_FATAL_FAILURE(Hold(region.addr, length));
+  auto* again = static_cast<uint8_t*>(
+      ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, memory_->memfd(target_), 0));
+  ASSERT_NE(again, MAP_FAILED) << std::strerror(errno);
+  std::memset(again + page, 0x5a, PageSize());
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  std::vector<uint8_t> expected = bytes;
+  std::fill_n(expected.begin() + static_cast<std::ptrdiff_t>(page),
+              std::min<uint64_t>(PageSize(), bytes.size() - page), uint8_t{0x5a});
+  EXPECT_EQ(std::vector<uint8_t>(again, again + bytes.size()), expected);
+  EXPECT_GT(engine_->bytes_kept_in_memfd(), 0u);
+  ASSERT_EQ(::munmap(again, length), 0) << std::strerror(errno);
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
 }
 
 TEST_F(UffdProgramChangesItsMemory, ARangeLeftByADontUnmapMoveReadsZerosInPrivateMemory) {
