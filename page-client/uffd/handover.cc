@@ -102,6 +102,8 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
   const bool minor = uffd.mode() == FillMode::kMinorContinue;
   if (minor && memfds.size() != regions.size())
     return InvalidArgument("handover: MINOR mode needs one memfd per region");
+  if (!memfds.empty() && memfds.size() != regions.size())
+    return InvalidArgument("handover: {} memfds for {} regions", memfds.size(), regions.size());
   const uint32_t scope = uffd.scope() ? 1 + static_cast<uint32_t>(*uffd.scope()) : kScopeUnknown;
   const bool own = uffd.owner() == ::getpid();
   HelloMsg hello{kMagic,
@@ -122,7 +124,10 @@ Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Regio
   GPULAZY_RETURN_IF_ERROR(sent);
   for (size_t i = 0; i < regions.size(); ++i) {
     RegionMsg region{regions[i].bo, 0, regions[i].addr, regions[i].size};
-    GPULAZY_RETURN_IF_ERROR(SendMsg(socket, &region, sizeof region, minor ? memfds[i] : -1));
+    // In MISSING mode too where there is one: the pager keeps there the bytes of a BO the
+    // program unmaps before they arrive (UffdCopyEngine).
+    GPULAZY_RETURN_IF_ERROR(
+        SendMsg(socket, &region, sizeof region, memfds.empty() ? -1 : memfds[i]));
   }
   return Status::Ok();
 }

@@ -4,7 +4,8 @@
 //   pager    -> restored : Layout   {magic, version, count, sizes[count]}    (BO sizes)
 //   restored -> pager    : Hello    {magic, version, mode, count, scope}  + fd: uffd
 //                                    + SCM_CREDENTIALS: its pid (Userfaultfd::owner)
-//   restored -> pager    : Region   {bo, addr, size} x count       + fd: memfd (MINOR mode)
+//   restored -> pager    : Region   {bo, addr, size} x count       + fd: memfd (MINOR mode;
+//                                    MISSING mode where the memory is memfds)
 //   pager    -> restored : Complete {magic}  when every BO is resident and unregistered
 //
 // The restored process keeps its end open while it runs: a hang-up tells the pager it is gone.
@@ -29,14 +30,14 @@ Result<std::pair<UniqueFd, UniqueFd>> HandoverSocketPair();
 Status SendLayout(int socket, const std::vector<uint64_t>& sizes);
 Result<std::vector<uint64_t>> ReceiveLayout(int socket, std::chrono::milliseconds timeout);
 
-// memfds: one per region in MINOR mode, empty in MISSING mode.
+// memfds: one per region (-1 for one that has none), or empty; MINOR mode needs them all.
 Status SendHandover(int socket, const Userfaultfd& uffd, const std::vector<Region>& regions,
                     const std::vector<int>& memfds);
 
 struct Handover {
   Userfaultfd uffd;
   std::vector<Region> regions;
-  std::vector<UniqueFd> memfds;  // parallel to regions in MINOR mode
+  std::vector<UniqueFd> memfds;  // parallel to regions; invalid where none came (MISSING mode)
 };
 Result<Handover> ReceiveHandover(int socket, std::chrono::milliseconds timeout);
 

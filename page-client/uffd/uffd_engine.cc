@@ -9,6 +9,7 @@
 #include <cstring>
 #include <iterator>
 #include <string>
+#include <string_view>
 #include <thread>
 
 namespace gpulazy::uffd {
@@ -324,6 +325,35 @@ Status UffdCopyEngine::Submit(uint32_t bo, Held write) {
   return Status::Ok();
 }
 
+namespace {
+
+// The BO's memfd opened afresh, for KeepUnregistered: a file description of our own, whose
+// offset SEEK_HOLE may move (the program's is its own). The descriptor may come from the
+// restored process (a handover): it must be a memfd (seals readable) the sender could write
+// through, or reopening it by path here, with this process's rights, could open for writing a
+// file the sender may only read. Invalid, with the reason logged, otherwise.
+UniqueFd OpenKeeper(uint32_t bo, int memfd) {
+  auto refuse = [bo](std::string_view why) {
+    spdlog::warn(
+        "uffd engine: BO {}: {}; bytes the program unmaps before they arrive will be skipped, "
+        "not kept in its memfd",
+        bo, why);
+    return UniqueFd();
+  };
+  const int flags = ::fcntl(memfd, F_GETFL);
+  const int seals = ::fcntl(memfd, F_GET_SEALS);
+  if (flags < 0 || seals < 0) return refuse("its descriptor is not a memfd");
+  if ((flags & O_ACCMODE) != O_RDWR) return refuse("its memfd is not open for writing");
+  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) return refuse("its memfd is sealed");
+  const std::string path = fmt::format("/proc/self/fd/{}", memfd);
+  UniqueFd keeper(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!keeper.valid())
+    return refuse(fmt::format("cannot open its memfd again ({}: {})", path, std::strerror(errno)));
+  return keeper;
+}
+
+}  // namespace
+
 Status UffdCopyEngine::Bind(const Region& region, int memfd) {
   std::vector<Held> held;
   Destination* dest = nullptr;
@@ -340,14 +370,7 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
         return InvalidArgument("uffd engine: MINOR mode needs BO {}'s memfd", region.bo);
       GPULAZY_ASSIGN_OR_RETURN(it->second.filler, Mapping::Map(memfd, region.size));
     } else if (memfd >= 0) {
-      // A file description of our own: SEEK_HOLE moves its offset, not the program's.
-      const std::string path = fmt::format("/proc/self/fd/{}", memfd);
-      it->second.keeper = UniqueFd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
-      if (!it->second.keeper.valid())
-        spdlog::warn(
-            "uffd engine: BO {}: cannot open its memfd again ({}: {}); bytes the program unmaps "
-            "before they arrive will be skipped, not kept in the memfd",
-            region.bo, path, std::strerror(errno));
+      it->second.keeper = OpenKeeper(region.bo, memfd);
     }
     it->second.region = region;
     addresses_.Add(region);

@@ -1765,6 +1765,27 @@ TEST_P(UffdProgramChangesItsMapping, ARangeLeftByADontUnmapMoveShowsTheBoInAShar
   ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/true);
 }
 
+// The memfd given at Bind may come from the restored process (a handover): one it may only read
+// is not written through (the engine would reopen it by path with its own rights).
+TEST_F(UffdProgramChangesItsMemory, AMemfdGivenReadOnlyIsNotWrittenThrough) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const Region& region = memory_->regions()[target_];
+  void* fresh = ::mmap(reinterpret_cast<void*>(region.addr), PageAlignUp(region.size),
+                       PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  ASSERT_EQ(fresh, reinterpret_cast<void*>(region.addr)) << std::strerror(errno);
+  const std::string path = "/proc/self/fd/" + std::to_string(memory_->memfd(target_));
+  UniqueFd read_only(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(read_only.valid()) << std::strerror(errno);
+  ASSERT_TRUE(engine_->Bind(region, read_only.get()).ok());
+  ASSERT_NO_FATAL_FAILURE(BindTheRest(target_));
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_GT(engine_->bytes_unregistered(), 0u);
+  EXPECT_EQ(engine_->bytes_kept_in_memfd(), 0u);
+  const std::vector<uint8_t> kept = MemfdBytes(target_);
+  EXPECT_TRUE(std::all_of(kept.begin(), kept.end(), [](uint8_t b) { return b == 0; }));
+}
+
 // A shared BO moved with MREMAP_DONTUNMAP, then unmapped where it went, before its bytes came:
 // the range the move left still maps the BO's memfd, and must show the BO's bytes there, not
 // zeros (in MISSING mode the installs find no registered range of the BO and, before the engine
@@ -2048,9 +2069,18 @@ TEST(UffdPager, ServerKilledWhileFaultsPendingThenRestarted) {
     EXPECT_EQ(std::memcmp(memory->bytes(bo).data(), source[bo].data(), source[bo].size()), 0);
 }
 
+// What the restored child does once it has handed its memory over.
+enum class ChildDoes {
+  kReadsAll,    // reads every BO, checks their hash, waits for Complete
+  kExitsEarly,  // touches BO 0's first byte and exits
+  // unmaps BO 0 at once, reads the others, and after Complete hashes BO 0 from its memfd
+  kUnmapsBoZero,
+};
+
 // The restored process in a forked child hands its userfaultfd (and memfds) to the pager in
-// this process over SCM_RIGHTS; it reads everything, or (`exit_early`) a little and exits.
-void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash) {
+// this process over SCM_RIGHTS, then does `does`.
+void RunChild(int socket, ChildDoes does, FillMode mode, uint64_t expected_hash) {
+  const bool exit_early = does == ChildDoes::kExitsEarly;
   // A child blocked on a fault nobody serves would outlive its test and hold the test's output
   // open until ctest's timeout: it dies with this process, or after a minute whatever happens.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -2062,6 +2092,19 @@ void RunChild(int socket, bool exit_early, FillMode mode, uint64_t expected_hash
   auto memory = RestoredMemory::Create(*uffd, *layout);
   if (!memory.ok()) _exit(12);
   if (!SendHandover(socket, *uffd, memory->regions(), memory->memfds()).ok()) _exit(13);
+  if (does == ChildDoes::kUnmapsBoZero) {
+    // Before the pager has bound anything: no chunk of BO 0 can have landed.
+    const Region& zero = memory->regions()[0];
+    if (::munmap(reinterpret_cast<void*>(zero.addr), PageAlignUp(zero.size)) != 0) _exit(16);
+    if (!WaitComplete(socket, 20s).ok()) _exit(15);
+    std::vector<uint8_t> kept(zero.size);
+    if (::pread(memory->memfd(0), kept.data(), kept.size(), 0) != static_cast<ssize_t>(kept.size()))
+      _exit(17);
+    uint64_t hash = XXH3_64bits_withSeed(kept.data(), kept.size(), 0);
+    for (uint32_t bo = 1; bo < layout->size(); ++bo)
+      hash = XXH3_64bits_withSeed(memory->bytes(bo).data(), memory->bytes(bo).size(), hash);
+    _exit(hash == expected_hash ? 0 : 14);
+  }
   uint64_t hash = 0;
   for (uint32_t bo = 0; bo < layout->size(); ++bo) {
     std::span<uint8_t> bytes = memory->bytes(bo);
@@ -2116,14 +2159,14 @@ class RestoredChild {
   std::optional<int> exit_status_;
 };
 
-RestoredChild ForkRestoredChild(bool exit_early, FillMode mode, uint64_t expected_hash) {
+RestoredChild ForkRestoredChild(ChildDoes does, FillMode mode, uint64_t expected_hash) {
   auto pair = HandoverSocketPair();
   EXPECT_TRUE(pair.ok()) << pair.status().ToString();
   if (!pair.ok()) return {};
   const pid_t pid = fork();
   if (pid == 0) {
     pair->first.reset();
-    RunChild(pair->second.get(), exit_early, mode, expected_hash);
+    RunChild(pair->second.get(), does, mode, expected_hash);
   }
   pair->second.reset();
   return RestoredChild(pid, std::move(pair->first));
@@ -2157,13 +2200,15 @@ ImageLayout ProbeLayout(const TempDir& dir, const fs::path& image_dir, FillMode 
   return layout;
 }
 
-TEST_P(UffdHandover, PagerInAnotherProcess) {
-  const auto [mode, exit_early] = GetParam();
+// The pager in this process serves a restored child that does `does` (not kExitsEarly: see
+// PagerInAnotherProcess).
+void PageAChild(FillMode mode, ChildDoes does) {
+  const bool exit_early = does == ChildDoes::kExitsEarly;
   TempDir dir;
   const fs::path image_dir = MakeImage(dir.path() / "images", 24 << 20);
   const auto [sizes, expected] = ProbeLayout(dir, image_dir, mode);
   ASSERT_FALSE(sizes.empty());
-  RestoredChild restored = ForkRestoredChild(exit_early, mode, expected);
+  RestoredChild restored = ForkRestoredChild(does, mode, expected);
   ASSERT_GT(restored.pid(), 0);
   const int socket = restored.socket();
   ASSERT_GE(socket, 0);
@@ -2215,6 +2260,26 @@ TEST_P(UffdHandover, PagerInAnotherProcess) {
   }
 }
 
+TEST_P(UffdHandover, PagerInAnotherProcess) {
+  const auto [mode, exit_early] = GetParam();
+  PageAChild(mode, exit_early ? ChildDoes::kExitsEarly : ChildDoes::kReadsAll);
+}
+
+// A BO the restored child unmaps before any of its chunks came keeps its bytes in its memfd,
+// which the child reads after the restore: the handover passes the memfds in MISSING mode too
+// (before session 58 it passed none there, and the pager skipped the BO's bytes).
+class UffdHandoverModes : public ::testing::TestWithParam<FillMode> {};
+
+TEST_P(UffdHandoverModes, ABoTheProgramUnmappedKeepsItsBytesInItsMemfd) {
+  PageAChild(GetParam(), ChildDoes::kUnmapsBoZero);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, UffdHandoverModes,
+                         ::testing::Values(FillMode::kMissingCopy, FillMode::kMinorContinue),
+                         [](const ::testing::TestParamInfo<FillMode>& info) {
+                           return ModeName(info.param);
+                         });
+
 INSTANTIATE_TEST_SUITE_P(Modes, UffdHandover,
                          ::testing::Combine(::testing::Values(FillMode::kMissingCopy,
                                                               FillMode::kMinorContinue),
@@ -2234,7 +2299,7 @@ TEST(UffdPager, FaultReadBeforeItsProcessExitedEndsQuietly) {
   const std::vector<uint64_t> sizes = ProbeLayout(dir, image_dir, mode).sizes;
   ASSERT_FALSE(sizes.empty());
   // The child touches BO 0's first byte and exits.
-  RestoredChild restored = ForkRestoredChild(/*exit_early=*/true, mode, 0);
+  RestoredChild restored = ForkRestoredChild(ChildDoes::kExitsEarly, mode, 0);
   ASSERT_GT(restored.pid(), 0);
   const int socket = restored.socket();
   ASSERT_GE(socket, 0);
