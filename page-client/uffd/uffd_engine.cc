@@ -1,12 +1,18 @@
 #include "page-client/uffd/uffd_engine.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <string>
 #include <string_view>
@@ -137,8 +143,7 @@ Status UffdCopyEngine::Install(Destination& dest, const Held& write) {
   return Account(std::move(result), write.zeros, bo, offset);
 }
 
-void UffdCopyEngine::KeepUnregistered(const Destination& dest, const Held& write,
-                                      uint64_t unregistered) {
+void UffdCopyEngine::KeepUnregistered(Destination& dest, const Held& write, uint64_t unregistered) {
   if (uffd_.mode() == FillMode::kMinorContinue) {
     kept_ += unregistered;  // written through the filler before the CONTINUE
     return;
@@ -149,7 +154,11 @@ void UffdCopyEngine::KeepUnregistered(const Destination& dest, const Held& write
   // A page the program writes between the SEEK_HOLE and the pwrite is overwritten: it would
   // have to write the BO's memory through a mapping that is not registered, in that window.
   const int fd = dest.keeper.get();
-  const uint64_t end = write.offset + write.raw.size();
+  // Never past the memfd's end: a program that shrank it does not get it grown back.
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return;
+  const uint64_t end =
+      std::min<uint64_t>(write.offset + write.raw.size(), static_cast<uint64_t>(st.st_size));
   uint64_t at = write.offset;
   uint64_t kept = 0;
   while (at < end) {
@@ -161,8 +170,9 @@ void UffdCopyEngine::KeepUnregistered(const Destination& dest, const Held& write
     const ssize_t n = ::pwrite(fd, write.raw.data() + (from - write.offset), until - from, hole);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      spdlog::warn("uffd engine: BO {} offset {}: keeping unmapped bytes in its memfd: {}",
-                   dest.region->bo, from, n < 0 ? std::strerror(errno) : "nothing written");
+      if (!dest.told_keep_failed.exchange(true))  // once per BO, not per chunk
+        spdlog::warn("uffd engine: BO {} offset {}: keeping unmapped bytes in its memfd: {}",
+                     dest.region->bo, from, n < 0 ? std::strerror(errno) : "nothing written");
       break;
     }
     kept += static_cast<uint64_t>(n);
@@ -325,6 +335,43 @@ Status UffdCopyEngine::Submit(uint32_t bo, Held write) {
   return Status::Ok();
 }
 
+bool ShmemWritesMayAllocateLargeFolios(std::string_view global,
+                                       const std::vector<std::string>& per_size) {
+  // The selected value is the one in brackets.
+  auto selected = [](std::string_view text) -> std::string_view {
+    const size_t open = text.find('[');
+    const size_t close = text.find(']', open);
+    if (open == std::string_view::npos || close == std::string_view::npos) return {};
+    return text.substr(open + 1, close - open - 1);
+  };
+  auto large = [](std::string_view value) {
+    return value == "always" || value == "within_size" || value == "force";
+  };
+  const bool global_large = large(selected(global));
+  if (global_large) return true;
+  return std::any_of(per_size.begin(), per_size.end(),
+                     [&](const std::string& text) { return large(selected(text)); });
+}
+
+bool ShmemWritesMayAllocateLargeFoliosHere() {
+  static const bool may = [] {
+    const std::filesystem::path thp = "/sys/kernel/mm/transparent_hugepage";
+    auto read = [](const std::filesystem::path& path) {
+      std::ifstream in(path);
+      std::string text;
+      std::getline(in, text);
+      return text;
+    };
+    std::vector<std::string> per_size;
+    std::error_code error;
+    for (const auto& entry : std::filesystem::directory_iterator(thp, error))
+      if (entry.path().filename().string().rfind("hugepages-", 0) == 0)
+        per_size.push_back(read(entry.path() / "shmem_enabled"));
+    return ShmemWritesMayAllocateLargeFolios(read(thp / "shmem_enabled"), per_size);
+  }();
+  return may;
+}
+
 namespace {
 
 // The BO's memfd opened afresh, for KeepUnregistered: a file description of our own, whose
@@ -340,12 +387,24 @@ UniqueFd OpenKeeper(uint32_t bo, int memfd) {
         bo, why);
     return UniqueFd();
   };
+  const std::string path = fmt::format("/proc/self/fd/{}", memfd);
+  std::array<char, 64> link{};
+  const ssize_t link_length = ::readlink(path.c_str(), link.data(), link.size() - 1);
+  struct statfs fs {};
   const int flags = ::fcntl(memfd, F_GETFL);
   const int seals = ::fcntl(memfd, F_GET_SEALS);
-  if (flags < 0 || seals < 0) return refuse("its descriptor is not a memfd");
+  // A memfd's link reads "/memfd:NAME (deleted)"; a hugetlbfs one has no holes to find.
+  if (link_length < 0 || std::string_view(link.data()).rfind("/memfd:", 0) != 0 || flags < 0 ||
+      seals < 0 || ::fstatfs(memfd, &fs) != 0 || fs.f_type == HUGETLBFS_MAGIC)
+    return refuse("its descriptor is not a memfd of ordinary pages");
   if ((flags & O_ACCMODE) != O_RDWR) return refuse("its memfd is not open for writing");
   if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) return refuse("its memfd is sealed");
-  const std::string path = fmt::format("/proc/self/fd/{}", memfd);
+  // A write into one page's hole could then allocate a huge page over its neighbours, which
+  // the program's registered range would show as zeros from then on (their installs: EEXIST).
+  if (ShmemWritesMayAllocateLargeFoliosHere())
+    return refuse(
+        "shmem may allocate huge pages on write here "
+        "(/sys/kernel/mm/transparent_hugepage/shmem_enabled)");
   UniqueFd keeper(::open(path.c_str(), O_RDWR | O_CLOEXEC));
   if (!keeper.valid())
     return refuse(fmt::format("cannot open its memfd again ({}: {})", path, std::strerror(errno)));

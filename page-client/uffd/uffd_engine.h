@@ -38,6 +38,8 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "page-client/copy_engine.h"
@@ -45,6 +47,16 @@
 #include "page-client/uffd/userfaultfd.h"
 
 namespace gpulazy::uffd {
+
+// Whether a write(2) into a hole of a memfd may allocate a folio larger than a page (and so
+// fill the neighbouring holes with zeros), from the texts of
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled (`global`; empty: no such file) and of each
+// hugepages-*/shmem_enabled beside it (`per_size`). A memfd follows these settings; a write has
+// no mapping, so only "always", "within_size" and "force" count ("inherit" takes the global one).
+bool ShmemWritesMayAllocateLargeFolios(std::string_view global,
+                                       const std::vector<std::string>& per_size);
+// The same for this machine, read once.
+bool ShmemWritesMayAllocateLargeFoliosHere();
 
 struct UffdEngineOptions {
   bool defer_zeros = true;  // MISSING mode only; MINOR mode always installs zeros
@@ -132,6 +144,7 @@ class UffdCopyEngine : public client::CopyEngine {
     // zeros_mutex_ (not mutex_: installs run without mutex_, and so does the fault path).
     std::map<uint64_t, uint64_t> deferred_zeros;
     std::atomic<bool> told_unregistered{false};  // logged that installs here were skipped
+    std::atomic<bool> told_keep_failed{false};   // logged that keeping bytes in the memfd failed
   };
   // Checks the range and installs the write, or holds it while the BO is not bound.
   Status Submit(uint32_t bo, Held write);
@@ -152,7 +165,7 @@ class UffdCopyEngine : public client::CopyEngine {
   Status Account(Result<InstallResult> result, bool zeros, uint32_t bo, uint64_t offset);
   void NoteUnregistered(uint32_t bo, uint64_t offset);
   // Puts into the BO's memfd the bytes of `write` an install found no registered range for.
-  void KeepUnregistered(const Destination& dest, const Held& write, uint64_t unregistered);
+  void KeepUnregistered(Destination& dest, const Held& write, uint64_t unregistered);
 
   const Userfaultfd& uffd_;
   const UffdEngineOptions options_;

@@ -1765,6 +1765,28 @@ TEST_P(UffdProgramChangesItsMapping, ARangeLeftByADontUnmapMoveShowsTheBoInAShar
   ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/true);
 }
 
+TEST(ShmemLargeFolios, OnlySettingsThatHugeAWriteCount) {
+  const std::string never = "always within_size advise [never] deny force";
+  EXPECT_FALSE(ShmemWritesMayAllocateLargeFolios(never, {}));
+  EXPECT_FALSE(ShmemWritesMayAllocateLargeFolios("", {}));  // no transparent huge pages at all
+  EXPECT_FALSE(ShmemWritesMayAllocateLargeFolios("always within_size [advise] never deny force",
+                                                 {"always [inherit] within_size advise never"}));
+  EXPECT_TRUE(
+      ShmemWritesMayAllocateLargeFolios("[always] within_size advise never deny force", {}));
+  EXPECT_TRUE(
+      ShmemWritesMayAllocateLargeFolios("always [within_size] advise never deny force", {}));
+  EXPECT_TRUE(
+      ShmemWritesMayAllocateLargeFolios("always within_size advise never deny [force]", {}));
+  EXPECT_FALSE(ShmemWritesMayAllocateLargeFolios(
+      never,
+      {"always [inherit] within_size advise never", "always inherit within_size [advise] never"}));
+  EXPECT_TRUE(ShmemWritesMayAllocateLargeFolios(
+      never,
+      {"always [inherit] within_size advise never", "[always] inherit within_size advise never"}));
+  EXPECT_TRUE(
+      ShmemWritesMayAllocateLargeFolios(never, {"always inherit [within_size] advise never"}));
+}
+
 // The memfd given at Bind may come from the restored process (a handover): one it may only read
 // is not written through (the engine would reopen it by path with its own rights).
 TEST_F(UffdProgramChangesItsMemory, AMemfdGivenReadOnlyIsNotWrittenThrough) {
@@ -2091,11 +2113,13 @@ void RunChild(int socket, ChildDoes does, FillMode mode, uint64_t expected_hash)
   if (!uffd.ok()) _exit(11);
   auto memory = RestoredMemory::Create(*uffd, *layout);
   if (!memory.ok()) _exit(12);
+  const Region zero = memory->regions()[0];
+  // Before the handover: no chunk of BO 0 can have landed in its mapping.
+  if (does == ChildDoes::kUnmapsBoZero &&
+      ::munmap(reinterpret_cast<void*>(zero.addr), PageAlignUp(zero.size)) != 0)
+    _exit(16);
   if (!SendHandover(socket, *uffd, memory->regions(), memory->memfds()).ok()) _exit(13);
   if (does == ChildDoes::kUnmapsBoZero) {
-    // Before the pager has bound anything: no chunk of BO 0 can have landed.
-    const Region& zero = memory->regions()[0];
-    if (::munmap(reinterpret_cast<void*>(zero.addr), PageAlignUp(zero.size)) != 0) _exit(16);
     if (!WaitComplete(socket, 20s).ok()) _exit(15);
     std::vector<uint8_t> kept(zero.size);
     if (::pread(memory->memfd(0), kept.data(), kept.size(), 0) != static_cast<ssize_t>(kept.size()))
