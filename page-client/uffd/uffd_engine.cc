@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -347,8 +348,7 @@ bool ShmemWritesMayAllocateLargeFolios(std::string_view global,
   auto large = [](std::string_view value) {
     return value == "always" || value == "within_size" || value == "force";
   };
-  const bool global_large = large(selected(global));
-  if (global_large) return true;
+  if (large(selected(global))) return true;
   return std::any_of(per_size.begin(), per_size.end(),
                      [&](const std::string& text) { return large(selected(text)); });
 }
@@ -401,10 +401,16 @@ UniqueFd OpenKeeper(uint32_t bo, int memfd) {
   if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) return refuse("its memfd is sealed");
   // A write into one page's hole could then allocate a huge page over its neighbours, which
   // the program's registered range would show as zeros from then on (their installs: EEXIST).
-  if (ShmemWritesMayAllocateLargeFoliosHere())
-    return refuse(
-        "shmem may allocate huge pages on write here "
-        "(/sys/kernel/mm/transparent_hugepage/shmem_enabled)");
+  if (ShmemWritesMayAllocateLargeFoliosHere()) {
+    // A setting of the machine: said once, not for each of thousands of BOs.
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      refuse(
+          "shmem may allocate huge pages on write here "
+          "(/sys/kernel/mm/transparent_hugepage/shmem_enabled), so for no BO");
+    });
+    return UniqueFd();
+  }
   UniqueFd keeper(::open(path.c_str(), O_RDWR | O_CLOEXEC));
   if (!keeper.valid())
     return refuse(fmt::format("cannot open its memfd again ({}: {})", path, std::strerror(errno)));

@@ -1146,6 +1146,16 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
                            MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(to));
     ASSERT_EQ(moved, reinterpret_cast<void*>(to)) << std::strerror(errno);
   }
+  // The program moves [from, +length) to fresh address space with MREMAP_DONTUNMAP, which
+  // leaves the old range mapped (and registered); returns where it went. The pager must run.
+  static uint64_t MoveLeavingItMapped(uint64_t from, uint64_t length) {
+    const uint64_t to = Reserve(length);
+    void* moved =
+        ::mremap(reinterpret_cast<void*>(from), length, length,
+                 MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, reinterpret_cast<void*>(to));
+    EXPECT_EQ(moved, reinterpret_cast<void*>(to)) << std::strerror(errno);
+    return to;
+  }
   // On the pager's loop thread (a test's after_events_read): starts the program's move of all of
   // `bo`'s memory to `to` on a thread of its own, and returns once the move is under way, its
   // event waiting for this thread to read it. `moved` turns true when the move has returned.
@@ -1719,11 +1729,8 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
   const uint64_t length = PageAlignUp(region.size);
   const std::vector<uint8_t>& bytes = source_[target_];
   const auto [page, offset] = DataPage(bytes);
-  const uint64_t elsewhere = Reserve(length);
-  void* moved = ::mremap(reinterpret_cast<void*>(region.addr), length, length,
-                         MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
-                         reinterpret_cast<void*>(elsewhere));
-  ASSERT_EQ(moved, reinterpret_cast<void*>(elsewhere)) << std::strerror(errno);
+  const uint64_t elsewhere = MoveLeavingItMapped(region.addr, length);
+  ASSERT_FALSE(HasFailure());
   // Nothing lands before Bind: the reader's fault waits for the chunk.
   BackgroundRead reader(region.addr + offset);
   // Its fault read before Bind (in a shared mapping a read after the chunk landed would find
@@ -1819,12 +1826,8 @@ TEST_P(UffdProgramChangesItsMapping, ABoUnmappedAfterADontUnmapMoveShowsItsBytes
   const Region region = memory_->regions()[target_];
   const uint64_t length = PageAlignUp(region.size);
   const std::vector<uint8_t>& bytes = source_[target_];
-  const uint64_t elsewhere = Reserve(length);
-  ASSERT_EQ(::mremap(reinterpret_cast<void*>(region.addr), length, length,
-                     MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
-                     reinterpret_cast<void*>(elsewhere)),
-            reinterpret_cast<void*>(elsewhere))
-      << std::strerror(errno);
+  const uint64_t elsewhere = MoveLeavingItMapped(region.addr, length);
+  ASSERT_FALSE(HasFailure());
   ASSERT_EQ(::munmap(reinterpret_cast<void*>(elsewhere), length), 0) << std::strerror(errno);
   ASSERT_NO_FATAL_FAILURE(Bind());
   ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
@@ -1882,12 +1885,8 @@ TEST_P(UffdProgramChangesItsMapping, ALeftRangeMovedOntoAWaitedPageWakesTheWaite
   const uint64_t first_length = PageAlignUp(first.size);
   const auto [first_page, first_offset] = DataPage(source_[first.bo]);
   const auto [second_page, second_offset] = DataPage(source_[second.bo]);
-  const uint64_t elsewhere = Reserve(first_length);
-  ASSERT_EQ(::mremap(reinterpret_cast<void*>(first.addr), first_length, first_length,
-                     MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
-                     reinterpret_cast<void*>(elsewhere)),
-            reinterpret_cast<void*>(elsewhere))
-      << std::strerror(errno);
+  const uint64_t elsewhere = MoveLeavingItMapped(first.addr, first_length);
+  ASSERT_FALSE(HasFailure());
   BackgroundRead reader(second.addr + second_offset);
   for (int i = 0; i < 1000 && pager_->stats().demand_chunks == 0; ++i)
     std::this_thread::sleep_for(10ms);
