@@ -1,12 +1,14 @@
 #include "page-client/uffd/mappings.h"
 
 #include <fcntl.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <string>
+#include <vector>
 
 #include "lazy-server/image/io.h"
 
@@ -16,16 +18,22 @@ namespace {
 // A process with a million mappings lists about 100 MiB; past that the text is not a maps file.
 constexpr size_t kMaxMapsBytes = size_t{256} << 20;
 
-bool ParseHex(std::string_view text, uint64_t* value) {
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), *value, 16);
+bool ParseNumber(std::string_view text, uint64_t* value, int base) {
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), *value, base);
   return error == std::errc() && end == text.data() + text.size() && !text.empty();
 }
+bool ParseHex(std::string_view text, uint64_t* value) {
+  return ParseNumber(text, value, 16);
+}
+bool ParseDecimal(std::string_view text, uint64_t* value) {
+  return ParseNumber(text, value, 10);
+}
 
-}  // namespace
-
-Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t from,
-                                                 uint64_t to) {
-  std::vector<MappedRange> found;
+// Calls visit(range, line) for each mapping of `maps` in order, until it returns true. A line
+// whose range does not parse, or out of address order, is kCorrupt: a caller must not act on a
+// partial view.
+template <typename Visit>
+Status ForEachMapping(std::string_view maps, Visit visit) {
   size_t line_number = 0;
   uint64_t previous_end = 0;
   while (!maps.empty()) {
@@ -34,7 +42,7 @@ Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t
     maps.remove_prefix(newline == std::string_view::npos ? maps.size() : newline + 1);
     ++line_number;
     if (line.empty()) continue;
-    // "start-end perms offset dev inode [path]": only the range matters here.
+    // "start-end perms offset dev inode [path]"
     const std::string_view range = line.substr(0, line.find(' '));
     const size_t dash = range.find('-');
     MappedRange mapping;
@@ -45,14 +53,44 @@ Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t
     if (mapping.start < previous_end)
       return Corrupt("maps line {}: mappings out of address order", line_number);
     previous_end = mapping.end;
-    if (mapping.end <= from || mapping.start >= to) continue;
-    found.push_back({std::max(mapping.start, from), std::min(mapping.end, to)});
+    if (visit(mapping, line)) break;
   }
-  return found;
+  return Status::Ok();
 }
 
-Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to) {
-  const std::string path = "/proc/" + std::to_string(pid) + "/maps";
+// The fields after the range: "perms offset major:minor inode".
+Result<MappingDetails> ParseDetails(const MappedRange& range, std::string_view line) {
+  std::vector<std::string_view> fields;
+  while (fields.size() < 5) {
+    const size_t start = line.find_first_not_of(' ');
+    if (start == std::string_view::npos) break;
+    line.remove_prefix(start);
+    const size_t end = line.find(' ');
+    fields.push_back(line.substr(0, end));
+    line.remove_prefix(end == std::string_view::npos ? line.size() : end);
+  }
+  MappingDetails details;
+  details.range = range;
+  uint64_t major = 0;
+  uint64_t minor = 0;
+  const size_t colon = fields.size() == 5 ? fields[3].find(':') : std::string_view::npos;
+  if (colon == std::string_view::npos || fields[1].size() != 4 ||
+      !ParseHex(fields[2], &details.file_offset) || !ParseHex(fields[3].substr(0, colon), &major) ||
+      !ParseHex(fields[3].substr(colon + 1), &minor) || !ParseDecimal(fields[4], &details.inode) ||
+      major > 0xfff || minor > 0xfffff)
+    return Corrupt("maps line for {:#x}-{:#x}: no permissions, offset, device and inode",
+                   range.start, range.end);
+  details.shared = fields[1][3] == 's';
+  details.device = makedev(static_cast<unsigned>(major), static_cast<unsigned>(minor));
+  return details;
+}
+
+std::string MapsPath(pid_t pid) {
+  return "/proc/" + std::to_string(pid) + "/maps";
+}
+
+Result<std::string> ReadMaps(pid_t pid) {
+  const std::string path = MapsPath(pid);
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) {
     if (errno == ENOENT || errno == ESRCH) return NotFound("{}: the process is gone", path);
@@ -75,9 +113,53 @@ Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t t
   // while others run on: nothing would be found anywhere, which is not the same as "nothing
   // mapped here".
   if (text.empty()) return NotFound("{}: empty (the process or its main thread has exited)", path);
+  return text;
+}
+
+}  // namespace
+
+Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t from,
+                                                 uint64_t to) {
+  std::vector<MappedRange> all;
+  GPULAZY_RETURN_IF_ERROR(ForEachMapping(maps, [&](const MappedRange& range, std::string_view) {
+    all.push_back(range);
+    return false;
+  }));
+  return ClipMappings(all, from, to);
+}
+
+Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint64_t address) {
+  std::optional<MappingDetails> found;
+  Status details;
+  GPULAZY_RETURN_IF_ERROR(
+      ForEachMapping(maps, [&](const MappedRange& range, std::string_view line) {
+        if (range.end <= address) return false;
+        if (range.start <= address) {
+          Result<MappingDetails> parsed = ParseDetails(range, line);
+          if (parsed.ok())
+            found = *parsed;
+          else
+            details = parsed.status();
+        }
+        return true;  // at or past the address: nothing further holds it
+      }));
+  GPULAZY_RETURN_IF_ERROR(details);
+  return found;
+}
+
+Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to) {
+  GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid));
+  const std::string path = MapsPath(pid);
   Result<std::vector<MappedRange>> mappings = ParseMappingsIn(text, from, to);
   if (!mappings.ok()) return mappings.status().Context(path);
   return mappings;
+}
+
+Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address) {
+  GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid));
+  Result<std::optional<MappingDetails>> mapping = ParseMappingAt(text, address);
+  if (!mapping.ok()) return mapping.status().Context(MapsPath(pid));
+  return mapping;
 }
 
 std::vector<MappedRange> ClipMappings(const std::vector<MappedRange>& mappings, uint64_t from,

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -19,6 +20,15 @@ struct MappedRange {
   uint64_t end = 0;  // exclusive
 };
 
+// One mapping as a maps line describes it: the range, and what it maps.
+struct MappingDetails {
+  MappedRange range;
+  bool shared = false;       // 's' in the permissions: a shared mapping
+  uint64_t file_offset = 0;  // of `range.start` in the file mapped (0 for anonymous memory)
+  dev_t device = 0;          // of the file mapped, as stat(2) has it (makedev(major, minor))
+  uint64_t inode = 0;        // of the file mapped; 0 for anonymous memory
+};
+
 // The mappings listed in `maps` (the text of a /proc/PID/maps) that overlap [from, to), clipped
 // to it, in address order. A line that does not parse is kCorrupt: the caller must not act on a
 // partial view.
@@ -28,6 +38,13 @@ Result<std::vector<MappedRange>> ParseMappingsIn(std::string_view maps, uint64_t
 // only its main thread has), an errno error when they cannot be read (another user's process,
 // /proc not mounted).
 Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to);
+
+// The mapping of `maps` (a /proc/PID/maps text) that holds `address`, with its details; nullopt
+// where nothing is mapped there. Lines before it that do not parse are kCorrupt.
+Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint64_t address);
+
+// The same for the live process `pid` (errors as MappingsIn).
+Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address);
 
 // The mappings of `mappings` (in address order, as the two above return them) that overlap
 // [from, to), clipped to it.

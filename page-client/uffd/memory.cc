@@ -195,6 +195,20 @@ std::optional<AddressMap::Location> AddressMap::FindLeftBehind(uint64_t addr) co
   return FindIn(left_, addr);
 }
 
+bool AddressMap::AddAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64_t offset) {
+  std::unique_lock lock(mutex_);
+  auto size = sizes_.find(bo);
+  if (size == sizes_.end() || offset >= size->second) return false;
+  length = std::min(length, PageAlignUp(size->second) - offset);
+  auto overlaps = [&](const std::map<uint64_t, Segment>& segments) {
+    auto it = segments.lower_bound(addr + length);
+    return it != segments.begin() && std::prev(it)->first + std::prev(it)->second.length > addr;
+  };
+  if (length == 0 || overlaps(by_addr_) || overlaps(left_)) return false;
+  left_[addr] = Segment{bo, offset, length};
+  return true;
+}
+
 std::vector<std::pair<uint64_t, uint64_t>> AddressMap::LeftBehindRanges() const {
   std::shared_lock lock(mutex_);
   return RangesOf(left_);

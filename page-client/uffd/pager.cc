@@ -388,6 +388,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     // Where a move took BO memory from and left the range mapped (MREMAP_DONTUNMAP): served as
     // the BO's chunk there, once it is resident (below).
     at = engine_.addresses().FindLeftBehind(address);
+    if (!at) at = FindInMaps(address);
     region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
     left_behind = region != nullptr;
   }
@@ -492,6 +493,38 @@ void Pager::InstallHotZeros() {
     if (zeroed.status().code() == Code::kAborted) return EndPeerGone("an install found it gone");
     if (!zeroed.ok()) return Fail(zeroed.status());
   }
+}
+
+std::optional<AddressMap::Location> Pager::FindInMaps(uint64_t address) {
+  if (!uffd_.owner()) return std::nullopt;
+  Result<std::optional<MappingDetails>> mapping = MappingAt(*uffd_.owner(), address);
+  {
+    std::lock_guard lock(mutex_);
+    ++stats_.maps_reads;
+  }
+  if (!mapping.ok()) {
+    spdlog::warn("uffd pager: a fault at {:#x} in no BO it knows of, and no maps to look in: {}",
+                 address, mapping.status().ToString());
+    return std::nullopt;
+  }
+  // Only a shared mapping shows the memfd's pages; a private one of it is the program's own copy.
+  if (!mapping->has_value() || !(*mapping)->shared || (*mapping)->inode == 0) return std::nullopt;
+  const MappingDetails& found = **mapping;
+  const uint64_t file_offset = found.file_offset + (PageAlignDown(address) - found.range.start);
+  std::optional<AddressMap::Location> at =
+      engine_.FindByFile(found.device, found.inode, file_offset);
+  if (!at) return std::nullopt;
+  // The whole mapping, so its other pages are found without a reading, and unregistered.
+  if (engine_.addresses().AddAlias(found.range.start, found.range.end - found.range.start, at->bo,
+                                   found.file_offset)) {
+    spdlog::info(
+        "uffd pager: the restored process maps BO {} at [{:#x}, {:#x}) (a mapping no "
+        "event told of), served as the BO",
+        at->bo, found.range.start, found.range.end);
+    std::lock_guard lock(mutex_);
+    ++stats_.aliases_found;
+  }
+  return AddressMap::Location{at->bo, file_offset + (address - PageAlignDown(address))};
 }
 
 Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page,

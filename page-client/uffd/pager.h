@@ -90,10 +90,15 @@ struct PagerStats {
   // Faults in a range a move left registered (MREMAP_DONTUNMAP), served as what the kernel
   // leaves there: zeros in private memory, the BO's pages in a shared mapping of its memfd.
   uint64_t left_behind_faults = 0;
+  // Mappings of a BO's memfd that no event told of (`mremap(old, 0, ...)` of a BO's mapping),
+  // found in the program's maps at a fault there; served as the shared ranges above, and their
+  // faults counted in left_behind_faults.
+  uint64_t aliases_found = 0;
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
   uint64_t unregister_calls = 0;    // UFFDIO_UNREGISTER calls made by UnregisterAll
-  uint64_t maps_reads = 0;          // reads of the program's /proc/PID/maps by UnregisterAll
+  // Reads of the program's /proc/PID/maps: by UnregisterAll, and at a fault in no known BO.
+  uint64_t maps_reads = 0;
 };
 
 class Pager {
@@ -140,6 +145,10 @@ class Pager {
   };
   struct Deferred;
   // `earlier`: the fault was deferred before (when, and whether it was counted then).
+  // A fault in no range the map knows: the BO whose memfd the program's maps show mapped there,
+  // recorded in the map as an alias of it (AddressMap::AddAlias); nullopt when the mapping there
+  // maps no BO's memfd, or the maps cannot be read.
+  std::optional<AddressMap::Location> FindInMaps(uint64_t address);
   void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when,
                    const Deferred* earlier = nullptr);
   // Reads pending events; applies the program's moves among them to the engine's AddressMap

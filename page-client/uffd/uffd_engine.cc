@@ -437,6 +437,11 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
     } else if (memfd >= 0) {
       it->second.keeper = OpenKeeper(region.bo, memfd);
     }
+    if (memfd >= 0) {
+      struct stat st {};
+      if (::fstat(memfd, &st) == 0)
+        it->second.file = std::pair{st.st_dev, static_cast<uint64_t>(st.st_ino)};
+    }
     it->second.region = region;
     addresses_.Add(region);
     held.swap(it->second.held);
@@ -445,6 +450,17 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
   for (Held& write : held)
     write.done(Install(*dest, write));
   return Status::Ok();
+}
+
+std::optional<AddressMap::Location> UffdCopyEngine::FindByFile(dev_t device, uint64_t inode,
+                                                               uint64_t file_offset) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& [bo, dest] : destinations_) {
+    if (!dest.file || dest.file->first != device || dest.file->second != inode) continue;
+    if (file_offset >= dest.size) return std::nullopt;
+    return AddressMap::Location{bo, file_offset};
+  }
+  return std::nullopt;
 }
 
 void UffdCopyEngine::Abandon() {

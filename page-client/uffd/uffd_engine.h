@@ -32,6 +32,8 @@
 // Thread-safety: as CopyEngine; Bind, Abandon and the accessors from any thread.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -40,6 +42,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "page-client/copy_engine.h"
@@ -83,6 +86,12 @@ class UffdCopyEngine : public client::CopyEngine {
   // MISSING mode it keeps bytes the program has no registered range for (above). Applies held
   // writes.
   Status Bind(const Region& region, int memfd = -1);
+  // The BO whose memfd, as given at Bind, is the file `device`/`inode`, and its byte at
+  // `file_offset`; nullopt where no bound BO's memfd is that file or the offset is past the BO.
+  // The pager asks on a fault in no range the address map knows (a mapping of a BO's memfd the
+  // program made without an event that says where: docs/uffd.md).
+  std::optional<AddressMap::Location> FindByFile(dev_t device, uint64_t inode,
+                                                 uint64_t file_offset) const;
   // Where every bound BO's bytes are now; the pager applies the program's moves to it, and an
   // install that a move raced is made again at the new address.
   AddressMap& addresses() { return addresses_; }
@@ -139,6 +148,8 @@ class UffdCopyEngine : public client::CopyEngine {
     // MISSING mode, a BO bound with its memfd: the memfd opened afresh (an offset of our own
     // for SEEK_HOLE), to keep bytes the program has no registered range for.
     UniqueFd keeper;
+    // The memfd given at Bind, as fstat(2) names it: which BO a mapping of it shows.
+    std::optional<std::pair<dev_t, uint64_t>> file;
     std::vector<Held> held;
     // Deferred zero ranges, start -> end, disjoint and merged where they touch. Guarded by
     // zeros_mutex_ (not mutex_: installs run without mutex_, and so does the fault path).
@@ -169,8 +180,8 @@ class UffdCopyEngine : public client::CopyEngine {
 
   const Userfaultfd& uffd_;
   const UffdEngineOptions options_;
-  std::mutex mutex_;        // guards destinations_' shape, bindings and held writes
-  std::mutex zeros_mutex_;  // guards every Destination::deferred_zeros
+  mutable std::mutex mutex_;  // guards destinations_' shape, bindings and held writes
+  std::mutex zeros_mutex_;    // guards every Destination::deferred_zeros
   std::map<uint32_t, Destination> destinations_;
   AddressMap addresses_;
   bool abandoned_ = false;  // guarded by mutex_

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -1770,6 +1771,111 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
 TEST_P(UffdProgramChangesItsMapping, ARangeLeftByADontUnmapMoveShowsTheBoInASharedMapping) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   ExpectARangeLeftByADontUnmapMoveReads(/*expect_alias=*/true);
+}
+
+// `mremap(old, 0, new_length, MREMAP_MAYMOVE)` of a shared BO mapping makes a second mapping of
+// the same memfd pages, registered as the first is; its event has length 0, so the map never
+// learns where it is or how long. A read there before the chunk lands must wait for it and show
+// the BO's bytes (before the pager looked such a fault up in the program's maps, it stopped:
+// "outside every registered BO", and the read hung).
+TEST_P(UffdProgramChangesItsMapping, ASecondMappingMadeByALengthZeroMremapShowsTheBo) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  const Region region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  const std::vector<uint8_t>& bytes = source_[target_];
+  // A byte of chunk 0 that is not zero, read where its install is held.
+  const uint64_t chunk = 64 << 10;  // MakeImage's chunk size
+  const auto data = std::find_if(
+      bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(std::min(chunk, bytes.size())),
+      [](uint8_t b) { return b != 0; });
+  ASSERT_NE(data, bytes.begin() + static_cast<std::ptrdiff_t>(std::min(chunk, bytes.size())));
+  const auto offset = static_cast<uint64_t>(data - bytes.begin());
+  HeldInstall held(*engine_, target_);
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  void* second = ::mremap(reinterpret_cast<void*>(region.addr), 0, length, MREMAP_MAYMOVE);
+  ASSERT_NE(second, MAP_FAILED) << std::strerror(errno);
+  const auto at = reinterpret_cast<uint64_t>(second);
+  held.Bind(region, memory_->memfd(target_));
+  ASSERT_NO_FATAL_FAILURE(BindTheRest(target_));
+  ASSERT_TRUE(held.Held());
+  // Chunk 0 is not in the memfd yet: the read faults. The pager reads the fault once the held
+  // install goes on (after 1 s: an install looking its addresses up holds event reads off).
+  BackgroundRead reader(at + offset);
+  for (int i = 0; i < 500 && pager_->stats().aliases_found == 0 && pager_->status().ok(); ++i)
+    std::this_thread::sleep_for(10ms);
+  if (pager_->stats().aliases_found != 1) {
+    // The reader cannot be joined while its fault waits: say why, and stop here.
+    std::fprintf(stderr, "the second mapping was not found within 5 s: %s\n",
+                 pager_->status().ToString().c_str());
+    std::abort();
+  }
+  ASSERT_TRUE(held.Finish().ok());
+  EXPECT_EQ(reader.Get("a read in the second mapping"), bytes[offset]);
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_EQ(std::memcmp(second, bytes.data(), bytes.size()), 0) << "the second mapping";
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(region.addr), bytes.data(), bytes.size()), 0)
+      << "the BO's own mapping";
+  EXPECT_GE(pager_->stats().left_behind_faults, 1u);
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+  ASSERT_NO_FATAL_FAILURE(Unregister());
+  EXPECT_FALSE(TrackedByUserfaultfd(at, length)) << "the second mapping";
+  EXPECT_FALSE(TrackedByUserfaultfd(region.addr, length)) << "the BO's own mapping";
+  ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
+}
+
+// What the pager reads at a fault it finds in no BO: the mapping holding the address, and the
+// file it maps.
+TEST(ProcessMappings, TheMappingAtAnAddressWithItsFile) {
+  const std::string maps =
+      "1000-3000 r-xp 00000000 fd:01 1234 /usr/bin/x\n"
+      "5000-9000 rw-s 00002000 00:01 987654 /memfd:bo (deleted)\n"
+      "9000-a000 rw-p 00000000 00:00 0 \n";
+  auto found = ParseMappingAt(maps, 0x6abc);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->range.start, 0x5000u);
+  EXPECT_EQ((*found)->range.end, 0x9000u);
+  EXPECT_TRUE((*found)->shared);
+  EXPECT_EQ((*found)->file_offset, 0x2000u);
+  EXPECT_EQ((*found)->device, makedev(0, 1));
+  EXPECT_EQ((*found)->inode, 987654u);
+  auto first = ParseMappingAt(maps, 0x1000);
+  ASSERT_TRUE(first.ok() && first->has_value());
+  EXPECT_FALSE((*first)->shared);
+  EXPECT_EQ((*first)->device, makedev(0xfd, 1));
+  auto anonymous = ParseMappingAt(maps, 0x9fff);
+  ASSERT_TRUE(anonymous.ok() && anonymous->has_value());
+  EXPECT_EQ((*anonymous)->inode, 0u);
+  for (const uint64_t hole : {uint64_t{0}, uint64_t{0x3000}, uint64_t{0x4fff}, uint64_t{0xa000}}) {
+    auto none = ParseMappingAt(maps, hole);
+    ASSERT_TRUE(none.ok()) << none.status().ToString();
+    EXPECT_FALSE(none->has_value()) << std::hex << hole;
+  }
+  for (const char* bad :
+       {"5000-9000 rw-s\n", "5000-9000 rw-s 2000 00:01\n", "5000-9000 rw-s 2000 0001 5\n",
+        "5000-9000 rw 2000 00:01 5\n", "5000-9000 rw-s 2000 00:01 x5\n"}) {
+    EXPECT_EQ(ParseMappingAt(bad, 0x6000).status().code(), Code::kCorrupt) << bad;
+  }
+}
+
+// This process's own maps: a memfd mapped shared is found with the file fstat names.
+TEST(ProcessMappings, AMemfdMappingIsFoundAsTheFileItMaps) {
+  UniqueFd memfd(::memfd_create("mappings-test", MFD_CLOEXEC));
+  ASSERT_TRUE(memfd.valid()) << std::strerror(errno);
+  ASSERT_EQ(::ftruncate(memfd.get(), 4 * PageSize()), 0) << std::strerror(errno);
+  void* at = ::mmap(nullptr, 2 * PageSize(), PROT_READ, MAP_SHARED, memfd.get(), PageSize());
+  ASSERT_NE(at, MAP_FAILED) << std::strerror(errno);
+  struct stat st {};
+  ASSERT_EQ(::fstat(memfd.get(), &st), 0);
+  auto found = MappingAt(::getpid(), reinterpret_cast<uint64_t>(at) + PageSize() + 5);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->range.start, reinterpret_cast<uint64_t>(at));
+  EXPECT_TRUE((*found)->shared);
+  EXPECT_EQ((*found)->file_offset, PageSize());
+  EXPECT_EQ((*found)->device, st.st_dev);
+  EXPECT_EQ((*found)->inode, static_cast<uint64_t>(st.st_ino));
+  ASSERT_EQ(::munmap(at, 2 * PageSize()), 0);
 }
 
 TEST(ShmemLargeFolios, OnlySettingsThatHugeAWriteCount) {
