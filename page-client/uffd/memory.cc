@@ -195,17 +195,20 @@ std::optional<AddressMap::Location> AddressMap::FindLeftBehind(uint64_t addr) co
   return FindIn(left_, addr);
 }
 
-bool AddressMap::AddAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64_t offset) {
+bool AddressMap::RecordAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64_t offset) {
   std::unique_lock lock(mutex_);
+  std::unique_lock installs(installs_);
   auto size = sizes_.find(bo);
   if (size == sizes_.end() || offset >= size->second) return false;
   length = std::min(length, PageAlignUp(size->second) - offset);
-  auto overlaps = [&](const std::map<uint64_t, Segment>& segments) {
-    auto it = segments.lower_bound(addr + length);
-    return it != segments.begin() && std::prev(it)->first + std::prev(it)->second.length > addr;
-  };
-  if (length == 0 || overlaps(by_addr_) || overlaps(left_)) return false;
+  auto bo_memory = by_addr_.lower_bound(addr + length);
+  if (length == 0 || (bo_memory != by_addr_.begin() &&
+                      std::prev(bo_memory)->first + std::prev(bo_memory)->second.length > addr))
+    return false;
+  EraseLeft(addr, addr + length);
   left_[addr] = Segment{bo, offset, length};
+  // UnregisterAll walks again if it began before this.
+  generation_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 

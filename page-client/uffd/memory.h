@@ -137,12 +137,13 @@ class AddressMap {
   // that hold BO memory again are not listed (Find answers there); nullopt where no move left.
   std::optional<Location> FindLeftBehind(uint64_t addr) const;
   // Records [addr, addr + length) (page aligned) as another mapping of `bo`'s memfd showing the
-  // BO from `offset`, found by reading the program's maps (a mapping the program made with
+  // BO from `offset`, as the program's maps list it (a mapping the program made with
   // `mremap(old, 0, ...)`, whose event does not say how long it is): FindLeftBehind answers
-  // there from now on, and LeftBehindRanges lists it. Clipped to the BO's end; nothing is
-  // recorded over BO memory or another record (false then). Not under the holds: the pager's
-  // loop calls it, the one thread that applies moves.
-  bool AddAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64_t offset);
+  // there from now on, and LeftBehindRanges lists it. The maps are newer than any record there
+  // (one a munmap made stale: no event tells of unmaps), so those records go; clipped to the
+  // BO's end. False, recording nothing, where the map has BO memory in the range (the map and
+  // the maps disagree). Takes both holds' locks itself: the pager's loop calls it outside them.
+  bool RecordAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64_t offset);
   // Every range a move left, page-rounded: unregistered too, in case it is still registered.
   std::vector<std::pair<uint64_t, uint64_t>> LeftBehindRanges() const;
   // Changes with every Move that changed the map: BO memory moved or replaced, or a range a

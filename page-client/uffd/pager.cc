@@ -1,6 +1,7 @@
 #include "page-client/uffd/pager.h"
 
 #include <errno.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
@@ -249,6 +250,7 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
     uint64_t bo_bytes = 0;  // BO memory it moved
   };
   std::vector<ReadMove> moves;
+  std::vector<uint64_t> duplicated;
   {
     AddressMap& addresses = engine_.addresses();
     // Held across the read: an install refused because of a move read here waits for the move
@@ -272,6 +274,8 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
         // Every move of registered memory is woken, whatever it held: a range a move left
         // mapped (MREMAP_DONTUNMAP) may move onto BO memory a thread is waiting on.
         if (event.end > event.address) moves.push_back({event, moved});
+        // A second mapping of the same pages (`mremap(old, 0, ...)`): where it is, not how long.
+        if (event.end == event.address) duplicated.push_back(event.to);
         std::lock_guard lock(mutex_);
         stats_.bytes_moved += moved;
       }
@@ -298,6 +302,14 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
     // there now.
     GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.address, move.end - move.address));
     GPULAZY_RETURN_IF_ERROR(uffd_.Wake(move.to, move.end - move.address));
+  }
+  // Recorded now (the maps say how long), before the faults read with them are located, so
+  // that none of them is taken for what a stale record says was there, and UnregisterAll knows
+  // of the mapping even if nothing faults in it. Unreadable maps: looked up at its first fault.
+  for (const uint64_t to : duplicated) {
+    Result<std::optional<AddressMap::Location>> alias = AliasFromMaps(to);
+    if (!alias.ok())
+      spdlog::warn("uffd pager: a mapping duplicated at {:#x}: {}", to, alias.status().ToString());
   }
   return Status::Ok();
 }
@@ -388,14 +400,28 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     // Where a move took BO memory from and left the range mapped (MREMAP_DONTUNMAP): served as
     // the BO's chunk there, once it is resident (below).
     at = engine_.addresses().FindLeftBehind(address);
-    if (!at) at = FindInMaps(address);
+    Status maps;
+    if (!at) {
+      // A mapping of a BO's memfd no event told of: the program's maps name it.
+      Result<std::optional<AddressMap::Location>> alias = AliasFromMaps(address);
+      if (alias.ok())
+        at = *alias;
+      else
+        maps = alias.status();
+      // The program moved memory while the maps were read: look again after that move's event.
+      if (!at && uffd_.MappingsChanging()) {
+        deferred_.push_back({address, when, earlier != nullptr && earlier->counted});
+        return;
+      }
+    }
     region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
     left_behind = region != nullptr;
-  }
-  if (region == nullptr) {
-    // Otherwise it is not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
-    Fail(Internal("fault at {:#x} outside every registered BO", address));
-    return;
+    if (region == nullptr) {
+      // Otherwise it is not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
+      Fail(Internal("fault at {:#x} outside every registered BO{}", address,
+                    maps.ok() ? "" : fmt::format(" (its maps: {})", maps.message())));
+      return;
+    }
   }
   const auto chunk = static_cast<uint32_t>(at->offset / chunk_size_);
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
@@ -495,36 +521,39 @@ void Pager::InstallHotZeros() {
   }
 }
 
-std::optional<AddressMap::Location> Pager::FindInMaps(uint64_t address) {
-  if (!uffd_.owner()) return std::nullopt;
+Result<std::optional<AddressMap::Location>> Pager::AliasFromMaps(uint64_t address) {
+  if (!uffd_.owner()) return Unavailable("the restored process is not known to the pager");
   Result<std::optional<MappingDetails>> mapping = MappingAt(*uffd_.owner(), address);
   {
     std::lock_guard lock(mutex_);
     ++stats_.maps_reads;
   }
-  if (!mapping.ok()) {
-    spdlog::warn("uffd pager: a fault at {:#x} in no BO it knows of, and no maps to look in: {}",
-                 address, mapping.status().ToString());
-    return std::nullopt;
-  }
+  if (!mapping.ok()) return Unavailable("{}", mapping.status().ToString());
   // Only a shared mapping shows the memfd's pages; a private one of it is the program's own copy.
-  if (!mapping->has_value() || !(*mapping)->shared || (*mapping)->inode == 0) return std::nullopt;
+  if (!mapping->has_value() || !(*mapping)->shared || (*mapping)->inode == 0)
+    return std::optional<AddressMap::Location>();
   const MappingDetails& found = **mapping;
-  const uint64_t file_offset = found.file_offset + (PageAlignDown(address) - found.range.start);
+  const uint64_t page = PageAlignDown(address);
+  const uint64_t file_offset = found.file_offset + (page - found.range.start);
   std::optional<AddressMap::Location> at =
       engine_.FindByFile(found.device, found.inode, file_offset);
-  if (!at) return std::nullopt;
+  if (!at) return std::optional<AddressMap::Location>();
   // The whole mapping, so its other pages are found without a reading, and unregistered.
-  if (engine_.addresses().AddAlias(found.range.start, found.range.end - found.range.start, at->bo,
-                                   found.file_offset)) {
+  const uint64_t first = found.file_offset;
+  if (engine_.addresses().RecordAlias(found.range.start, found.range.end - found.range.start,
+                                      at->bo, first)) {
     spdlog::info(
         "uffd pager: the restored process maps BO {} at [{:#x}, {:#x}) (a mapping no "
-        "event told of), served as the BO",
+        "event told the length of), served as the BO",
         at->bo, found.range.start, found.range.end);
     std::lock_guard lock(mutex_);
     ++stats_.aliases_found;
+  } else {
+    spdlog::warn("uffd pager: the maps show BO {} at [{:#x}, {:#x}) where BO memory is known to be",
+                 at->bo, found.range.start, found.range.end);
   }
-  return AddressMap::Location{at->bo, file_offset + (address - PageAlignDown(address))};
+  return std::optional<AddressMap::Location>(
+      AddressMap::Location{at->bo, file_offset + (address - page)});
 }
 
 Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page,

@@ -144,11 +144,13 @@ class Pager {
     bool left_behind = false;  // in no BO, in a range a move read with it left
   };
   struct Deferred;
+  // The program's mapping at `address`, if it is a shared mapping of a bound BO's memfd:
+  // recorded whole in the map as showing that BO (AddressMap::RecordAlias), and the BO byte at
+  // `address` returned. nullopt when it maps no BO's memfd; kUnavailable when the maps cannot
+  // be read. Called where a move of length 0 went (its event says where, not how long) and at a
+  // fault in no range the map knows.
+  Result<std::optional<AddressMap::Location>> AliasFromMaps(uint64_t address);
   // `earlier`: the fault was deferred before (when, and whether it was counted then).
-  // A fault in no range the map knows: the BO whose memfd the program's maps show mapped there,
-  // recorded in the map as an alias of it (AddressMap::AddAlias); nullopt when the mapping there
-  // maps no BO's memfd, or the maps cannot be read.
-  std::optional<AddressMap::Location> FindInMaps(uint64_t address);
   void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when,
                    const Deferred* earlier = nullptr);
   // Reads pending events; applies the program's moves among them to the engine's AddressMap

@@ -1823,6 +1823,59 @@ TEST_P(UffdProgramChangesItsMapping, ASecondMappingMadeByALengthZeroMremapShowsT
   ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
 }
 
+// A second mapping made after the restore completed, never touched: the pager learns of it
+// from the move's event (and the maps), so UnregisterAll leaves it unregistered too. (In MINOR
+// mode a page of it left registered would fault after the pager stopped, and wait for good.)
+TEST_P(UffdProgramChangesItsMapping, AnUntouchedSecondMappingIsUnregisteredToo) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  RestoreAndCompare(std::nullopt);
+  const Region region = memory_->regions()[target_];
+  const uint64_t length = PageAlignUp(region.size);
+  void* second = ::mremap(reinterpret_cast<void*>(region.addr), 0, length, MREMAP_MAYMOVE);
+  ASSERT_NE(second, MAP_FAILED) << std::strerror(errno);
+  const auto at = reinterpret_cast<uint64_t>(second);
+  // The mremap returns once its event is read; the pager reads the maps after that.
+  for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pager_->stats().aliases_found, 1u);
+  ASSERT_TRUE(TrackedByUserfaultfd(at, length)) << "the kernel did not register the second mapping";
+  ASSERT_NO_FATAL_FAILURE(Unregister());
+  EXPECT_FALSE(TrackedByUserfaultfd(at, length)) << "the second mapping";
+  EXPECT_EQ(std::memcmp(second, source_[target_].data(), source_[target_].size()), 0);
+  ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
+}
+
+// A second mapping of one BO unmapped (no event says so), then one of another BO made at the
+// same address: the map must name the second BO there, not what the first record said (a fault
+// served as the wrong BO could put a zero page into the other BO's memfd before its bytes land).
+TEST_P(UffdProgramChangesItsMapping, ASecondMappingAtAnAddressAnotherOneLeftShowsItsOwnBo) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  RestoreAndCompare(std::nullopt);
+  ASSERT_GE(memory_->regions().size(), 2u);
+  const Region first = memory_->regions()[target_];
+  const Region other = memory_->regions()[(target_ + 1) % memory_->regions().size()];
+  const uint64_t length = PageSize();
+  void* second = ::mremap(reinterpret_cast<void*>(first.addr), 0, length, MREMAP_MAYMOVE);
+  ASSERT_NE(second, MAP_FAILED) << std::strerror(errno);
+  const auto at = reinterpret_cast<uint64_t>(second);
+  EXPECT_EQ(*reinterpret_cast<const volatile uint8_t*>(at), source_[target_][0]);
+  ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
+  void* third = ::mremap(reinterpret_cast<void*>(other.addr), 0, length,
+                         MREMAP_MAYMOVE | MREMAP_FIXED, second);
+  ASSERT_EQ(third, second) << std::strerror(errno);
+  for (int i = 0; i < 1000 && pager_->stats().aliases_found < 2; ++i)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pager_->stats().aliases_found, 2u);
+  const std::optional<AddressMap::Location> there = engine_->addresses().FindLeftBehind(at);
+  ASSERT_TRUE(there.has_value());
+  EXPECT_EQ(there->bo, other.bo) << "the map names the BO the unmapped mapping showed";
+  EXPECT_EQ(std::memcmp(third, source_[other.bo].data(), length), 0);
+  EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
+  ASSERT_NO_FATAL_FAILURE(Unregister());
+  EXPECT_FALSE(TrackedByUserfaultfd(at, length));
+  ASSERT_EQ(::munmap(third, length), 0) << std::strerror(errno);
+}
+
 // What the pager reads at a fault it finds in no BO: the mapping holding the address, and the
 // file it maps.
 TEST(ProcessMappings, TheMappingAtAnAddressWithItsFile) {
