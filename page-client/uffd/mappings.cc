@@ -147,6 +147,24 @@ Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint
   return found;
 }
 
+Result<std::vector<MappingDetails>> AllMappings(pid_t pid) {
+  GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid));
+  std::vector<MappingDetails> all;
+  Status details;
+  Status walked = ForEachMapping(text, [&](const MappedRange& range, std::string_view line) {
+    Result<MappingDetails> parsed = ParseDetails(range, line);
+    if (!parsed.ok()) {
+      details = parsed.status();
+      return true;
+    }
+    all.push_back(*parsed);
+    return false;
+  });
+  if (walked.ok()) walked = details;
+  if (!walked.ok()) return walked.Context(MapsPath(pid));
+  return all;
+}
+
 Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to) {
   GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid));
   const std::string path = MapsPath(pid);

@@ -46,6 +46,10 @@ Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint
 // The same for the live process `pid` (errors as MappingsIn).
 Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address);
 
+// Every mapping of the live process `pid`, with its details, in address order (errors as
+// MappingsIn).
+Result<std::vector<MappingDetails>> AllMappings(pid_t pid);
+
 // The mappings of `mappings` (in address order, as the two above return them) that overlap
 // [from, to), clipped to it.
 std::vector<MappedRange> ClipMappings(const std::vector<MappedRange>& mappings, uint64_t from,

@@ -83,6 +83,18 @@ void AddressMap::Insert(uint64_t addr, const Segment& segment) {
   by_bo_[{segment.bo, segment.offset}] = addr;
 }
 
+void AddressMap::SplitAt(uint64_t at) {
+  auto it = by_addr_.upper_bound(at);
+  if (it == by_addr_.begin()) return;
+  --it;
+  const uint64_t start = it->first;
+  Segment& segment = it->second;
+  if (at <= start || at >= start + segment.length) return;
+  const Segment tail{segment.bo, segment.offset + (at - start), start + segment.length - at};
+  segment.length = at - start;
+  Insert(at, tail);
+}
+
 void AddressMap::Add(const Region& region) {
   std::unique_lock lock(mutex_);
   if (sizes_.contains(region.bo)) return;
@@ -97,17 +109,7 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
   if (hold.mutex() != &mutex_ || !hold.owns_lock()) std::abort();  // a caller's bug
   if (installs.mutex() != &installs_ || !installs.owns_lock()) std::abort();
   // Cut the segments overlapping [from, from + length) at its ends, then move the inside ones.
-  auto split_at = [&](uint64_t at) {
-    auto it = by_addr_.upper_bound(at);
-    if (it == by_addr_.begin()) return;
-    --it;
-    const uint64_t start = it->first;
-    Segment& segment = it->second;
-    if (at <= start || at >= start + segment.length) return;
-    const Segment tail{segment.bo, segment.offset + (at - start), start + segment.length - at};
-    segment.length = at - start;
-    Insert(at, tail);
-  };
+  auto split_at = [&](uint64_t at) { SplitAt(at); };
   split_at(from);
   split_at(from + length);
   // What moves: BO memory, and what earlier moves left in the range (still registered if they
@@ -201,13 +203,27 @@ bool AddressMap::RecordAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64
   auto size = sizes_.find(bo);
   if (size == sizes_.end() || offset >= size->second) return false;
   length = std::min(length, PageAlignUp(size->second) - offset);
-  auto bo_memory = by_addr_.lower_bound(addr + length);
-  if (length == 0 || (bo_memory != by_addr_.begin() &&
-                      std::prev(bo_memory)->first + std::prev(bo_memory)->second.length > addr))
-    return false;
-  EraseLeft(addr, addr + length);
+  if (length == 0) return false;
+  const uint64_t end = addr + length;
+  // BO memory the map has in the range: this BO at the offsets the maps show is the map being
+  // right; anything else there was unmapped since (the maps show another file there now).
+  auto it = by_addr_.upper_bound(addr);
+  if (it != by_addr_.begin()) --it;
+  for (; it != by_addr_.end() && it->first < end; ++it) {
+    if (it->first + it->second.length <= addr) continue;
+    const uint64_t common = std::max(it->first, addr);
+    if (it->second.bo == bo && it->second.offset + (common - it->first) == offset + (common - addr))
+      return false;
+  }
+  SplitAt(addr);
+  SplitAt(end);
+  for (it = by_addr_.lower_bound(addr); it != by_addr_.end() && it->first < end;) {
+    by_bo_.erase({it->second.bo, it->second.offset});
+    it = by_addr_.erase(it);
+  }
+  EraseLeft(addr, end);
   left_[addr] = Segment{bo, offset, length};
-  // UnregisterAll walks again if it began before this.
+  // Installers look again, and UnregisterAll walks again if it began before this.
   generation_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

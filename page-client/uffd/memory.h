@@ -139,10 +139,11 @@ class AddressMap {
   // Records [addr, addr + length) (page aligned) as another mapping of `bo`'s memfd showing the
   // BO from `offset`, as the program's maps list it (a mapping the program made with
   // `mremap(old, 0, ...)`, whose event does not say how long it is): FindLeftBehind answers
-  // there from now on, and LeftBehindRanges lists it. The maps are newer than any record there
-  // (one a munmap made stale: no event tells of unmaps), so those records go; clipped to the
-  // BO's end. False, recording nothing, where the map has BO memory in the range (the map and
-  // the maps disagree). Takes both holds' locks itself: the pager's loop calls it outside them.
+  // there from now on, and LeftBehindRanges lists it. The maps are newer than anything the map
+  // says of the range (no event tells of a munmap, so records and BO memory the program unmapped
+  // linger): records there go, and so does BO memory of another BO or offset. Clipped to the
+  // BO's end. False, recording nothing, where the map has this very BO memory there already.
+  // Takes both holds' locks itself: the pager's loop calls it outside them.
   bool RecordAlias(uint64_t addr, uint64_t length, uint32_t bo, uint64_t offset);
   // Every range a move left, page-rounded: unregistered too, in case it is still registered.
   std::vector<std::pair<uint64_t, uint64_t>> LeftBehindRanges() const;
@@ -159,6 +160,7 @@ class AddressMap {
     uint64_t length = 0;  // page multiple
   };
   void Insert(uint64_t addr, const Segment& segment);  // into both indexes
+  void SplitAt(uint64_t at);  // cuts the BO memory segment holding `at` in two there
   std::optional<Location> FindUnlocked(uint64_t addr) const;
   // The BO byte at `addr` in `segments` (by_addr_ or left_), past no BO's size.
   std::optional<Location> FindIn(const std::map<uint64_t, Segment>& segments, uint64_t addr) const;

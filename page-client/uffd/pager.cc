@@ -129,9 +129,15 @@ Status Pager::UnregisterAll() {
     maps_reads += this_walk.maps_reads;
     // An unread move is read by the loop within a poll; generation() then waits until it is
     // applied. A loop that has stopped reads nothing: give up on it after a while.
-    for (int i = 0; i < 100 && uffd_.MappingsChanging(); ++i)
+    for (int i = 0; i < 100 && (uffd_.MappingsChanging() || alias_lookups_.load() > 0); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (engine_.addresses().generation() == generation) break;
+    if (engine_.addresses().generation() == generation) {
+      // Mappings of a BO's memfd the map never recorded (their event came before the BO was
+      // bound, or their maps could not be read then): what the maps show now.
+      Status swept = UnregisterUnrecordedAliases(ranges, &calls, &maps_reads);
+      if (!swept.ok() && first.ok()) first = std::move(swept);
+      break;
+    }
     if (walk == kMaxWalks) {
       spdlog::warn(
           "uffd pager: the program kept moving BO memory through {} walks of "
@@ -143,6 +149,40 @@ Status Pager::UnregisterAll() {
   std::lock_guard lock(mutex_);
   stats_.unregister_calls += calls;
   stats_.maps_reads += maps_reads;
+  return first;
+}
+
+Status Pager::UnregisterUnrecordedAliases(std::vector<std::pair<uint64_t, uint64_t>> walked,
+                                          uint64_t* calls, uint64_t* maps_reads) {
+  if (!uffd_.owner()) return Status::Ok();
+  Result<std::vector<MappingDetails>> mappings = AllMappings(*uffd_.owner());
+  ++*maps_reads;
+  if (!mappings.ok()) {
+    // Gone: its registrations went with it. Otherwise the walk did what it could.
+    if (mappings.status().code() != Code::kNotFound)
+      spdlog::warn(
+          "uffd pager: cannot read the mappings of process {} to unregister mappings "
+          "of BO memfds it never recorded: {}",
+          *uffd_.owner(), mappings.status().ToString());
+    return Status::Ok();
+  }
+  // In the program's own process the engine's mappings of the memfds (MINOR mode) are there too.
+  if (*uffd_.owner() == ::getpid())
+    for (const auto& own : engine_.OwnMappings())
+      walked.push_back(own);
+  std::sort(walked.begin(), walked.end());
+  auto walked_over = [&](const MappedRange& range) {
+    auto it = std::upper_bound(walked.begin(), walked.end(), std::pair{range.start, ~uint64_t{0}});
+    return it != walked.begin() && std::prev(it)->first + std::prev(it)->second >= range.end;
+  };
+  Status first;
+  for (const MappingDetails& mapping : *mappings) {
+    if (!mapping.shared || mapping.inode == 0 || walked_over(mapping.range)) continue;
+    if (!engine_.FindByFile(mapping.device, mapping.inode, mapping.file_offset)) continue;
+    Status status =
+        UnregisterOne(mapping.range.start, mapping.range.end - mapping.range.start, calls);
+    if (!status.ok() && first.ok()) first = std::move(status);
+  }
   return first;
 }
 
@@ -275,7 +315,11 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
         // mapped (MREMAP_DONTUNMAP) may move onto BO memory a thread is waiting on.
         if (event.end > event.address) moves.push_back({event, moved});
         // A second mapping of the same pages (`mremap(old, 0, ...)`): where it is, not how long.
-        if (event.end == event.address) duplicated.push_back(event.to);
+        // Counted before the holds go, so UnregisterAll waits for it to be recorded.
+        if (event.end == event.address) {
+          duplicated.push_back(event.to);
+          alias_lookups_.fetch_add(1);
+        }
         std::lock_guard lock(mutex_);
         stats_.bytes_moved += moved;
       }
@@ -308,6 +352,7 @@ Status Pager::ReadEvents(std::vector<ReadFault>* faults) {
   // of the mapping even if nothing faults in it. Unreadable maps: looked up at its first fault.
   for (const uint64_t to : duplicated) {
     Result<std::optional<AddressMap::Location>> alias = AliasFromMaps(to);
+    alias_lookups_.fetch_sub(1);
     if (!alias.ok())
       spdlog::warn("uffd pager: a mapping duplicated at {:#x}: {}", to, alias.status().ToString());
   }

@@ -183,6 +183,8 @@ class Pager {
   };
   void RetryDeferred();
   std::vector<Deferred> deferred_;
+  // Mappings whose length-0 move was read and is not yet looked up in the maps.
+  std::atomic<int> alias_lookups_{0};
   // One walk of UnregisterAll: its calls, and the owner's maps as last read, read at the walk's
   // first refusal and again only where a conclusion needs a reading taken after a refusal.
   struct UnregisterWalk {
@@ -195,6 +197,10 @@ class Pager {
   // in the owner's maps (down to `depth` kMaxMapsDepth) or, failing those, by halving. Owner
   // thread.
   Status UnregisterRange(uint64_t addr, uint64_t length, UnregisterWalk& walk, int depth = 0);
+  // After the walks: unregisters the shared mappings of a bound BO's memfd the maps show outside
+  // every range `walked` (mappings the map never recorded). Counts its calls and its reading.
+  Status UnregisterUnrecordedAliases(std::vector<std::pair<uint64_t, uint64_t>> walked,
+                                     uint64_t* calls, uint64_t* maps_reads);
   // One UFFDIO_UNREGISTER; ENOMEM from an owner that has exited is no error.
   Status UnregisterOne(uint64_t addr, uint64_t length, uint64_t* calls);
   Status UnregisterByHalves(uint64_t addr, uint64_t length, uint64_t* calls);

@@ -463,6 +463,15 @@ std::optional<AddressMap::Location> UffdCopyEngine::FindByFile(dev_t device, uin
   return std::nullopt;
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> UffdCopyEngine::OwnMappings() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<uint64_t, uint64_t>> own;
+  for (const auto& [bo, dest] : destinations_)
+    if (dest.filler.data() != nullptr)
+      own.emplace_back(reinterpret_cast<uint64_t>(dest.filler.data()), dest.filler.size());
+  return own;
+}
+
 void UffdCopyEngine::Abandon() {
   std::vector<Held> held;
   {

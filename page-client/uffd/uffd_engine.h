@@ -92,6 +92,9 @@ class UffdCopyEngine : public client::CopyEngine {
   // program made without an event that says where: docs/uffd.md).
   std::optional<AddressMap::Location> FindByFile(dev_t device, uint64_t inode,
                                                  uint64_t file_offset) const;
+  // The engine's own mappings of BO memfds (MINOR mode writes through them): in the pager's
+  // process, not the program's, but the same process when the pager runs in the program.
+  std::vector<std::pair<uint64_t, uint64_t>> OwnMappings() const;
   // Where every bound BO's bytes are now; the pager applies the program's moves to it, and an
   // install that a move raced is made again at the new address.
   AddressMap& addresses() { return addresses_; }

@@ -1296,6 +1296,25 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     ASSERT_EQ(::munmap(reinterpret_cast<void*>(at), length), 0) << std::strerror(errno);
   }
 
+  // A second mapping of the whole target BO, made as `mremap(old, 0, ...)` makes one.
+  void* SecondMappingOfTheTarget() {
+    const Region& region = memory_->regions()[target_];
+    void* second =
+        ::mremap(reinterpret_cast<void*>(region.addr), 0, PageAlignUp(region.size), MREMAP_MAYMOVE);
+    EXPECT_NE(second, MAP_FAILED) << std::strerror(errno);
+    return second;
+  }
+  // `second`, a second mapping of the target BO (mremap with length 0) that the kernel
+  // registered: UnregisterAll leaves it unregistered and showing the BO; then it is unmapped.
+  void ExpectUnregisteredShowingTheBo(void* second, uint64_t length) {
+    const auto at = reinterpret_cast<uint64_t>(second);
+    ASSERT_TRUE(TrackedByUserfaultfd(at, length)) << "the kernel did not register it";
+    ASSERT_NO_FATAL_FAILURE(Unregister());
+    EXPECT_FALSE(TrackedByUserfaultfd(at, length)) << "the second mapping";
+    EXPECT_EQ(std::memcmp(second, source_[target_].data(), source_[target_].size()), 0);
+    ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
+  }
+
   TempDir dir_;
   fs::path image_dir_;
   std::optional<ServerProcess> server_;
@@ -1815,7 +1834,6 @@ TEST_P(UffdProgramChangesItsMapping, ASecondMappingMadeByALengthZeroMremapShowsT
   EXPECT_EQ(std::memcmp(second, bytes.data(), bytes.size()), 0) << "the second mapping";
   EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(region.addr), bytes.data(), bytes.size()), 0)
       << "the BO's own mapping";
-  EXPECT_GE(pager_->stats().left_behind_faults, 1u);
   EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
   ASSERT_NO_FATAL_FAILURE(Unregister());
   EXPECT_FALSE(TrackedByUserfaultfd(at, length)) << "the second mapping";
@@ -1829,51 +1847,103 @@ TEST_P(UffdProgramChangesItsMapping, ASecondMappingMadeByALengthZeroMremapShowsT
 TEST_P(UffdProgramChangesItsMapping, AnUntouchedSecondMappingIsUnregisteredToo) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   RestoreAndCompare(std::nullopt);
-  const Region region = memory_->regions()[target_];
-  const uint64_t length = PageAlignUp(region.size);
-  void* second = ::mremap(reinterpret_cast<void*>(region.addr), 0, length, MREMAP_MAYMOVE);
-  ASSERT_NE(second, MAP_FAILED) << std::strerror(errno);
-  const auto at = reinterpret_cast<uint64_t>(second);
+  const uint64_t length = PageAlignUp(memory_->regions()[target_].size);
+  void* second = SecondMappingOfTheTarget();
+  ASSERT_FALSE(HasFailure());
   // The mremap returns once its event is read; the pager reads the maps after that.
   for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
     std::this_thread::sleep_for(1ms);
   EXPECT_EQ(pager_->stats().aliases_found, 1u);
-  ASSERT_TRUE(TrackedByUserfaultfd(at, length)) << "the kernel did not register the second mapping";
-  ASSERT_NO_FATAL_FAILURE(Unregister());
-  EXPECT_FALSE(TrackedByUserfaultfd(at, length)) << "the second mapping";
-  EXPECT_EQ(std::memcmp(second, source_[target_].data(), source_[target_].size()), 0);
-  ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
+  ExpectUnregisteredShowingTheBo(second, length);
 }
 
-// A second mapping of one BO unmapped (no event says so), then one of another BO made at the
-// same address: the map must name the second BO there, not what the first record said (a fault
-// served as the wrong BO could put a zero page into the other BO's memfd before its bytes land).
+// A second mapping of one BO unmapped (no event says so), then one of another BO made over where
+// it was, starting a page before it: the map must name the second BO there, not what the first
+// record said (a fault served as the wrong BO could put a zero page into the other BO's memfd
+// before its bytes land).
 TEST_P(UffdProgramChangesItsMapping, ASecondMappingAtAnAddressAnotherOneLeftShowsItsOwnBo) {
   ASSERT_NO_FATAL_FAILURE(CreateMemory());
   RestoreAndCompare(std::nullopt);
   ASSERT_GE(memory_->regions().size(), 2u);
   const Region first = memory_->regions()[target_];
   const Region other = memory_->regions()[(target_ + 1) % memory_->regions().size()];
-  const uint64_t length = PageSize();
-  void* second = ::mremap(reinterpret_cast<void*>(first.addr), 0, length, MREMAP_MAYMOVE);
-  ASSERT_NE(second, MAP_FAILED) << std::strerror(errno);
-  const auto at = reinterpret_cast<uint64_t>(second);
-  EXPECT_EQ(*reinterpret_cast<const volatile uint8_t*>(at), source_[target_][0]);
-  ASSERT_EQ(::munmap(second, length), 0) << std::strerror(errno);
-  void* third = ::mremap(reinterpret_cast<void*>(other.addr), 0, length,
-                         MREMAP_MAYMOVE | MREMAP_FIXED, second);
-  ASSERT_EQ(third, second) << std::strerror(errno);
+  const uint64_t page = PageSize();
+  ASSERT_GE(first.size, 2 * page);
+  ASSERT_GE(other.size, 4 * page);
+  const uint64_t at = Reserve(4 * page);
+  void* second = ::mremap(reinterpret_cast<void*>(first.addr), 0, 2 * page,
+                          MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(at + page));
+  ASSERT_EQ(second, reinterpret_cast<void*>(at + page)) << std::strerror(errno);
+  for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pager_->stats().aliases_found, 1u);
+  EXPECT_EQ(*reinterpret_cast<const volatile uint8_t*>(at + page), source_[target_][0]);
+  ASSERT_EQ(::munmap(second, 2 * page), 0) << std::strerror(errno);
+  void* third = ::mremap(reinterpret_cast<void*>(other.addr), 0, 4 * page,
+                         MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(at));
+  ASSERT_EQ(third, reinterpret_cast<void*>(at)) << std::strerror(errno);
   for (int i = 0; i < 1000 && pager_->stats().aliases_found < 2; ++i)
     std::this_thread::sleep_for(1ms);
   EXPECT_EQ(pager_->stats().aliases_found, 2u);
-  const std::optional<AddressMap::Location> there = engine_->addresses().FindLeftBehind(at);
-  ASSERT_TRUE(there.has_value());
-  EXPECT_EQ(there->bo, other.bo) << "the map names the BO the unmapped mapping showed";
-  EXPECT_EQ(std::memcmp(third, source_[other.bo].data(), length), 0);
+  for (const uint64_t offset : {uint64_t{0}, page, 2 * page, 3 * page}) {
+    const std::optional<AddressMap::Location> there =
+        engine_->addresses().FindLeftBehind(at + offset);
+    ASSERT_TRUE(there.has_value()) << offset;
+    EXPECT_EQ(there->bo, other.bo) << "at +" << offset << ": the BO the unmapped mapping showed";
+    EXPECT_EQ(there->offset, offset);
+  }
+  EXPECT_EQ(std::memcmp(third, source_[other.bo].data(), 4 * page), 0);
   EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
   ASSERT_NO_FATAL_FAILURE(Unregister());
-  EXPECT_FALSE(TrackedByUserfaultfd(at, length));
-  ASSERT_EQ(::munmap(third, length), 0) << std::strerror(errno);
+  EXPECT_FALSE(TrackedByUserfaultfd(at, 4 * page));
+  ASSERT_EQ(::munmap(third, 4 * page), 0) << std::strerror(errno);
+}
+
+// A BO the program unmapped (no event says so), then a second mapping of another BO made where
+// it was: the map must stop placing the unmapped BO there (its installs would write its bytes
+// into the other BO's memfd), and name the other BO.
+TEST_P(UffdProgramChangesItsMapping, ASecondMappingWhereAnUnmappedBoWasReplacesItInTheMap) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  RestoreAndCompare(std::nullopt);
+  ASSERT_GE(memory_->regions().size(), 2u);
+  const Region gone = memory_->regions()[target_];
+  const Region other = memory_->regions()[(target_ + 1) % memory_->regions().size()];
+  const uint64_t length = PageSize();
+  ASSERT_TRUE(engine_->addresses().Find(gone.addr).has_value());
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(gone.addr), length), 0) << std::strerror(errno);
+  void* second = ::mremap(reinterpret_cast<void*>(other.addr), 0, length,
+                          MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(gone.addr));
+  ASSERT_EQ(second, reinterpret_cast<void*>(gone.addr)) << std::strerror(errno);
+  for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pager_->stats().aliases_found, 1u);
+  EXPECT_FALSE(engine_->addresses().Find(gone.addr).has_value())
+      << "the unmapped BO is still there";
+  const std::optional<AddressMap::Location> there = engine_->addresses().FindLeftBehind(gone.addr);
+  ASSERT_TRUE(there.has_value());
+  EXPECT_EQ(there->bo, other.bo);
+  EXPECT_TRUE(engine_->addresses().Find(gone.addr + length).has_value()) << "the rest of it";
+  EXPECT_EQ(std::memcmp(second, source_[other.bo].data(), length), 0);
+  ASSERT_NO_FATAL_FAILURE(Unregister());
+  EXPECT_FALSE(TrackedByUserfaultfd(gone.addr, length));
+}
+
+// A second mapping made before its BO was bound, never touched: the lookup at its event found
+// no BO, so the map never recorded it; UnregisterAll finds it in the maps all the same.
+TEST_P(UffdProgramChangesItsMapping, AnUnrecordedSecondMappingIsUnregisteredToo) {
+  ASSERT_NO_FATAL_FAILURE(CreateMemory());
+  ASSERT_NO_FATAL_FAILURE(StartPager());
+  const uint64_t length = PageAlignUp(memory_->regions()[target_].size);
+  void* second = SecondMappingOfTheTarget();
+  ASSERT_FALSE(HasFailure());
+  // The pager's lookup at the event, done before the BO is bound.
+  for (int i = 0; i < 1000 && pager_->stats().maps_reads == 0; ++i)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(pager_->stats().maps_reads, 1u);
+  ASSERT_NO_FATAL_FAILURE(Bind());
+  ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
+  EXPECT_EQ(pager_->stats().aliases_found, 0u);
+  ExpectUnregisteredShowingTheBo(second, length);
 }
 
 // What the pager reads at a fault it finds in no BO: the mapping holding the address, and the
@@ -2102,7 +2172,8 @@ TEST_P(UffdProgramChangesItsMapping, UnregisterAllReadsTheProgramsMapsOncePerWal
   for (const Region& region : memory_->regions())
     ASSERT_NO_FATAL_FAILURE(Hold(region.addr, PageAlignUp(region.size)));
   EXPECT_TRUE(unregistered.ok()) << unregistered.ToString();
-  EXPECT_EQ(pager_->stats().maps_reads, 1u);
+  // One by the walk, one at the end for mappings of the memfds the map never recorded.
+  EXPECT_EQ(pager_->stats().maps_reads, 2u);
   EXPECT_LE(pager_->stats().unregister_calls, memory_->regions().size()) << "one per range";
 }
 
