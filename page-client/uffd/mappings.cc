@@ -167,9 +167,8 @@ Result<std::vector<MappingDetails>> AllMappings(pid_t pid) {
 
 Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t to) {
   GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid));
-  const std::string path = MapsPath(pid);
   Result<std::vector<MappedRange>> mappings = ParseMappingsIn(text, from, to);
-  if (!mappings.ok()) return mappings.status().Context(path);
+  if (!mappings.ok()) return mappings.status().Context(MapsPath(pid));
   return mappings;
 }
 

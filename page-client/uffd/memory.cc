@@ -109,9 +109,8 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
   if (hold.mutex() != &mutex_ || !hold.owns_lock()) std::abort();  // a caller's bug
   if (installs.mutex() != &installs_ || !installs.owns_lock()) std::abort();
   // Cut the segments overlapping [from, from + length) at its ends, then move the inside ones.
-  auto split_at = [&](uint64_t at) { SplitAt(at); };
-  split_at(from);
-  split_at(from + length);
+  SplitAt(from);
+  SplitAt(from + length);
   // What moves: BO memory, and what earlier moves left in the range (still registered if they
   // did not unmap it: it goes on being an alias where it goes). What stays behind: a record of
   // the BO memory that was here.
@@ -127,8 +126,8 @@ uint64_t AddressMap::Move(uint64_t from, uint64_t to, uint64_t length, const Eve
     it = by_addr_.erase(it);
   }
   // MREMAP_FIXED onto BO memory unmapped what was there: those bytes are no longer anywhere.
-  split_at(to);
-  split_at(to + length);
+  SplitAt(to);
+  SplitAt(to + length);
   bool replaced = false;
   for (auto it = by_addr_.lower_bound(to); it != by_addr_.end() && it->first < to + length;) {
     by_bo_.erase({it->second.bo, it->second.offset});

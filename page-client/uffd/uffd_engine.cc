@@ -440,7 +440,7 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
     if (memfd >= 0) {
       struct stat st {};
       if (::fstat(memfd, &st) == 0)
-        it->second.file = std::pair{st.st_dev, static_cast<uint64_t>(st.st_ino)};
+        bo_by_file_[{st.st_dev, static_cast<uint64_t>(st.st_ino)}] = region.bo;
     }
     it->second.region = region;
     addresses_.Add(region);
@@ -455,12 +455,10 @@ Status UffdCopyEngine::Bind(const Region& region, int memfd) {
 std::optional<AddressMap::Location> UffdCopyEngine::FindByFile(dev_t device, uint64_t inode,
                                                                uint64_t file_offset) const {
   std::lock_guard lock(mutex_);
-  for (const auto& [bo, dest] : destinations_) {
-    if (!dest.file || dest.file->first != device || dest.file->second != inode) continue;
-    if (file_offset >= dest.size) return std::nullopt;
-    return AddressMap::Location{bo, file_offset};
-  }
-  return std::nullopt;
+  auto found = bo_by_file_.find({device, inode});
+  if (found == bo_by_file_.end() || file_offset >= destinations_.at(found->second).size)
+    return std::nullopt;
+  return AddressMap::Location{found->second, file_offset};
 }
 
 std::vector<std::pair<uint64_t, uint64_t>> UffdCopyEngine::OwnMappings() const {

@@ -151,8 +151,6 @@ class UffdCopyEngine : public client::CopyEngine {
     // MISSING mode, a BO bound with its memfd: the memfd opened afresh (an offset of our own
     // for SEEK_HOLE), to keep bytes the program has no registered range for.
     UniqueFd keeper;
-    // The memfd given at Bind, as fstat(2) names it: which BO a mapping of it shows.
-    std::optional<std::pair<dev_t, uint64_t>> file;
     std::vector<Held> held;
     // Deferred zero ranges, start -> end, disjoint and merged where they touch. Guarded by
     // zeros_mutex_ (not mutex_: installs run without mutex_, and so does the fault path).
@@ -184,7 +182,10 @@ class UffdCopyEngine : public client::CopyEngine {
   const Userfaultfd& uffd_;
   const UffdEngineOptions options_;
   mutable std::mutex mutex_;  // guards destinations_' shape, bindings and held writes
-  std::mutex zeros_mutex_;    // guards every Destination::deferred_zeros
+  // The memfds given at Bind, as fstat(2) names them (device, inode) -> BO: which BO a mapping
+  // of one shows (FindByFile). Guarded by mutex_.
+  std::map<std::pair<dev_t, uint64_t>, uint32_t> bo_by_file_;
+  std::mutex zeros_mutex_;  // guards every Destination::deferred_zeros
   std::map<uint32_t, Destination> destinations_;
   AddressMap addresses_;
   bool abandoned_ = false;  // guarded by mutex_
