@@ -6,8 +6,20 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 
 namespace gpulazy::uffd {
+
+void AddRange(std::map<uint64_t, uint64_t>& ranges, uint64_t start, uint64_t end) {
+  auto it = ranges.upper_bound(start);
+  if (it != ranges.begin() && std::prev(it)->second >= start) --it;
+  while (it != ranges.end() && it->first <= end) {
+    start = std::min(start, it->first);
+    end = std::max(end, it->second);
+    it = ranges.erase(it);
+  }
+  ranges.emplace(start, end);
+}
 
 Result<Mapping> Mapping::Map(int fd, uint64_t size) {
   Mapping mapping;
@@ -20,13 +32,16 @@ Result<Mapping> Mapping::Map(int fd, uint64_t size) {
 }
 
 Mapping::Mapping(Mapping&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      forgotten_(std::exchange(other.forgotten_, {})) {}
 
 Mapping& Mapping::operator=(Mapping&& other) noexcept {
   if (this != &other) {
     Reset();
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    forgotten_ = std::exchange(other.forgotten_, {});
   }
   return *this;
 }
@@ -35,10 +50,29 @@ Mapping::~Mapping() {
   Reset();
 }
 
+void Mapping::Forget(uint64_t addr, uint64_t length) {
+  const uint64_t begin = reinterpret_cast<uint64_t>(data_);
+  const uint64_t limit = begin + size_;
+  if (data_ == nullptr || addr >= limit) return;
+  const uint64_t start = std::max(addr, begin);
+  const uint64_t end = length >= limit - addr ? limit : addr + length;  // no wrap past the mapping
+  if (start >= end) return;
+  AddRange(forgotten_, start, end);
+}
+
 void Mapping::Reset() {
-  if (data_ != nullptr) munmap(data_, size_);
+  if (data_ != nullptr) {
+    uint64_t from = reinterpret_cast<uint64_t>(data_);
+    for (const auto& [start, end] : forgotten_) {
+      if (start > from) munmap(reinterpret_cast<void*>(from), start - from);
+      from = end;
+    }
+    const uint64_t end = reinterpret_cast<uint64_t>(data_) + size_;
+    if (end > from) munmap(reinterpret_cast<void*>(from), end - from);
+  }
   data_ = nullptr;
   size_ = 0;
+  forgotten_.clear();
 }
 
 Result<RestoredMemory> RestoredMemory::Create(const Userfaultfd& uffd,
@@ -69,6 +103,11 @@ Result<RestoredMemory> RestoredMemory::Create(const Userfaultfd& uffd,
     memory.mappings_.push_back(std::move(mapping));
   }
   return memory;
+}
+
+void RestoredMemory::Forget(uint64_t addr, uint64_t length) {
+  for (Mapping& mapping : mappings_)
+    mapping.Forget(addr, length);
 }
 
 std::vector<int> RestoredMemory::memfds() const {

@@ -3,7 +3,8 @@
 // another process; it then knows a region by its address in the faulting process (for
 // UFFDIO_COPY / CONTINUE / WAKE) and, in MINOR mode, maps the memfd itself to write the bytes.
 //
-// Thread-safety: immutable after creation.
+// Thread-safety: Mapping and RestoredMemory are immutable after creation but for Forget, which
+// only their owner calls. AddressMap says its own below.
 #pragma once
 
 #include <atomic>
@@ -29,7 +30,11 @@ struct Region {
   uint64_t size = 0;  // BO size in bytes
 };
 
-// An owned mmap; munmaps on destruction.
+// Adds [start, end) to `ranges` (disjoint [start, end) ranges keyed by start), merged with every
+// range it overlaps or touches.
+void AddRange(std::map<uint64_t, uint64_t>& ranges, uint64_t start, uint64_t end);
+
+// An owned mmap; munmaps on destruction what it was not told to forget.
 class Mapping {
  public:
   Mapping() = default;
@@ -43,11 +48,16 @@ class Mapping {
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
   std::span<uint8_t> bytes() const { return {data_, static_cast<size_t>(size_)}; }
+  // [addr, addr + length) (page aligned; clipped to the mapping) is no longer this mapping's:
+  // its user unmapped or moved it, and the address may hold someone else's mapping by now, so
+  // destruction leaves it alone.
+  void Forget(uint64_t addr, uint64_t length);
 
  private:
   void Reset();
   uint8_t* data_ = nullptr;
-  uint64_t size_ = 0;  // mapped length (page aligned)
+  uint64_t size_ = 0;                       // mapped length (page aligned)
+  std::map<uint64_t, uint64_t> forgotten_;  // disjoint [start, end) by start
 };
 
 // The restored process's side: creates one memfd + shared mapping per BO and registers every
@@ -69,6 +79,10 @@ class RestoredMemory {
   // BO i's memfd (-1 for anonymous memory).
   int memfd(uint32_t bo) const { return memfds_[bo].get(); }
   std::vector<int> memfds() const;
+  // The program unmapped or moved [addr, addr + length) itself (page aligned; parts outside
+  // every BO's mapping are ignored): destruction then leaves that range alone instead of
+  // unmapping whatever another mapping put there since. Not thread-safe: for the owner.
+  void Forget(uint64_t addr, uint64_t length);
 
  private:
   std::vector<UniqueFd> memfds_;

@@ -218,19 +218,8 @@ void UffdCopyEngine::NoteUnregistered(uint32_t bo, uint64_t offset) {
 
 void UffdCopyEngine::DeferZeros(Destination& dest, uint64_t offset, uint64_t length, bool count) {
   if (length == 0) return;
-  uint64_t start = offset;
-  uint64_t end = offset + length;
   std::lock_guard lock(zeros_mutex_);
-  std::map<uint64_t, uint64_t>& ranges = dest.deferred_zeros;
-  // Merge with every range that overlaps or touches [start, end).
-  auto it = ranges.upper_bound(start);
-  if (it != ranges.begin() && std::prev(it)->second >= start) --it;
-  while (it != ranges.end() && it->first <= end) {
-    start = std::min(start, it->first);
-    end = std::max(end, it->second);
-    it = ranges.erase(it);
-  }
-  ranges.emplace(start, end);
+  AddRange(dest.deferred_zeros, offset, offset + length);
   if (count) deferred_ += length;
 }
 

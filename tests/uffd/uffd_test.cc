@@ -453,6 +453,43 @@ TEST(ProcessMappings, ALiveProcessListsItsMappings) {
   ::munmap(reinterpret_cast<void*>(start + 2 * page), page);
 }
 
+// Whether [addr, addr + length) is mapped all through (mincore fails with ENOMEM on a hole).
+bool Mapped(uint64_t addr, uint64_t length) {
+  std::vector<unsigned char> residency(length / PageSize());
+  return ::mincore(reinterpret_cast<void*>(addr), length, residency.data()) == 0;
+}
+
+// The program unmapped parts of a BO and other mappings took their addresses: destroying the
+// Mapping unmaps only the rest, not those.
+TEST(Mapping, DestructionLeavesTheRangesItForgotAlone) {
+  const uint64_t page = PageSize();
+  const std::vector<std::pair<uint64_t, uint64_t>> forgotten = {{1, 4}, {5, 6}, {7, 8}};  // pages
+  uint64_t start = 0;
+  {
+    auto mapping = Mapping::Map(-1, 8 * page);
+    ASSERT_TRUE(mapping.ok()) << mapping.status().ToString();
+    start = reinterpret_cast<uint64_t>(mapping->data());
+    mapping->Forget(start + page, 2 * page);  // pages 1-2, then 2-3: one range
+    mapping->Forget(start + 2 * page, 2 * page);
+    mapping->Forget(start + 5 * page, page);
+    mapping->Forget(start + 7 * page, UINT64_MAX);  // to the end, not past it
+    mapping->Forget(start - page, page);            // ends where the mapping starts: nothing
+    for (const auto& [from, to] : forgotten) {
+      void* other = ::mmap(reinterpret_cast<void*>(start + from * page), (to - from) * page,
+                           PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+      ASSERT_EQ(other, reinterpret_cast<void*>(start + from * page)) << std::strerror(errno);
+      std::memset(other, 0x7e, (to - from) * page);
+    }
+  }
+  for (const auto& [from, to] : forgotten) {
+    ASSERT_TRUE(Mapped(start + from * page, (to - from) * page)) << "pages " << from << "-" << to;
+    EXPECT_EQ(*reinterpret_cast<const uint8_t*>(start + (to - 1) * page), 0x7e);
+    ::munmap(reinterpret_cast<void*>(start + from * page), (to - from) * page);
+  }
+  for (uint64_t unmapped : {0, 4, 6})
+    EXPECT_FALSE(Mapped(start + unmapped * page, page)) << "page " << unmapped;
+}
+
 // An install over a range with a page already in it stops at that page with EAGAIN and a count
 // of what it did: partial progress, which the install goes on from. Only EAGAIN with nothing done
 // means the program is moving memory (an unread event) and the rest is left `interrupted`.
@@ -1058,6 +1095,11 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     target_ = MostDataBo(source_);
   }
 
+  ~UffdProgramChangesItsMemory() override {
+    for (const auto& [at, length] : holds_)
+      ::munmap(reinterpret_cast<void*>(at), length);
+  }
+
   void TearDown() override {
     if (!pager_) return;
     if (!unregistered_) {
@@ -1283,12 +1325,19 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
     EXPECT_EQ(n, static_cast<ssize_t>(bytes.size())) << std::strerror(errno);
     return bytes;
   }
-  // A placeholder where BO memory was, so RestoredMemory's unmapping at the end unmaps it and not
-  // someone else's mapping.
-  static void Hold(uint64_t at, uint64_t length) {
+  // The program unmapped or moved the BO memory at [at, at + length). RestoredMemory's unmapping
+  // at the end must leave the range alone: another thread's mapping (the pager's, or the
+  // sanitizer allocator's) may have taken the address since. A placeholder, where the range is
+  // still free, keeps the test's own later mappings from landing where the pager's records of
+  // the old range would muddle them.
+  void Hold(uint64_t at, uint64_t length) {
+    memory_->Forget(at, length);
     void* hold = ::mmap(reinterpret_cast<void*>(at), length, PROT_NONE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
-    ASSERT_EQ(hold, reinterpret_cast<void*>(at)) << std::strerror(errno);
+    if (hold == reinterpret_cast<void*>(at))
+      holds_.emplace_back(at, length);
+    else if (hold != MAP_FAILED)  // a kernel before 4.17 took the address as a hint
+      ::munmap(hold, length);
   }
   // Unregisters what the map says is BO memory now, then unmaps moved memory at `at`.
   void UnregisterAndUnmap(uint64_t at, uint64_t length) {
@@ -1329,6 +1378,7 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
   std::optional<Pager> pager_;
   bool unregistered_ = false;
   uint32_t target_ = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> holds_;  // placeholders Hold made: [at, +length)
 };
 
 // The changes to a mapping, in both fill modes: UFFDIO_CONTINUE refuses a range across VMAs or
