@@ -7,6 +7,7 @@
 
 #include "bench/checksum_bench.h"
 #include "bench/demand_bench.h"
+#include "bench/maps_bench.h"
 #include "bench/restore_bench.h"  // issue 4: restore modes
 #include "bench/stream_bench.h"
 #include "lazy-server/image/io.h"
@@ -121,6 +122,16 @@ int Run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
 
+  bench::MapsOptions maps;
+  CLI::App* maps_cmd = app.add_subcommand(
+      "maps", "the uffd pager's lookup of one address in a program's maps: ioctl vs text");
+  maps_cmd->add_option("--mappings", maps.mappings, "one-page mappings made apart")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
+  maps_cmd->add_option("--lookups", maps.lookups, "lookups by the ioctl (a tenth by the text)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
+
   // --- restore (issue 4): restore modes side by side; see bench/restore_bench.h ---
   bench::RestoreOptions restore;
   std::string restore_size, restore_chunk;
@@ -149,6 +160,10 @@ int Run(int argc, char** argv) {
     return status.ok() ? 0 : Fail(status);
   }
   // --- end restore ---
+  if (maps_cmd->parsed()) {
+    Status status = bench::RunMapsBench(common, maps);
+    return status.ok() ? 0 : Fail(status);
+  }
   if (checksum_cmd->parsed()) {
     auto memory = ParseSize(checksum_memory);
     if (!memory.ok()) return Fail(memory.status());

@@ -1,6 +1,7 @@
 #include "page-client/uffd/mappings.h"
 
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -17,6 +18,29 @@ namespace {
 
 // A process with a million mappings lists about 100 MiB; past that the text is not a maps file.
 constexpr size_t kMaxMapsBytes = size_t{256} << 20;
+
+// struct procmap_query of <linux/fs.h> (Linux 6.11), declared here because Debian 12's headers
+// predate it; the layout is the kernel's ABI (its size is in the ioctl number).
+struct ProcmapQuery {
+  uint64_t size;           // in: sizeof(ProcmapQuery)
+  uint64_t query_flags;    // in: 0 asks for the VMA covering query_addr only
+  uint64_t query_addr;     // in
+  uint64_t vma_start;      // out
+  uint64_t vma_end;        // out
+  uint64_t vma_flags;      // out: kProcmapVmaShared among others
+  uint64_t vma_page_size;  // out
+  uint64_t vma_offset;     // out: of vma_start in the file (0 for anonymous memory)
+  uint64_t inode;          // out (0 for anonymous memory)
+  uint32_t dev_major;      // out
+  uint32_t dev_minor;      // out
+  uint32_t vma_name_size;  // in/out: 0, no name wanted
+  uint32_t build_id_size;  // in/out: 0, no build ID wanted
+  uint64_t vma_name_addr;  // in
+  uint64_t build_id_addr;  // in
+};
+static_assert(sizeof(ProcmapQuery) == 104, "struct procmap_query is 104 bytes");
+constexpr unsigned long kProcmapQuery = _IOWR('f', 17, ProcmapQuery);
+constexpr uint64_t kProcmapVmaShared = 0x08;
 
 bool ParseNumber(std::string_view text, uint64_t* value, int base) {
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), *value, base);
@@ -89,13 +113,18 @@ std::string MapsPath(pid_t pid) {
   return "/proc/" + std::to_string(pid) + "/maps";
 }
 
-Result<std::string> ReadMaps(pid_t pid) {
+Result<UniqueFd> OpenMaps(pid_t pid) {
   const std::string path = MapsPath(pid);
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) {
     if (errno == ENOENT || errno == ESRCH) return NotFound("{}: the process is gone", path);
     return ErrnoError(errno, "open {}", path);
   }
+  return fd;
+}
+
+Result<std::string> ReadMaps(pid_t pid, const UniqueFd& fd) {
+  const std::string path = MapsPath(pid);
   // One pass of reads: the kernel builds the text as it is read, under the process's mmap lock,
   // so a mapping that changes while this reads may show either way (the caller copes).
   std::string text;
@@ -114,6 +143,45 @@ Result<std::string> ReadMaps(pid_t pid) {
   // mapped here".
   if (text.empty()) return NotFound("{}: empty (the process or its main thread has exited)", path);
   return text;
+}
+
+Result<std::string> ReadMaps(pid_t pid) {
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenMaps(pid));
+  return ReadMaps(pid, fd);
+}
+
+// The VMA at `address` by PROCMAP_QUERY (nullopt where nothing is mapped there); kUnsupported
+// where the kernel has no such ioctl.
+Result<std::optional<MappingDetails>> QueryMappingAt(pid_t pid, const UniqueFd& fd,
+                                                     uint64_t address) {
+  ProcmapQuery query{};
+  query.size = sizeof query;
+  query.query_addr = address;
+  int result = 0;
+  do {
+    result = ::ioctl(fd.get(), kProcmapQuery, &query);
+  } while (result != 0 && errno == EINTR);
+  if (result != 0) {
+    // ENOTTY: a kernel before 6.11. ENOENT: no VMA covers the address. ESRCH: the process (or
+    // its main thread, whose mm the file was opened on) has exited, as an empty text says.
+    if (errno == ENOTTY)
+      return Unsupported("{}: no PROCMAP_QUERY in this kernel (Linux 6.11+)", MapsPath(pid));
+    if (errno == ENOENT) return std::optional<MappingDetails>();
+    if (errno == ESRCH)
+      return NotFound("{}: the process or its main thread has exited", MapsPath(pid));
+    return ErrnoError(errno, "PROCMAP_QUERY for {:#x} on {}", address, MapsPath(pid));
+  }
+  if (query.vma_start > address || query.vma_end <= address || query.dev_major > 0xfff ||
+      query.dev_minor > 0xfffff)
+    return Corrupt("PROCMAP_QUERY for {:#x} on {} answered [{:#x}, {:#x}) on device {}:{}", address,
+                   MapsPath(pid), query.vma_start, query.vma_end, query.dev_major, query.dev_minor);
+  MappingDetails details;
+  details.range = {query.vma_start, query.vma_end};
+  details.shared = (query.vma_flags & kProcmapVmaShared) != 0;
+  details.file_offset = query.vma_offset;
+  details.device = makedev(query.dev_major, query.dev_minor);
+  details.inode = query.inode;
+  return std::optional<MappingDetails>(details);
 }
 
 }  // namespace
@@ -172,8 +240,15 @@ Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t t
   return mappings;
 }
 
-Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address) {
-  GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid));
+Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address, MapsLookup lookup) {
+  GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenMaps(pid));
+  if (lookup != MapsLookup::kText) {
+    Result<std::optional<MappingDetails>> queried = QueryMappingAt(pid, fd, address);
+    if (queried.ok() || queried.status().code() != Code::kUnsupported ||
+        lookup == MapsLookup::kQuery)
+      return queried;
+  }
+  GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid, fd));
   Result<std::optional<MappingDetails>> mapping = ParseMappingAt(text, address);
   if (!mapping.ok()) return mapping.status().Context(MapsPath(pid));
   return mapping;

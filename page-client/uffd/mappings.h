@@ -43,8 +43,16 @@ Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t t
 // where nothing is mapped there. Lines before it that do not parse are kCorrupt.
 Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint64_t address);
 
+// How MappingAt asks the kernel. The PROCMAP_QUERY ioctl on the maps file (Linux 6.11+) answers
+// for one address from the process's VMA tree; the text lists every mapping, which the kernel
+// prints under the process's mmap lock and the caller parses, at a cost that grows with the
+// process. kQueryOrText reads the text only where the kernel lacks the ioctl; kQuery fails with
+// kUnsupported there.
+enum class MapsLookup { kQueryOrText, kQuery, kText };
+
 // The same for the live process `pid` (errors as MappingsIn).
-Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address);
+Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address,
+                                                MapsLookup lookup = MapsLookup::kQueryOrText);
 
 // Every mapping of the live process `pid`, with its details, in address order (errors as
 // MappingsIn).

@@ -97,7 +97,8 @@ struct PagerStats {
   std::vector<double> latencies_s;  // per fault: read -> woken
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
   uint64_t unregister_calls = 0;    // UFFDIO_UNREGISTER calls made by UnregisterAll
-  // Reads of the program's /proc/PID/maps: by UnregisterAll, and at a fault in no known BO.
+  // Readings of the program's /proc/PID/maps by UnregisterAll, and lookups of one address in them
+  // (PROCMAP_QUERY where the kernel has it) at a length-0 remap event or a fault in no known BO.
   uint64_t maps_reads = 0;
 };
 

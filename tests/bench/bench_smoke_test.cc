@@ -74,6 +74,25 @@ TEST(BenchSmoke, ChecksumReportsEveryRunnableBuild) {
   EXPECT_EQ(selected, std::set<std::string>{std::string(checksum_internal::SelectedXxh3().name)});
 }
 
+// The maps lookups, both ways, each answer checked by the bench itself (it fails on a wrong one).
+TEST(BenchSmoke, MapsLookupsReportBothWays) {
+  const std::vector<nlohmann::json> lines = RunBench("maps --mappings 200 --lookups 50");
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0].at("lookup"), "query");
+  EXPECT_EQ(lines[1].at("lookup"), "text");
+  for (const nlohmann::json& line : lines) {
+    SCOPED_TRACE(line.dump());
+    EXPECT_EQ(line.at("bench"), "maps");
+    EXPECT_GE(line.at("mappings").get<uint64_t>(), 400u) << "200 pages and their gaps";
+    EXPECT_GT(line.at("floor_s").get<double>(), 0);
+    if (!line.at("supported").get<bool>()) continue;  // no PROCMAP_QUERY before Linux 6.11
+    EXPECT_EQ(line.at("lookups").get<uint64_t>(), line.at("lookup") == "query" ? 50u : 5u);
+    EXPECT_GT(line.at("p50_s").get<double>(), 0);
+    EXPECT_GE(line.at("p99_s").get<double>(), line.at("p50_s").get<double>());
+  }
+  EXPECT_TRUE(lines[1].at("supported").get<bool>()) << "the text is read on every kernel";
+}
+
 // One small stream: verified byte for byte, and where the CPU went, in range.
 TEST(BenchSmoke, StreamReportsItsCpuUse) {
   testing::TempDir work;

@@ -2051,6 +2051,76 @@ TEST(ProcessMappings, AMemfdMappingIsFoundAsTheFileItMaps) {
   ASSERT_EQ(::munmap(at, 2 * PageSize()), 0);
 }
 
+// The kernel's PROCMAP_QUERY (Linux 6.11+) and the maps text describe this process's mappings
+// alike: a memfd mapped shared from an offset, a hole, private anonymous memory, a private file
+// mapping, an inaccessible reservation.
+TEST(ProcessMappings, TheKernelsQueryAnswersAsTheText) {
+  const uint64_t page = PageSize();
+  void* reserved = ::mmap(nullptr, 6 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(reserved, MAP_FAILED) << std::strerror(errno);
+  const auto at = reinterpret_cast<uint64_t>(reserved);
+  UniqueFd memfd(::memfd_create("query-test", MFD_CLOEXEC));
+  UniqueFd exe(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(memfd.valid() && exe.valid()) << std::strerror(errno);
+  ASSERT_EQ(::ftruncate(memfd.get(), 4 * page), 0) << std::strerror(errno);
+  auto place = [&](uint64_t index, uint64_t pages, int prot, int flags, int fd, off_t offset) {
+    return ::mmap(reinterpret_cast<void*>(at + index * page), pages * page, prot, flags | MAP_FIXED,
+                  fd, offset) == reinterpret_cast<void*>(at + index * page);
+  };
+  ASSERT_TRUE(place(0, 2, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), page));
+  ASSERT_EQ(::munmap(reinterpret_cast<void*>(at + 2 * page), page), 0);
+  ASSERT_TRUE(place(3, 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  ASSERT_TRUE(place(4, 1, PROT_READ, MAP_PRIVATE, exe.get(), 0));
+  struct stat memfd_stat {};
+  struct stat exe_stat {};
+  ASSERT_EQ(::fstat(memfd.get(), &memfd_stat), 0);
+  ASSERT_EQ(::fstat(exe.get(), &exe_stat), 0);
+  for (const uint64_t offset : {uint64_t{5}, page, 2 * page, 3 * page + 17, 4 * page, 5 * page}) {
+    auto text = MappingAt(::getpid(), at + offset, MapsLookup::kText);
+    ASSERT_TRUE(text.ok()) << text.status().ToString();
+    auto queried = MappingAt(::getpid(), at + offset, MapsLookup::kQuery);
+    if (queried.status().code() == Code::kUnsupported) {
+      ::munmap(reserved, 6 * page);
+      GTEST_SKIP() << queried.status().ToString();
+    }
+    ASSERT_TRUE(queried.ok()) << queried.status().ToString();
+    ASSERT_EQ(queried->has_value(), text->has_value()) << "at page offset " << offset;
+    EXPECT_EQ(text->has_value(), offset / page != 2) << "only page 2 is a hole";
+    if (!text->has_value()) continue;
+    const MappingDetails& a = **queried;
+    const MappingDetails& b = **text;
+    EXPECT_EQ(a.range.start, b.range.start) << offset;
+    EXPECT_EQ(a.range.end, b.range.end) << offset;
+    EXPECT_EQ(a.shared, b.shared) << offset;
+    EXPECT_EQ(a.file_offset, b.file_offset) << offset;
+    EXPECT_EQ(a.device, b.device) << offset;
+    EXPECT_EQ(a.inode, b.inode) << offset;
+    switch (offset / page) {
+      case 0:
+      case 1:
+        EXPECT_EQ(a.range.start, at);
+        EXPECT_EQ(a.range.end, at + 2 * page);
+        EXPECT_TRUE(a.shared);
+        EXPECT_EQ(a.file_offset, page);
+        EXPECT_EQ(a.device, memfd_stat.st_dev);
+        EXPECT_EQ(a.inode, static_cast<uint64_t>(memfd_stat.st_ino));
+        break;
+      case 3:
+      case 5:
+        EXPECT_FALSE(a.shared) << offset;
+        EXPECT_EQ(a.inode, 0u) << offset;
+        EXPECT_EQ(a.range.end - a.range.start, page) << offset;
+        break;
+      case 4:
+        EXPECT_FALSE(a.shared);
+        EXPECT_EQ(a.device, exe_stat.st_dev);
+        EXPECT_EQ(a.inode, static_cast<uint64_t>(exe_stat.st_ino));
+        break;
+    }
+  }
+  ::munmap(reserved, 6 * page);
+}
+
 TEST(ShmemLargeFolios, OnlySettingsThatHugeAWriteCount) {
   const std::string never = "always within_size advise [never] deny force";
   EXPECT_FALSE(ShmemWritesMayAllocateLargeFolios(never, {}));
