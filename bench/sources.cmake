@@ -5,8 +5,9 @@ add_executable(gpulazy-bench
   ${CMAKE_CURRENT_LIST_DIR}/main.cc
   ${CMAKE_CURRENT_LIST_DIR}/stream_bench.cc
   ${CMAKE_CURRENT_LIST_DIR}/demand_bench.cc
-  ${CMAKE_CURRENT_LIST_DIR}/checksum_bench.cc)
-target_link_libraries(gpulazy-bench PRIVATE gpulazy_bench_harness gpulazy_client gpulazy_image gpulazy_net spdlog::spdlog)
+  ${CMAKE_CURRENT_LIST_DIR}/checksum_bench.cc
+  ${CMAKE_CURRENT_LIST_DIR}/maps_bench.cc)
+target_link_libraries(gpulazy-bench PRIVATE gpulazy_bench_harness gpulazy_client gpulazy_image gpulazy_net gpulazy_uffd spdlog::spdlog)
 # The bench starts the real server binary; build it alongside.
 if(TARGET gpulazy-server)
   add_dependencies(gpulazy-bench gpulazy-server)

@@ -1,11 +1,13 @@
 #include "page-client/uffd/mappings.h"
 
 #include <fcntl.h>
+#include <spdlog/spdlog.h>
 #include <sys/ioctl.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <string>
@@ -161,16 +163,15 @@ Result<std::optional<MappingDetails>> QueryMappingAt(pid_t pid, const UniqueFd& 
   do {
     result = ::ioctl(fd.get(), kProcmapQuery, &query);
   } while (result != 0 && errno == EINTR);
-  if (result != 0) {
-    // ENOTTY: a kernel before 6.11. ENOENT: no VMA covers the address. ESRCH: the process (or
-    // its main thread, whose mm the file was opened on) has exited, as an empty text says.
-    if (errno == ENOTTY)
-      return Unsupported("{}: no PROCMAP_QUERY in this kernel (Linux 6.11+)", MapsPath(pid));
-    if (errno == ENOENT) return std::optional<MappingDetails>();
-    if (errno == ESRCH)
-      return NotFound("{}: the process or its main thread has exited", MapsPath(pid));
-    return ErrnoError(errno, "PROCMAP_QUERY for {:#x} on {}", address, MapsPath(pid));
-  }
+  const int error = result != 0 ? errno : 0;
+  // ENOTTY: a kernel before 6.11. ENOENT: no VMA covers the address. ESRCH: the process has
+  // exited, or its main thread had when the file was opened (the text then reads empty).
+  if (error == ENOTTY)
+    return Unsupported("{}: no PROCMAP_QUERY in this kernel (Linux 6.11+)", MapsPath(pid));
+  if (error == ENOENT) return std::optional<MappingDetails>();
+  if (error == ESRCH)
+    return NotFound("{}: the process or its main thread has exited", MapsPath(pid));
+  if (error != 0) return ErrnoError(error, "PROCMAP_QUERY for {:#x} on {}", address, MapsPath(pid));
   if (query.vma_start > address || query.vma_end <= address || query.dev_major > 0xfff ||
       query.dev_minor > 0xfffff)
     return Corrupt("PROCMAP_QUERY for {:#x} on {} answered [{:#x}, {:#x}) on device {}:{}", address,
@@ -242,11 +243,16 @@ Result<std::vector<MappedRange>> MappingsIn(pid_t pid, uint64_t from, uint64_t t
 
 Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address, MapsLookup lookup) {
   GPULAZY_ASSIGN_OR_RETURN(UniqueFd fd, OpenMaps(pid));
-  if (lookup != MapsLookup::kText) {
+  // Set once the kernel says it has no such ioctl: later lookups go straight to the text.
+  static std::atomic<bool> no_query{false};
+  if (lookup == MapsLookup::kQuery || (lookup == MapsLookup::kQueryOrText && !no_query.load())) {
     Result<std::optional<MappingDetails>> queried = QueryMappingAt(pid, fd, address);
-    if (queried.ok() || queried.status().code() != Code::kUnsupported ||
-        lookup == MapsLookup::kQuery)
+    if (queried.ok() || queried.status().code() == Code::kNotFound || lookup == MapsLookup::kQuery)
       return queried;
+    // Any other refusal (a kernel without it, or a seccomp or LSM policy filtering ioctls): the
+    // text says the same, more slowly.
+    if (queried.status().code() == Code::kUnsupported) no_query.store(true);
+    spdlog::debug("uffd mappings: {}; reading the text instead", queried.status().ToString());
   }
   GPULAZY_ASSIGN_OR_RETURN(const std::string text, ReadMaps(pid, fd));
   Result<std::optional<MappingDetails>> mapping = ParseMappingAt(text, address);

@@ -1,7 +1,9 @@
 // The mappings of a process's address space, as /proc/PID/maps lists them. Pager::UnregisterAll
 // reads them where the kernel refuses to unregister a range (a BO the program unmapped, or a file
 // of its own mapped over part of one), so it unregisters what is mapped there instead of probing
-// the range page by page.
+// the range page by page, and at its end for second mappings of BO memfds. The pager looks up one
+// address (MappingAt, by the kernel's PROCMAP_QUERY where it has it) where a length-0 mremap
+// went and at a fault in no known range.
 #pragma once
 
 #include <sys/types.h>
@@ -50,7 +52,8 @@ Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint
 // kUnsupported there.
 enum class MapsLookup { kQueryOrText, kQuery, kText };
 
-// The same for the live process `pid` (errors as MappingsIn).
+// The same for the live process `pid`: errors as MappingsIn, and kUnsupported (no ioctl) or
+// another refusal of the ioctl with kQuery (kQueryOrText reads the text then).
 Result<std::optional<MappingDetails>> MappingAt(pid_t pid, uint64_t address,
                                                 MapsLookup lookup = MapsLookup::kQueryOrText);
 

@@ -53,9 +53,10 @@ Mapping::~Mapping() {
 void Mapping::Forget(uint64_t addr, uint64_t length) {
   const uint64_t begin = reinterpret_cast<uint64_t>(data_);
   const uint64_t limit = begin + size_;
-  if (data_ == nullptr || addr >= limit) return;
-  const uint64_t start = std::max(addr, begin);
-  const uint64_t end = length >= limit - addr ? limit : addr + length;  // no wrap past the mapping
+  if (data_ == nullptr || addr >= limit || length == 0) return;
+  const uint64_t start = std::max(PageAlignDown(addr), begin);
+  // No wrap past the mapping's end (a page-aligned limit, so rounding up stays within it).
+  const uint64_t end = length >= limit - addr ? limit : PageAlignUp(addr + length);
   if (start >= end) return;
   AddRange(forgotten_, start, end);
 }

@@ -48,9 +48,9 @@ class Mapping {
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
   std::span<uint8_t> bytes() const { return {data_, static_cast<size_t>(size_)}; }
-  // [addr, addr + length) (page aligned; clipped to the mapping) is no longer this mapping's:
-  // its user unmapped or moved it, and the address may hold someone else's mapping by now, so
-  // destruction leaves it alone.
+  // The pages of [addr, addr + length) (whole pages; clipped to the mapping) are no longer this
+  // mapping's: its user unmapped or moved them, and the address may hold someone else's mapping
+  // by now, so destruction leaves them alone.
   void Forget(uint64_t addr, uint64_t length);
 
  private:
@@ -79,7 +79,7 @@ class RestoredMemory {
   // BO i's memfd (-1 for anonymous memory).
   int memfd(uint32_t bo) const { return memfds_[bo].get(); }
   std::vector<int> memfds() const;
-  // The program unmapped or moved [addr, addr + length) itself (page aligned; parts outside
+  // The program unmapped or moved the pages of [addr, addr + length) itself (parts outside
   // every BO's mapping are ignored): destruction then leaves that range alone instead of
   // unmapping whatever another mapping put there since. Not thread-safe: for the owner.
   void Forget(uint64_t addr, uint64_t length);
