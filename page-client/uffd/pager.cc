@@ -427,6 +427,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
   const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
   if (region == nullptr && fault.left_behind) return;
   bool left_behind = false;
+  bool private_left = false;
   if (region == nullptr) {
     // At no BO byte the map knows. While the program is moving memory (its event unread) the
     // fault may be where BO memory is going: try again after the next read.
@@ -445,6 +446,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     // Where a move took BO memory from and left the range mapped (MREMAP_DONTUNMAP): served as
     // the BO's chunk there, once it is resident (below).
     at = engine_.addresses().FindLeftBehind(address);
+    const bool recorded = at.has_value();
     Status maps;
     if (!at) {
       // A mapping of a BO's memfd no event told of: the program's maps name it.
@@ -461,6 +463,9 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     }
     region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
     left_behind = region != nullptr;
+    // A mapping found in the maps is a shared one of the BO's memfd: only a recorded range may
+    // be private.
+    private_left = left_behind && recorded && LeftBehindIsPrivate(address);
     if (region == nullptr) {
       // Otherwise it is not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
       Fail(Internal("fault at {:#x} outside every registered BO{}", address,
@@ -475,10 +480,12 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     std::lock_guard lock(mutex_);
     ++stats_.faults;
     if (left_behind) ++stats_.left_behind_faults;
+    if (private_left) ++stats_.private_left_behind_zeroed;
   }
-  if (session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
+  if (private_left || session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
     // Installed before we read the fault (the install woke it, or raced with it), or a zero
-    // chunk whose pages the engine left for the first touch.
+    // chunk whose pages the engine left for the first touch; or private memory a move left,
+    // which reads zeros whatever the chunk holds (as the kernel fills it without a pager).
     Result<Served> served = ServeResident(*region, chunk, page, left_behind);
     // A fault read just before its process exited: CONTINUE or ZEROPAGE finds it gone (Wake
     // ignores that).
@@ -599,6 +606,20 @@ Result<std::optional<AddressMap::Location>> Pager::AliasFromMaps(uint64_t addres
   }
   return std::optional<AddressMap::Location>(
       AddressMap::Location{at->bo, file_offset + (address - page)});
+}
+
+bool Pager::LeftBehindIsPrivate(uint64_t address) {
+  // A move under way (its event unread) may be putting other memory here: the maps could show
+  // that before the map does. One starting after this check stops the install (EAGAIN) until its
+  // event is read.
+  if (uffd_.mode() != FillMode::kMissingCopy || !uffd_.owner() || uffd_.MappingsChanging())
+    return false;
+  Result<std::optional<MappingDetails>> mapping = MappingAt(*uffd_.owner(), address);
+  {
+    std::lock_guard lock(mutex_);
+    ++stats_.maps_reads;
+  }
+  return mapping.ok() && mapping->has_value() && !(*mapping)->shared;
 }
 
 Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page,

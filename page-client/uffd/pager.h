@@ -80,8 +80,9 @@ struct PagerOptions {
 };
 
 struct PagerStats {
-  uint64_t faults = 0;           // page-fault events read
-  uint64_t resident_faults = 0;  // already resident when read (woken at once)
+  uint64_t faults = 0;  // page-fault events read
+  // Served at once: already resident when read, or private memory a move left (below).
+  uint64_t resident_faults = 0;
   // Of resident_faults, pages the program dropped after they landed (MADV_DONTNEED on private
   // anonymous memory, a hole punched in a memfd), filled with zeros as the kernel would.
   uint64_t dropped_pages_zeroed = 0;
@@ -90,6 +91,9 @@ struct PagerStats {
   // Faults in a range a move left registered (MREMAP_DONTUNMAP), served as what the kernel
   // leaves there: zeros in private memory, the BO's pages in a shared mapping of its memfd.
   uint64_t left_behind_faults = 0;
+  // Of left_behind_faults, those in private memory (the program's maps say so) in MISSING mode:
+  // served zeros at once, not after their chunk, which that memory never shows.
+  uint64_t private_left_behind_zeroed = 0;
   // Mappings of a BO's memfd that no event told of (`mremap(old, 0, ...)` of a BO's mapping),
   // found in the program's maps at a fault there; served as the shared ranges above, and their
   // faults counted in left_behind_faults.
@@ -151,6 +155,10 @@ class Pager {
   // be read. Called where a move of length 0 went (its event says where, not how long) and at a
   // fault in no range the map knows.
   Result<std::optional<AddressMap::Location>> AliasFromMaps(uint64_t address);
+  // Whether a fault at `address`, in a range a move left, is in private memory that reads zeros
+  // whatever the BO holds (MISSING mode; the program's maps say so, and it is not moving
+  // memory). False where it cannot tell: the fault then waits for its chunk as in a shared range.
+  bool LeftBehindIsPrivate(uint64_t address);
   // `earlier`: the fault was deferred before (when, and whether it was counted then).
   void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when,
                    const Deferred* earlier = nullptr);

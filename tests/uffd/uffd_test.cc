@@ -1811,7 +1811,7 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
   const auto [page, offset] = DataPage(bytes);
   const uint64_t elsewhere = MoveLeavingItMapped(region.addr, length);
   ASSERT_FALSE(HasFailure());
-  // Nothing lands before Bind: the reader's fault waits for the chunk.
+  // Nothing lands before Bind: in a shared mapping the reader's fault waits for the chunk.
   BackgroundRead reader(region.addr + offset);
   // Its fault read before Bind (in a shared mapping a read after the chunk landed would find
   // the page in the page cache and not fault at all).
@@ -1823,6 +1823,13 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
                  static_cast<unsigned long>(pager_->stats().left_behind_faults),  // NOLINT
                  pager_->status().ToString().c_str());
     std::abort();
+  }
+  if (!expect_alias) {
+    // Private memory reads zeros whatever the BO holds: served at once, not after a chunk that
+    // memory never shows.
+    EXPECT_EQ(reader.Get("a read where the BO was, before any chunk landed"), 0);
+    EXPECT_EQ(pager_->stats().private_left_behind_zeroed, 1u);
+    EXPECT_EQ(pager_->stats().demand_chunks, 0u) << "a chunk asked for a page that reads zeros";
   }
   ASSERT_NO_FATAL_FAILURE(Bind());
   const uint8_t value = reader.Get("a read where the BO was");
@@ -1840,6 +1847,8 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
         << "the range it left";
   }
   EXPECT_GE(pager_->stats().left_behind_faults, 1u);
+  EXPECT_EQ(pager_->stats().private_left_behind_zeroed,
+            expect_alias ? 0 : pager_->stats().left_behind_faults);
   EXPECT_TRUE(pager_->status().ok()) << pager_->status().ToString();
   ASSERT_NO_FATAL_FAILURE(Unregister());
   EXPECT_FALSE(TrackedByUserfaultfd(region.addr, length)) << "the range the move left";
