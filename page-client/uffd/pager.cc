@@ -427,7 +427,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
   const Region* region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
   if (region == nullptr && fault.left_behind) return;
   bool left_behind = false;
-  bool private_left = false;
+  bool recorded_left = false;  // in a range a move left (not a mapping found in the maps)
   if (region == nullptr) {
     // At no BO byte the map knows. While the program is moving memory (its event unread) the
     // fault may be where BO memory is going: try again after the next read.
@@ -463,9 +463,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     }
     region = at && at->bo < by_bo_.size() ? by_bo_[at->bo] : nullptr;
     left_behind = region != nullptr;
-    // A mapping found in the maps is a shared one of the BO's memfd: only a recorded range may
-    // be private.
-    private_left = left_behind && recorded && LeftBehindIsPrivate(address);
+    recorded_left = left_behind && recorded;
     if (region == nullptr) {
       // Otherwise it is not ours (or the page-rounded tail of a BO): no chunk will ever fill it.
       Fail(Internal("fault at {:#x} outside every registered BO{}", address,
@@ -475,18 +473,23 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
   }
   const auto chunk = static_cast<uint32_t>(at->offset / chunk_size_);
   const uint64_t offset = uint64_t{chunk} * chunk_size_;
+  const bool resident = session_.IsResident(region->bo, offset, ChunkLength(*region, chunk));
+  // Private anonymous memory a move left reads zeros whatever the chunk holds (the kernel's own
+  // answer there): served now, not after a chunk still to come. (A resident chunk's page gets
+  // the same zero page below without asking the maps; a mapping found in the maps is shared.)
+  const bool private_left = !resident && recorded_left && LeftBehindIsPrivate(address);
   if (earlier == nullptr || !earlier->counted) {
-    if (options_.recorder != nullptr) options_.recorder->Note(region->bo, chunk);
+    // The chunk is not what the program needed there: no note in the access profile.
+    if (options_.recorder != nullptr && !private_left) options_.recorder->Note(region->bo, chunk);
     std::lock_guard lock(mutex_);
     ++stats_.faults;
     if (left_behind) ++stats_.left_behind_faults;
-    if (private_left) ++stats_.private_left_behind_zeroed;
   }
-  if (private_left || session_.IsResident(region->bo, offset, ChunkLength(*region, chunk))) {
+  if (private_left || resident) {
     // Installed before we read the fault (the install woke it, or raced with it), or a zero
-    // chunk whose pages the engine left for the first touch; or private memory a move left,
-    // which reads zeros whatever the chunk holds (as the kernel fills it without a pager).
-    Result<Served> served = ServeResident(*region, chunk, page, left_behind);
+    // chunk whose pages the engine left for the first touch; or private memory a move left.
+    Result<Served> served =
+        private_left ? ZeroOrWake(page) : ServeResident(*region, chunk, page, left_behind);
     // A fault read just before its process exited: CONTINUE or ZEROPAGE finds it gone (Wake
     // ignores that).
     if (served.status().code() == Code::kAborted) return EndPeerGone("a wake found it gone");
@@ -498,6 +501,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
     ++stats_.resident_faults;
     if (served.ok() && *served == Served::kFilledDropped && !left_behind)
       ++stats_.dropped_pages_zeroed;
+    if (served.ok() && private_left) ++stats_.private_left_behind_zeroed;
     RecordLatency(when, Clock::now());
     if (!served.ok() && status_.ok()) status_ = served.status();
     return;
@@ -614,12 +618,17 @@ bool Pager::LeftBehindIsPrivate(uint64_t address) {
   // event is read.
   if (uffd_.mode() != FillMode::kMissingCopy || !uffd_.owner() || uffd_.MappingsChanging())
     return false;
-  Result<std::optional<MappingDetails>> mapping = MappingAt(*uffd_.owner(), address);
+  // The ioctl only (a few microseconds): where the kernel lacks or refuses it, the whole text at
+  // every such fault would cost more than waiting for the chunk.
+  Result<std::optional<MappingDetails>> mapping =
+      MappingAt(*uffd_.owner(), address, MapsLookup::kQuery);
   {
     std::lock_guard lock(mutex_);
     ++stats_.maps_reads;
   }
-  return mapping.ok() && mapping->has_value() && !(*mapping)->shared;
+  // Anonymous only: a private mapping of a file reads the file's page where it has no page of
+  // its own, not zeros.
+  return mapping.ok() && mapping->has_value() && !(*mapping)->shared && (*mapping)->inode == 0;
 }
 
 Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk, uint64_t page,
@@ -651,6 +660,10 @@ Result<Pager::Served> Pager::ServeResident(const Region& region, uint32_t chunk,
   // for good. (Or a deferred zero page that another thread took from the record and is
   // installing now: the same zeros, counted here as dropped.) A page that is there (the fault
   // raced the install) is only woken: EEXIST.
+  return ZeroOrWake(page);
+}
+
+Result<Pager::Served> Pager::ZeroOrWake(uint64_t page) {
   GPULAZY_ASSIGN_OR_RETURN(InstallResult refilled, uffd_.ZeroPage(page, PageSize()));
   if (refilled.interrupted > 0) return Served::kAfterMoves;
   if (refilled.installed > 0) return Served::kFilledDropped;  // ZEROPAGE woke it

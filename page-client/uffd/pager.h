@@ -91,8 +91,9 @@ struct PagerStats {
   // Faults in a range a move left registered (MREMAP_DONTUNMAP), served as what the kernel
   // leaves there: zeros in private memory, the BO's pages in a shared mapping of its memfd.
   uint64_t left_behind_faults = 0;
-  // Of left_behind_faults, those in private memory (the program's maps say so) in MISSING mode:
-  // served zeros at once, not after their chunk, which that memory never shows.
+  // Of left_behind_faults, those in private anonymous memory (the program's maps say so) in
+  // MISSING mode whose chunk was still to come: served zeros at once, not after that chunk,
+  // which that memory never shows.
   uint64_t private_left_behind_zeroed = 0;
   // Mappings of a BO's memfd that no event told of (`mremap(old, 0, ...)` of a BO's mapping),
   // found in the program's maps at a fault there; served as the shared ranges above, and their
@@ -102,7 +103,8 @@ struct PagerStats {
   std::vector<double> fault_at_s;   // per fault, as latencies_s: read, seconds after Start
   uint64_t unregister_calls = 0;    // UFFDIO_UNREGISTER calls made by UnregisterAll
   // Readings of the program's /proc/PID/maps by UnregisterAll, and lookups of one address in them
-  // (PROCMAP_QUERY where the kernel has it) at a length-0 remap event or a fault in no known BO.
+  // (PROCMAP_QUERY where the kernel has it) at a length-0 remap event, a fault in no known BO, or
+  // a fault in a range a move left whose chunk is still to come (MISSING mode).
   uint64_t maps_reads = 0;
 };
 
@@ -155,9 +157,10 @@ class Pager {
   // be read. Called where a move of length 0 went (its event says where, not how long) and at a
   // fault in no range the map knows.
   Result<std::optional<AddressMap::Location>> AliasFromMaps(uint64_t address);
-  // Whether a fault at `address`, in a range a move left, is in private memory that reads zeros
-  // whatever the BO holds (MISSING mode; the program's maps say so, and it is not moving
-  // memory). False where it cannot tell: the fault then waits for its chunk as in a shared range.
+  // Whether a fault at `address`, in a range a move left, is in private anonymous memory, which
+  // reads zeros whatever the BO holds (MISSING mode; the kernel's PROCMAP_QUERY says so, and the
+  // program is not moving memory). False where it cannot tell: the fault then waits for its
+  // chunk as in a shared range.
   bool LeftBehindIsPrivate(uint64_t address);
   // `earlier`: the fault was deferred before (when, and whether it was counted then).
   void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when,
@@ -183,6 +186,9 @@ class Pager {
   // page of its own.
   Result<Served> ServeResident(const Region& region, uint32_t chunk, uint64_t page,
                                bool left_behind = false);
+  // A zero page at `page` where it has none (it reads zeros, as with no pager), else a wake (a
+  // page is there: EEXIST).
+  Result<Served> ZeroOrWake(uint64_t page);
   // Faults the loop could not serve yet: a move the program is making (an unread event) stopped
   // their install, or put them at an address the map does not know yet. Loop thread only.
   struct Deferred {
