@@ -48,8 +48,8 @@ Result<std::optional<MappingDetails>> ParseMappingAt(std::string_view maps, uint
 // How MappingAt asks the kernel. The PROCMAP_QUERY ioctl on the maps file (Linux 6.11+) answers
 // for one address from the process's VMA tree; the text lists every mapping, which the kernel
 // prints under the process's mmap lock and the caller parses, at a cost that grows with the
-// process. kQueryOrText reads the text only where the kernel lacks the ioctl; kQuery fails with
-// kUnsupported there.
+// process. kQueryOrText reads the text only where the kernel lacks or refuses the ioctl; kQuery
+// fails then (kUnsupported where it lacks it).
 enum class MapsLookup { kQueryOrText, kQuery, kText };
 
 // The same for the live process `pid`: errors as MappingsIn, and kUnsupported (no ioctl) or

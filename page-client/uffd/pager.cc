@@ -444,7 +444,7 @@ void Pager::HandleFault(const ReadFault& fault, Clock::time_point when, const De
       return;
     }
     // Where a move took BO memory from and left the range mapped (MREMAP_DONTUNMAP): served as
-    // the BO's chunk there, once it is resident (below).
+    // the BO's chunk there, once it is resident, or at once in private memory (below).
     at = engine_.addresses().FindLeftBehind(address);
     const bool recorded = at.has_value();
     Status maps;
