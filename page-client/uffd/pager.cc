@@ -577,13 +577,16 @@ void Pager::InstallHotZeros() {
   }
 }
 
-Result<std::optional<AddressMap::Location>> Pager::AliasFromMaps(uint64_t address) {
+Result<std::optional<MappingDetails>> Pager::OwnerMappingAt(uint64_t address, MapsLookup lookup) {
   if (!uffd_.owner()) return Unavailable("the restored process is not known to the pager");
-  Result<std::optional<MappingDetails>> mapping = MappingAt(*uffd_.owner(), address);
-  {
-    std::lock_guard lock(mutex_);
-    ++stats_.maps_reads;
-  }
+  Result<std::optional<MappingDetails>> mapping = MappingAt(*uffd_.owner(), address, lookup);
+  std::lock_guard lock(mutex_);
+  ++stats_.maps_reads;
+  return mapping;
+}
+
+Result<std::optional<AddressMap::Location>> Pager::AliasFromMaps(uint64_t address) {
+  Result<std::optional<MappingDetails>> mapping = OwnerMappingAt(address);
   if (!mapping.ok()) return Unavailable("{}", mapping.status().ToString());
   // Only a shared mapping shows the memfd's pages; a private one of it is the program's own copy.
   if (!mapping->has_value() || !(*mapping)->shared || (*mapping)->inode == 0)
@@ -595,9 +598,8 @@ Result<std::optional<AddressMap::Location>> Pager::AliasFromMaps(uint64_t addres
       engine_.FindByFile(found.device, found.inode, file_offset);
   if (!at) return std::optional<AddressMap::Location>();
   // The whole mapping, so its other pages are found without a reading, and unregistered.
-  const uint64_t first = found.file_offset;
   if (engine_.addresses().RecordAlias(found.range.start, found.range.end - found.range.start,
-                                      at->bo, first)) {
+                                      at->bo, found.file_offset)) {
     spdlog::info(
         "uffd pager: the restored process maps BO {} at [{:#x}, {:#x}) (a mapping no "
         "event told the length of), served as the BO",
@@ -613,19 +615,12 @@ Result<std::optional<AddressMap::Location>> Pager::AliasFromMaps(uint64_t addres
 }
 
 bool Pager::LeftBehindIsPrivate(uint64_t address) {
-  // A move under way (its event unread) may be putting other memory here: the maps could show
-  // that before the map does. One starting after this check stops the install (EAGAIN) until its
-  // event is read.
-  if (uffd_.mode() != FillMode::kMissingCopy || !uffd_.owner() || uffd_.MappingsChanging())
-    return false;
+  // The caller found no move under way (its event unread), which could be putting other memory
+  // here; one starting since stops the install (EAGAIN) until its event is read.
+  if (uffd_.mode() != FillMode::kMissingCopy) return false;
   // The ioctl only (a few microseconds): where the kernel lacks or refuses it, the whole text at
   // every such fault would cost more than waiting for the chunk.
-  Result<std::optional<MappingDetails>> mapping =
-      MappingAt(*uffd_.owner(), address, MapsLookup::kQuery);
-  {
-    std::lock_guard lock(mutex_);
-    ++stats_.maps_reads;
-  }
+  Result<std::optional<MappingDetails>> mapping = OwnerMappingAt(address, MapsLookup::kQuery);
   // Anonymous only: a private mapping of a file reads the file's page where it has no page of
   // its own, not zeros.
   return mapping.ok() && mapping->has_value() && !(*mapping)->shared && (*mapping)->inode == 0;

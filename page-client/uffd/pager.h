@@ -157,10 +157,14 @@ class Pager {
   // be read. Called where a move of length 0 went (its event says where, not how long) and at a
   // fault in no range the map knows.
   Result<std::optional<AddressMap::Location>> AliasFromMaps(uint64_t address);
+  // The program's mapping at `address` (MappingAt), counted in maps_reads; kUnavailable when the
+  // pager does not know the program's pid.
+  Result<std::optional<MappingDetails>> OwnerMappingAt(
+      uint64_t address, MapsLookup lookup = MapsLookup::kQueryOrText);
   // Whether a fault at `address`, in a range a move left, is in private anonymous memory, which
-  // reads zeros whatever the BO holds (MISSING mode; the kernel's PROCMAP_QUERY says so, and the
-  // program is not moving memory). False where it cannot tell: the fault then waits for its
-  // chunk as in a shared range.
+  // reads zeros whatever the BO holds (MISSING mode; the kernel's PROCMAP_QUERY says so). The
+  // caller has found the program not moving memory. False where it cannot tell: the fault then
+  // waits for its chunk as in a shared range.
   bool LeftBehindIsPrivate(uint64_t address);
   // `earlier`: the fault was deferred before (when, and whether it was counted then).
   void HandleFault(const ReadFault& fault, std::chrono::steady_clock::time_point when,

@@ -1106,6 +1106,13 @@ class UffdProgramChangesItsMemory : public ::testing::Test {
       ::munmap(reinterpret_cast<void*>(at), length);
   }
 
+  // Waits up to 10 s for the pager's stat `field` to reach `at_least` (what a thread of the
+  // test set off is counted by, once the pager has seen it).
+  void AwaitStat(uint64_t PagerStats::*field, uint64_t at_least = 1) {
+    for (int i = 0; i < 10000 && pager_->stats().*field < at_least; ++i)
+      std::this_thread::sleep_for(1ms);
+  }
+
   void TearDown() override {
     if (!pager_) return;
     if (!unregistered_) {
@@ -1815,8 +1822,7 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
   BackgroundRead reader(region.addr + offset);
   // Its fault read before Bind (in a shared mapping a read after the chunk landed would find
   // the page in the page cache and not fault at all).
-  for (int i = 0; i < 1000 && pager_->stats().left_behind_faults == 0; ++i)
-    std::this_thread::sleep_for(10ms);
+  AwaitStat(&PagerStats::left_behind_faults);
   if (pager_->stats().left_behind_faults != 1) {
     // The reader cannot be joined while its fault waits: say why, and stop here.
     std::fprintf(stderr, "%lu faults where the BO was, not one, within 10 s: %s\n",
@@ -1829,8 +1835,7 @@ void UffdProgramChangesItsMemory::ExpectARangeLeftByADontUnmapMoveReads(bool exp
     // memory never shows.
     EXPECT_EQ(reader.Get("a read where the BO was, before any chunk landed"), 0);
     // Counted once the zero page woke the reader.
-    for (int i = 0; i < 1000 && pager_->stats().private_left_behind_zeroed == 0; ++i)
-      std::this_thread::sleep_for(1ms);
+    AwaitStat(&PagerStats::private_left_behind_zeroed);
     EXPECT_EQ(pager_->stats().private_left_behind_zeroed, 1u);
     EXPECT_EQ(pager_->stats().demand_chunks, 0u) << "a chunk asked for a page that reads zeros";
   }
@@ -1923,8 +1928,7 @@ TEST_P(UffdProgramChangesItsMapping, AnUntouchedSecondMappingIsUnregisteredToo) 
   void* second = SecondMappingOfTheTarget();
   ASSERT_FALSE(HasFailure());
   // The mremap returns once its event is read; the pager reads the maps after that.
-  for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
-    std::this_thread::sleep_for(1ms);
+  AwaitStat(&PagerStats::aliases_found);
   EXPECT_EQ(pager_->stats().aliases_found, 1u);
   ExpectUnregisteredShowingTheBo(second, length);
 }
@@ -1946,16 +1950,14 @@ TEST_P(UffdProgramChangesItsMapping, ASecondMappingAtAnAddressAnotherOneLeftShow
   void* second = ::mremap(reinterpret_cast<void*>(first.addr), 0, 2 * page,
                           MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(at + page));
   ASSERT_EQ(second, reinterpret_cast<void*>(at + page)) << std::strerror(errno);
-  for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
-    std::this_thread::sleep_for(1ms);
+  AwaitStat(&PagerStats::aliases_found);
   EXPECT_EQ(pager_->stats().aliases_found, 1u);
   EXPECT_EQ(*reinterpret_cast<const volatile uint8_t*>(at + page), source_[target_][0]);
   ASSERT_EQ(::munmap(second, 2 * page), 0) << std::strerror(errno);
   void* third = ::mremap(reinterpret_cast<void*>(other.addr), 0, 4 * page,
                          MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(at));
   ASSERT_EQ(third, reinterpret_cast<void*>(at)) << std::strerror(errno);
-  for (int i = 0; i < 1000 && pager_->stats().aliases_found < 2; ++i)
-    std::this_thread::sleep_for(1ms);
+  AwaitStat(&PagerStats::aliases_found, 2);
   EXPECT_EQ(pager_->stats().aliases_found, 2u);
   for (const uint64_t offset : {uint64_t{0}, page, 2 * page, 3 * page}) {
     const std::optional<AddressMap::Location> there =
@@ -1986,8 +1988,7 @@ TEST_P(UffdProgramChangesItsMapping, ASecondMappingWhereAnUnmappedBoWasReplacesI
   void* second = ::mremap(reinterpret_cast<void*>(other.addr), 0, length,
                           MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(gone.addr));
   ASSERT_EQ(second, reinterpret_cast<void*>(gone.addr)) << std::strerror(errno);
-  for (int i = 0; i < 1000 && pager_->stats().aliases_found == 0; ++i)
-    std::this_thread::sleep_for(1ms);
+  AwaitStat(&PagerStats::aliases_found);
   EXPECT_EQ(pager_->stats().aliases_found, 1u);
   EXPECT_FALSE(engine_->addresses().Find(gone.addr).has_value())
       << "the unmapped BO is still there";
@@ -2009,8 +2010,7 @@ TEST_P(UffdProgramChangesItsMapping, AnUnrecordedSecondMappingIsUnregisteredToo)
   void* second = SecondMappingOfTheTarget();
   ASSERT_FALSE(HasFailure());
   // The pager's lookup at the event, done before the BO is bound.
-  for (int i = 0; i < 1000 && pager_->stats().maps_reads == 0; ++i)
-    std::this_thread::sleep_for(1ms);
+  AwaitStat(&PagerStats::maps_reads);
   ASSERT_EQ(pager_->stats().maps_reads, 1u);
   ASSERT_NO_FATAL_FAILURE(Bind());
   ASSERT_TRUE(session_->WaitComplete(20s).ok()) << session_->status().ToString();
@@ -2311,8 +2311,7 @@ TEST_P(UffdProgramChangesItsMapping, ALeftRangeMovedOntoAWaitedPageWakesTheWaite
   const uint64_t elsewhere = MoveLeavingItMapped(first.addr, first_length);
   ASSERT_FALSE(HasFailure());
   BackgroundRead reader(second.addr + second_offset);
-  for (int i = 0; i < 1000 && pager_->stats().demand_chunks == 0; ++i)
-    std::this_thread::sleep_for(10ms);
+  AwaitStat(&PagerStats::demand_chunks);
   ASSERT_GE(pager_->stats().demand_chunks, 1u) << "the reader's fault was not read";
   // The page of the first BO's old range onto the page the reader waits on.
   ASSERT_NO_FATAL_FAILURE(Move(first.addr + first_page, second.addr + second_page, PageSize()));
