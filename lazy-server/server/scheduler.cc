@@ -108,7 +108,7 @@ Status Scheduler::StreamAll(SessionId id, Delivery delivery) {
 
 Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                           const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
-                          Clock::time_point now, Delivery delivery) {
+                          Clock::time_point now, Delivery delivery, uint64_t asked_on) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound("session {} is not open", id);
   SessionState& s = it->second;
@@ -141,6 +141,7 @@ Status Scheduler::Enqueue(SessionId id, wire::Priority priority, Output output, 
       item.priority = priority;
       item.output = output;
       item.request_id = request_id;
+      if (output == Output::kDemand) item.asked_on = asked_on;
       item.received = now;
       item.by_reference = delivery == Delivery::kByReference;
       item.placed = delivery == Delivery::kPlaced;
@@ -353,14 +354,13 @@ void Scheduler::Done(const WorkItem& item, std::optional<uint32_t> sent_payload)
   }
 }
 
-void Scheduler::DropOutput(SessionId id, Output output) {
+void Scheduler::DropDemandAskedOn(SessionId id, uint64_t asked_on) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionState& s = it->second;
-  std::deque<WorkItem>& queue = output == Output::kDemand ? s.demand_to_demand : s.demand_to_stream;
-  const uint32_t dropped = static_cast<uint32_t>(queue.size());
+  const auto dropped = static_cast<uint32_t>(std::erase_if(
+      s.demand_to_demand, [asked_on](const WorkItem& item) { return item.asked_on == asked_on; }));
   s.demand_outstanding -= std::min(dropped, s.demand_outstanding);
-  queue.clear();
 }
 
 std::optional<StreamDoneInfo> Scheduler::TakeStreamDone(SessionId id) {

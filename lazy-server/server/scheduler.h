@@ -79,7 +79,11 @@ struct WorkItem {
   uint32_t chunk = 0;
   wire::Priority priority = wire::PRIORITY_BACKGROUND;
   Output output = Output::kStream;
-  uint64_t request_id = 0;       // 0 for stream_all chunks
+  uint64_t request_id = 0;  // 0 for stream_all chunks
+  // Demand output only: the id of the demand connection that asked. Its answer goes to that
+  // connection or nowhere: a newer one replacing it has its own request ids, and the client
+  // asks again there for what it still lacks.
+  uint64_t asked_on = 0;
   bool from_stream_all = false;  // counts towards StreamDone
   uint32_t reserved_credit = 0;  // credit taken when picked (stream output only)
   // Stream output only: which of the session's bulk connections carries it (0: the stream
@@ -132,7 +136,8 @@ class Scheduler {
   // range is kOutOfRange, past a limit kResourceExhausted, and nothing is queued.
   Status Enqueue(SessionId id, wire::Priority priority, Output output, uint64_t request_id,
                  const google::protobuf::RepeatedPtrField<wire::ChunkRange>& ranges,
-                 Clock::time_point now, Delivery delivery = Delivery::kBytes);
+                 Clock::time_point now, Delivery delivery = Delivery::kBytes,
+                 uint64_t asked_on = 0);
   // The session now has `count` bulk connections (its stream connection and count - 1 lanes):
   // its later stream picks are dealt round-robin over them. Never shrinks (a lane that goes
   // away ends its session).
@@ -160,8 +165,9 @@ class Scheduler {
   // A picked item is finished: written (sent_payload = bytes written) or dropped (nullopt;
   // its credit comes back).
   void Done(const WorkItem& item, std::optional<uint32_t> sent_payload);
-  // Forgets queued chunks for an output that went away (a demand connection closed).
-  void DropOutput(SessionId id, Output output);
+  // Forgets the queued demand chunks the demand connection `asked_on` asked for (it closed, or a
+  // newer one replaced it), so they neither count against --max-demand nor go elsewhere.
+  void DropDemandAskedOn(SessionId id, uint64_t asked_on);
   // When the session's stream_all has sent everything: its totals, once.
   std::optional<StreamDoneInfo> TakeStreamDone(SessionId id);
 

@@ -108,22 +108,24 @@ Status Session::AttachDemand(const std::shared_ptr<Connection>& connection) {
   if (previous && previous != connection) {
     spdlog::info("session {}: demand connection {} replaces {}", id_, connection->id(),
                  previous->id());
+    // What it asked for and was not sent goes nowhere now (TargetLocked): dropped here, so it
+    // does not count against --max-demand when the client asks again on this connection.
+    const uint64_t replaced = previous->id();
+    ctx_.dispatcher.Update([&](Scheduler& s) { s.DropDemandAskedOn(id_, replaced); });
     previous->Shutdown(wire::ERROR_NONE, "replaced by a newer demand connection");
   }
   return Status::Ok();
 }
 
 void Session::DetachDemand(const Connection* connection) {
-  bool dropped = false;
   {
     std::lock_guard lock(mu_);
-    if (demand_.lock().get() == connection) {
-      demand_.reset();
-      dropped = true;
-    }
+    if (demand_.lock().get() == connection) demand_.reset();
   }
-  // Its queued demand chunks have nowhere to go; the client re-sends them on a new connection.
-  if (dropped) ctx_.dispatcher.Update([&](Scheduler& s) { s.DropOutput(id_, Output::kDemand); });
+  // Its queued demand chunks have nowhere to go (replaced or not); the client re-sends them on a
+  // new connection.
+  const uint64_t closed = connection->id();
+  ctx_.dispatcher.Update([&](Scheduler& s) { s.DropDemandAskedOn(id_, closed); });
 }
 
 Result<Session::LaneJoin> Session::AddLane(const std::shared_ptr<Connection>& connection,
@@ -161,7 +163,10 @@ void Session::BroadcastStreamDone(const StreamDoneInfo& info) {
 }
 
 std::shared_ptr<Connection> Session::TargetLocked(const WorkItem& item) const {
-  if (item.output == Output::kDemand) return demand_.lock();
+  if (item.output == Output::kDemand) {
+    std::shared_ptr<Connection> demand = demand_.lock();
+    return demand && demand->id() == item.asked_on ? demand : nullptr;
+  }
   if (item.lane == 0) return stream_.lock();
   return item.lane <= lanes_.size() ? lanes_[item.lane - 1].lock() : nullptr;
 }
@@ -1434,7 +1439,7 @@ void Connection::HandleRequest(const wire::Header& frame) {
   const Output output = role_ == Role::kDemand ? Output::kDemand : Output::kStream;
   const auto now = Clock::now();
   Status status = ctx_.dispatcher.Update([&](Scheduler& s) {
-    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now, delivery);
+    return s.Enqueue(id, request.priority(), output, rid, request.ranges(), now, delivery, id_);
   });
   if (!status.ok()) {
     spdlog::info("{}: request {} refused: {}", Tag(), rid, status.ToString());

@@ -500,7 +500,7 @@ TEST(SchedulerTest, DemandLimit) {
       s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 2, Ranges({{0, 5, 1}}), Clock::now())
           .code(),
       Code::kResourceExhausted);
-  s.DropOutput(1, Output::kDemand);
+  s.DropDemandAskedOn(1, 0);
   EXPECT_TRUE(
       s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 3, Ranges({{0, 5, 5}}), Clock::now())
           .ok());
@@ -508,6 +508,34 @@ TEST(SchedulerTest, DemandLimit) {
                       Clock::now())
                 .code(),
             Code::kOutOfRange);
+}
+
+// Only what the closed or replaced demand connection asked for is dropped (and stops counting
+// against the demand limit); a newer connection's requests stay queued.
+TEST(SchedulerTest, DemandDroppedForOneConnectionOnly) {
+  Scheduler s(SchedulerLimits{4, 8, 5, 1 << 20});
+  s.AddSession(1, Layout(MakeManifest({10})));
+  const auto now = Clock::now();
+  ASSERT_TRUE(s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 1, Ranges({{0, 0, 3}}), now,
+                        Delivery::kBytes, /*asked_on=*/7)
+                  .ok());
+  ASSERT_TRUE(s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 2, Ranges({{0, 3, 2}}), now,
+                        Delivery::kBytes, /*asked_on=*/8)
+                  .ok());
+  EXPECT_EQ(s.Counters(1)->demand_outstanding, 5u);
+  s.DropDemandAskedOn(1, 7);
+  EXPECT_EQ(s.Counters(1)->demand_outstanding, 2u);
+  // Room for three more now: the limit counts what is left.
+  EXPECT_TRUE(s.Enqueue(1, wire::PRIORITY_DEMAND, Output::kDemand, 3, Ranges({{0, 5, 3}}), now,
+                        Delivery::kBytes, 8)
+                  .ok());
+  std::vector<uint32_t> picked;
+  while (std::optional<WorkItem> item = s.Next(Scheduler::Pick::kDemandOnly)) {
+    EXPECT_EQ(item->asked_on, 8u) << "chunk " << item->chunk;
+    picked.push_back(item->chunk);
+    s.Done(*item, 0);
+  }
+  EXPECT_EQ(picked, (std::vector<uint32_t>{3, 4, 5, 6, 7}));
 }
 
 TEST(SchedulerTest, UpcomingFollowsPickOrder) {

@@ -938,5 +938,73 @@ TEST(ServerLimitsTest, TokenSessionAndDemandLimits) {
   ::alarm(0);
 }
 
+// A demand connection replaced by a newer one (docs/protocol.md, "Credit"): what it asked for and
+// was not sent is dropped, not sent to its successor (whose request ids those are not), and does
+// not count against --max-demand when the client asks again there.
+TEST(ServerLimitsTest, AReplacedDemandConnectionsQueueGoesNowhere) {
+  ::alarm(120);
+  TempDir dir;
+  const fs::path root = dir.path() / "images";
+  fs::create_directories(root);
+  // 2 MiB chunks: one fills the old connection's socket buffers, so its write stalls while the
+  // rest of its requests wait queued.
+  ASSERT_TRUE(MakeTestImage(root / "img", {.bytes = 48ull << 20, .seed = 9, .lazy = false}).ok());
+  constexpr uint32_t kMaxDemand = 16;
+  ServerProcess server(dir.path(), root,
+                       {"--raw-chunk-size", "2M", "--max-demand", std::to_string(kMaxDemand),
+                        "--demand-window", "1", "--shutdown-grace", "1", "--write-timeout", "0"});
+  ASSERT_TRUE(server.ready()) << server.Log();
+  TestClient stream(server.unix_endpoint());
+  ASSERT_TRUE(stream.Hello().ok());
+  Result<wire::OpenImageReply> opened = stream.Open("img");
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  struct Range {
+    uint32_t bo, count;
+  };
+  std::vector<Range> ranges;
+  uint32_t left = kMaxDemand;
+  for (int bo = 0; bo < opened->bos_size() && left > 0; ++bo) {
+    const uint32_t n = std::min(left, opened->bos(bo).chunk_count());
+    if (n > 0) ranges.push_back({static_cast<uint32_t>(bo), n});
+    left -= n;
+  }
+  ASSERT_EQ(left, 0u);
+  auto ask_all = [&](TestClient& client, uint64_t first_id) {
+    uint64_t id = first_id;
+    for (const Range& range : ranges)
+      ASSERT_TRUE(client.Request(wire::PRIORITY_DEMAND, range.bo, 0, range.count, id++).ok());
+  };
+
+  TestClient old_demand(server.unix_endpoint());
+  ASSERT_TRUE(old_demand.Hello(opened->session(), opened->session_secret()).ok());
+  ask_all(old_demand, 100);
+  std::this_thread::sleep_for(500ms);  // its first chunk's write stalls; the rest wait queued
+  TestClient new_demand(server.unix_endpoint());
+  ASSERT_TRUE(new_demand.Hello(opened->session(), opened->session_secret()).ok());
+  // Asked on the old connection after it was replaced, while the server may still read it: its
+  // answer has nowhere to go either.
+  (void)old_demand.Request(wire::PRIORITY_DEMAND, ranges[0].bo, 0, 1, 300);
+  // The old connection hears Goodbye and is closed (reading it lets its stalled write end).
+  EXPECT_TRUE(old_demand.WaitClosed(10s));
+
+  ask_all(new_demand, 200);
+  int answered = 0;
+  while (answered < static_cast<int>(kMaxDemand)) {
+    Result<Frame> frame = new_demand.Read(10s);
+    ASSERT_TRUE(frame.ok()) << frame.status().ToString() << " after " << answered << " chunks";
+    ASSERT_FALSE(frame->header.has_error())
+        << "asking again was refused: " << frame->header.error().message();
+    ASSERT_TRUE(frame->header.has_chunk());
+    const uint64_t id = frame->header.request_id();
+    ASSERT_TRUE(id >= 200 && id < 300) << "a chunk the replaced connection asked for: " << id;
+    ++answered;
+  }
+  // Nothing more: none of the replaced connection's requests is answered late.
+  Result<Frame> late = new_demand.Read(1s);
+  EXPECT_FALSE(late.ok()) << "a late frame, request id " << late->header.request_id();
+  EXPECT_EQ(server.Terminate(10s), 0) << server.Log();
+  ::alarm(0);
+}
+
 }  // namespace
 }  // namespace gpulazy::server::testing
