@@ -130,6 +130,10 @@ struct Link : std::enable_shared_from_this<Link> {
   }
   void Fail(Status status) {
     if (error.ok()) error = std::move(status);
+    // A drain under way (Abort) ends at the server's close or when its grace runs out: a failure
+    // elsewhere (the demand connection's) must not cut it short while the server may still be
+    // writing into our memory.
+    if (aborting) return;
     Close();
   }
   // The connection is going away but the chunks already in our receive buffer are good: stop
@@ -1285,6 +1289,15 @@ asio::awaitable<Status> RestoreSession::Impl::RunAttempt(bool first) {
     joined();
   Status status = co_await ReadStream(link);
   spdlog::debug("image {}: stream reader ended: {}", options_.image, status.ToString());
+  if (link->placing && !link->closed) {
+    // A failure the reader met itself (an engine write, a bad chunk) ends the restore, but the
+    // server may still be writing into our memory: as on Cancel, read on to its close (EndLink),
+    // so the engine is not freed under a placement in flight.
+    if (Status failure = this->status(); !failure.ok()) {
+      EndLink(*link, failure);
+      if (!link->closed) (void)co_await ReadStream(link);
+    }
+  }
   link->Close();
   boost::system::error_code ignored;
   co_await demand_joined->async_wait(asio::redirect_error(asio::use_awaitable, ignored));
@@ -1353,6 +1366,14 @@ asio::awaitable<Status> RestoreSession::Impl::ReadStream(std::shared_ptr<Link> l
       }
       switch (header->body_case()) {
         case wire::Header::kChunk: {
+          if (link->aborting && Failed()) {
+            // Draining after the restore failed: nothing more is installed (an engine that
+            // failed a write would fail again and end the drain); only the server's close counts.
+            payload.resize(head->payload_length);
+            Status read = co_await net::ReadPayload(link->stream, payload);
+            if (!read.ok()) co_return read;
+            break;
+          }
           bool transport = false;
           const auto receiving = std::chrono::steady_clock::now();
           Status handled =

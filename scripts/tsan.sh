@@ -41,7 +41,7 @@ suites+='|DispatcherTest|DemandLoopsTest'
 suites+='|ImageStoreTest|ServerTest|ServerShutdownTest|ServerLimitsTest|ServerSendfileTest|ServerThreads'
 suites+='|ImageFilesTest|ImageFilesOff|E2eFetch|E2eRestore|Load|PopulateAhead|HostCopyEngine|ImageTable'
 suites+='|EngineGate|Threads|InstallFileChunkTest|UffdPager|UffdProgramChangesItsMemory|Modes/UffdProgramChangesItsMapping|UffdRegistration|UffdKernelFaults|Modes/UffdRestore|Modes/UffdHandover|Handover'
-suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|ServerTlsFuzzCorpus|PlacementOpenTest'
+suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|ServerTlsFuzzCorpus|PlacementOpenTest|PlacementWithASmallDemandLimit'
 suites+='|ServerSawTheBreak/SupersedeTest'
 suites+='|Warm|ReadIntoPageCache'
 if $quick; then

@@ -148,6 +148,7 @@ class PlacementOpenTest : public ::testing::Test {
     config.disk_threads = 2;
     config.raw_chunk_size = 256 << 10;
     config.handle_signals = false;
+    config.max_demand = max_demand_;  // a fixture may lower it
     server_ = std::make_unique<Server>(config, std::make_unique<GatedPlacement>(gate_));
     ASSERT_TRUE(server_->Listen().ok());
     runner_ = std::thread([this] { EXPECT_EQ(server_->Run(), 0); });
@@ -236,6 +237,7 @@ class PlacementOpenTest : public ::testing::Test {
   static std::unique_ptr<TempDir> dir_;
   static std::map<BoKey, std::vector<uint8_t>> expected_;
   std::shared_ptr<GatedPlacement::Gate> gate_;
+  uint32_t max_demand_ = 256;
   std::unique_ptr<Server> server_;
   std::thread runner_;
 };
@@ -453,6 +455,118 @@ TEST_F(PlacementOpenTest, SupersedingASessionNeedsItsSecret) {
   Result<Received> received = ReceiveStream(owner, 64u << 20);
   ASSERT_TRUE(received.ok()) << received.status().ToString();
   EXPECT_TRUE(VerifyStream(*opened, received->chunks, expected_).ok());
+}
+
+// A host engine whose writes into the BOs `failing` fail (a device error), taking every chunk
+// through Write (no receive in place), so the failure is met by the stream reader itself. A
+// failing write first waits for `before_failing` (the test: until a placement is in flight).
+class FailingWriteEngine final : public client::HostCopyEngine {
+ public:
+  FailingWriteEngine(std::set<uint32_t> failing, std::function<void()> before_failing)
+      : failing_(std::move(failing)), before_failing_(std::move(before_failing)) {}
+  std::optional<std::span<uint8_t>> ReceiveTarget(uint32_t, uint64_t, uint64_t) override {
+    return std::nullopt;
+  }
+  Status Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
+               client::CopyDone done) override {
+    if (failing_.contains(bo)) {
+      before_failing_();
+      return Internal("test: the device refuses writes into BO {}", bo);
+    }
+    return HostCopyEngine::Write(bo, offset, raw, std::move(done));
+  }
+
+ private:
+  const std::set<uint32_t> failing_;
+  std::function<void()> before_failing_;
+};
+
+// The same guarantee as DestroyingASessionWaitsUntilTheServerLetsGoOfItsDestinations, for a
+// restore that failed (docs/client.md, "Reconnect semantics": "the end of a restore
+// (complete, cancelled, failed, or the session destroyed) ... reads on to the server's close").
+// The failure here is found by the stream reader (an engine write of a chunk that came as bytes:
+// the destinations of BOs 0 and 1 do not open). Until session 61 the reader returned it and the
+// attempt closed the connection at once, so the drain that Fail asked for never happened; and a
+// drain that installed what it read would end at BO 1's write, which fails too.
+TEST_F(PlacementOpenTest, AFailedRestoreAlsoWaitsUntilTheServerLetsGoOfItsDestinations) {
+  {
+    std::lock_guard lock(gate_->mu);
+    gate_->failing = {0, 1};    // their chunks come as bytes, through the client's engine
+    gate_->places_held = true;  // and one placement (of a later BO) waits at the gate
+    gate_->places_to_hold = 1;
+  }
+  // Their writes fail once a placement is in flight (held at the gate).
+  auto engine = std::make_unique<FailingWriteEngine>(std::set<uint32_t>{0, 1},
+                                                     [this] { (void)PlacementHeld(); });
+  auto session = std::make_unique<client::RestoreSession>(Options(), *engine);
+  ASSERT_TRUE(session->Start().ok());
+  ASSERT_TRUE(PlacementHeld());
+  // The restore fails on BO 0's first chunk while the held placement is still in flight.
+  Status failed = session->WaitComplete(20s);
+  ASSERT_FALSE(failed.ok());
+  ASSERT_NE(failed.code(), Code::kTimeout) << failed.ToString();
+  {
+    std::lock_guard lock(gate_->mu);
+    ASSERT_EQ(gate_->places_waiting, 1u) << "the held placement must still be in flight";
+  }
+  std::atomic<bool> destroyed{false};
+  std::thread ending([&] {
+    session.reset();
+    destroyed.store(true);
+  });
+  std::this_thread::sleep_for(300ms);
+  const bool destroyed_early = destroyed.load();
+  LetPlacementsGo();
+  ending.join();
+  EXPECT_FALSE(destroyed_early)
+      << "the failed session was destroyed (so its engine's memory may be freed) while the "
+         "server still had a placement into it in flight: "
+      << failed.ToString();
+  engine.reset();
+}
+
+// The same, for a failure the server reports on the demand connection (an Error frame
+// that retrying cannot cure: here ERROR_LIMIT, a demand of more chunks than the server takes;
+// ERROR_IO for a chunk it cannot read goes the same way). Until session 61 the demand reader's
+// failure (a drain) was followed by closing the stream connection at once, cutting it short.
+class PlacementWithASmallDemandLimit : public PlacementOpenTest {
+ protected:
+  PlacementWithASmallDemandLimit() { max_demand_ = 1; }
+};
+
+TEST_F(PlacementWithASmallDemandLimit, AFailureOnTheDemandConnectionAlsoWaitsForTheServersClose) {
+  {
+    std::lock_guard lock(gate_->mu);
+    gate_->places_held = true;  // the stream's first placement waits at the gate
+    gate_->places_to_hold = 1;
+  }
+  auto engine = std::make_unique<client::HostCopyEngine>();
+  auto session = std::make_unique<client::RestoreSession>(Options(), *engine);
+  ASSERT_TRUE(session->Start().ok());
+  ASSERT_TRUE(PlacementHeld());
+  const uint32_t last = static_cast<uint32_t>(session->bos().size()) - 1;
+  ASSERT_GE(session->bos()[last].size, 2ull * session->chunk_size());
+  // Two chunks in one demand request: the server (max_demand 1) refuses it with ERROR_LIMIT.
+  Status ensured = session->Ensure(last, 0, 2ull * session->chunk_size(), 20s);
+  ASSERT_FALSE(ensured.ok());
+  ASSERT_EQ(ensured.code(), Code::kResourceExhausted) << ensured.ToString();
+  {
+    std::lock_guard lock(gate_->mu);
+    ASSERT_EQ(gate_->places_waiting, 1u) << "the held placement must still be in flight";
+  }
+  std::atomic<bool> destroyed{false};
+  std::thread ending([&] {
+    session.reset();
+    destroyed.store(true);
+  });
+  std::this_thread::sleep_for(300ms);
+  const bool destroyed_early = destroyed.load();
+  LetPlacementsGo();
+  ending.join();
+  EXPECT_FALSE(destroyed_early)
+      << "the failed session was destroyed while the server still had a placement in flight: "
+      << ensured.ToString();
+  engine.reset();
 }
 
 }  // namespace
