@@ -1892,8 +1892,23 @@ Status RestoreSession::Impl::AcceptChunk(const std::shared_ptr<Link>& link,
 }
 
 void RestoreSession::Impl::Unclaim(uint32_t bo, uint32_t chunk) {
-  std::lock_guard lock(mutex_);
-  residency_.ClearLanding(bo, chunk);
+  uint64_t epoch = 0;
+  {
+    std::lock_guard lock(mutex_);
+    residency_.ClearLanding(bo, chunk);
+    // Someone waits for it (Ensure asked for it, or found it claimed and waits for it to land).
+    // A reconnect's Have and demand restart that ran while it was claimed (a lane held it
+    // across the reconnect, in an engine call) counted it as held: nothing would ask for it
+    // again before the new stream ends. Marked demanded, with the epoch of this unclaiming, as
+    // in UnclaimBadCopy: a restart that snapshots it after this moves the epoch past it, so it
+    // is asked for once.
+    if (residency_.held(bo, chunk) ||
+        !(residency_.demanded(bo, chunk) || residency_.waited(bo, chunk)))
+      return;
+    residency_.set_demanded(bo, chunk);
+    epoch = demand_epoch_;
+  }
+  OnDemandThread([this, id = ChunkId{bo, chunk}, epoch] { QueueDemand({id}, epoch); });
 }
 
 asio::awaitable<Status> RestoreSession::Impl::ReceiveChunk(

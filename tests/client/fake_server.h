@@ -110,6 +110,10 @@ class FakeServer {
   void Pause();
   // Lets held demand connections (hold_demand_joins) join, now and from now on.
   void AdmitDemandJoins();
+  // Shuts every open connection down at once (sessions end; new connections are still taken),
+  // from outside the threads serving them: a write blocked on a client that stopped reading
+  // fails too.
+  void DropAllConnections() { CloseAll(); }
 
   // Observations (thread-safe).
   int sessions() const;
