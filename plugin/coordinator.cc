@@ -243,7 +243,14 @@ Status RestoreCoordinator::DrainPending() {
         return Status::Ok();
       return record.status();
     }
-    GPULAZY_RETURN_IF_ERROR(Absorb(std::move(*record)));
+    Status absorbed = Absorb(std::move(*record));
+    if (!absorbed.ok()) {
+      // Recorded as the receiver thread does: the record may be another task's than the one
+      // resuming, and its BOs after the failure were never bound.
+      std::lock_guard l(mutex_);
+      if (handoff_error_.ok()) handoff_error_ = absorbed;
+      return absorbed;
+    }
   }
 }
 
@@ -412,7 +419,21 @@ Status RestoreCoordinator::Finish(bool success) {
     }
     for (uint32_t pid : pids)
       (void)Died(pid);
-    result = session_->WaitComplete();
+    // A hand-over that failed left BOs unbound, whose chunks stay parked: the restore can never
+    // complete, so the wait ends at such an error, one that came before it or during it.
+    constexpr auto kHandoffCheck = std::chrono::milliseconds(200);
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (!handoff_error_.ok()) {
+          result = handoff_error_;
+          break;
+        }
+      }
+      result = session_->WaitComplete(kHandoffCheck);
+      // A session that failed with a time-out of its own answers at once: not a slice's end.
+      if (result.code() != Code::kTimeout || !session_->status().ok()) break;
+    }
     if (result.ok()) result = router_.Flush();
     if (result.ok()) {
       const client::Progress p = session_->progress();
@@ -429,6 +450,9 @@ Status RestoreCoordinator::Finish(bool success) {
     }
     if (result.ok() && !handoff.ok()) result = handoff;
   }
+  // Cancelled before the fault channel stops: its connection threads may wait in Ensure (up to
+  // the resume timeout) for chunks that now never come, and Stop joins them.
+  if (session_) session_->Cancel();
   if (faults_) faults_->Stop();
   // The receiver uses the session (Absorb binds BOs, a task's death drops them): it ends
   // first. It never waits for the session, so this join is prompt.
@@ -437,7 +461,6 @@ Status RestoreCoordinator::Finish(bool success) {
     (void)!::write(wake_.get(), &one, sizeof(one));
   }
   if (receiver_.joinable()) receiver_.join();
-  if (session_) session_->Cancel();
   router_.FailParked(Aborted("restore abandoned"));
   session_.reset();  // joins the session's I/O thread and flushes the router
   {

@@ -114,7 +114,14 @@ Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t
   for (Parked& p : replay) {
     client::CopyDone done = p.done;  // Write keeps no callback when it fails
     Status s = engine->Write(bo, p.offset, p.raw, std::move(p.done));
-    if (!s.ok()) done(s);
+    if (s.ok()) continue;
+    // As in Write: Drop() may have released the BO since (its task died): not an error.
+    bool dropped;
+    {
+      std::lock_guard lock(mutex_);
+      dropped = dropped_.count(bo) != 0;
+    }
+    done(dropped ? Status::Ok() : s);
   }
   return Status::Ok();
 }

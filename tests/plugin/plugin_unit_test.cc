@@ -22,7 +22,9 @@
 
 #include "lazy-server/image/synth.h"
 #include "plugin/config.h"
+#include "plugin/coordinator.h"
 #include "plugin/criu_host.h"
+#include "plugin/device_engine.h"
 #include "plugin/dump.h"
 #include "plugin/fault/gpulazy_fault.h"
 #include "plugin/fault_channel.h"
@@ -1418,6 +1420,162 @@ TEST(CriuHost, ImageDirLeadsToTheImagesWhereTheirPathNamesAnotherDirectory) {
   ASSERT_TRUE(WIFEXITED(status));
   if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "no mount namespace here (needs root)";
   EXPECT_EQ(WEXITSTATUS(status), 0) << "5: ImageDir named the directory mounted over the images";
+}
+
+// ---- Router::Bind's replay racing a Drop (session 61, found by review) ----
+
+// Write blocks on its first call until `go`; a released BO refuses writes (as HostDmabufEngine
+// and SdmaCopyEngine do).
+class GatedEngine : public DeviceEngine {
+ public:
+  std::string_view name() const override { return "gated"; }
+  Status Bind(uint32_t bo, UniqueFd, uint64_t) override {
+    std::lock_guard l(m);
+    bound.insert(bo);
+    return Status::Ok();
+  }
+  void Release(uint32_t bo) override {
+    std::lock_guard l(m);
+    bound.erase(bo);
+  }
+  Status Write(uint32_t bo, uint64_t, std::span<const uint8_t>, client::CopyDone done) override {
+    if (calls.fetch_add(1) == 0) {
+      entered = true;
+      while (!go)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    {
+      std::lock_guard l(m);
+      if (!bound.count(bo)) return NotFound("BO {} was released", bo);
+    }
+    done(Status::Ok());
+    return Status::Ok();
+  }
+  Status Flush() override { return Status::Ok(); }
+  std::mutex m;
+  std::set<uint32_t> bound;
+  std::atomic<int> calls{0};
+  std::atomic<bool> entered{false}, go{false};
+};
+
+// A task dies (Drop) while the receiver's Bind replays the BO's parked writes: the writes still
+// to replay go to an engine that has released the BO. As in Router::Write, that is not an error
+// (until session 61 the replay handed the session a failed copy, failing every task's restore).
+TEST(Router, ADropDuringABindsReplayIsNotAnError) {
+  Router router(/*discard_unbound=*/false);
+  ASSERT_TRUE(router.AddDestination(0, 1 << 20).ok());
+  std::vector<uint8_t> bytes(4096, 7);
+  std::mutex dm;
+  std::vector<Status> done;
+  auto record = [&](Status s) {
+    std::lock_guard l(dm);
+    done.push_back(std::move(s));
+  };
+  ASSERT_TRUE(router.Write(0, 0, bytes, record).ok());     // parked
+  ASSERT_TRUE(router.Write(0, 4096, bytes, record).ok());  // parked
+  GatedEngine engine;
+  std::thread binder([&] { EXPECT_TRUE(router.Bind(0, &engine, UniqueFd(), 1 << 20).ok()); });
+  while (!engine.entered)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  router.Drop({0});  // the task died: OnTaskDied on another thread
+  engine.go = true;
+  binder.join();
+  ASSERT_EQ(done.size(), 2u);
+  for (const Status& s : done)
+    EXPECT_TRUE(s.ok()) << s.ToString();
+}
+
+// ---- a hand-over that failed, then exit(RESTORE, 0) (session 61, found by review) ----
+
+class StubKfd : public Kfd {
+ public:
+  int fd() const override { return -1; }
+  int CriuOp(kfd_ioctl_criu_args&) override { return 0; }
+};
+class StubKfdProvider : public KfdProvider {
+ public:
+  std::string_view name() const override { return "stub"; }
+  Result<std::unique_ptr<Kfd>> Open() override {
+    return std::unique_ptr<Kfd>(std::make_unique<StubKfd>());
+  }
+  Result<std::unique_ptr<Kfd>> Attach(int) override { return Unsupported("stub"); }
+  bool IsKfd(int) const override { return false; }
+  bool IsKfdPath(const std::string&) const override { return false; }
+  Result<UniqueFd> OpenRenderNode(uint32_t) override { return Unsupported("stub"); }
+  std::unique_ptr<DrmFile> AttachDrm(int) override { return nullptr; }
+  bool real() const override { return false; }
+};
+
+// Runs in a child (it may hang): 0 = Finish returned, 2 = setup failed; SIGALRM = hung.
+int FinishAfterAFailedHandOver(const fs::path& root) {
+  image::SynthOptions o;
+  o.out = root / "ckpt";
+  o.gpus = 2;
+  o.bos = 8;
+  o.total_bytes = 4 << 20;
+  if (!image::SynthesizeCheckpoint(o).ok()) return 2;
+  auto bytes = ReadWholeFile(o.out / criu_format::KfdImageName(1), 1 << 30);
+  if (!bytes.ok()) return 2;
+  auto process = criu_format::ParseKfdProcess(std::span(*bytes).subspan(8), "kfd");
+  if (!process.ok()) return 2;
+  const uint32_t failing_gpu = process->devices(1).gpu_id();
+  PluginConfig config;
+  config.mode = Mode::kParallel;
+  config.resume_timeout = std::chrono::milliseconds(2000);
+  config.background_nice = 0;
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) return 2;
+  UniqueFd task_end(sv[1]);
+  if (!EnableSenderCredentials(sv[0]).ok()) return 2;
+  StubKfdProvider kfd;
+  // The engine of the second GPU cannot be made (SDMA: no device, no pinned staging...).
+  EngineFactory engines = [&](uint32_t gpu) -> Result<std::unique_ptr<DeviceEngine>> {
+    if (gpu == failing_gpu) return Internal("no engine for gpu {:#x}", gpu);
+    return std::unique_ptr<DeviceEngine>(std::make_unique<HostDmabufEngine>());
+  };
+  RestoreCoordinator coordinator(config, o.out, UniqueFd(sv[0]), kfd, engines);
+  Status started = coordinator.Start();
+  if (!started.ok()) {
+    std::fprintf(stderr, "start: %s\n", started.ToString().c_str());
+    return 2;
+  }
+  std::vector<HandedBo> handed;
+  for (int i = 0; i < process->bos_size(); ++i) {
+    const auto& bo = process->bos(i);
+    if (!criu_format::HasContents(bo.alloc_flags())) continue;
+    int fd = ::memfd_create("bo", MFD_CLOEXEC);
+    if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bo.size())) != 0) return 2;
+    handed.push_back(HandedBo{static_cast<uint32_t>(i), bo.gpu_id(), bo.size(), UniqueFd(fd)});
+  }
+  if (!SendHandoff(task_end.get(), ::getpid(), 1, handed, -1).ok()) return 2;
+  Status resumed = coordinator.ResumeTask(::getpid());
+  std::fprintf(stderr, "RESUME_DEVICES_LATE: %s (CRIU only logs this)\n",
+               resumed.ToString().c_str());
+  // criu restore -d: exit(RESTORE, 0) right after the resume, the task still alive.
+  Status finished = coordinator.Finish(true);
+  std::fprintf(stderr, "Finish(true): %s\n", finished.ToString().c_str());
+  if (finished.ok()) return 3;  // the hand-over's error must be what it returns
+  return 0;
+}
+
+// A BO whose hand-over failed (its GPU's engine could not be made) is never bound: its chunks
+// stay parked. Until session 61 exit(RESTORE, 0) then waited for the restore to complete, for
+// ever; now it returns the hand-over's error.
+TEST(Coordinator, ExitAfterAFailedHandOverReturnsItsError) {
+  TempDir dir;
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(20);
+    ::_exit(FinishAfterAFailedHandOver(dir.path));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << "setup failed";
+  ASSERT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "Finish said the restore is ok";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "Finish(true) did not return within 20 s (signal "
+      << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << ")";
 }
 
 }  // namespace
