@@ -305,8 +305,11 @@ class RestoreSession::Impl {
   // session as a lane on its own thread.
   void StartLanes(const std::shared_ptr<Link>& link, const wire::Hello& join, FrameLimits limits,
                   uint32_t count);
-  asio::awaitable<void> RunLane(size_t index, std::weak_ptr<Link> link, wire::Hello join,
-                                FrameLimits limits);
+  // `thread` is lane_threads_[index], looked up by the caller (the stream thread): a later
+  // StartLanes may grow that vector while this runs on the lane's thread.
+  struct LaneThread;
+  asio::awaitable<void> RunLane(size_t index, LaneThread* thread, std::weak_ptr<Link> link,
+                                wire::Hello join, FrameLimits limits);
   asio::awaitable<void> ReadLane(std::shared_ptr<LaneLink> lane);
   // The lane broke: close it and abort its stream half (which reconnects them all).
   void LoseLane(const std::shared_ptr<LaneLink>& lane, Status why);
@@ -1457,11 +1460,13 @@ void RestoreSession::Impl::StartLanes(const std::shared_ptr<Link>& link, const w
   }
   link->bulk_connections = 1 + count;
   for (uint32_t i = 0; i < count; ++i)
-    asio::co_spawn(lane_threads_[i]->io, RunLane(i, link, join, limits), asio::detached);
+    asio::co_spawn(lane_threads_[i]->io, RunLane(i, lane_threads_[i].get(), link, join, limits),
+                   asio::detached);
 }
 
-asio::awaitable<void> RestoreSession::Impl::RunLane(size_t index, std::weak_ptr<Link> link,
-                                                    wire::Hello join, FrameLimits limits) {
+asio::awaitable<void> RestoreSession::Impl::RunLane(size_t index, LaneThread* lane_thread,
+                                                    std::weak_ptr<Link> link, wire::Hello join,
+                                                    FrameLimits limits) {
   // Without this lane the stream still ends: StreamDone is no longer awaited on it.
   auto take_off = [this, link] {
     asio::post(io_, [this, link] {
@@ -1486,7 +1491,7 @@ asio::awaitable<void> RestoreSession::Impl::RunLane(size_t index, std::weak_ptr<
     // An earlier generation's lane on this thread is closed by its own Link (CloseLanes, or
     // below when it joined after that Link closed), never here: its join may finish after this
     // generation's lane joined.
-    LaneThread& thread = *lane_threads_[index];
+    LaneThread& thread = *lane_thread;
     thread.current = lane;
     asio::post(io_, [this, link, weak = std::weak_ptr<LaneLink>(lane),
                      executor = thread.io.get_executor()] {
