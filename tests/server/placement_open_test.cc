@@ -188,6 +188,28 @@ class PlacementOpenTest : public ::testing::Test {
     gate_->places_held = false;
     gate_->changed.notify_all();
   }
+  // `session` failed (`why`) while one placement is held at the gate: destroying it must wait
+  // until the server let go of its destinations, so not before that placement goes on.
+  void ExpectDestructionWaitsForTheHeldPlacement(std::unique_ptr<client::RestoreSession>& session,
+                                                 const Status& why) {
+    {
+      std::lock_guard lock(gate_->mu);
+      ASSERT_EQ(gate_->places_waiting, 1u) << "the held placement must still be in flight";
+    }
+    std::atomic<bool> destroyed{false};
+    std::thread ending([&] {
+      session.reset();
+      destroyed.store(true);
+    });
+    std::this_thread::sleep_for(300ms);
+    const bool destroyed_early = destroyed.load();
+    LetPlacementsGo();
+    ending.join();
+    EXPECT_FALSE(destroyed_early)
+        << "the failed session was destroyed (so its engine's memory may be freed) while the "
+           "server still had a placement into it in flight: "
+        << why.ToString();
+  }
   // Waits until a placement waits at the gate; false after 20 s.
   bool PlacementHeld() {
     std::unique_lock lock(gate_->mu);
@@ -505,23 +527,7 @@ TEST_F(PlacementOpenTest, AFailedRestoreAlsoWaitsUntilTheServerLetsGoOfItsDestin
   Status failed = session->WaitComplete(20s);
   ASSERT_FALSE(failed.ok());
   ASSERT_NE(failed.code(), Code::kTimeout) << failed.ToString();
-  {
-    std::lock_guard lock(gate_->mu);
-    ASSERT_EQ(gate_->places_waiting, 1u) << "the held placement must still be in flight";
-  }
-  std::atomic<bool> destroyed{false};
-  std::thread ending([&] {
-    session.reset();
-    destroyed.store(true);
-  });
-  std::this_thread::sleep_for(300ms);
-  const bool destroyed_early = destroyed.load();
-  LetPlacementsGo();
-  ending.join();
-  EXPECT_FALSE(destroyed_early)
-      << "the failed session was destroyed (so its engine's memory may be freed) while the "
-         "server still had a placement into it in flight: "
-      << failed.ToString();
+  ExpectDestructionWaitsForTheHeldPlacement(session, failed);
   engine.reset();
 }
 
@@ -550,22 +556,7 @@ TEST_F(PlacementWithASmallDemandLimit, AFailureOnTheDemandConnectionAlsoWaitsFor
   Status ensured = session->Ensure(last, 0, 2ull * session->chunk_size(), 20s);
   ASSERT_FALSE(ensured.ok());
   ASSERT_EQ(ensured.code(), Code::kResourceExhausted) << ensured.ToString();
-  {
-    std::lock_guard lock(gate_->mu);
-    ASSERT_EQ(gate_->places_waiting, 1u) << "the held placement must still be in flight";
-  }
-  std::atomic<bool> destroyed{false};
-  std::thread ending([&] {
-    session.reset();
-    destroyed.store(true);
-  });
-  std::this_thread::sleep_for(300ms);
-  const bool destroyed_early = destroyed.load();
-  LetPlacementsGo();
-  ending.join();
-  EXPECT_FALSE(destroyed_early)
-      << "the failed session was destroyed while the server still had a placement in flight: "
-      << ensured.ToString();
+  ExpectDestructionWaitsForTheHeldPlacement(session, ensured);
   engine.reset();
 }
 
