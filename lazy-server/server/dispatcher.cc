@@ -234,14 +234,7 @@ bool Dispatcher::TryPlace(const Job& job, const std::shared_ptr<ChunkSink>& sink
         spdlog::log(status.code() == Code::kAborted ? spdlog::level::debug : spdlog::level::warn,
                     "BO {} chunk {} of session {} not placed ({}); sending its bytes", item.bo,
                     item.chunk, item.session, status.ToString());
-        // Read on a disk thread: this may run on a network thread (a session that ends, or a
-        // client releasing its destinations, abandons the chunks still waiting for one to open),
-        // and a read of up to a chunk there would hold up every connection it serves.
-        boost::asio::post(item.priority == wire::PRIORITY_DEMAND ? demand_pool_ : pool_,
-                          [this, item, sink] {
-                            sink->OnChunkRead(item, ReadInto(sink->source(), item,
-                                                             /*from_file_allowed=*/false));
-                          });
+        sink->OnChunkRead(item, ReadInto(sink->source(), item, /*from_file_allowed=*/false));
       });
   if (!queued.ok()) {
     spdlog::debug("BO {} chunk {} of session {} goes as bytes: {}", item.bo, item.chunk,
