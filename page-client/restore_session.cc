@@ -1901,6 +1901,9 @@ void RestoreSession::Impl::Unclaim(uint32_t bo, uint32_t chunk) {
   {
     std::lock_guard lock(mutex_);
     residency_.ClearLanding(bo, chunk);
+    // Ending: nothing is asked for again (a chunk read locally would be claimed, refused and
+    // unclaimed again, round and round, until the session goes).
+    if (cancelled_ || !failure_.ok()) return;
     // Someone waits for it (Ensure asked for it, or found it claimed and waits for it to land).
     // A reconnect's Have and demand restart that ran while it was claimed (a lane held it
     // across the reconnect, in an engine call) counted it as held: nothing would ask for it

@@ -431,8 +431,13 @@ Status RestoreCoordinator::Finish(bool success) {
         }
       }
       result = session_->WaitComplete(kHandoffCheck);
-      // A session that failed with a time-out of its own answers at once: not a slice's end.
-      if (result.code() != Code::kTimeout || !session_->status().ok()) break;
+      if (result.code() != Code::kTimeout) break;
+      // A session that failed as the slice ended (or with a time-out of its own, which it
+      // answers at once): its failure, not the slice's.
+      if (Status failed = session_->status(); !failed.ok()) {
+        result = failed;
+        break;
+      }
     }
     if (result.ok()) result = router_.Flush();
     if (result.ok()) {

