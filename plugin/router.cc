@@ -36,15 +36,17 @@ Status Router::Write(uint32_t bo, uint64_t offset, std::span<const uint8_t> raw,
   }
   client::CopyDone keep = done;  // Write keeps no callback when it fails
   Status written = engine->Write(bo, offset, raw, std::move(done));
-  if (!written.ok()) {
-    // Drop() may have released the BO between the lookup and the write: not an error.
-    std::lock_guard lock(mutex_);
-    if (dropped_.count(bo) == 0) return written;
-  } else {
-    return written;
-  }
+  if (written.ok()) return written;
+  // Drop() may have released the BO between the lookup and the write.
+  GPULAZY_RETURN_IF_ERROR(UnlessDropped(bo, std::move(written)));
   keep(Status::Ok());
   return Status::Ok();
+}
+
+Status Router::UnlessDropped(uint32_t bo, Status refused) const {
+  std::lock_guard lock(mutex_);
+  if (dropped_.count(bo) != 0) return Status::Ok();
+  return refused;
 }
 
 Status Router::Flush() {
@@ -114,14 +116,7 @@ Status Router::Bind(uint32_t bo, DeviceEngine* engine, UniqueFd dmabuf, uint64_t
   for (Parked& p : replay) {
     client::CopyDone done = p.done;  // Write keeps no callback when it fails
     Status s = engine->Write(bo, p.offset, p.raw, std::move(p.done));
-    if (s.ok()) continue;
-    // As in Write: Drop() may have released the BO since (its task died): not an error.
-    bool dropped;
-    {
-      std::lock_guard lock(mutex_);
-      dropped = dropped_.count(bo) != 0;
-    }
-    done(dropped ? Status::Ok() : s);
+    if (!s.ok()) done(UnlessDropped(bo, std::move(s)));
   }
   return Status::Ok();
 }

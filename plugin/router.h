@@ -50,6 +50,10 @@ class Router : public client::CopyEngine {
     std::span<const uint8_t> raw;
     client::CopyDone done;
   };
+  // What an engine's refused write of BO `bo` means: nothing, where Drop() released the BO
+  // meanwhile (its task died), else `refused`.
+  Status UnlessDropped(uint32_t bo, Status refused) const;
+
   mutable std::mutex mutex_;
   bool discard_unbound_;
   Status closed_;  // not ok once FailParked ran
